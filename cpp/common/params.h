@@ -1,0 +1,46 @@
+// Parameters shared by every attention kernel family (sm90, sm80) and the bindings.
+// Plain data only: the extension takes raw device pointers and strides from Python, so it
+// never links libtorch.
+#pragma once
+
+#include <cstdint>
+
+namespace flashhopper {
+
+enum class DType : int { kFloat16 = 0, kBFloat16 = 1, kFloat8E4M3 = 2 };
+
+inline const char* dtype_name(DType d) {
+  switch (d) {
+    case DType::kFloat16: return "float16";
+    case DType::kBFloat16: return "bfloat16";
+    case DType::kFloat8E4M3: return "float8_e4m3fn";
+  }
+  return "unknown";
+}
+
+// Forward attention on the flash-attn layout (batch, seqlen, nheads, headdim), last dim contiguous.
+// Strides are in elements. LSE is float32, contiguous (batch, nheads_q, seqlen_q), natural log.
+struct FwdParams {
+  const void* q_ptr = nullptr;
+  const void* k_ptr = nullptr;
+  const void* v_ptr = nullptr;
+  void* o_ptr = nullptr;
+  float* lse_ptr = nullptr;
+
+  int64_t q_batch_stride = 0, q_row_stride = 0, q_head_stride = 0;
+  int64_t k_batch_stride = 0, k_row_stride = 0, k_head_stride = 0;
+  int64_t v_batch_stride = 0, v_row_stride = 0, v_head_stride = 0;
+  int64_t o_batch_stride = 0, o_row_stride = 0, o_head_stride = 0;
+
+  int batch = 0, seqlen_q = 0, seqlen_k = 0, nheads_q = 0, nheads_kv = 0, headdim = 0;
+  float softmax_scale = 1.f;
+  bool causal = false;
+  DType dtype = DType::kBFloat16;
+  // Causal kernels take tiles from this int32 counter: zero before the first launch, and every
+  // launch leaves it at zero again. One per stream (kernels on two streams must not share it).
+  int* tile_counter = nullptr;
+  int device = 0;   // CUDA device ordinal the pointers live on
+  int num_sms = 0;  // multiprocessors for a persistent grid; 0 lets the launcher query the device
+};
+
+}  // namespace flashhopper

@@ -1,0 +1,80 @@
+// Online softmax over score tiles held in registers, in (row, col) view. One object per thread
+// tracks, for each of its rows, the running max m (raw score units) and a thread-partial running
+// sum l; the quad shares a row, so max is reduced across it every block and the sum only at the end.
+// Exponentials are exp2(s * scale_log2 - m * scale_log2): one FFMA and one MUFU.EX2 per score.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cmath>
+
+#include "utils.h"
+
+namespace flashhopper {
+
+template <int kRows>
+struct OnlineSoftmax {
+  float row_max[kRows];
+  float row_sum[kRows];
+  float const scale_log2;  // softmax_scale * log2(e)
+
+  CUTE_DEVICE explicit OnlineSoftmax(float scale_log2_) : scale_log2(scale_log2_) {}
+
+  // Turns scores into unnormalized probabilities in place. Returns, per row, the factor that
+  // rescales the output accumulated so far to the new max (unused on the first block).
+  // kCheckInf guards rows that have seen no visible key yet (max still -inf).
+  template <bool kFirst, bool kCheckInf, class TensorS>
+  CUTE_DEVICE cute::array<float, kRows> update(TensorS& s) {
+    static_assert(decltype(size<0>(s))::value == kRows);
+    cute::array<float, kRows> o_scale;
+    CUTE_UNROLL
+    for (int mi = 0; mi < kRows; ++mi) {
+      float m = kFirst ? -INFINITY : row_max[mi];
+      CUTE_UNROLL
+      for (int ni = 0; ni < size<1>(s); ++ni) m = fmaxf(m, s(mi, ni));
+      m = quad_allreduce(m, MaxOp{});
+      // A row with no visible key keeps max -inf; use 0 so exp2 gives 0, never NaN.
+      float const m_scaled = (kCheckInf && m == -INFINITY) ? 0.f : m * scale_log2;
+      float sum = 0.f;
+      CUTE_UNROLL
+      for (int ni = 0; ni < size<1>(s); ++ni) {
+        s(mi, ni) = exp2_approx(s(mi, ni) * scale_log2 - m_scaled);
+        sum += s(mi, ni);
+      }
+      if constexpr (kFirst) {
+        o_scale[mi] = 1.f;
+        row_sum[mi] = sum;
+      } else {
+        o_scale[mi] = exp2_approx(row_max[mi] * scale_log2 - m_scaled);
+        row_sum[mi] = row_sum[mi] * o_scale[mi] + sum;
+      }
+      row_max[mi] = m;
+    }
+    return o_scale;
+  }
+
+  template <class TensorO>
+  CUTE_DEVICE static void rescale(TensorO& o, cute::array<float, kRows> const& scale) {
+    static_assert(decltype(size<0>(o))::value == kRows);
+    CUTE_UNROLL
+    for (int mi = 0; mi < kRows; ++mi) {
+      CUTE_UNROLL
+      for (int ni = 0; ni < size<1>(o); ++ni) o(mi, ni) *= scale[mi];
+    }
+  }
+
+  // Reduces the row sums across the quad. Returns 1/l per row (0 for a row that saw no key, so
+  // its output is 0) and writes the natural-log LSE (-inf for such a row).
+  CUTE_DEVICE cute::array<float, kRows> finalize(cute::array<float, kRows>& lse) {
+    cute::array<float, kRows> inv_sum;
+    CUTE_UNROLL
+    for (int mi = 0; mi < kRows; ++mi) {
+      float const l = quad_allreduce(row_sum[mi], SumOp{});
+      bool const empty = (l == 0.f) || (l != l);
+      inv_sum[mi] = empty ? 0.f : 1.f / l;
+      lse[mi] = empty ? -INFINITY : (row_max[mi] * scale_log2 + __log2f(l)) * float(M_LN2);
+    }
+    return inv_sum;
+  }
+};
+
+}  // namespace flashhopper

@@ -1,0 +1,113 @@
+// Hopper forward epilogue, per consumer warpgroup: O (already normalized, fp32) is converted in
+// registers, written with stmatrix into this warpgroup's 64-row slice of the Q stage it just used,
+// and stored by one thread with a TMA store (which clips rows past seqlen_q); that thread then
+// waits for TMA to have read the slice and releases the Q stage. The other threads go on to the
+// next tile. LSE goes straight to global memory from the threads that own column 0 of each row.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/cutlass.h>
+
+#include "../common/utils.h"
+#include "named_barriers.h"
+
+namespace flashhopper::sm90 {
+
+using namespace cute;
+
+// SmemLayoutO: (64, headdim, warpgroup, q_stage), the layout of Q's stages.
+template <class Element, int kHeadDim, int kNumMmaWG, class SmemLayoutO, class TiledMmaPV>
+struct FwdEpilogue {
+  using D = Int<kHeadDim>;
+  using ShapeO = Shape<int32_t, int32_t, int32_t, int32_t>;  // (seqlen_q, headdim, head, batch)
+  using StrideO = Stride<int64_t, _1, int64_t, int64_t>;
+  using GmemTensor = decltype(make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)), ShapeO{}, StrideO{}));
+  using TMA_O = decltype(make_tma_copy(SM90_TMA_STORE{}, GmemTensor{}, take<0, 2>(SmemLayoutO{}), Shape<_64, D>{}, _1{}));
+
+  struct Params {
+    TMA_O tma_o;
+    ShapeO shape_o;
+    Element* o_ptr;  // for tiles with no visible key, which skip shared memory
+    StrideO stride_o;
+    float* lse_ptr;  // (batch, head, seqlen_q) contiguous
+  };
+
+  static Params make_params(Element* o, ShapeO shape_o, StrideO stride_o, float* lse) {
+    auto mO = make_tensor(make_gmem_ptr(o), shape_o, stride_o);
+    return {make_tma_copy(SM90_TMA_STORE{}, mO, take<0, 2>(SmemLayoutO{}), Shape<_64, D>{}, _1{}), shape_o, o,
+            stride_o, lse};
+  }
+
+  CUTE_DEVICE static void prefetch_descriptors(Params const& p) {
+    cute::prefetch_tma_descriptor(p.tma_o.get_tma_descriptor());
+  }
+
+  CUTE_DEVICE static int64_t lse_offset(Params const& p, int head, int batch) {
+    return (int64_t(batch) * get<2>(p.shape_o) + head) * get<0>(p.shape_o);
+  }
+
+  template <class FragO, class LSE, class PipelineQ, class PipelineStateQ>
+  CUTE_DEVICE static void store(Params const& p, FragO const& tOrO, LSE const& lse, Element* smem_q,
+                                PipelineQ& pipeline_q, PipelineStateQ const& q_state, int m_block, int head,
+                                int batch, int wg, int thread_idx) {
+    Tensor sO = make_tensor(make_smem_ptr(smem_q), SmemLayoutO{});  // (64, D, wg, q_stage)
+    Tensor tOrO_out = convert_type<Element>(tOrO);
+
+    auto smem_copy = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, TiledMmaPV{});
+    auto thr_copy = smem_copy.get_thread_slice(thread_idx);
+    Tensor tRrO = thr_copy.retile_S(tOrO_out);
+    Tensor tRsO = thr_copy.partition_D(sO);  // (CPY, CPY_M, CPY_N, wg, q_stage)
+    copy(smem_copy, tRrO, tRsO(_, _, _, wg, q_state.index()));
+    cutlass::arch::fence_view_async_shared();  // make the generic-proxy writes visible to TMA
+    epilogue_barrier_sync(wg);
+    if (thread_idx == 0) {
+      Tensor mO = p.tma_o.get_tma_tensor(p.shape_o)(_, _, head, batch);
+      Tensor gO = local_tile(mO, Shape<_64, D>{}, make_coord(_, _0{}));  // (64, D, m64)
+      auto parts = tma_partition(p.tma_o, _0{}, Layout<_1>{}, group_modes<0, 2>(sO), group_modes<0, 2>(gO));
+      copy(p.tma_o, get<1>(parts)(_, wg, q_state.index()), get<0>(parts)(_, m_block * kNumMmaWG + wg));
+      tma_store_arrive();
+      tma_store_wait<0>();  // TMA has read the slice: Q's stage may be refilled
+      pipeline_q.consumer_release(q_state);
+    }
+    store_lse(p, lse, m_block, head, batch, wg, thread_idx);
+  }
+
+  template <class LSE>
+  CUTE_DEVICE static void store_lse(Params const& p, LSE const& lse, int m_block, int head, int batch, int wg,
+                                    int thread_idx) {
+    auto thr_mma = TiledMmaPV{}.get_thread_slice(thread_idx);
+    Tensor tOcO = rowcol(thr_mma.partition_C(make_identity_tensor(Shape<_64, D>{})));
+    if (get<1>(tOcO(_0{}, _0{})) != 0) return;  // one thread of each quad owns the row
+    int const seqlen_q = get<0>(p.shape_o);
+    float* lse_bh = p.lse_ptr + lse_offset(p, head, batch);
+    CUTE_UNROLL
+    for (int mi = 0; mi < size<0>(tOcO); ++mi) {
+      int const row = (m_block * kNumMmaWG + wg) * 64 + int(get<0>(tOcO(mi, _0{})));
+      if (row < seqlen_q) lse_bh[row] = lse[mi];
+    }
+  }
+
+  // A tile whose rows see no key (causal with seqlen_q > seqlen_k): O = 0, LSE = -inf, written
+  // directly (16-byte stores) so that it never touches shared memory the producer may be filling.
+  CUTE_DEVICE static void store_empty(Params const& p, int m_block, int head, int batch, int wg, int thread_idx) {
+    constexpr int kVec = 16 / sizeof(Element);
+    constexpr int kVecsPerRow = kHeadDim / kVec;
+    int const seqlen_q = get<0>(p.shape_o);
+    int const row0 = (m_block * kNumMmaWG + wg) * 64;
+    Element* o_bh = p.o_ptr + int64_t(batch) * get<3>(p.stride_o) + int64_t(head) * get<2>(p.stride_o);
+    for (int i = thread_idx; i < 64 * kVecsPerRow; i += cutlass::NumThreadsPerWarpGroup) {
+      int const row = row0 + i / kVecsPerRow;
+      if (row < seqlen_q) {
+        *reinterpret_cast<uint4*>(o_bh + int64_t(row) * get<0>(p.stride_o) + (i % kVecsPerRow) * kVec) =
+            make_uint4(0, 0, 0, 0);
+      }
+    }
+    float* lse_bh = p.lse_ptr + lse_offset(p, head, batch);
+    for (int r = thread_idx; r < 64; r += cutlass::NumThreadsPerWarpGroup) {
+      if (row0 + r < seqlen_q) lse_bh[row0 + r] = -INFINITY;
+    }
+  }
+};
+
+}  // namespace flashhopper::sm90

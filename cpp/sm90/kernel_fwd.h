@@ -1,0 +1,163 @@
+// The Hopper forward kernel: composes the mainloop (producer loads, consumer GEMMs + softmax),
+// the epilogue and the persistent tile scheduler into one warp-specialized, persistent CTA.
+//   warpgroup 0      producer: lowers its registers (setmaxnreg) and one thread issues all TMA
+//   warpgroups 1..W  consumers: raise their registers; each owns 64 query rows of the tile
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/cutlass.h>
+#include <cutlass/pipeline/pipeline.hpp>
+
+
+#include "../common/softmax.h"
+#include "../common/utils.h"
+#include "named_barriers.h"
+#include "tile_scheduler.h"
+
+namespace flashhopper::sm90 {
+
+using namespace cute;
+
+template <class Mainloop, class Epilogue, class Scheduler>
+struct FwdKernel {
+  using Element = typename Mainloop::Element;
+  static constexpr int kNumMmaWG = Mainloop::kNumMmaWG;
+  static constexpr int kNumThreads = (kNumMmaWG + 1) * cutlass::NumThreadsPerWarpGroup;
+  // Register split (producer / consumer) that fills the 64K-register file.
+  static constexpr int kProducerRegs = kNumMmaWG == 2 ? 24 : 32;
+  static constexpr int kConsumerRegs = kNumMmaWG == 2 ? 240 : 160;
+  static_assert(kNumMmaWG == 2 || kNumMmaWG == 3);
+
+  // The producer publishes each tile index (or -1: no more) to the consumers through this.
+  using TilePipeline = cutlass::PipelineAsync<2>;
+
+  struct SharedStorage {
+    typename Mainloop::TensorStorage tensors;
+    typename Mainloop::BarrierStorage barriers;
+    typename TilePipeline::SharedStorage tile_pipeline;
+    int tile_index[TilePipeline::Stages];
+  };
+  static constexpr int kSmemLimit = 227 * 1024;
+  static_assert(sizeof(SharedStorage) <= kSmemLimit, "tile does not fit in shared memory");
+
+  struct Params {
+    typename Mainloop::Params mainloop;
+    typename Epilogue::Params epilogue;
+    TileSchedulerParams scheduler;
+  };
+
+  CUTE_DEVICE static bool has_keys(Params const& params, int m_block) {
+    return params.mainloop.block_info.n_block_max(m_block) > params.mainloop.block_info.n_block_min(m_block);
+  }
+
+  CUTE_DEVICE static void run(Params const& params, char* smem) {
+    using Pipeline = typename Mainloop::Pipeline;
+    using PipelineQ = typename Mainloop::PipelineQ;
+    SharedStorage& ss = *reinterpret_cast<SharedStorage*>(smem);
+    int const warp_group_idx = cutlass::canonical_warp_group_idx();
+    int const warp_idx_in_wg = cutlass::canonical_warp_idx_sync() % cutlass::NumWarpsPerWarpGroup;
+    int const thread_idx = threadIdx.x % cutlass::NumThreadsPerWarpGroup;
+    bool const is_producer = warp_group_idx == 0;
+    bool const lane_predicate = cute::elect_one_sync();
+
+    if (is_producer && warp_idx_in_wg == 0 && lane_predicate) {
+      Mainloop::prefetch_descriptors(params.mainloop);
+      Epilogue::prefetch_descriptors(params.epilogue);
+    }
+
+    // Barriers are initialized by warp 0 inside the pipeline constructors.
+    typename Pipeline::Params kv_params;
+    kv_params.transaction_bytes = Mainloop::kKVStageBytes;
+    kv_params.role = is_producer ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+    kv_params.is_leader = is_producer && thread_idx == 0;
+    kv_params.num_consumers = Mainloop::kNumMmaThreads;
+    Pipeline pipeline_k(ss.barriers.pipeline_k, kv_params, Shape<_1, _1, _1>{});
+    Pipeline pipeline_v(ss.barriers.pipeline_v, kv_params, Shape<_1, _1, _1>{});
+
+    typename PipelineQ::Params q_params;
+    q_params.transaction_bytes = Mainloop::kQStageBytes;
+    q_params.role = is_producer ? PipelineQ::ThreadCategory::Producer : PipelineQ::ThreadCategory::Consumer;
+    q_params.is_leader = is_producer && thread_idx == 0;
+    q_params.num_consumers = kNumMmaWG;  // one release per warpgroup (epilogue)
+    PipelineQ pipeline_q(ss.barriers.pipeline_q, q_params, Shape<_1, _1, _1>{});
+
+    typename TilePipeline::Params tile_params;
+    tile_params.role = is_producer ? TilePipeline::ThreadCategory::Producer : TilePipeline::ThreadCategory::Consumer;
+    tile_params.producer_arv_count = 1;
+    tile_params.consumer_arv_count = Mainloop::kNumMmaThreads;
+    TilePipeline tile_pipeline(ss.tile_pipeline, tile_params);
+    __syncthreads();  // barrier initialization is visible to every thread
+
+    TileSchedulerParams const& sched = params.scheduler;
+    if (is_producer) {
+      cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
+      if (warp_idx_in_wg == 0 && lane_predicate) {
+        auto write_q = cutlass::make_producer_start_state<PipelineQ>();
+        auto write_k = cutlass::make_producer_start_state<Pipeline>();
+        auto write_v = cutlass::make_producer_start_state<Pipeline>();
+        auto write_tile = cutlass::make_producer_start_state<TilePipeline>();
+        int tile = Scheduler::initial(sched);
+        while (true) {
+          bool const valid = tile < sched.total_tiles;
+          tile_pipeline.producer_acquire(write_tile);
+          ss.tile_index[write_tile.index()] = valid ? tile : -1;
+          tile_pipeline.producer_commit(write_tile);
+          ++write_tile;
+          if (!valid) break;
+          int const next = Scheduler::next(sched, tile);  // in flight while this tile's loads go out
+          WorkTile const w = Scheduler::decode(sched, tile);
+          if (has_keys(params, w.m_block)) {  // otherwise the consumers write zeros, without Q
+            Mainloop::load(params.mainloop, pipeline_q, pipeline_k, pipeline_v, write_q, write_k, write_v,
+                           ss.tensors, w.m_block, w.head, w.batch);
+          }
+          tile = next;
+        }
+      }
+    } else {
+      cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
+      int const wg = warp_group_idx - 1;
+      Mainloop::Sched::init(wg);
+      typename Mainloop::PipelineState read_k, read_v;
+      typename Mainloop::PipelineStateQ read_q;
+      typename TilePipeline::PipelineState read_tile;
+
+      while (true) {
+        tile_pipeline.consumer_wait(read_tile);
+        int const tile = ss.tile_index[read_tile.index()];
+        tile_pipeline.consumer_release(read_tile);
+        ++read_tile;
+        if (tile < 0) break;
+        WorkTile const w = Scheduler::decode(sched, tile);
+        if (!has_keys(params, w.m_block)) {
+          Epilogue::store_empty(params.epilogue, w.m_block, w.head, w.batch, wg, thread_idx);
+          continue;
+        }
+        Tensor tOrO = partition_fragment_C(typename Mainloop::TiledMmaPV{}, Shape<_64, Int<Mainloop::kHeadDim>>{});
+        clear(tOrO);
+        OnlineSoftmax<2> softmax(params.mainloop.scale_log2);
+
+        pipeline_q.consumer_wait(read_q);
+        Mainloop::mma(params.mainloop, pipeline_k, pipeline_v, read_k, read_v, ss.tensors, read_q.index(), tOrO,
+                      softmax, w.m_block, wg, thread_idx);
+
+        cute::array<float, 2> lse;
+        auto const inv_sum = softmax.finalize(lse);
+        Tensor o = rowcol(tOrO);
+        OnlineSoftmax<2>::rescale(o, inv_sum);
+        Epilogue::store(params.epilogue, tOrO, lse, ss.tensors.smem_q.data(), pipeline_q, read_q, w.m_block, w.head,
+                        w.batch, wg, thread_idx);
+        ++read_q;
+      }
+    }
+  }
+};
+
+template <class Kernel>
+__global__ void __launch_bounds__(Kernel::kNumThreads, 1)
+    fwd_kernel(CUTE_GRID_CONSTANT typename Kernel::Params const params) {
+  extern __shared__ __align__(1024) char smem[];
+  Kernel::run(params, smem);
+}
+
+}  // namespace flashhopper::sm90

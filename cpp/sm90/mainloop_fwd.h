@@ -1,0 +1,323 @@
+// Hopper forward mainloop: the producer side (TMA loads of Q once per tile and of K/V through
+// PipelineTmaAsync stages) and the consumer side (per-warpgroup WGMMA with online softmax).
+//
+// Each consumer warpgroup owns 64 query rows of the tile and its own 64-row slice of Q in shared
+// memory; all warpgroups share the K/V stages. Per key block a warpgroup issues S = Q K^T (both
+// operands in smem) together with O += P V for the previous block (P from registers), waits for
+// S only, runs the softmax while the PV GEMM is still on the tensor cores, then rescales O.
+// Ping-pong: warpgroups take turns issuing their GEMMs (named barriers in round robin), so one
+// warpgroup's softmax runs under another's GEMMs.
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include <type_traits>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/cutlass.h>
+#include <cutlass/gemm/collective/builders/sm90_common.inl>
+#include <cutlass/pipeline/pipeline.hpp>
+
+#include "../common/block_info.h"
+#include "../common/mask.h"
+#include "../common/softmax.h"
+#include "../common/utils.h"
+#include "named_barriers.h"
+
+namespace flashhopper::sm90 {
+
+using namespace cute;
+
+// One WGMMA batch: fence the operands, issue all k-blocks, commit; optionally wait.
+template <bool kZeroInit, int kWait, class TiledMma, class TA, class TB, class TC>
+CUTE_DEVICE void wgmma(TiledMma& mma, TA const& tA, TB const& tB, TC& tC) {
+  // A from registers (RS) or a shared-memory descriptor (SS).
+  constexpr bool kARegs = !std::is_same_v<typename TA::iterator, GMMA::DescriptorIterator>;
+  if constexpr (kARegs) warpgroup_fence_operand(const_cast<TA&>(tA));
+  warpgroup_fence_operand(tC);
+  warpgroup_arrive();
+  mma.accumulate_ = kZeroInit ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(tA); ++k) {
+    cute::gemm(mma, tA(_, _, k), tB(_, _, k), tC);
+    mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+  if constexpr (kWait >= 0) warpgroup_wait<kWait>();
+  warpgroup_fence_operand(tC);
+  if constexpr (kARegs) warpgroup_fence_operand(const_cast<TA&>(tA));
+}
+
+// Tile: a FwdTileSize (block sizes, pipeline depths, and whether ping-pong and the intra-warpgroup
+// overlap are on; both are, except in ablation builds).
+template <class Element_, int kHeadDim_, class Tile, bool kCausal_>
+struct FwdMainloop {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_, kBlockM = Tile::kBlockM, kBlockN = Tile::kBlockN;
+  static constexpr int kStages = Tile::kStages, kQStages = Tile::kQStages;
+  static constexpr bool kCausal = kCausal_, kOverlap = Tile::kOverlap;
+  static constexpr int kNumMmaWG = kBlockM / 64;
+  static constexpr int kNumMmaThreads = kNumMmaWG * cutlass::NumThreadsPerWarpGroup;
+  static_assert(kBlockM % 64 == 0 && kNumMmaWG >= 1 && kNumMmaWG <= 3);
+  using Sched = PingPong<kNumMmaWG, Tile::kPingPong>;
+
+  using D = Int<kHeadDim>;
+  using BN = Int<kBlockN>;
+
+  // GEMMs of one consumer warpgroup: S(64 x BN) = Q(64 x D) K^T, O(64 x D) += P(64 x BN) V.
+  using TiledMmaQK = decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, Shape<_64, BN, D>>()));
+  using TiledMmaPV = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, Shape<_64, D, BN>, GMMA::Major::K, GMMA::Major::MN>()));
+
+  // Q: one 64-row slice per consumer warpgroup, kQStages tiles deep. The epilogue stages O in the
+  // warpgroup's slice once its last S GEMM is done, so O needs no buffer of its own.
+  using SmemAtomQ = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, _64, D>());
+  using SmemLayoutQ = decltype(tile_to_shape(SmemAtomQ{}, Shape<_64, D, Int<kNumMmaWG>, Int<kQStages>>{}));
+  using SmemAtomKV = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, BN, D>());
+  using SmemLayoutK = decltype(tile_to_shape(SmemAtomKV{}, Shape<BN, D, Int<kStages>>{}));
+  using SmemLayoutV = SmemLayoutK;
+  // V as PV's B operand: (headdim, keys) with headdim contiguous (MN-major), same bytes.
+  using SmemLayoutVt = decltype(composition(
+      SmemLayoutV{}, make_ordered_layout(Shape<D, BN, Int<kStages>>{}, Step<_2, _1, _3>{})));
+
+  // Global tensors as (seqlen, headdim, head, batch).
+  using ShapeQKV = Shape<int32_t, int32_t, int32_t, int32_t>;
+  using StrideQKV = Stride<int64_t, _1, int64_t, int64_t>;
+  using GmemTensor = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{}, StrideQKV{}));
+  using TMA_Q = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutQ{}), Shape<_64, D>{}, _1{}));
+  using TMA_KV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutK{}), Shape<BN, D>{}, _1{}));
+
+  static constexpr uint32_t kQStageBytes = uint32_t(size(take<0, 3>(SmemLayoutQ{})) * sizeof(Element));
+  static constexpr uint32_t kKVStageBytes = uint32_t(size(take<0, 2>(SmemLayoutK{})) * sizeof(Element));
+
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+  using PipelineState = typename Pipeline::PipelineState;
+  // Q stages are released by one thread per consumer warpgroup, once TMA has read the O staged there.
+  using PipelineQ = cutlass::PipelineTmaAsync<kQStages>;
+  using PipelineStateQ = typename PipelineQ::PipelineState;
+
+  struct TensorStorage {
+    cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> smem_q;
+    cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> smem_k;
+    cute::array_aligned<Element, cosize_v<SmemLayoutV>, 1024> smem_v;
+  };
+  struct BarrierStorage {
+    typename PipelineQ::SharedStorage pipeline_q;
+    typename Pipeline::SharedStorage pipeline_k;
+    typename Pipeline::SharedStorage pipeline_v;
+  };
+
+  struct Params {
+    TMA_Q tma_q;
+    TMA_KV tma_k, tma_v;
+    ShapeQKV shape_q, shape_k;
+    int heads_ratio;  // query heads per kv head (GQA/MQA)
+    float scale_log2;
+    BlockInfo<kBlockM, kBlockN, kCausal> block_info;
+  };
+
+  static Params make_params(Element const* q, StrideQKV stride_q, ShapeQKV shape_q, Element const* k,
+                            StrideQKV stride_k, Element const* v, StrideQKV stride_v, ShapeQKV shape_k,
+                            float softmax_scale) {
+    auto mQ = make_tensor(make_gmem_ptr(q), shape_q, stride_q);
+    auto mK = make_tensor(make_gmem_ptr(k), shape_k, stride_k);
+    auto mV = make_tensor(make_gmem_ptr(v), shape_k, stride_v);
+    return {make_tma_copy(SM90_TMA_LOAD{}, mQ, take<0, 2>(SmemLayoutQ{}), Shape<_64, D>{}, _1{}),
+            make_tma_copy(SM90_TMA_LOAD{}, mK, take<0, 2>(SmemLayoutK{}), Shape<BN, D>{}, _1{}),
+            make_tma_copy(SM90_TMA_LOAD{}, mV, take<0, 2>(SmemLayoutV{}), Shape<BN, D>{}, _1{}),
+            shape_q,
+            shape_k,
+            get<2>(shape_q) / get<2>(shape_k),
+            float(softmax_scale * M_LOG2E),
+            {get<0>(shape_q), get<0>(shape_k)}};
+  }
+
+  CUTE_DEVICE static void prefetch_descriptors(Params const& p) {
+    cute::prefetch_tma_descriptor(p.tma_q.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.tma_k.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
+  }
+
+  // ---------------------------------------------------------------------------------------------
+  // Producer: one thread issues every TMA of a tile: Q (a free stage, so with two stages it lands
+  // while the previous tile still computes), then K/V with V trailing K by one block so that the
+  // first S GEMM never waits on V.
+  CUTE_DEVICE static void load(Params const& p, PipelineQ& pipeline_q, Pipeline& pipeline_k, Pipeline& pipeline_v,
+                               PipelineStateQ& write_q, PipelineState& write_k, PipelineState& write_v,
+                               TensorStorage& ts, int m_block, int head, int batch) {
+    int const n_block_max = p.block_info.n_block_max(m_block);
+    int const n_block_min = p.block_info.n_block_min(m_block);
+
+    Tensor sQ = make_tensor(make_smem_ptr(ts.smem_q.data()), SmemLayoutQ{});
+    Tensor sK = make_tensor(make_smem_ptr(ts.smem_k.data()), SmemLayoutK{});
+    Tensor sV = make_tensor(make_smem_ptr(ts.smem_v.data()), SmemLayoutV{});
+    Tensor mQ = p.tma_q.get_tma_tensor(p.shape_q)(_, _, head, batch);
+    Tensor mK = p.tma_k.get_tma_tensor(p.shape_k)(_, _, head / p.heads_ratio, batch);
+    Tensor mV = p.tma_v.get_tma_tensor(p.shape_k)(_, _, head / p.heads_ratio, batch);
+    Tensor gQ = local_tile(mQ, Shape<_64, D>{}, make_coord(_, _0{}));  // (64, D, m64)
+    Tensor gK = local_tile(mK, Shape<BN, D>{}, make_coord(_, _0{}));   // (BN, D, n)
+    Tensor gV = local_tile(mV, Shape<BN, D>{}, make_coord(_, _0{}));
+    auto q_parts = tma_partition(p.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+    auto k_parts = tma_partition(p.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+    auto v_parts = tma_partition(p.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+    Tensor tQgQ = get<0>(q_parts);  // (TMA, m64)
+    Tensor tQsQ = get<1>(q_parts);  // (TMA, wg, q_stage)
+    Tensor tKgK = get<0>(k_parts);  // (TMA, n)
+    Tensor tKsK = get<1>(k_parts);  // (TMA, stage)
+    Tensor tVgV = get<0>(v_parts);
+    Tensor tVsV = get<1>(v_parts);
+
+    auto load_k = [&](int n_block) {
+      pipeline_k.producer_acquire(write_k);
+      copy(p.tma_k.with(*pipeline_k.producer_get_barrier(write_k), 0, TMA::CacheHintSm90::EVICT_LAST),
+           tKgK(_, n_block), tKsK(_, write_k.index()));
+      ++write_k;
+    };
+    auto load_v = [&](int n_block) {
+      pipeline_v.producer_acquire(write_v);
+      copy(p.tma_v.with(*pipeline_v.producer_get_barrier(write_v), 0, TMA::CacheHintSm90::EVICT_LAST),
+           tVgV(_, n_block), tVsV(_, write_v.index()));
+      ++write_v;
+    };
+
+    pipeline_q.producer_acquire(write_q);
+    CUTE_UNROLL
+    for (int wg = 0; wg < kNumMmaWG; ++wg) {
+      copy(p.tma_q.with(*pipeline_q.producer_get_barrier(write_q), 0, TMA::CacheHintSm90::EVICT_FIRST),
+           tQgQ(_, m_block * kNumMmaWG + wg), tQsQ(_, wg, write_q.index()));
+    }
+    ++write_q;
+    int n_block = n_block_max - 1;
+    load_k(n_block);
+    for (; n_block > n_block_min; --n_block) {
+      load_k(n_block - 1);
+      load_v(n_block);
+    }
+    load_v(n_block_min);
+  }
+
+  // ---------------------------------------------------------------------------------------------
+  // Consumer: one warpgroup's 64 rows of the tile, reading Q from stage q_stage (already waited
+  // for). Accumulates the unnormalized O into tOrO (zeroed by the caller) and the softmax state
+  // into `softmax`; K/V stages are released as they are consumed, the Q stage by the epilogue.
+  template <class FragO, class Softmax>
+  CUTE_DEVICE static void mma(Params const& p, Pipeline& pipeline_k, Pipeline& pipeline_v,
+                              PipelineState& read_k, PipelineState& read_v, TensorStorage& ts,
+                              int q_stage, FragO& tOrO, Softmax& softmax, int m_block, int wg, int thread_idx) {
+    int const n_block_max = p.block_info.n_block_max(m_block);
+    int const n_block_min = p.block_info.n_block_min(m_block);
+    int const row_offset = m_block * kBlockM + wg * 64;
+    Mask<kBlockN, kCausal> const mask{p.block_info.seqlen_q, p.block_info.seqlen_k};
+
+    Tensor sQ = make_tensor(make_smem_ptr(ts.smem_q.data()), SmemLayoutQ{});
+    Tensor sK = make_tensor(make_smem_ptr(ts.smem_k.data()), SmemLayoutK{});
+    Tensor sVt = make_tensor(make_smem_ptr(ts.smem_v.data()), SmemLayoutVt{});
+
+    TiledMmaQK mma_qk;
+    TiledMmaPV mma_pv;
+    auto thr_qk = mma_qk.get_thread_slice(thread_idx);
+    auto thr_pv = mma_pv.get_thread_slice(thread_idx);
+    Tensor tSrQ = thr_qk.partition_fragment_A(sQ)(_, _, _, wg, q_stage);  // (MMA, 1, K)
+    Tensor tSrK = thr_qk.partition_fragment_B(sK);   // (MMA, 1, K, stage)
+    Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (MMA, 1, K, stage)
+    Tensor tSrS = partition_fragment_C(mma_qk, Shape<_64, BN>{});
+    Tensor tOrP = make_tensor<Element>(acc_layout_as_a_operand(tSrS.layout()));
+    Tensor tScS = rowcol(thr_qk.partition_C(make_identity_tensor(Shape<_64, BN>{})));
+    Tensor scores = rowcol(tSrS);
+
+    auto to_p = [&] {
+      Tensor p16 = convert_type<Element>(tSrS);
+      CUTE_UNROLL
+      for (int i = 0; i < size(tOrP); ++i) tOrP(i) = p16(i);
+    };
+
+    // S_n = Q K_n^T for key block n; the caller waits for it.
+    auto issue_s = [&] {
+      pipeline_k.consumer_wait(read_k);
+      wgmma<true, -1>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
+    };
+    auto release_k = [&] {
+      pipeline_k.consumer_release(read_k);
+      ++read_k;
+    };
+    // O += P V for the block whose P is in tOrP.
+    auto issue_pv = [&] {
+      pipeline_v.consumer_wait(read_v);
+      wgmma<false, -1>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
+    };
+    auto release_v = [&] {
+      pipeline_v.consumer_release(read_v);
+      ++read_v;
+    };
+    // Masked iterations first (key blocks are walked from the last): the sequence end and the
+    // causal diagonal only ever fall in the highest blocks.
+    int const n_causal = kCausal ? cute::max(p.block_info.n_block_causal_start(m_block), n_block_min) : n_block_max;
+
+    // First (highest) key block: S only; it always carries the sequence-end and causal masks.
+    int n_block = n_block_max - 1;
+    Sched::sync(wg);
+    issue_s();
+    Sched::arrive(wg);
+    warpgroup_wait<0>();
+    release_k();
+    mask.template apply<true, true>(scores, tScS, row_offset, n_block);
+    softmax.template update<true, true>(scores);
+    to_p();
+
+    if constexpr (kOverlap) {
+      // S_n is issued together with O += P_{n+1} V_{n+1}; the softmax of S_n runs while the PV
+      // GEMM is still on the tensor cores, and O is rescaled once it has finished.
+      auto step = [&](int n, auto causal_mask) {
+        constexpr bool kMask = decltype(causal_mask)::value;
+        Sched::sync(wg);
+        issue_s();
+        issue_pv();
+        Sched::arrive(wg);
+        warpgroup_wait<1>();
+        release_k();
+        if constexpr (kMask) mask.template apply<false, true>(scores, tScS, row_offset, n);
+        auto o_scale = softmax.template update<false, kMask>(scores);
+        warpgroup_wait<0>();
+        release_v();
+        Tensor o = rowcol(tOrO);
+        Softmax::rescale(o, o_scale);
+        to_p();
+      };
+      for (--n_block; n_block >= n_causal; --n_block) step(n_block, cute::true_type{});
+      for (; n_block >= n_block_min; --n_block) step(n_block, cute::false_type{});
+      Sched::sync(wg);
+      issue_pv();
+      Sched::arrive(wg);
+      warpgroup_wait<0>();
+      release_v();
+    } else {
+      // Ablation: every GEMM waits for its result before the softmax (FA2's order).
+      auto pv_now = [&] {
+        Sched::sync(wg);
+        issue_pv();
+        Sched::arrive(wg);
+        warpgroup_wait<0>();
+        release_v();
+      };
+      auto step = [&](int n, auto causal_mask) {
+        constexpr bool kMask = decltype(causal_mask)::value;
+        Sched::sync(wg);
+        issue_s();
+        Sched::arrive(wg);
+        warpgroup_wait<0>();
+        release_k();
+        if constexpr (kMask) mask.template apply<false, true>(scores, tScS, row_offset, n);
+        auto o_scale = softmax.template update<false, kMask>(scores);
+        Tensor o = rowcol(tOrO);
+        Softmax::rescale(o, o_scale);
+        to_p();
+        pv_now();
+      };
+      pv_now();
+      for (--n_block; n_block >= n_causal; --n_block) step(n_block, cute::true_type{});
+      for (; n_block >= n_block_min; --n_block) step(n_block, cute::false_type{});
+    }
+  }
+};
+
+}  // namespace flashhopper::sm90

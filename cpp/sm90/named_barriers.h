@@ -1,0 +1,41 @@
+// Named-barrier ids of the Hopper kernels (offset past CUTLASS's reserved ids by NamedBarrier).
+// Ping-pong: consumer warpgroup w waits on barrier kSched + w before issuing its GEMMs and, once
+// they are issued, arrives on the next warpgroup's, so warpgroups issue in round robin.
+#pragma once
+
+#include <cutlass/arch/barrier.h>
+
+namespace flashhopper::sm90 {
+
+enum NamedBarriers : uint32_t {
+  kSchedBarrier0 = 0,     // 0 .. kNumMmaWG-1: ping-pong turn of each consumer warpgroup
+  kEpilogueBarrier0 = 4,  // 4 .. 4+kNumMmaWG-1: a warpgroup's own epilogue (128 threads)
+};
+
+template <int kNumMmaWG, bool kEnabled>
+struct PingPong {
+  static constexpr bool kOn = kEnabled && kNumMmaWG > 1;
+  static constexpr uint32_t kThreads = 2 * cutlass::NumThreadsPerWarpGroup;
+
+  CUTE_DEVICE static void sync(int wg) {
+    if constexpr (kOn) cutlass::arch::NamedBarrier::sync(kThreads, kSchedBarrier0 + wg);
+  }
+  CUTE_DEVICE static void arrive(int wg) {
+    if constexpr (kOn) {
+      int const next = wg + 1 == kNumMmaWG ? 0 : wg + 1;
+      cutlass::arch::NamedBarrier::arrive(kThreads, kSchedBarrier0 + next);
+    }
+  }
+  // The last warpgroup opens the first turn for warpgroup 0.
+  CUTE_DEVICE static void init(int wg) {
+    if constexpr (kOn) {
+      if (wg == kNumMmaWG - 1) cutlass::arch::NamedBarrier::arrive(kThreads, kSchedBarrier0);
+    }
+  }
+};
+
+CUTE_DEVICE void epilogue_barrier_sync(int wg) {
+  cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup, kEpilogueBarrier0 + wg);
+}
+
+}  // namespace flashhopper::sm90

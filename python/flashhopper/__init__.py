@@ -1,0 +1,33 @@
+"""flashhopper: exact attention for NVIDIA Hopper, with an Ampere fallback and a PyTorch reference.
+
+    from flashhopper import flash_attn_func
+    out = flash_attn_func(q, k, v, causal=True)   # q, k, v: (batch, seqlen, nheads, headdim)
+"""
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+
+from . import reference
+from ._ext import build_info, compiled_kernels, extension_error, has_extension
+from .dispatch import BACKENDS, available_backends, select_backend
+from .interface import flash_attn_func
+from .reference import attention_ref
+
+try:
+    __version__: str = version("flashhopper")
+except PackageNotFoundError:  # imported from a source tree that was never installed
+    __version__ = "0+unknown"
+
+__all__ = [
+    "BACKENDS",
+    "__version__",
+    "attention_ref",
+    "available_backends",
+    "build_info",
+    "compiled_kernels",
+    "extension_error",
+    "flash_attn_func",
+    "has_extension",
+    "reference",
+    "select_backend",
+]

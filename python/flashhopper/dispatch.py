@@ -1,0 +1,112 @@
+"""Which backend runs a call: "sm90" (Hopper kernels), "sm80" (Ampere kernels) or "reference".
+
+Auto (backend=None): CPU tensors -> reference; CUDA capability 9.0 with a compiled arch-90 kernel for
+(dtype, headdim, causal) -> sm90; capability 8.x-9.x with an arch-80 kernel -> sm80; anything else
+is an error that says what is missing. Never a silent fall back to the slow reference on a GPU.
+"""
+from __future__ import annotations
+
+from collections.abc import Container
+
+import torch
+
+from . import _device, _ext, validation
+from ._device import DeviceInfo
+
+BACKENDS: tuple[str, ...] = ("sm90", "sm80", "reference")
+ARCH: dict[str, int] = {"sm90": 90, "sm80": 80}
+# Auto-dispatch preference, best first.
+_AUTO_ORDER: tuple[str, ...] = ("sm90", "sm80")
+_BUILD_DTYPE: dict[torch.dtype, str] = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+KernelKey = tuple[int, torch.dtype, int, bool]  # (arch, dtype, headdim, causal)
+
+
+def runs_on(backend: str, capability: tuple[int, int]) -> bool:
+    """Whether a kernel family's code runs on a GPU of this compute capability."""
+    if backend == "sm90":
+        return capability == (9, 0)  # sm_90a code runs on 9.0 only
+    if backend == "sm80":
+        return (8, 0) <= capability < (10, 0)  # sm_80 SASS runs on 8.x; the build also has sm_90 SASS
+    return False
+
+
+def _describe(dtype: torch.dtype, headdim: int, causal: bool) -> str:
+    return f"{str(dtype).removeprefix('torch.')} headdim {headdim} {'causal' if causal else 'non-causal'}"
+
+
+def _rebuild_hint(backends: tuple[str, ...], dtype: torch.dtype, headdim: int) -> str:
+    archs = ";".join(str(ARCH[b]) for b in backends)
+    hint = (f"rebuild with FLASHHOPPER_ARCHS={archs} FLASHHOPPER_DTYPES={_BUILD_DTYPE[dtype]} "
+            f"FLASHHOPPER_HDIMS={headdim} (or a superset), or pass backend='reference'")
+    err = _ext.extension_error()
+    return hint + (f"; the compiled extension did not import: {err}" if err else "")
+
+
+def choose_kernel(info: DeviceInfo, index: int, dtype: torch.dtype, headdim: int, causal: bool,
+                  backend: str | None, kernels: Container[KernelKey]) -> str:
+    """Pure decision for a CUDA device: the kernel backend to use, or ValueError saying why none."""
+    validation.check_kernel_dtype("q", dtype)
+    validation.check_kernel_headdim(headdim)
+    where = f"cuda:{index} ({info.name}, compute capability {info.capability[0]}.{info.capability[1]})"
+    if info.capability < (8, 0):
+        raise ValueError(f"q is on {where}; the flashhopper kernels need compute capability 8.0 or newer "
+                         "(backend='reference' runs on any device)")
+    if backend is not None:
+        if not runs_on(backend, info.capability):
+            need = "9.0 (Hopper)" if backend == "sm90" else "8.0-9.x"
+            raise ValueError(f"backend={backend!r} needs compute capability {need}; q is on {where}")
+        if (ARCH[backend], dtype, headdim, causal) not in kernels:
+            raise ValueError(f"backend={backend!r}: this build has no {backend} kernel for "
+                             f"{_describe(dtype, headdim, causal)}; {_rebuild_hint((backend,), dtype, headdim)}")
+        return backend
+    usable = tuple(b for b in _AUTO_ORDER if runs_on(b, info.capability))
+    for b in usable:
+        if (ARCH[b], dtype, headdim, causal) in kernels:
+            return b
+    if not usable:
+        raise ValueError(f"q is on {where}, which no flashhopper kernel family supports "
+                         "(sm90 needs 9.0, sm80 needs 8.x-9.x); pass backend='reference'")
+    raise ValueError(f"q: this build has no {' or '.join(usable)} kernel for {_describe(dtype, headdim, causal)} "
+                     f"on {where}; {_rebuild_hint(usable, dtype, headdim)}")
+
+
+class _CompiledKernels:
+    """Live view of the kernel set, so the extension is imported only when a GPU call asks."""
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, tuple) and _ext.has_fwd_kernel(*key)
+
+
+# Under torch.compile the choice is made once at trace time: its inputs (device, dtype, head dim,
+# causal) are already guarded, and the device query inside could not be traced.
+@torch.compiler.assume_constant_result
+def _select_cuda(index: int, dtype: torch.dtype, headdim: int, causal: bool, backend: str | None) -> str:
+    return choose_kernel(_device.device_info(index), index, dtype, headdim, causal, backend, _CompiledKernels())
+
+
+def select_backend(q: torch.Tensor, headdim: int, dtype: torch.dtype, causal: bool,
+                   backend: str | None = None) -> str:
+    """Resolve ``backend`` (None = auto) to one of BACKENDS for inputs like ``q``."""
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))} or None, got {backend!r}")
+    if backend == "reference":
+        return "reference"
+    if q.device.type != "cuda":
+        if backend is None:
+            return "reference"
+        raise ValueError(f"backend={backend!r} needs CUDA tensors, but q is on {q.device}")
+    return _select_cuda(q.device.index, dtype, headdim, causal, backend)
+
+
+def available_backends(device: torch.device | str | int | None = None) -> list[str]:
+    """Backends with at least one compiled kernel that runs on ``device`` (default: current CUDA
+    device, or none), plus "reference", which runs anywhere."""
+    out: list[str] = []
+    if torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda"):
+        dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        cap = _device.device_info(index).capability
+        archs = {k["arch"] for k in _ext.compiled_kernels() if k["mode"] == "fwd"}
+        out = [b for b in _AUTO_ORDER if ARCH[b] in archs and runs_on(b, cap)]
+    return out + ["reference"]

@@ -1,0 +1,44 @@
+"""The public entry point: validation -> dispatch -> op."""
+from __future__ import annotations
+
+from typing import Literal, overload
+
+import torch
+
+from . import ops  # noqa: F401  (registers torch.ops.flashhopper.fwd)
+from .dispatch import select_backend
+from .validation import check_flag, check_inputs
+
+
+@overload
+def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = ...,
+                    causal: bool = ..., return_lse: Literal[False] = ...,
+                    backend: str | None = ...) -> torch.Tensor: ...
+
+
+@overload
+def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = ...,
+                    causal: bool = ..., *, return_lse: Literal[True],
+                    backend: str | None = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
+                    causal: bool = False, return_lse: bool = False,
+                    backend: str | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Exact softmax attention, flash-attn layout.
+
+    q: (batch, seqlen_q, nheads_q, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim), with
+    nheads_q a multiple of nheads_kv (grouped-query attention). softmax_scale defaults to
+    1/sqrt(headdim). causal masks bottom-right aligned: row i sees key j iff j <= i + seqlen_k - seqlen_q;
+    a row that sees no key gets zeros (and lse -inf).
+    backend: None picks the fastest compiled kernel for the device (CPU tensors use the reference);
+    "sm90", "sm80" or "reference" force one, raising ValueError if it cannot run.
+
+    Returns out (like q), or (out, lse) with lse float32 (batch, nheads_q, seqlen_q), natural log.
+    Forward only for now: differentiating through it raises.
+    """
+    shapes, scale = check_inputs(q, k, v, softmax_scale, causal)
+    check_flag("return_lse", return_lse)
+    name = select_backend(q, shapes.headdim, q.dtype, causal, backend)
+    out, lse = torch.ops.flashhopper.fwd.default(q, k, v, scale, causal, name)
+    return (out, lse) if return_lse else out

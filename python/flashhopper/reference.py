@@ -1,0 +1,145 @@
+"""Slow truths the kernels are tested against, in the flash-attn layout.
+
+q is (batch, seqlen_q, nheads_q, headdim); k and v are (batch, seqlen_k, nheads_kv, headdim). Every
+function returns ``(out, lse)``: out like q, lse of shape (batch, nheads_q, seqlen_q), natural log.
+Conventions shared with the kernels:
+- grouped-query attention: query head h reads kv head ``h // (nheads_q // nheads_kv)``;
+- causal is bottom-right aligned: query row i sees key j iff ``j <= i + seqlen_k - seqlen_q``;
+- a query row that sees no key gets out = 0 and lse = -inf.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+# Scores are materialized one block of query rows at a time, at most this many elements per
+# block, so that the float64 reference fits in GPU memory at seqlen 8k and beyond.
+_MAX_SCORE_ELEMENTS = 1 << 27
+
+
+def default_scale(headdim: int) -> float:
+    return 1.0 / math.sqrt(headdim)
+
+
+def visible(seqlen_q: int, seqlen_k: int, causal: bool, device: torch.device | str | None = None,
+            rows: slice | None = None) -> torch.Tensor | None:
+    """Boolean (rows, seqlen_k) mask, True where query row i may attend key j; None if all may."""
+    if not causal:
+        return None
+    r = rows if rows is not None else slice(0, seqlen_q)
+    i = torch.arange(r.start, min(r.stop, seqlen_q), device=device)[:, None]
+    j = torch.arange(seqlen_k, device=device)[None, :]
+    return j <= i + (seqlen_k - seqlen_q)
+
+
+def _heads_first(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(b, h, s, d) copies in ``dtype``, kv heads repeated to match q's (GQA)."""
+    group = q.shape[2] // k.shape[2] if k.shape[2] else 1
+    qt = q.transpose(1, 2).to(dtype)
+    kt = k.transpose(1, 2).to(dtype).repeat_interleave(group, dim=1)
+    vt = v.transpose(1, 2).to(dtype).repeat_interleave(group, dim=1)
+    return qt, kt, vt
+
+
+def _softmax_rows(scores: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(probabilities, lse) of each row; rows with no visible key give zeros and -inf."""
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    # exp(-inf - (-inf)) would be NaN for rows with no key; shifting by 0 there gives exp(-inf) = 0.
+    p = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+    return p, lse
+
+
+def _rows_per_block(q: torch.Tensor, seqlen_k: int) -> int:
+    b, _, h, _ = q.shape
+    return max(1, _MAX_SCORE_ELEMENTS // max(1, b * h * seqlen_k))
+
+
+def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
+                  causal: bool = False, dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention computed entirely in ``dtype`` (float64 by default); out and lse in ``dtype``."""
+    scale = default_scale(q.shape[-1]) if softmax_scale is None else softmax_scale
+    b, sq, h, d = q.shape
+    sk = k.shape[1]
+    qt, kt, vt = _heads_first(q, k, v, dtype)
+    out = torch.empty(b, h, sq, d, dtype=dtype, device=q.device)
+    lse = torch.empty(b, h, sq, dtype=dtype, device=q.device)
+    step = _rows_per_block(q, sk)
+    for m0 in range(0, sq, step):
+        rows = slice(m0, m0 + step)
+        scores = (qt[:, :, rows] @ kt.transpose(-1, -2)) * scale
+        p, lse_rows = _softmax_rows(scores, visible(sq, sk, causal, q.device, rows))
+        lse[:, :, rows] = lse_rows
+        out[:, :, rows] = p @ vt
+    return out.transpose(1, 2), lse
+
+
+def attention_lowp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
+                   causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention the way plain PyTorch does it in the input's precision: both matmuls in q.dtype
+    (bf16/fp16 on GPU), softmax in float32. Its error against attention_ref is the yardstick that
+    kernel errors are measured by. Returns out in q.dtype and lse in float32."""
+    scale = default_scale(q.shape[-1]) if softmax_scale is None else softmax_scale
+    b, sq, h, d = q.shape
+    sk = k.shape[1]
+    qt, kt, vt = _heads_first(q, k, v, q.dtype)
+    out = torch.empty(b, h, sq, d, dtype=q.dtype, device=q.device)
+    lse = torch.empty(b, h, sq, dtype=torch.float32, device=q.device)
+    step = _rows_per_block(q, sk)
+    for m0 in range(0, sq, step):
+        rows = slice(m0, m0 + step)
+        scores = (qt[:, :, rows] @ kt.transpose(-1, -2)).float() * scale
+        p, lse_rows = _softmax_rows(scores, visible(sq, sk, causal, q.device, rows))
+        lse[:, :, rows] = lse_rows
+        out[:, :, rows] = p.to(q.dtype) @ vt
+    return out.transpose(1, 2), lse
+
+
+def attention_tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_m: int = 64, block_n: int = 64,
+                    softmax_scale: float | None = None, causal: bool = False,
+                    dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
+    """The FlashAttention recurrence, written out block by block (arXiv 2205.14135, Algorithm 1,
+    with the loop order and the deferred normalization of FlashAttention-2, as the kernels do it).
+
+    For each block of ``block_m`` query rows, walk the ``block_n``-key blocks keeping per row a
+    running max m, a running sum l of exp(s - m) and an unnormalized output acc; when the max
+    grows, rescale l and acc by exp(m_old - m_new). At the end out = acc / l and lse = m + log(l).
+    Scores are never materialized beyond one (block_m, block_n) tile per (batch, head).
+    """
+    scale = default_scale(q.shape[-1]) if softmax_scale is None else softmax_scale
+    b, sq, h, d = q.shape
+    sk = k.shape[1]
+    offset = sk - sq  # bottom-right causal: row i sees keys j <= i + offset
+    qt, kt, vt = _heads_first(q, k, v, dtype)
+    out = torch.empty(b, h, sq, d, dtype=dtype, device=q.device)
+    lse = torch.empty(b, h, sq, dtype=dtype, device=q.device)
+    for m0 in range(0, sq, block_m):
+        m1 = min(m0 + block_m, sq)
+        q_blk = qt[:, :, m0:m1]
+        m = torch.full((b, h, m1 - m0), float("-inf"), dtype=dtype, device=q.device)
+        l = torch.zeros_like(m)
+        acc = torch.zeros(b, h, m1 - m0, d, dtype=dtype, device=q.device)
+        # Causal: keys past the last row's diagonal are invisible to the whole block; skip them.
+        n_end = min(sk, max(0, m1 + offset)) if causal else sk
+        for n0 in range(0, n_end, block_n):
+            n1 = min(n0 + block_n, sk)
+            s = (q_blk @ kt[:, :, n0:n1].transpose(-1, -2)) * scale
+            if causal and n1 - 1 > m0 + offset:  # the block reaches past some row's diagonal: mask it
+                i = torch.arange(m0, m1, device=q.device)[:, None]
+                j = torch.arange(n0, n1, device=q.device)[None, :]
+                s = s.masked_fill(j > i + offset, float("-inf"))
+            m_new = torch.maximum(m, s.amax(dim=-1))
+            # A row that has seen no key yet has m_new = -inf; shift by 0 so exp gives 0, not NaN.
+            m_safe = torch.where(torch.isinf(m_new), 0.0, m_new)
+            p = torch.exp(s - m_safe[..., None])
+            alpha = torch.exp(m - m_safe)  # rescales what was accumulated under the old max
+            l = alpha * l + p.sum(dim=-1)
+            acc = alpha[..., None] * acc + p @ vt[:, :, n0:n1]
+            m = m_new
+        seen = l > 0
+        out[:, :, m0:m1] = torch.where(seen[..., None], acc / torch.where(seen, l, 1.0)[..., None], 0.0)
+        lse[:, :, m0:m1] = torch.where(seen, m + torch.log(torch.where(seen, l, 1.0)), float("-inf"))
+    return out.transpose(1, 2), lse

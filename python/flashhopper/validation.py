@@ -1,0 +1,188 @@
+"""Input checks. Each is a small pure function that raises TypeError/ValueError whose message
+starts with the name of the offending argument, before any kernel runs.
+
+Two groups, because they can run at different times:
+- shape-level checks (``check_inputs``, ``check_kernel_dtype``, ``check_kernel_headdim``) read only
+  metadata, so they also run while torch.compile traces with fake tensors;
+- memory-layout checks (``check_kernel_layout``) read data pointers, so they run where the kernel
+  is launched (see ops.py).
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, NamedTuple
+
+import torch
+
+KERNEL_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
+# The reference computes in float32/float64 whatever the input, so it takes these too.
+REFERENCE_DTYPES: tuple[torch.dtype, ...] = KERNEL_DTYPES + (torch.float32, torch.float64)
+KERNEL_HEADDIMS: tuple[int, ...] = (64, 128, 256)
+# TMA: global addresses and every non-innermost stride must be multiples of 16 bytes.
+TMA_ALIGN_BYTES = 16
+
+
+class Shapes(NamedTuple):
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    nheads_q: int
+    nheads_kv: int
+    headdim: int
+
+
+def _names(dtypes: tuple[torch.dtype, ...]) -> str:
+    return ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+
+
+def check_tensor(name: str, x: Any) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+
+
+def check_rank(name: str, x: torch.Tensor, rank: int = 4) -> None:
+    if x.dim() != rank:
+        raise ValueError(
+            f"{name} must have {rank} dimensions (batch, seqlen, nheads, headdim), got shape {tuple(x.shape)}")
+
+
+def check_dtype(name: str, x: torch.Tensor, allowed: tuple[torch.dtype, ...] = REFERENCE_DTYPES) -> None:
+    if x.dtype not in allowed:
+        raise TypeError(f"{name} has dtype {x.dtype}; supported: {_names(allowed)}")
+
+
+def check_same_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {x.dtype} but q has {q.dtype}; q, k and v must share one dtype")
+
+
+def check_same_device(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    for name, x in (("k", k), ("v", v)):
+        if x.device != q.device:
+            raise ValueError(f"{name} is on {x.device} but q is on {q.device}; q, k and v must share one device")
+
+
+def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Shapes:
+    """Shapes of (batch, seqlen_q, nheads_q, headdim) q and (batch, seqlen_k, nheads_kv, headdim) k/v."""
+    b, sq, hq, d = q.shape
+    _, sk, hkv, _ = k.shape
+    if k.shape[0] != b:
+        raise ValueError(f"k batch size {k.shape[0]} does not match q batch size {b}")
+    if k.shape[3] != d:
+        raise ValueError(f"k head dim {k.shape[3]} does not match q head dim {d}")
+    if v.shape != k.shape:
+        raise ValueError(f"v shape {tuple(v.shape)} must equal k shape {tuple(k.shape)}")
+    if d < 1:
+        raise ValueError(f"q head dim must be positive, got shape {tuple(q.shape)}")
+    if (hkv == 0 and hq != 0) or (hkv > 0 and hq % hkv != 0):
+        raise ValueError(f"q nheads {hq} must be a multiple of k/v nheads {hkv} (grouped-query attention)")
+    return Shapes(b, sq, sk, hq, hkv, d)
+
+
+def check_softmax_scale(softmax_scale: Any) -> float:
+    # bool is an int subclass; True as a scale is a bug, not a number.
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+        raise TypeError(f"softmax_scale must be a float, got {type(softmax_scale).__name__}")
+    s = float(softmax_scale)
+    if not (math.isfinite(s) and s > 0):
+        raise ValueError(f"softmax_scale must be a positive finite float, got {s}")
+    return s
+
+
+def check_flag(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+
+
+def check_inputs(q: Any, k: Any, v: Any, softmax_scale: Any, causal: Any) -> tuple[Shapes, float]:
+    """Checks shared by every backend; returns the shapes and the scale (default 1/sqrt(headdim))."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, x)
+        check_rank(name, x)
+        check_dtype(name, x)
+    check_same_dtype(q, k, v)
+    check_same_device(q, k, v)
+    shapes = check_shapes(q, k, v)
+    scale = 1.0 / math.sqrt(shapes.headdim) if softmax_scale is None else check_softmax_scale(softmax_scale)
+    check_flag("causal", causal)
+    return shapes, scale
+
+
+def check_kernel_dtype(name: str, dtype: torch.dtype) -> None:
+    if dtype not in KERNEL_DTYPES:
+        raise TypeError(
+            f"{name} has dtype {dtype}; the flashhopper kernels take {_names(KERNEL_DTYPES)} "
+            "(backend='reference' also takes float32/float64)")
+
+
+def check_kernel_headdim(headdim: int) -> None:
+    if headdim not in KERNEL_HEADDIMS:
+        raise ValueError(
+            f"q head dim {headdim} is not supported by the flashhopper kernels "
+            f"(supported: {', '.join(map(str, KERNEL_HEADDIMS))}); backend='reference' takes any head dim")
+
+
+def kernel_strides(x: torch.Tensor) -> tuple[int, int, int]:
+    """(batch, row, head) strides in elements, as handed to the kernel.
+
+    A dimension of size 1 is never stepped over, so its stride is arbitrary in PyTorch (views can
+    leave odd values there); replace it by the packed one so that it cannot fail the TMA check.
+    """
+    _, s, h, d = x.shape
+    sb, ss, sh, _ = x.stride()
+    if h == 1:
+        sh = d
+    if s == 1:
+        ss = h * sh
+    if x.shape[0] == 1:
+        sb = s * ss
+    return sb, ss, sh
+
+
+def check_last_dim_contiguous(name: str, x: torch.Tensor) -> None:
+    if x.stride(-1) != 1:
+        raise ValueError(
+            f"{name} must have a contiguous last dimension (stride 1), got strides {tuple(x.stride())}; "
+            "call .contiguous()")
+
+
+def check_alignment(name: str, x: torch.Tensor) -> None:
+    """TMA: data pointer and batch/row/head strides in bytes must be multiples of 16."""
+    es = x.element_size()
+    if x.data_ptr() % TMA_ALIGN_BYTES:
+        raise ValueError(
+            f"{name} data pointer {x.data_ptr():#x} is not {TMA_ALIGN_BYTES}-byte aligned "
+            "(a view at an odd offset?); the kernels load through TMA, which needs it: call .contiguous()")
+    for what, stride in zip(("batch", "row", "head"), kernel_strides(x)):
+        if stride == 0:  # size-1 dims were normalized above, so this one is broadcast
+            raise ValueError(
+                f"{name} is broadcast along its {what} dimension (stride 0); the kernels need real memory "
+                "there: call .contiguous()")
+        if (stride * es) % TMA_ALIGN_BYTES:
+            raise ValueError(
+                f"{name} {what} stride {stride} ({stride * es} bytes) is not a multiple of {TMA_ALIGN_BYTES} bytes; "
+                "the kernels load through TMA, which needs it: call .contiguous()")
+
+
+def check_kernel_layout(name: str, x: torch.Tensor) -> None:
+    check_last_dim_contiguous(name, x)
+    check_alignment(name, x)
+
+
+def check_outputs(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Caller-provided out (like q) and lse (float32, contiguous (batch, nheads_q, seqlen_q))."""
+    check_tensor("out", out)
+    check_tensor("lse", lse)
+    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+        raise ValueError(
+            f"out must match q in shape, dtype and device: got {tuple(out.shape)} {out.dtype} {out.device}, "
+            f"q is {tuple(q.shape)} {q.dtype} {q.device}")
+    b, sq, hq, _ = q.shape
+    if lse.shape != (b, hq, sq) or lse.dtype != torch.float32 or lse.device != q.device:
+        raise ValueError(
+            f"lse must be float32 of shape {(b, hq, sq)} on {q.device}, "
+            f"got {tuple(lse.shape)} {lse.dtype} {lse.device}")
+    if not lse.is_contiguous():
+        raise ValueError(f"lse must be contiguous, got strides {tuple(lse.stride())}")

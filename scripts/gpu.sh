@@ -1,0 +1,133 @@
+#!/usr/bin/env bash
+# One-call GPU workflow for the device machine (no network; CUTLASS headers come from the
+# nvidia-cutlass wheel carried in .whl/). Builds the selected kernels with ninja into build/gpu
+# (incremental while the build folder survives), then runs what is asked, logging under $OUT.
+#
+#   scripts/gpu.sh build            # configure + ninja (FLASHHOPPER_ARCHS/DTYPES/HDIMS select kernels)
+#   scripts/gpu.sh test [pytest args]
+#   scripts/gpu.sh bench [bench args]
+#   scripts/gpu.sh sass             # instruction counts per kernel (HGMMA, UTMALDG, SYNCS, ...)
+#   scripts/gpu.sh sanitize         # compute-sanitizer memcheck + racecheck on small shapes
+#   scripts/gpu.sh check [--bench]  # scripts/check_fwd.py: direct kernel check (+ quick timing)
+#   scripts/gpu.sh health           # GEMM ceiling + clocks under load; non-zero exit if throttled
+#   scripts/gpu.sh ablate           # d128 bf16 with ping-pong / overlap off and a 128x176 tile
+#   scripts/gpu.sh all              # build, test, sass, bench
+#
+# Typical device call: `run` with carry [".whl"] and command `scripts/gpu.sh all`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+OUT=${OUT:-$ROOT/build/gpu-logs}
+BUILD_DIR=${BUILD_DIR:-$ROOT/build/gpu}
+PKG_DIR=${PKG_DIR:-$ROOT/python/flashhopper}  # where the built _C lands
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+export PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+# The device image has CUDA under /usr/local/cuda but not always on PATH.
+if ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then
+  export PATH=/usr/local/cuda/bin:$PATH
+fi
+
+cutlass_include() {
+  # Unpack the headers once; a wheel is a zip.
+  local dst="$ROOT/build/cutlass"
+  if [ ! -f "$dst/cutlass_library/source/include/cutlass/cutlass.h" ]; then
+    local whl
+    whl=$(ls "$ROOT"/.whl/nvidia_cutlass-*.whl 2>/dev/null | head -n1 || true)
+    if [ -z "$whl" ]; then
+      if "$PY" -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('cutlass_library') is None)"; then
+        return 0  # installed: CMake finds it
+      fi
+      echo "no CUTLASS headers: carry .whl/nvidia_cutlass-4.2.0.0-py3-none-any.whl" >&2
+      exit 1
+    fi
+    mkdir -p "$dst"
+    "$PY" -m zipfile -e "$whl" "$dst" >/dev/null
+  fi
+  echo "$dst/cutlass_library/source/include"
+}
+
+do_build() {
+  local inc
+  inc=$(cutlass_include)
+  local t0=$SECONDS
+  cmake -S "$ROOT" -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+    -DCMAKE_CUDA_COMPILER="$(command -v nvcc)" \
+    -DPython_EXECUTABLE="$(command -v "$PY")" \
+    -Dpybind11_DIR="$("$PY" -m pybind11 --cmakedir)" \
+    ${inc:+-DCUTLASS_INCLUDE_DIR="$inc"} \
+    -DFLASHHOPPER_ARCHS="${FLASHHOPPER_ARCHS:-90}" \
+    -DFLASHHOPPER_DTYPES="${FLASHHOPPER_DTYPES:-bf16;fp16}" \
+    -DFLASHHOPPER_HDIMS="${FLASHHOPPER_HDIMS:-64;128;256}" \
+    -DFLASHHOPPER_CUDA_FLAGS="${FLASHHOPPER_CUDA_FLAGS:-}" \
+    -DFLASHHOPPER_PTXAS_VERBOSE=ON >"$OUT/configure.log" 2>&1 || { cat "$OUT/configure.log"; exit 1; }
+  local t1=$SECONDS
+  ninja -C "$BUILD_DIR" -j "$(nproc)" >"$OUT/build.log" 2>&1 || { grep -B2 -A20 "error" "$OUT/build.log" | head -120; exit 1; }
+  local t2=$SECONDS
+  cp -f "$BUILD_DIR"/_C*.so "$PKG_DIR/"
+  echo "build: configure $((t1 - t0)) s, compile $((t2 - t1)) s on $(nproc) cores ($(grep -c 'Building CUDA' "$OUT/build.log" || true) CUDA objects rebuilt)" | tee "$OUT/build-time.txt"
+  # Registers / spills of every kernel, from ptxas.
+  grep -E "Compiling entry|registers|spill" "$OUT/build.log" | sed -E 's/_ZN11flashhopper[A-Za-z0-9_]*FwdMainloopIN7cutlass([0-9a-z_]+)ELi([0-9]+)ELi([0-9]+)ELi([0-9]+)ELi([0-9]+)ELb([01])[A-Za-z0-9_]*/fwd \1 d\2 M\3 N\4 st\5 causal\6/' >"$OUT/ptxas.txt" || true
+}
+
+do_test() {
+  "$PY" -m pytest -q -m gpu tests "$@" 2>&1 | tee "$OUT/test.log"
+}
+
+# Build variants of the d128 bf16 kernels side by side (own build and package folders) and time
+# ours only, so that each mechanism's worth is measured in one run.
+do_ablate() {
+  local base_pkg=$PKG_DIR
+  local variants=("full:" "no-pingpong:-DFLASHHOPPER_NO_PINGPONG" "no-overlap:-DFLASHHOPPER_NO_OVERLAP"
+                  "no-both:-DFLASHHOPPER_NO_PINGPONG -DFLASHHOPPER_NO_OVERLAP" "n176:-DFLASHHOPPER_HDIM128_BLOCK_N=176")
+  for v in "${variants[@]}"; do
+    local name=${v%%:*} flags=${v#*:}
+    local pkg="$ROOT/build/ablate/$name/flashhopper"
+    mkdir -p "$pkg"
+    cp "$base_pkg"/*.py "$pkg/"
+    BUILD_DIR="$ROOT/build/ablate-$name" PKG_DIR="$pkg" FLASHHOPPER_CUDA_FLAGS="$flags" \
+      FLASHHOPPER_DTYPES=bf16 FLASHHOPPER_HDIMS=128 do_build >/dev/null
+    echo "== $name ($flags)" | tee -a "$OUT/ablate.log"
+    PYTHONPATH="$ROOT/build/ablate/$name" "$PY" scripts/check_fwd.py --bench --no-peers --seqlens ${ABLATE_SEQLENS:-512 2048 16384} \
+      2>&1 | grep -E "^ +[0-9]+ +[01] |worst" | tee -a "$OUT/ablate.log"
+  done
+}
+
+do_health() {
+  "$PY" scripts/gpu_health.py 2>&1 | tee "$OUT/health.txt"
+}
+
+do_bench() {
+  # Refuse to record numbers from a throttled GPU (FORCE_BENCH=1 overrides).
+  do_health || [ "${FORCE_BENCH:-0}" = 1 ] || { echo "bench skipped: GPU throttled"; return 1; }
+  "$PY" bench/bench_attention.py "$@" 2>&1 | tee "$OUT/bench.log"
+}
+
+do_sass() {
+  local so
+  so=$(ls "$PKG_DIR"/_C*.so | head -n1)
+  cuobjdump --dump-sass "$so" >"$OUT/sass.txt" 2>/dev/null
+  "$PY" scripts/sass_summary.py "$OUT/sass.txt" | tee "$OUT/sass-summary.txt"
+}
+
+do_sanitize() {
+  for tool in memcheck racecheck; do
+    compute-sanitizer --tool "$tool" --error-exitcode 1 "$PY" scripts/check_fwd.py --small 2>&1 | tail -n 5 | tee "$OUT/sanitize-$tool.log"
+  done
+}
+
+cmd=${1:-all}
+shift || true
+case "$cmd" in
+  build) do_build ;;
+  test) do_test "$@" ;;
+  bench) do_bench "$@" ;;
+  sass) do_sass ;;
+  sanitize) do_sanitize ;;
+  health) do_health ;;
+  ablate) do_ablate ;;
+  check) "$PY" scripts/check_fwd.py "$@" 2>&1 | tee "$OUT/check.log" ;;
+  all) do_build; do_test; do_sass; do_bench "$@" ;;
+  *) echo "usage: $0 build|test|bench|sass|sanitize|all" >&2; exit 2 ;;
+esac

@@ -1,0 +1,199 @@
+"""Forward kernels against exact float64 attention on the GPU (run on the H100; skipped here).
+
+The grid: every (seqlen_q, seqlen_k) pair of SEQLENS x head dims x causal; GQA ratio, batch and dtype
+rotate through the cases so that each of their values meets every (head dim, causal) pair. Outputs
+are poisoned with NaN before each run, so a row the kernel forgets to write fails the test.
+Each test runs once per kernel family; a family that is not compiled (or cannot run on this GPU)
+is skipped with the reason.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from helpers import assert_matches_reference, randn_qkv, require_backend
+
+from flashhopper import flash_attn_func
+from flashhopper.dispatch import ARCH
+from flashhopper.ops import fwd_into
+
+SEQLENS = [1, 17, 128, 255, 1000, 4096, 8193]
+HDIMS = [64, 128, 256]
+NHEADS_Q = 8
+# Rotated through the grid: (GQA ratio nheads_q/nheads_kv, batch, dtype).
+ROTATED = list(itertools.product([1, 4, 8], [1, 3], [torch.bfloat16, torch.float16]))
+BACKENDS = ["sm90", "sm80"]
+
+
+def grid() -> list[tuple[int, int, int, bool, int, int, torch.dtype]]:
+    cases = []
+    for p, (sq, sk) in enumerate(itertools.product(SEQLENS, SEQLENS)):
+        for j, (d, causal) in enumerate(itertools.product(HDIMS, (False, True))):
+            # (p + j): for each (d, causal), p runs over 49 pairs, so all 12 rotations appear.
+            gqa, batch, dtype = ROTATED[(p + j) % len(ROTATED)]
+            cases.append((sq, sk, d, causal, gqa, batch, dtype))
+    return cases
+
+
+def case_id(c: tuple[int, int, int, bool, int, int, torch.dtype]) -> str:
+    sq, sk, d, causal, gqa, batch, dtype = c
+    return f"{sq}x{sk}-d{d}-{'causal' if causal else 'full'}-gqa{gqa}-b{batch}-{str(dtype)[6:]}"
+
+
+def poisoned(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    b, sq, h, _ = q.shape
+    return torch.full_like(q, math.nan), torch.full((b, h, sq), math.nan, device=q.device)
+
+
+def native(index: int = 0) -> str:
+    """The kernel family auto-dispatch prefers on cuda:index."""
+    return "sm90" if torch.cuda.get_device_capability(index) == (9, 0) else "sm80"
+
+
+def test_grid_covers_every_value() -> None:  # runs anywhere: it checks the grid, not a kernel
+    cases = grid()
+    assert len(cases) == len(SEQLENS) ** 2 * len(HDIMS) * 2
+    for d, causal in itertools.product(HDIMS, (False, True)):
+        seen = {(g, b, dt) for (_, _, dd, c, g, b, dt) in cases if (dd, c) == (d, causal)}
+        assert seen == set(ROTATED)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", grid(), ids=case_id)
+def test_fwd(case: tuple[int, int, int, bool, int, int, torch.dtype], backend: str) -> None:
+    sq, sk, d, causal, gqa, batch, dtype = case
+    require_backend(backend, dtype, d, causal)
+    q, k, v = randn_qkv(batch, sq, sk, NHEADS_Q, NHEADS_Q // gqa, d, dtype, "cuda")
+    out, lse = poisoned(q)
+    scale = 1 / math.sqrt(d)
+    fwd_into(q, k, v, out, lse, scale, causal, ARCH[backend])
+    assert_matches_reference(out, lse, q, k, v, scale, causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("scale", [0.02, 0.5])
+@pytest.mark.parametrize("causal", [False, True])
+def test_softmax_scale(scale: float, causal: bool, backend: str) -> None:
+    require_backend(backend, torch.bfloat16, 128, causal)
+    q, k, v = randn_qkv(2, 300, 700, 8, 2, 128, torch.bfloat16, "cuda")
+    out, lse = poisoned(q)
+    fwd_into(q, k, v, out, lse, scale, causal, ARCH[backend])
+    assert_matches_reference(out, lse, q, k, v, scale, causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("headdim", HDIMS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_strided_inputs_and_output(headdim: int, causal: bool, backend: str) -> None:
+    # q, k, v sliced from one packed (batch, seqlen, 3, nheads, headdim) tensor, and out a view with
+    # padded heads: valid TMA strides, none of them the contiguous ones.
+    require_backend(backend, torch.bfloat16, headdim, causal)
+    qkv = torch.randn(2, 1000, 3, 8, headdim, dtype=torch.bfloat16, device="cuda")
+    q, k, v = qkv.unbind(2)
+    out = torch.full((2, 1000, 8, 2 * headdim), math.nan, dtype=torch.bfloat16, device="cuda")[..., :headdim]
+    lse = torch.full((2, 8, 1000), math.nan, device="cuda")
+    fwd_into(q, k, v, out, lse, 1 / math.sqrt(headdim), causal, ARCH[backend])
+    assert_matches_reference(out, lse, q, k, v, 1 / math.sqrt(headdim), causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gqa_packed_heads(backend: str) -> None:
+    # Fused GQA projection: (batch, seqlen, nheads_q + 2 * nheads_kv, headdim), split along heads.
+    require_backend(backend, torch.float16, 128, True)
+    x = torch.randn(3, 777, 8 + 2 * 2, 128, dtype=torch.float16, device="cuda")
+    q, k, v = x[:, :, :8], x[:, :, 8:10], x[:, :, 10:]
+    out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True, backend=backend)
+    assert_matches_reference(out, lse, q, k, v, None, causal=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_attn_func_auto(causal: bool) -> None:
+    require_backend(native(), torch.bfloat16, 128, causal)
+    q, k, v = randn_qkv(2, 1024, 1024, 16, 16, 128, torch.bfloat16, "cuda")
+    out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    assert out.dtype == torch.bfloat16 and out.is_contiguous()
+    assert_matches_reference(out, lse, q, k, v, None, causal)
+
+
+@pytest.mark.gpu
+def test_extension_imports_on_gpu_machines() -> None:
+    from flashhopper import extension_error, has_extension
+
+    assert has_extension(), f"flashhopper._C did not import on a CUDA machine: {extension_error()}"
+
+
+@pytest.mark.gpu
+def test_empty_batch_on_gpu() -> None:
+    require_backend(native(), torch.bfloat16, 128, False)
+    q, k, v = randn_qkv(0, 128, 64, 8, 8, 128, torch.bfloat16, "cuda")
+    out, lse = flash_attn_func(q, k, v, return_lse=True)
+    assert out.shape == q.shape and lse.shape == (0, 8, 128)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_no_keys_on_gpu(causal: bool) -> None:
+    require_backend(native(), torch.bfloat16, 128, causal)
+    q, k, v = randn_qkv(2, 64, 0, 8, 8, 128, torch.bfloat16, "cuda")
+    out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    assert (out == 0).all() and torch.isneginf(lse).all()
+
+
+@pytest.mark.gpu
+def test_misaligned_input_is_refused_before_launch() -> None:
+    require_backend(native(), torch.bfloat16, 128, False)
+    base = torch.randn(2 * 128 * 8 * 128 + 1, dtype=torch.bfloat16, device="cuda")
+    q = base[1:].view(2, 128, 8, 128)  # 2 bytes off a 16-byte boundary
+    k = v = torch.randn(2, 128, 8, 128, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match=r"^q data pointer"):
+        flash_attn_func(q, k, v)
+
+
+@pytest.mark.gpu
+def test_compile_on_gpu() -> None:
+    require_backend(native(), torch.bfloat16, 128, True)
+    q, k, v = randn_qkv(2, 512, 512, 8, 8, 128, torch.bfloat16, "cuda")
+
+    def f(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return flash_attn_func(q, k, v, causal=True) * 2
+
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(f, fullgraph=True)(q, k, v), f(q, k, v))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_other_device_keeps_current_device() -> None:
+    require_backend(native(1), torch.bfloat16, 128, False, device="cuda:1")
+    q, k, v = randn_qkv(1, 256, 256, 8, 8, 128, torch.bfloat16, "cuda:1")
+    torch.cuda.set_device(0)
+    out, lse = flash_attn_func(q, k, v, return_lse=True)
+    assert torch.cuda.current_device() == 0
+    assert out.device == q.device
+    assert_matches_reference(out, lse, q, k, v, None, causal=False)
+
+
+@pytest.mark.gpu
+def test_concurrent_streams() -> None:
+    # Causal kernels share work through a per-stream tile counter; two streams at once must not mix.
+    require_backend(native(), torch.bfloat16, 128, True)
+    inputs = [randn_qkv(2, 2048, 2048, 8, 8, 128, torch.bfloat16, "cuda") for _ in range(2)]
+    streams = [torch.cuda.Stream() for _ in range(2)]
+    torch.cuda.synchronize()
+    results = []
+    for _ in range(3):
+        for s, (q, k, v) in zip(streams, inputs):
+            with torch.cuda.stream(s):
+                results.append(flash_attn_func(q, k, v, causal=True, return_lse=True))
+    torch.cuda.synchronize()
+    for i, (out, lse) in enumerate(results[:2]):
+        assert_matches_reference(out, lse, *inputs[i], None, causal=True)
+    for i, (out, lse) in enumerate(results[2:]):
+        assert torch.equal(out, results[i % 2][0]) and torch.equal(lse, results[i % 2][1])

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Is this GPU fit to be timed? Runs ~3 s of bf16 GEMM and samples clocks meanwhile.
 
-Exit 1 when the SM clock under load stays far below its maximum or a thermal/power slowdown is
+Exit 1 when the SM clock under load stays far below its maximum or a thermal/hardware slowdown is
 active, so that a benchmark run can stop instead of recording throttled numbers (seen on a
 lent H100, 2026-11-22: 86-89 C, SM clock 480-915 MHz, every provider ~2x slower).
 """
@@ -61,7 +61,9 @@ def main() -> int:
     median_clock = clocks[len(clocks) // 2]
     print(f"{torch.cuda.get_device_name()}: bf16 GEMM {tflops:.0f} TFLOPS, SM clock under load median {median_clock} "
           f"MHz (max {max_clock}), {temp} C, slowdowns: {', '.join(slow) or 'none'}")
-    throttled = median_clock < 0.8 * max_clock or any(s in ("sw thermal", "hw thermal", "hw slowdown") for s in slow)
+    # A power cap under sustained GEMM is the H100's normal state (seen: 1410 MHz, 53 C, 679 TFLOPS);
+    # thermal or hardware slowdowns, or clocks far below that, are not.
+    throttled = median_clock < 0.6 * max_clock or any(s in ("sw thermal", "hw thermal", "hw slowdown") for s in slow)
     if throttled:
         print("GPU IS THROTTLED: timings from this machine are not comparable")
     return 1 if throttled else 0

@@ -10,7 +10,8 @@
 #   scripts/gpu.sh sanitize         # compute-sanitizer memcheck + racecheck on small shapes
 #   scripts/gpu.sh check [--bench]  # scripts/check_fwd.py: direct kernel check (+ quick timing)
 #   scripts/gpu.sh health           # GEMM ceiling + clocks under load; non-zero exit if throttled
-#   scripts/gpu.sh ablate           # d128 bf16 with ping-pong / overlap off and a 128x176 tile
+#   scripts/gpu.sh ablate           # d128 bf16 with ping-pong / overlap off, 128x176, 3 K/V stages
+#                                   # (ABLATE_VARIANTS="full n176" picks some; ABLATE_SEQLENS too)
 #   scripts/gpu.sh all              # build, test, sass, bench
 #
 # Typical device call: `run` with carry [".whl"] and command `scripts/gpu.sh all`.
@@ -79,9 +80,12 @@ do_test() {
 # ours only, so that each mechanism's worth is measured in one run.
 do_ablate() {
   local base_pkg=$PKG_DIR
-  local variants=("full:" "no-pingpong:-DFLASHHOPPER_NO_PINGPONG" "no-overlap:-DFLASHHOPPER_NO_OVERLAP"
-                  "no-both:-DFLASHHOPPER_NO_PINGPONG -DFLASHHOPPER_NO_OVERLAP" "n176:-DFLASHHOPPER_HDIM128_BLOCK_N=176")
-  for v in "${variants[@]}"; do
+  local all=("full:" "no-pingpong:-DFLASHHOPPER_NO_PINGPONG" "no-overlap:-DFLASHHOPPER_NO_OVERLAP"
+             "no-both:-DFLASHHOPPER_NO_PINGPONG -DFLASHHOPPER_NO_OVERLAP" "n176:-DFLASHHOPPER_HDIM128_BLOCK_N=176"
+             "kv3q1:-DFLASHHOPPER_HDIM128_STAGES=3")
+  local want=" ${ABLATE_VARIANTS:-full no-pingpong no-overlap no-both n176 kv3q1} "
+  for v in "${all[@]}"; do
+    [[ $want == *" ${v%%:*} "* ]] || continue
     local name=${v%%:*} flags=${v#*:}
     local pkg="$ROOT/build/ablate/$name/flashhopper"
     mkdir -p "$pkg"

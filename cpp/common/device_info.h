@@ -10,6 +10,7 @@ namespace flashhopper {
 
 struct DeviceInfo {
   int num_sms = 0;
+  int64_t l2_bytes = 0;
 };
 
 inline DeviceInfo const& device_info(int device) {
@@ -18,7 +19,10 @@ inline DeviceInfo const& device_info(int device) {
   if (device < 0 || device >= 64) device = 0;
   if (!ready[device].load(std::memory_order_acquire)) {
     DeviceInfo info;
+    int l2 = 0;
     cudaDeviceGetAttribute(&info.num_sms, cudaDevAttrMultiProcessorCount, device);
+    cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device);
+    info.l2_bytes = l2;
     cache[device] = info;
     ready[device].store(true, std::memory_order_release);
   }

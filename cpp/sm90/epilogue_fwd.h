@@ -1,8 +1,8 @@
 // Hopper forward epilogue, per consumer warpgroup: O (already normalized, fp32) is converted in
 // registers, written with stmatrix into this warpgroup's 64-row slice of the Q stage it just used,
-// and stored by one thread with a TMA store (which clips rows past seqlen_q); that thread then
-// waits for TMA to have read the slice and releases the Q stage. The other threads go on to the
-// next tile. LSE goes straight to global memory from the threads that own column 0 of each row.
+// and stored by one thread with a TMA store (which clips rows past seqlen_q). The Q stage is
+// released once TMA has read the slice: at once with one Q stage (the next tile's Q waits for
+// it), otherwise later, by the kernel, so that no thread stalls on the store here. LSE goes straight to global memory from the threads that own column 0 of each row.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -47,7 +47,7 @@ struct FwdEpilogue {
     return (int64_t(batch) * get<2>(p.shape_o) + head) * get<0>(p.shape_o);
   }
 
-  template <class FragO, class LSE, class PipelineQ, class PipelineStateQ>
+  template <bool kReleaseQ, class FragO, class LSE, class PipelineQ, class PipelineStateQ>
   CUTE_DEVICE static void store(Params const& p, FragO const& tOrO, LSE const& lse, Element* smem_q,
                                 PipelineQ& pipeline_q, PipelineStateQ const& q_state, int m_block, int head,
                                 int batch, int wg, int thread_idx) {
@@ -67,8 +67,10 @@ struct FwdEpilogue {
       auto parts = tma_partition(p.tma_o, _0{}, Layout<_1>{}, group_modes<0, 2>(sO), group_modes<0, 2>(gO));
       copy(p.tma_o, get<1>(parts)(_, wg, q_state.index()), get<0>(parts)(_, m_block * kNumMmaWG + wg));
       tma_store_arrive();
-      tma_store_wait<0>();  // TMA has read the slice: Q's stage may be refilled
-      pipeline_q.consumer_release(q_state);
+      if constexpr (kReleaseQ) {
+        tma_store_wait<0>();  // TMA has read the slice: Q's stage may be refilled
+        pipeline_q.consumer_release(q_state);
+      }
     }
     store_lse(p, lse, m_block, head, batch, wg, thread_idx);
   }

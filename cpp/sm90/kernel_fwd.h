@@ -121,6 +121,20 @@ struct FwdKernel {
       typename Mainloop::PipelineState read_k, read_v;
       typename Mainloop::PipelineStateQ read_q;
       typename TilePipeline::PipelineState read_tile;
+      // With two Q stages, the stage a tile used is released during the next tile, once its
+      // first GEMM is issued: by then TMA has long finished reading the O staged there.
+      constexpr bool kDeferQRelease = Mainloop::kQStages > 1;
+      typename Mainloop::PipelineStateQ pending_q;
+      bool q_release_pending = false;
+      auto release_pending_q = [&] {
+        if constexpr (kDeferQRelease) {
+          if (q_release_pending && thread_idx == 0) {
+            tma_store_wait<0>();
+            pipeline_q.consumer_release(pending_q);
+          }
+          q_release_pending = false;
+        }
+      };
 
       while (true) {
         tile_pipeline.consumer_wait(read_tile);
@@ -139,16 +153,20 @@ struct FwdKernel {
 
         pipeline_q.consumer_wait(read_q);
         Mainloop::mma(params.mainloop, pipeline_k, pipeline_v, read_k, read_v, ss.tensors, read_q.index(), tOrO,
-                      softmax, w.m_block, wg, thread_idx);
+                      softmax, w.m_block, wg, thread_idx, release_pending_q);
 
         cute::array<float, 2> lse;
         auto const inv_sum = softmax.finalize(lse);
         Tensor o = rowcol(tOrO);
         OnlineSoftmax<2>::rescale(o, inv_sum);
-        Epilogue::store(params.epilogue, tOrO, lse, ss.tensors.smem_q.data(), pipeline_q, read_q, w.m_block, w.head,
-                        w.batch, wg, thread_idx);
+        Epilogue::template store<!kDeferQRelease>(params.epilogue, tOrO, lse, ss.tensors.smem_q.data(), pipeline_q,
+                                                  read_q, w.m_block, w.head, w.batch, wg, thread_idx);
+        pending_q = read_q;
+        q_release_pending = kDeferQRelease;
         ++read_q;
       }
+      // TMA must have read the last O before the CTA's shared memory goes away.
+      if (thread_idx == 0) tma_store_wait<0>();
     }
   }
 };

@@ -65,7 +65,9 @@ void run_fwd_sm90(FwdParams const& p, cudaStream_t stream) {
                             stride(p.v_row_stride, p.v_head_stride, p.v_batch_stride), shape_k, p.softmax_scale),
       Epilogue::make_params(static_cast<Element*>(p.o_ptr), shape_q,
                             stride(p.o_row_stride, p.o_head_stride, p.o_batch_stride), p.lse_ptr),
-      sm90::make_tile_scheduler_params(num_m_blocks, p.batch, p.nheads_q, p.tile_counter)};
+      sm90::make_tile_scheduler_params(num_m_blocks, p.batch, p.nheads_q, p.nheads_q / p.nheads_kv,
+                                       int64_t(p.seqlen_k) * p.headdim * 2 * int64_t(sizeof(Element)),
+                                       dev.l2_bytes > 0 ? dev.l2_bytes : int64_t(50) << 20, p.tile_counter)};
 
   auto kernel = &sm90::fwd_kernel<Kernel>;
   int const smem_bytes = int(sizeof(typename Kernel::SharedStorage));

@@ -200,10 +200,13 @@ struct FwdMainloop {
   // Consumer: one warpgroup's 64 rows of the tile, reading Q from stage q_stage (already waited
   // for). Accumulates the unnormalized O into tOrO (zeroed by the caller) and the softmax state
   // into `softmax`; K/V stages are released as they are consumed, the Q stage by the epilogue.
-  template <class FragO, class Softmax>
+  // on_first_issue() runs once the first S GEMM is on the tensor cores (the kernel releases the
+  // previous tile's Q stage there).
+  template <class FragO, class Softmax, class OnFirstIssue>
   CUTE_DEVICE static void mma(Params const& p, Pipeline& pipeline_k, Pipeline& pipeline_v,
                               PipelineState& read_k, PipelineState& read_v, TensorStorage& ts,
-                              int q_stage, FragO& tOrO, Softmax& softmax, int m_block, int wg, int thread_idx) {
+                              int q_stage, FragO& tOrO, Softmax& softmax, int m_block, int wg, int thread_idx,
+                              OnFirstIssue&& on_first_issue) {
     int const n_block_max = p.block_info.n_block_max(m_block);
     int const n_block_min = p.block_info.n_block_min(m_block);
     int const row_offset = m_block * kBlockM + wg * 64;
@@ -258,6 +261,7 @@ struct FwdMainloop {
     Sched::sync(wg);
     issue_s();
     Sched::arrive(wg);
+    on_first_issue();
     warpgroup_wait<0>();
     release_k();
     mask.template apply<true, true>(scores, tScS, row_offset, n_block);

@@ -20,6 +20,12 @@ inline constexpr bool kOverlapDefault = true;
 #ifndef FLASHHOPPER_HDIM128_BLOCK_N
 #define FLASHHOPPER_HDIM128_BLOCK_N 128
 #endif
+#ifndef FLASHHOPPER_HDIM128_STAGES
+#define FLASHHOPPER_HDIM128_STAGES 2
+#endif
+#ifndef FLASHHOPPER_HDIM128_QSTAGES
+#define FLASHHOPPER_HDIM128_QSTAGES (FLASHHOPPER_HDIM128_BLOCK_N > 128 || FLASHHOPPER_HDIM128_STAGES > 2 ? 1 : 2)
+#endif
 
 struct FwdTilePolicy {
   static constexpr bool kPingPong = kPingPongDefault, kOverlap = kOverlapDefault;
@@ -36,8 +42,9 @@ struct FwdTileSize<64, kCausal> : FwdTilePolicy {
 
 template <bool kCausal>
 struct FwdTileSize<128, kCausal> : FwdTilePolicy {
-  static constexpr int kBlockM = 128, kBlockN = FLASHHOPPER_HDIM128_BLOCK_N, kStages = 2;
-  static constexpr int kQStages = kBlockN > 128 ? 1 : 2;  // a wider K/V tile leaves room for one Q tile
+  static constexpr int kBlockM = 128, kBlockN = FLASHHOPPER_HDIM128_BLOCK_N, kStages = FLASHHOPPER_HDIM128_STAGES;
+  // A wider K/V tile or a third K/V stage leaves room for one Q tile only.
+  static constexpr int kQStages = FLASHHOPPER_HDIM128_QSTAGES;
 };
 
 // Large head dim: the O accumulator (64x256 fp32 per warpgroup) leaves room for 80 keys, and

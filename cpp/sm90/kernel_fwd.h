@@ -121,18 +121,25 @@ struct FwdKernel {
       typename Mainloop::PipelineState read_k, read_v;
       typename Mainloop::PipelineStateQ read_q;
       typename TilePipeline::PipelineState read_tile;
-      // With two Q stages, the stage a tile used is released during the next tile, once its
-      // first GEMM is issued: by then TMA has long finished reading the O staged there.
-      constexpr bool kDeferQRelease = Mainloop::kQStages > 1;
+      // Q-stage release. With two Q stages, O is staged for its TMA store in the stage the tile
+      // used, which is released during the next tile once its first GEMM is issued (TMA has long
+      // read O by then). With one, Q is released as soon as the last S GEMM is done, so that the
+      // next tile's Q loads under this tile's tail, and O is stored from registers.
+      constexpr bool kStageO = Mainloop::kQStages > 1;
       typename Mainloop::PipelineStateQ pending_q;
       bool q_release_pending = false;
-      auto release_pending_q = [&] {
-        if constexpr (kDeferQRelease) {
+      auto on_first_issue = [&] {
+        if constexpr (kStageO) {
           if (q_release_pending && thread_idx == 0) {
             tma_store_wait<0>();
             pipeline_q.consumer_release(pending_q);
           }
           q_release_pending = false;
+        }
+      };
+      auto on_q_done = [&] {
+        if constexpr (!kStageO) {
+          if (thread_idx == 0) pipeline_q.consumer_release(read_q);
         }
       };
 
@@ -153,16 +160,20 @@ struct FwdKernel {
 
         pipeline_q.consumer_wait(read_q);
         Mainloop::mma(params.mainloop, pipeline_k, pipeline_v, read_k, read_v, ss.tensors, read_q.index(), tOrO,
-                      softmax, w.m_block, wg, thread_idx, release_pending_q);
+                      softmax, w.m_block, wg, thread_idx, on_first_issue, on_q_done);
 
         cute::array<float, 2> lse;
         auto const inv_sum = softmax.finalize(lse);
         Tensor o = rowcol(tOrO);
         OnlineSoftmax<2>::rescale(o, inv_sum);
-        Epilogue::template store<!kDeferQRelease>(params.epilogue, tOrO, lse, ss.tensors.smem_q.data(), pipeline_q,
-                                                  read_q, w.m_block, w.head, w.batch, wg, thread_idx);
-        pending_q = read_q;
-        q_release_pending = kDeferQRelease;
+        if constexpr (kStageO) {
+          Epilogue::store(params.epilogue, tOrO, lse, ss.tensors.smem_q.data(), read_q, w.m_block, w.head, w.batch,
+                          wg, thread_idx);
+          pending_q = read_q;
+          q_release_pending = true;
+        } else {
+          Epilogue::store_direct(params.epilogue, tOrO, lse, w.m_block, w.head, w.batch, wg, thread_idx);
+        }
         ++read_q;
       }
       // TMA must have read the last O before the CTA's shared memory goes away.

@@ -12,6 +12,7 @@
 #   scripts/gpu.sh health           # GEMM ceiling + clocks under load; non-zero exit if throttled
 #   scripts/gpu.sh ablate           # d128 bf16 with ping-pong / overlap off, 128x176, 3 K/V stages
 #                                   # (ABLATE_VARIANTS="full n176" picks some; ABLATE_SEQLENS too)
+#   scripts/gpu.sh profile --hdim 256 --seqlen 2048 --causal   # ncu sections of one launch
 #   scripts/gpu.sh all              # build, test, sass, bench
 #
 # Typical device call: `run` with carry [".whl"] and command `scripts/gpu.sh all`.
@@ -82,7 +83,9 @@ do_ablate() {
   local base_pkg=$PKG_DIR
   local all=("full:" "no-pingpong:-DFLASHHOPPER_NO_PINGPONG" "no-overlap:-DFLASHHOPPER_NO_OVERLAP"
              "no-both:-DFLASHHOPPER_NO_PINGPONG -DFLASHHOPPER_NO_OVERLAP" "n176:-DFLASHHOPPER_HDIM128_BLOCK_N=176"
-             "kv3q1:-DFLASHHOPPER_HDIM128_STAGES=3")
+             "kv3q1:-DFLASHHOPPER_HDIM128_STAGES=3"
+             "d256-nopp:-DFLASHHOPPER_HDIM256_PINGPONG=0" "d256-stageo:-DFLASHHOPPER_HDIM256_STAGE_O=1"
+             "d256-nopp-stageo:-DFLASHHOPPER_HDIM256_PINGPONG=0 -DFLASHHOPPER_HDIM256_STAGE_O=1")
   local want=" ${ABLATE_VARIANTS:-full no-pingpong no-overlap no-both n176 kv3q1} "
   for v in "${all[@]}"; do
     [[ $want == *" ${v%%:*} "* ]] || continue
@@ -91,11 +94,21 @@ do_ablate() {
     mkdir -p "$pkg"
     cp "$base_pkg"/*.py "$pkg/"
     BUILD_DIR="$ROOT/build/ablate-$name" PKG_DIR="$pkg" FLASHHOPPER_CUDA_FLAGS="$flags" \
-      FLASHHOPPER_DTYPES=bf16 FLASHHOPPER_HDIMS=128 do_build >/dev/null
+      FLASHHOPPER_DTYPES=bf16 FLASHHOPPER_HDIMS="${ABLATE_HDIMS:-128}" do_build >/dev/null
     echo "== $name ($flags)" | tee -a "$OUT/ablate.log"
     PYTHONPATH="$ROOT/build/ablate/$name" "$PY" scripts/check_fwd.py --bench --no-peers --seqlens ${ABLATE_SEQLENS:-512 2048 16384} \
       2>&1 | grep -E "^ +[0-9]+ +[01] |worst" | tee -a "$OUT/ablate.log"
   done
+}
+
+# ncu on the third launch of one configuration (args go to scripts/profile_fwd.py).
+do_profile() {
+  local tag
+  tag=$(echo "$*" | tr -c 'A-Za-z0-9' '_')
+  ncu --clock-control none --kernel-name regex:fwd_kernel --launch-skip 2 --launch-count 1 \
+    --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section ComputeWorkloadAnalysis \
+    "$PY" scripts/profile_fwd.py "$@" >"$OUT/ncu_${tag}.txt" 2>&1 || true
+  grep -E "Duration|Throughput|Pipe|Hit Rate|Stall|Warp Cycles|Issued|Bandwidth|Busy|L2 Cache" "$OUT/ncu_${tag}.txt" | head -60
 }
 
 do_health() {
@@ -131,6 +144,7 @@ case "$cmd" in
   sanitize) do_sanitize ;;
   health) do_health ;;
   ablate) do_ablate ;;
+  profile) do_profile "$@" ;;
   check) "$PY" scripts/check_fwd.py "$@" 2>&1 | tee "$OUT/check.log" ;;
   all) do_build; do_test; do_sass; do_bench "$@" ;;
   *) echo "usage: $0 build|test|bench|sass|sanitize|all" >&2; exit 2 ;;

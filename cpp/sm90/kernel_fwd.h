@@ -121,19 +121,24 @@ struct FwdKernel {
       typename Mainloop::PipelineState read_k, read_v;
       typename Mainloop::PipelineStateQ read_q;
       typename TilePipeline::PipelineState read_tile;
-      // Q-stage release. With two Q stages, O is staged for its TMA store in the stage the tile
-      // used, which is released during the next tile once its first GEMM is issued (TMA has long
-      // read O by then). With one, Q is released as soon as the last S GEMM is done, so that the
-      // next tile's Q loads under this tile's tail, and O is stored from registers.
-      constexpr bool kStageO = Mainloop::kQStages > 1;
+      // Q-stage release. When O is staged for its TMA store in the Q stage the tile used, that
+      // stage is released once TMA has read O: during the next tile, after its first GEMM is
+      // issued, when there is a second Q stage to work from meanwhile; right after the store
+      // otherwise. When O is stored from registers, Q is released as soon as the last S GEMM is
+      // done, so that the next tile's Q loads under this tile's tail.
+      constexpr bool kStageO = Mainloop::kStageO;
+      constexpr bool kDeferRelease = kStageO && Mainloop::kQStages > 1;
       typename Mainloop::PipelineStateQ pending_q;
       bool q_release_pending = false;
+      auto release_q_after_store = [&](auto const& q_state) {
+        if (thread_idx == 0) {
+          tma_store_wait<0>();
+          pipeline_q.consumer_release(q_state);
+        }
+      };
       auto on_first_issue = [&] {
-        if constexpr (kStageO) {
-          if (q_release_pending && thread_idx == 0) {
-            tma_store_wait<0>();
-            pipeline_q.consumer_release(pending_q);
-          }
+        if constexpr (kDeferRelease) {
+          if (q_release_pending) release_q_after_store(pending_q);
           q_release_pending = false;
         }
       };
@@ -169,8 +174,12 @@ struct FwdKernel {
         if constexpr (kStageO) {
           Epilogue::store(params.epilogue, tOrO, lse, ss.tensors.smem_q.data(), read_q, w.m_block, w.head, w.batch,
                           wg, thread_idx);
-          pending_q = read_q;
-          q_release_pending = true;
+          if constexpr (kDeferRelease) {
+            pending_q = read_q;
+            q_release_pending = true;
+          } else {
+            release_q_after_store(read_q);
+          }
         } else {
           Epilogue::store_direct(params.epilogue, tOrO, lse, w.m_block, w.head, w.batch, wg, thread_idx);
         }

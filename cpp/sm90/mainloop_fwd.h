@@ -55,7 +55,7 @@ struct FwdMainloop {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_, kBlockM = Tile::kBlockM, kBlockN = Tile::kBlockN;
   static constexpr int kStages = Tile::kStages, kQStages = Tile::kQStages;
-  static constexpr bool kCausal = kCausal_, kOverlap = Tile::kOverlap;
+  static constexpr bool kCausal = kCausal_, kOverlap = Tile::kOverlap, kStageO = Tile::kStageO;
   static constexpr int kNumMmaWG = kBlockM / 64;
   static constexpr int kNumMmaThreads = kNumMmaWG * cutlass::NumThreadsPerWarpGroup;
   static_assert(kBlockM % 64 == 0 && kNumMmaWG >= 1 && kNumMmaWG <= 3);

@@ -27,8 +27,17 @@ inline constexpr bool kOverlapDefault = true;
 #define FLASHHOPPER_HDIM128_QSTAGES (FLASHHOPPER_HDIM128_BLOCK_N > 128 || FLASHHOPPER_HDIM128_STAGES > 2 ? 1 : 2)
 #endif
 
+#ifndef FLASHHOPPER_HDIM256_PINGPONG
+#define FLASHHOPPER_HDIM256_PINGPONG 1
+#endif
+#ifndef FLASHHOPPER_HDIM256_STAGE_O
+#define FLASHHOPPER_HDIM256_STAGE_O 0
+#endif
+
+// kStageO: O goes to global memory by a TMA store staged in the Q stage the tile used (needs the
+// Q stage back before the next tile can load its Q); otherwise straight from registers.
 struct FwdTilePolicy {
-  static constexpr bool kPingPong = kPingPongDefault, kOverlap = kOverlapDefault;
+  static constexpr bool kPingPong = kPingPongDefault, kOverlap = kOverlapDefault, kStageO = true;
 };
 
 template <int kHeadDim, bool kCausal>
@@ -52,6 +61,8 @@ struct FwdTileSize<128, kCausal> : FwdTilePolicy {
 template <bool kCausal>
 struct FwdTileSize<256, kCausal> : FwdTilePolicy {
   static constexpr int kBlockM = 128, kBlockN = 80, kStages = 2, kQStages = 1;
+  static constexpr bool kPingPong = kPingPongDefault && FLASHHOPPER_HDIM256_PINGPONG;
+  static constexpr bool kStageO = FLASHHOPPER_HDIM256_STAGE_O;
 };
 
 }  // namespace flashhopper::sm90

@@ -1,0 +1,29 @@
+#!/usr/bin/env python3
+"""Launch one forward configuration a few times, for `ncu` to profile (see scripts/gpu.sh profile).
+
+    python scripts/profile_fwd.py --hdim 256 --seqlen 2048 --causal
+FA3-paper shape: batch = 16384 // seqlen, nheads = 2048 // hdim, bf16.
+"""
+import argparse
+
+import torch
+
+from check_fwd import run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hdim", type=int, default=128)
+    ap.add_argument("--seqlen", type=int, default=2048)
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--iters", type=int, default=3)
+    a = ap.parse_args()
+    b, h = 16384 // a.seqlen, 2048 // a.hdim
+    q, k, v = (torch.randn(b, a.seqlen, h, a.hdim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    for _ in range(a.iters):
+        run(q, k, v, a.causal)
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()

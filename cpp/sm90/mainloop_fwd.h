@@ -139,9 +139,9 @@ struct FwdMainloop {
   }
 
   // ---------------------------------------------------------------------------------------------
-  // Producer: one thread issues every TMA of a tile: Q (a free stage, so with two stages it lands
-  // while the previous tile still computes), then K/V with V trailing K by one block so that the
-  // first S GEMM never waits on V.
+  // Producer: one thread issues every TMA of a tile. The first K block goes out before the wait
+  // for a free Q stage (with one Q stage that wait lasts until the previous tile's O is stored);
+  // then Q, then K/V with V trailing K by one block so that the first S GEMM never waits on V.
   CUTE_DEVICE static void load(Params const& p, PipelineQ& pipeline_q, Pipeline& pipeline_k, Pipeline& pipeline_v,
                                PipelineStateQ& write_q, PipelineState& write_k, PipelineState& write_v,
                                TensorStorage& ts, int m_block, int head, int batch) {
@@ -180,6 +180,8 @@ struct FwdMainloop {
       ++write_v;
     };
 
+    int n_block = n_block_max - 1;
+    load_k(n_block);
     pipeline_q.producer_acquire(write_q);
     CUTE_UNROLL
     for (int wg = 0; wg < kNumMmaWG; ++wg) {
@@ -187,8 +189,6 @@ struct FwdMainloop {
            tQgQ(_, m_block * kNumMmaWG + wg), tQsQ(_, wg, write_q.index()));
     }
     ++write_q;
-    int n_block = n_block_max - 1;
-    load_k(n_block);
     for (; n_block > n_block_min; --n_block) {
       load_k(n_block - 1);
       load_v(n_block);

@@ -31,7 +31,7 @@ inline constexpr bool kOverlapDefault = true;
 #define FLASHHOPPER_HDIM256_PINGPONG 1
 #endif
 #ifndef FLASHHOPPER_HDIM256_STAGE_O
-#define FLASHHOPPER_HDIM256_STAGE_O 0
+#define FLASHHOPPER_HDIM256_STAGE_O 1  // measured: +5..16% over register stores (docs/perf-notes.md)
 #endif
 
 // kStageO: O goes to global memory by a TMA store staged in the Q stage the tile used (needs the

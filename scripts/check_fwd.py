@@ -86,8 +86,9 @@ def main() -> None:
     ap.add_argument("--bench", action="store_true", help="also time a few FA3-paper shapes against SDPA")
     ap.add_argument("--seqlens", type=int, nargs="*", default=[512, 2048, 8192, 16384])
     ap.add_argument("--no-peers", action="store_true", help="time only our kernels")
+    ap.add_argument("--dtypes", nargs="*", default=["bfloat16", "float16"], help="which built kernels to check")
     args = ap.parse_args()
-    built = {(k["dtype"], k["headdim"], k["causal"]) for k in _C.kernels() if k["arch"] == 90}
+    built = {(k["dtype"], k["headdim"], k["causal"]) for k in _C.kernels() if k["arch"] == 90 and k["dtype"] in args.dtypes}
     if args.small:
         shapes = [(1, 17, 200, 4, 1), (2, 255, 130, 4, 2), (1, 300, 40, 2, 2)]
     else:

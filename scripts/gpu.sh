@@ -130,7 +130,9 @@ do_sass() {
 
 do_sanitize() {
   for tool in memcheck racecheck; do
-    compute-sanitizer --tool "$tool" --error-exitcode 1 "$PY" scripts/check_fwd.py --small 2>&1 | tail -n 5 | tee "$OUT/sanitize-$tool.log"
+    compute-sanitizer --tool "$tool" --error-exitcode 1 "$PY" scripts/check_fwd.py --small --dtypes bfloat16 \
+      >"$OUT/sanitize-$tool.log" 2>&1; echo "$tool exit $?" | tee -a "$OUT/sanitize-$tool.log"
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|worst" "$OUT/sanitize-$tool.log"
   done
 }
 

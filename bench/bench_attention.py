@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import datetime as dt
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -153,6 +154,10 @@ def check_against_sdpa(fn: Fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 # --- report ---------------------------------------------------------------------------------
 
 def git_commit() -> str | None:
+    """HEAD of the source tree; the device machine gets a copy without .git, so there the caller
+    passes it in FLASHHOPPER_GIT_COMMIT."""
+    if os.environ.get("FLASHHOPPER_GIT_COMMIT"):
+        return os.environ["FLASHHOPPER_GIT_COMMIT"]
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                              check=True).stdout.strip()

@@ -30,10 +30,11 @@ def main(path: str) -> None:
 
 
 def short(mangled: str) -> str:
-    m = re.search(r"FwdMainloopIN7cutlass(\w+?)ELi(\d+)ELi(\d+)ELi(\d+)ELi(\d+)ELb([01])", mangled)
+    # ...FwdMainloopIN7cutlass10bfloat16_tELi128ENS0_11FwdTileSizeILi128ELb1EEELb1EEE...
+    m = re.search(r"FwdMainloopIN7cutlass\d+(\w+?)ELi(\d+)E.*?FwdTileSizeILi\d+ELb[01]EEELb([01])", mangled)
     if m:
         dt = "bf16" if "bfloat16" in m.group(1) else "fp16"
-        return f"sm90_fwd_{dt}_d{m.group(2)}_{m.group(3)}x{m.group(4)}_st{m.group(5)}{'_causal' if m.group(6) == '1' else ''}"
+        return f"sm90_fwd_{dt}_d{m.group(2)}{'_causal' if m.group(3) == '1' else ''}"
     return mangled[:80]
 
 

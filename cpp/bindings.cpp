@@ -96,6 +96,8 @@ PYBIND11_MODULE(_C, m) {
       d["dtype"] = dtype_name(k.dtype);
       d["headdim"] = k.headdim;
       d["causal"] = k.causal;
+      d["block_m"] = k.block_m;
+      d["block_n"] = k.block_n;
       out.append(d);
     }
     return out;

@@ -18,6 +18,7 @@ struct FwdKernel {
   int headdim;
   bool causal;
   FwdLaunchFn launch;
+  int block_m, block_n;  // query rows and keys per tile (the report's IO model uses them)
 };
 
 // Defined in the generated registry.cpp.

@@ -8,7 +8,7 @@
 #   scripts/gpu.sh bench [bench args]
 #   scripts/gpu.sh sass             # instruction counts per kernel (HGMMA, UTMALDG, SYNCS, ...)
 #   scripts/gpu.sh sanitize         # compute-sanitizer memcheck + racecheck on small shapes
-#   scripts/gpu.sh check [--bench]  # scripts/check_fwd.py: direct kernel check (+ quick timing)
+#   scripts/gpu.sh check            # scripts/check_fwd.py: every built kernel on a few odd shapes
 #   scripts/gpu.sh health           # GEMM ceiling + clocks under load; non-zero exit if throttled
 #   scripts/gpu.sh ablate           # d128 bf16 with ping-pong / overlap off, 128x176, 3 K/V stages
 #                                   # (ABLATE_VARIANTS="full n176" picks some; ABLATE_SEQLENS too)
@@ -96,8 +96,9 @@ do_ablate() {
     BUILD_DIR="$ROOT/build/ablate-$name" PKG_DIR="$pkg" FLASHHOPPER_CUDA_FLAGS="$flags" \
       FLASHHOPPER_DTYPES=bf16 FLASHHOPPER_HDIMS="${ABLATE_HDIMS:-128}" do_build >/dev/null
     echo "== $name ($flags)" | tee -a "$OUT/ablate.log"
-    PYTHONPATH="$ROOT/build/ablate/$name" "$PY" scripts/check_fwd.py --bench --no-peers --seqlens ${ABLATE_SEQLENS:-512 2048 16384} \
-      2>&1 | grep -E "^ +[0-9]+ +[01] |worst" | tee -a "$OUT/ablate.log"
+    PYTHONPATH="$ROOT/build/ablate/$name" "$PY" bench/bench_attention.py --providers flashhopper --mode fwd \
+      --hdims ${ABLATE_HDIMS:-128} --seqlens ${ABLATE_SEQLENS:-512 2048 16384} --out "$OUT/ablate-$name.json" \
+      2>&1 | grep -E "^\*\*|^\| [0-9]" | tee -a "$OUT/ablate.log"
   done
 }
 

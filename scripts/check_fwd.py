@@ -23,6 +23,8 @@ def main() -> None:
     args = ap.parse_args()
     built = sorted((k["dtype"], k["headdim"], k["causal"]) for k in flashhopper.compiled_kernels()
                    if k["mode"] == "fwd" and k["arch"] == 90 and k["dtype"] in args.dtypes)
+    if not built:
+        raise SystemExit(f"no sm90 forward kernel for {args.dtypes} in this build: nothing to check")
     if args.small:
         shapes = [(1, 17, 200, 4, 1), (2, 255, 130, 4, 2), (1, 300, 40, 2, 2)]
     else:

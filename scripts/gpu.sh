@@ -92,7 +92,7 @@ do_ablate() {
     local name=${v%%:*} flags=${v#*:}
     local pkg="$ROOT/build/ablate/$name/flashhopper"
     mkdir -p "$pkg"
-    cp "$base_pkg"/*.py "$pkg/"
+    cp -r "$base_pkg"/*.py "$base_pkg"/report "$pkg/"
     BUILD_DIR="$ROOT/build/ablate-$name" PKG_DIR="$pkg" FLASHHOPPER_CUDA_FLAGS="$flags" \
       FLASHHOPPER_DTYPES=bf16 FLASHHOPPER_HDIMS="${ABLATE_HDIMS:-128}" do_build >/dev/null
     echo "== $name ($flags)" | tee -a "$OUT/ablate.log"

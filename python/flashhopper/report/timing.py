@@ -1,0 +1,48 @@
+"""GPU timing shared by the report and bench/bench_attention.py: medians of
+triton.testing.do_bench (L2 flushed between runs), or of CUDA events when triton is missing."""
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+Fn = Callable[[], Any]
+Timer = Callable[[Fn], float]  # fn -> median milliseconds
+
+
+def _events_median(fn: Fn, warmup_ms: float, rep_ms: float) -> float:
+    """CUDA-event median with L2 flushes, like do_bench, for machines without triton."""
+    flush = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    est = max(start.elapsed_time(end) / 5, 1e-3)
+    for _ in range(max(1, int(warmup_ms / est))):
+        fn()
+    n = max(5, int(rep_ms / est))
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    for s, e in zip(starts, ends):
+        flush.zero_()
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def make_timer(warmup_ms: float, rep_ms: float) -> tuple[str, Timer]:
+    """(description, timer): the timer returns the median time of fn in milliseconds."""
+    try:
+        from triton.testing import do_bench
+    except ImportError:
+        return "cuda-events median (triton not installed)", lambda fn: _events_median(fn, warmup_ms, rep_ms)
+    return "triton.testing.do_bench median", lambda fn: do_bench(
+        fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")

@@ -1,0 +1,254 @@
+"""flashhopper-report: the numbers in its tables, the files it writes and its no-GPU paths, rendered
+from committed results (tests/data/report_h100_subset.json: a subset of the 2026-11-22 H100 run in
+bench/results, with that day's measured ceilings); a one-shape sweep end to end on a GPU."""
+from __future__ import annotations
+
+import csv
+import datetime as dt
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import flashhopper
+from flashhopper.report import ceilings, cli, io_model, render, results
+from flashhopper.report.providers import PROVIDERS, Unavailable, find_kernel
+from flashhopper.report.sweep import QUICK, grid
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURE = ROOT / "tests" / "data" / "report_h100_subset.json"
+BENCH_FILE = ROOT / "bench" / "results" / "h100_2026-11-22_fwd.json"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _one(rows: list[dict[str, Any]], **match: Any) -> dict[str, Any]:
+    found = [r for r in rows if all(r[k] == v for k, v in match.items())]
+    assert len(found) == 1, (match, found)
+    return found[0]
+
+
+def _raw_ms(**match: Any) -> float:
+    return _one(json.loads(FIXTURE.read_text())["rows"], **match)["ms"]
+
+
+def _table_line(text: str, title: str, seqlen: int, provider: str) -> list[str]:
+    """The cells of one line of the console table under ``title``."""
+    section = text.split(f"\n{title}\n", 1)[1].split("\n\n", 1)[0]
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if cells[0] == str(seqlen) and cells[2] == provider:
+            return cells
+    raise AssertionError(f"no {provider} line at seqlen {seqlen} under {title!r}")
+
+
+# --- numbers ---------------------------------------------------------------------------------
+
+def test_tflops_percentages_and_speedup() -> None:
+    rows = results.load(FIXTURE).derived()
+    shape = dict(mode="fwd", dtype="bf16", headdim=128, seqlen=4096)
+    ms = _raw_ms(**shape, causal=False, provider="flashhopper")
+    # batch 4 x seqlen 4096 = 16384 tokens, 16 heads x 128 = 2048: two matmuls of 2*s*s*d per head.
+    tf = 4 * 4 * 16 * 4096 * 4096 * 128 / (ms * 1e-3) / 1e12
+    ours = _one(rows, **shape, causal=False, provider="flashhopper")
+    assert ours["tflops"] == pytest.approx(tf)
+    assert ours["pct_gemm_ceiling"] == pytest.approx(100 * tf / 801.0)
+    assert ours["pct_datasheet_peak"] == pytest.approx(100 * tf / 989.4)
+    # The best peer is the fastest one on the same shape: cuDNN here; same FLOPs, so a ratio of times.
+    peer_ms = {p: _raw_ms(**shape, causal=False, provider=p) for p in ("sdpa-cudnn", "sdpa-fa2", "sdpa-memeff")}
+    assert min(peer_ms, key=peer_ms.__getitem__) == ours["best_peer"] == "sdpa-cudnn"
+    assert ours["speedup_vs_best_peer"] == pytest.approx(peer_ms["sdpa-cudnn"] / ms)
+
+    causal_ms = _raw_ms(**shape, causal=True, provider="flashhopper")
+    causal = _one(rows, **shape, causal=True, provider="flashhopper")
+    assert causal["tflops"] == pytest.approx(tf * ms / causal_ms / 2)  # causal counts half the FLOPs
+
+    short = _one(rows, mode="fwd", headdim=64, causal=True, seqlen=512, provider="flashhopper")
+    assert short["speedup_vs_best_peer"] < 1  # cuDNN wins at 512 causal in that run: shown, not hidden
+
+    cudnn = _one(rows, **shape, causal=False, provider="sdpa-cudnn")
+    assert cudnn["pct_gemm_ceiling"] is not None and cudnn["speedup_vs_best_peer"] is None
+    assert cudnn["io_ours_bytes"] is None
+    skipped = _one(rows, **shape, causal=False, provider="flashhopper-sm80")
+    assert skipped["tflops"] is None and "sm80" in skipped["skipped"]
+
+
+def test_console_table_shows_those_numbers(capsys: pytest.CaptureFixture[str]) -> None:
+    report = results.load(FIXTURE)
+    ours = _one(report.derived(), mode="fwd", headdim=128, causal=False, seqlen=4096, provider="flashhopper")
+    text = render.console(report)
+    cells = _table_line(text, "fwd bf16 headdim 128 non-causal", 4096, "flashhopper")
+    assert cells[1] == "4 x 16"
+    assert cells[4] == f"{ours['tflops']:.0f}"
+    assert cells[5] == f"{ours['pct_gemm_ceiling']:.1f}%"
+    assert cells[6] == f"{ours['pct_datasheet_peak']:.1f}%"
+    assert cells[7] == f"{ours['speedup_vs_best_peer']:.2f}x sdpa-cudnn"
+    assert cells[8] == f"{ours['io_standard_bytes'] / 1e9:.2f} GB"
+    assert "bf16 GEMM 801 TFLOPS" in text and "copy 3.02 TB/s" in text
+    assert "NVIDIA H100 Tensor Core GPU datasheet" in text
+    # The backward has peers only; our missing backward is listed with its reason.
+    assert _table_line(text, "bwd bf16 headdim 128 non-causal", 4096, "sdpa-cudnn")
+    assert "- flashhopper (bwd bf16): flashhopper has no backward yet" in text
+
+
+def test_io_model_by_hand() -> None:
+    # One (batch, head), seqlen 256, head dim 64, bf16 (2 bytes), 128 x 128 tiles.
+    # Standard: Q, K, V, O (4 * 256 * 64) + S written, read, P written, read (4 * 256^2).
+    assert io_model.standard_bytes(1, 1, 256, 256, 64, 2) == (4 * 256 * 64 + 4 * 256 * 256) * 2 == 655360
+    # Ours: Q + O once (2 * 256 * 64), K + V once per query tile (2 tiles * 2 * 256 * 64).
+    assert io_model.flash_fwd_bytes(1, 1, 256, 256, 64, 2, 128, 128, False) == (2 + 4) * 256 * 64 * 2 == 196608
+    # Causal: tile 0 sees keys 0..127 (one block), tile 1 all 256.
+    assert io_model.flash_fwd_bytes(1, 1, 256, 256, 64, 2, 128, 128, True) == (2 * 256 + 2 * 384) * 64 * 2
+    # Whole key blocks: 128 x 80 tiles, 200 keys: tile 0 sees 128 keys -> 2 blocks (160), tile 1 all 200.
+    assert io_model.keys_streamed(200, 200, 128, 80, True) == 160 + 200
+    assert io_model.keys_streamed(200, 200, 128, 80, False) == 2 * 200
+    # Bottom-right alignment: more keys than queries shifts the diagonal right, fewer shifts it left.
+    assert io_model.keys_streamed(128, 256, 128, 128, True) == 256
+    assert io_model.keys_streamed(256, 128, 128, 128, True) == 0 + 128
+    assert io_model.tbps(3e9, 1.0) == pytest.approx(3.0)
+
+
+def test_io_columns_of_a_row() -> None:
+    row = _one(results.load(FIXTURE).derived(), mode="fwd", headdim=128, causal=False, seqlen=4096,
+               provider="flashhopper")
+    b, h, s, d = 4, 16, 4096, 128
+    assert row["io_standard_bytes"] == b * h * (4 * s * d + 4 * s * s) * 2
+    assert row["io_ours_bytes"] == b * h * (2 * s * d + 2 * s * d * (s // 128)) * 2  # block_m = 128
+    assert row["io_ours_tbps"] == pytest.approx(row["io_ours_bytes"] / (row["ms"] * 1e-3) / 1e12)
+
+
+def test_datasheet_by_device_name() -> None:
+    assert ceilings.datasheet_for("NVIDIA H100 80GB HBM3")["name"] == "H100 SXM5"
+    assert ceilings.datasheet_for("NVIDIA H100 PCIe")["tflops"]["bf16"] == 756.5
+    assert ceilings.datasheet_for("NVIDIA H200")["hbm_tbps"] == 4.8
+    assert ceilings.datasheet_for("NVIDIA A100-SXM4-80GB")["tflops"]["fp8"] is None
+    assert ceilings.datasheet_for("NVIDIA GeForce RTX 4090") is None
+
+
+def test_unknown_device_and_failed_ceiling_show_na() -> None:
+    report = results.load(FIXTURE)
+    report.datasheet = None
+    report.ceilings = {"gemm": {"bf16": {"how": "torch.matmul", "error": "RuntimeError: no"}}, "copy": {}}
+    text = render.console(report)
+    cells = _table_line(text, "fwd bf16 headdim 128 non-causal", 4096, "flashhopper")
+    assert cells[5] == cells[6] == "n/a"
+    assert "bf16 GEMM failed (RuntimeError: no)" in text and "no entry for 'NVIDIA H100 80GB HBM3'" in text
+
+
+def test_a_ceiling_that_cannot_run_is_recorded_not_raised(monkeypatch: pytest.MonkeyPatch) -> None:
+    def timer(fn: Any) -> float:
+        raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED\nmore detail")
+
+    monkeypatch.setattr(ceilings, "_gemm", lambda dtype, n: ("fp8 GEMM", lambda: None))
+    got = ceilings.gemm_ceiling("fp8", timer)
+    assert got == {"how": "fp8 GEMM", "error": "RuntimeError: CUBLAS_STATUS_NOT_SUPPORTED"}
+
+
+# --- files -------------------------------------------------------------------------------------
+
+def test_writes_json_csv_and_pngs(tmp_path: Path) -> None:
+    report = results.load(FIXTURE)
+    written = render.write_all(report, tmp_path / "out")
+    names = {p.name for p in written}
+    assert names == {"report.json", "report.csv", "tflops_fwd_bf16.png", "tflops_bwd_bf16.png"}
+    for p in written:
+        if p.suffix == ".png":
+            data = p.read_bytes()
+            assert len(data) > 10_000 and data.startswith(PNG_MAGIC)
+    ours = _one(report.derived(), mode="fwd", headdim=128, causal=False, seqlen=4096, provider="flashhopper")
+    with (tmp_path / "out" / "report.csv").open() as f:
+        line = _one(list(csv.DictReader(f)), mode="fwd", headdim="128", causal="False", seqlen="4096",
+                    provider="flashhopper")
+    assert float(line["tflops"]) == pytest.approx(ours["tflops"])
+    assert float(line["speedup_vs_best_peer"]) == pytest.approx(ours["speedup_vs_best_peer"])
+    # The JSON is a report file again: it loads and derives the same numbers.
+    again = results.load(tmp_path / "out" / "report.json")
+    assert again.ceilings == report.ceilings and again.derived() == report.derived()
+
+
+def test_from_a_bench_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--from", str(BENCH_FILE), "--out", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith(f"rendering {BENCH_FILE} (NVIDIA H100 80GB HBM3, 2026-11-22")
+    assert "Ceilings: not measured in this file" in text
+    cells = _table_line(text, "fwd bf16 headdim 128 non-causal", 16384, "flashhopper")
+    raw = _one(json.loads(BENCH_FILE.read_text())["results"], mode="fwd", headdim=128, causal=False,
+               seqlen=16384, provider="flashhopper")
+    assert cells[4] == f"{raw['tflops']:.0f}"  # the file's own TFLOPS, same formula
+    assert cells[5] == "n/a" and cells[6] == f"{100 * raw['tflops'] / 989.4:.1f}%"
+    assert cells[9] == "n/a"  # no tile sizes in a bench file: our IO is not known
+    assert (tmp_path / "tflops_fwd_bf16.png").read_bytes().startswith(PNG_MAGIC)
+    assert json.loads((tmp_path / "report.json").read_text())["ceilings"] is None
+
+
+def _date(path: Path) -> dt.datetime:
+    return dt.datetime.fromisoformat(json.loads(path.read_text())["environment"]["date"])
+
+
+def test_newest_goes_by_the_date_inside(tmp_path: Path) -> None:
+    doc = json.loads(FIXTURE.read_text())
+    for name, date in (("a.json", "2027-01-02T00:00:00+00:00"), ("z.json", "2026-01-01T00:00:00+00:00")):
+        doc["environment"]["date"] = date
+        (tmp_path / name).write_text(json.dumps(doc))
+    (tmp_path / "zz.json").write_text('{"not": "a result"}')
+    shutil.copy(BENCH_FILE, tmp_path / "zzz.json")
+    assert results.newest(tmp_path) == tmp_path / "a.json"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="measures instead of rendering when a GPU is present")
+def test_without_gpu_renders_the_newest_shipped_result(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(ROOT)  # an installed package finds bench/results through the source tree here
+    expected = max((ROOT / "bench" / "results").glob("*.json"), key=_date)
+    assert cli.main(["--out", str(tmp_path)]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("no CUDA GPU found: rendering ") and first.split()[5].endswith(str(expected.name))
+    assert "NVIDIA H100" in first
+    assert (tmp_path / "report.json").exists() and list(tmp_path.glob("*.png"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="measures instead of rendering when a GPU is present")
+def test_without_gpu_and_nothing_to_render(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--results-dir", str(tmp_path), "--out", str(tmp_path / "out")]) == 2
+    assert "no CUDA GPU found" in capsys.readouterr().err
+
+
+# --- sweep and providers -------------------------------------------------------------------------
+
+def test_quick_sweep_shapes() -> None:
+    shapes = grid(QUICK.plan, QUICK.modes, ["bf16"], [False, True], tokens=16384, width=2048)
+    assert len(shapes) == 10 and {s.mode for s in shapes} == {"fwd"}
+    s = next(s for s in shapes if s.headdim == 128 and s.seqlen == 1024)
+    assert (s.batch, s.nheads) == (16, 16)  # the FA3 paper's 16k tokens and width 2048
+    assert sorted({s.seqlen for s in shapes if s.headdim == 128}) == [1024, 4096, 16384]
+
+
+def test_ours_look_up_the_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    fwd = {"mode": "fwd", "arch": 90, "dtype": "bfloat16", "headdim": 128, "causal": False, "block_m": 128,
+           "block_n": 128}
+    monkeypatch.setattr(flashhopper, "compiled_kernels", lambda: [fwd])
+    assert find_kernel(90, "fwd", torch.bfloat16, 128, False) == fwd
+    assert find_kernel(90, "bwd", torch.bfloat16, 128, False) is None  # a backward slots in when built
+    assert find_kernel(80, "fwd", torch.bfloat16, 128, False) is None
+    q = torch.randn(1, 8, 1, 128, dtype=torch.bfloat16)
+    with pytest.raises(Unavailable, match="needs CUDA tensors"):
+        PROVIDERS["flashhopper-sm90"].prepare("fwd", q, q, q, False)
+
+
+# --- on the GPU -----------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_one_shape_end_to_end(tmp_path: Path) -> None:
+    args = ["--hdims", "128", "--seqlens", "1024", "--causal", "off", "--providers", "flashhopper-sm90",
+            "sdpa-cudnn", "--warmup-ms", "5", "--rep-ms", "10", "--out", str(tmp_path)]
+    assert cli.main(args) == 0
+    doc = json.loads((tmp_path / "report.json").read_text())
+    assert doc["format"] == results.FORMAT and doc["environment"]["device"] == torch.cuda.get_device_name()
+    assert doc["ceilings"]["gemm"]["bf16"]["tflops"] > 0 and doc["ceilings"]["copy"]["tbps"] > 0
+    assert {r["provider"] for r in doc["rows"]} == {"flashhopper-sm90", "sdpa-cudnn"}
+    ours = _one(doc["rows"], provider="flashhopper-sm90")
+    if ours["skipped"] is None:  # built: measured, checked against SDPA, IO from its real tile
+        assert ours["tflops"] > 0 and ours["rel_err_vs_sdpa"] < 1e-2 and ours["io_ours_bytes"] > 0
+    assert (tmp_path / "tflops_fwd_bf16.png").read_bytes().startswith(PNG_MAGIC)

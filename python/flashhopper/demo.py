@@ -1,8 +1,9 @@
 """``python -m flashhopper.demo``: run flash_attn_func once per configuration, print its error against
 an exact float32 reference and its time next to PyTorch SDPA.
 
-On a CUDA GPU: bf16, batch 2, seqlen 4096, 16 heads, head dim 128, causal off and on, median of
-CUDA-event timings. Without one: the reference backend on a small CPU shape, saying so.
+On a CUDA GPU: bf16, batch 2, seqlen 4096, 16 heads, head dim 128, causal off and on; device time
+of back-to-back launches (the benchmarks' timer) and, apart, the host time per call. Without one:
+the reference backend on a small CPU shape, saying so.
 Exit status 1 if a configuration that ran was less accurate than twice PyTorch's own error.
 """
 from __future__ import annotations
@@ -19,6 +20,7 @@ from . import _ext, dispatch
 from .flops import attention_flops, tflops
 from .interface import flash_attn_func
 from .reference import attention_ref
+from .report.timing import make_timer
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -28,23 +30,31 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def time_ms(fn: Callable[[], object], cuda: bool, iters: int = 20, warmup: int = 3) -> float:
-    """Median wall time of fn in milliseconds (CUDA events on the GPU)."""
+    """Median time of fn in milliseconds. On the GPU: device time of back-to-back launches (the
+    report's timer, do_bench where triton is installed), as the benchmarks measure it; timing one
+    synchronized call would count the GPU idling through the host-side overhead instead."""
+    if cuda:
+        return make_timer(warmup_ms=10, rep_ms=50)[1](fn)
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+def host_overhead_us(fn: Callable[[], object], calls: int = 50) -> float:
+    """Host time per call when the launches just queue up (validation, dispatch, allocation)."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return t / calls * 1e6
 
 
 def run_case(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, iters: int) -> bool:
@@ -64,15 +74,17 @@ def run_case(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, it
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     sdpa_out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal).transpose(1, 2)
     err, sdpa_err = rel_err(out, ref), rel_err(sdpa_out, ref)
-    ms = time_ms(lambda: flash_attn_func(q, k, v, causal=causal, backend=backend), cuda, iters)
+    ours = lambda: flash_attn_func(q, k, v, causal=causal, backend=backend)  # noqa: E731
+    ms = time_ms(ours, cuda, iters)
     sdpa_ms = time_ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal), cuda, iters)
     flops = attention_flops(b, s, s, h, d, causal)
 
     def speed(t: float) -> str:
         return f"{t:.3f} ms = {tflops(flops, t):.1f} TFLOPS" if cuda else f"{t:.3f} ms"
 
+    host = f"; host overhead {host_overhead_us(ours):.0f} us/call" if cuda else ""
     print(f"{label}: flashhopper[{backend}] ||out-ref||/||ref|| = {err:.2e} (PyTorch SDPA: {sdpa_err:.2e}); "
-          f"time {speed(ms)} (SDPA: {speed(sdpa_ms)})")
+          f"time {speed(ms)} (SDPA: {speed(sdpa_ms)}){host}")
     return err <= 2 * sdpa_err + 1e-5
 
 

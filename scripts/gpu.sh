@@ -84,8 +84,7 @@ do_ablate() {
   local all=("full:" "no-pingpong:-DFLASHHOPPER_NO_PINGPONG" "no-overlap:-DFLASHHOPPER_NO_OVERLAP"
              "no-both:-DFLASHHOPPER_NO_PINGPONG -DFLASHHOPPER_NO_OVERLAP" "n176:-DFLASHHOPPER_HDIM128_BLOCK_N=176"
              "kv3q1:-DFLASHHOPPER_HDIM128_STAGES=3"
-             "d256-nopp:-DFLASHHOPPER_HDIM256_PINGPONG=0" "d256-stageo:-DFLASHHOPPER_HDIM256_STAGE_O=1"
-             "d256-nopp-stageo:-DFLASHHOPPER_HDIM256_PINGPONG=0 -DFLASHHOPPER_HDIM256_STAGE_O=1")
+             "d256-nopp:-DFLASHHOPPER_HDIM256_PINGPONG=0")
   local want=" ${ABLATE_VARIANTS:-full no-pingpong no-overlap no-both n176 kv3q1} "
   for v in "${all[@]}"; do
     [[ $want == *" ${v%%:*} "* ]] || continue

@@ -1,8 +1,8 @@
 // Hopper forward epilogue, per consumer warpgroup: O (already normalized, fp32) is converted in
 // registers, written with stmatrix into this warpgroup's 64-row slice of the Q stage it just used,
 // and stored by one thread with a TMA store (which clips rows past seqlen_q); the kernel releases
-// that Q stage later, once TMA has read it. Configurations with a single Q stage store O straight
-// from registers instead (store_direct). LSE goes straight to global memory from the threads that own column 0 of each row.
+// that Q stage once TMA has read it. LSE goes straight to global memory from the threads that own
+// column 0 of each row. (Storing O from registers instead measured 5-16% slower: docs/perf-notes.md.)
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -67,33 +67,6 @@ struct FwdEpilogue {
       auto parts = tma_partition(p.tma_o, _0{}, Layout<_1>{}, group_modes<0, 2>(sO), group_modes<0, 2>(gO));
       copy(p.tma_o, get<1>(parts)(_, wg, q_state.index()), get<0>(parts)(_, m_block * kNumMmaWG + wg));
       tma_store_arrive();
-    }
-    store_lse(p, lse, m_block, head, batch, wg, thread_idx);
-  }
-
-  // O straight from registers (4-byte stores of column pairs), for configurations with one Q stage:
-  // staging O in Q's buffer would make the next tile's Q load wait for this store.
-  template <class FragO, class LSE>
-  CUTE_DEVICE static void store_direct(Params const& p, FragO const& tOrO, LSE const& lse, int m_block, int head,
-                                       int batch, int wg, int thread_idx) {
-    Tensor tOrO_out = convert_type<Element>(tOrO);
-    Tensor o = rowcol(tOrO_out);
-    auto thr_mma = TiledMmaPV{}.get_thread_slice(thread_idx);
-    Tensor tOcO = rowcol(thr_mma.partition_C(make_identity_tensor(Shape<_64, D>{})));
-    static_assert(decltype(size<1>(o))::value % 2 == 0);
-    int const seqlen_q = get<0>(p.shape_o);
-    int const row0 = (m_block * kNumMmaWG + wg) * 64;
-    Element* o_bh = p.o_ptr + int64_t(batch) * get<3>(p.stride_o) + int64_t(head) * get<2>(p.stride_o);
-    CUTE_UNROLL
-    for (int mi = 0; mi < size<0>(o); ++mi) {
-      int const row = row0 + int(get<0>(tOcO(mi, _0{})));
-      if (row < seqlen_q) {
-        Element* o_row = o_bh + int64_t(row) * get<0>(p.stride_o);
-        CUTE_UNROLL
-        for (int ni = 0; ni < size<1>(o); ni += 2) {  // (mi, ni) and (mi, ni + 1): adjacent columns
-          *reinterpret_cast<uint32_t*>(o_row + int(get<1>(tOcO(mi, ni)))) = *reinterpret_cast<uint32_t const*>(&o(mi, ni));
-        }
-      }
     }
     store_lse(p, lse, m_block, head, batch, wg, thread_idx);
   }

@@ -121,13 +121,11 @@ struct FwdKernel {
       typename Mainloop::PipelineState read_k, read_v;
       typename Mainloop::PipelineStateQ read_q;
       typename TilePipeline::PipelineState read_tile;
-      // Q-stage release. When O is staged for its TMA store in the Q stage the tile used, that
-      // stage is released once TMA has read O: during the next tile, after its first GEMM is
-      // issued, when there is a second Q stage to work from meanwhile; right after the store
-      // otherwise. When O is stored from registers, Q is released as soon as the last S GEMM is
-      // done, so that the next tile's Q loads under this tile's tail.
-      constexpr bool kStageO = Mainloop::kStageO;
-      constexpr bool kDeferRelease = kStageO && Mainloop::kQStages > 1;
+      // Q-stage release: O is staged for its TMA store in the Q stage the tile used, so that stage
+      // is free once TMA has read O. With two Q stages that is checked during the next tile, after
+      // its first GEMM is issued (long done by then); with one, right after the store, since the
+      // next tile's Q cannot load before.
+      constexpr bool kDeferRelease = Mainloop::kQStages > 1;
       typename Mainloop::PipelineStateQ pending_q;
       bool q_release_pending = false;
       auto release_q_after_store = [&](auto const& q_state) {
@@ -140,11 +138,6 @@ struct FwdKernel {
         if constexpr (kDeferRelease) {
           if (q_release_pending) release_q_after_store(pending_q);
           q_release_pending = false;
-        }
-      };
-      auto on_q_done = [&] {
-        if constexpr (!kStageO) {
-          if (thread_idx == 0) pipeline_q.consumer_release(read_q);
         }
       };
 
@@ -165,23 +158,19 @@ struct FwdKernel {
 
         pipeline_q.consumer_wait(read_q);
         Mainloop::mma(params.mainloop, pipeline_k, pipeline_v, read_k, read_v, ss.tensors, read_q.index(), tOrO,
-                      softmax, w.m_block, wg, thread_idx, on_first_issue, on_q_done);
+                      softmax, w.m_block, wg, thread_idx, on_first_issue);
 
         cute::array<float, 2> lse;
         auto const inv_sum = softmax.finalize(lse);
         Tensor o = rowcol(tOrO);
         OnlineSoftmax<2>::rescale(o, inv_sum);
-        if constexpr (kStageO) {
-          Epilogue::store(params.epilogue, tOrO, lse, ss.tensors.smem_q.data(), read_q, w.m_block, w.head, w.batch,
-                          wg, thread_idx);
-          if constexpr (kDeferRelease) {
-            pending_q = read_q;
-            q_release_pending = true;
-          } else {
-            release_q_after_store(read_q);
-          }
+        Epilogue::store(params.epilogue, tOrO, lse, ss.tensors.smem_q.data(), read_q, w.m_block, w.head, w.batch, wg,
+                        thread_idx);
+        if constexpr (kDeferRelease) {
+          pending_q = read_q;
+          q_release_pending = true;
         } else {
-          Epilogue::store_direct(params.epilogue, tOrO, lse, w.m_block, w.head, w.batch, wg, thread_idx);
+          release_q_after_store(read_q);
         }
         ++read_q;
       }

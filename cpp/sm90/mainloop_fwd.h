@@ -55,7 +55,7 @@ struct FwdMainloop {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_, kBlockM = Tile::kBlockM, kBlockN = Tile::kBlockN;
   static constexpr int kStages = Tile::kStages, kQStages = Tile::kQStages;
-  static constexpr bool kCausal = kCausal_, kOverlap = Tile::kOverlap, kStageO = Tile::kStageO;
+  static constexpr bool kCausal = kCausal_, kOverlap = Tile::kOverlap;
   static constexpr int kNumMmaWG = kBlockM / 64;
   static constexpr int kNumMmaThreads = kNumMmaWG * cutlass::NumThreadsPerWarpGroup;
   static_assert(kBlockM % 64 == 0 && kNumMmaWG >= 1 && kNumMmaWG <= 3);
@@ -200,13 +200,13 @@ struct FwdMainloop {
   // Consumer: one warpgroup's 64 rows of the tile, reading Q from stage q_stage (already waited
   // for). Accumulates the unnormalized O into tOrO (zeroed by the caller) and the softmax state
   // into `softmax`; K/V stages are released as they are consumed, the Q stage by the epilogue.
-  // Hooks for the kernel's Q-stage bookkeeping: on_first_issue() runs once the first S GEMM is on
-  // the tensor cores, on_q_done() once the last one has completed (Q is not read after that).
-  template <class FragO, class Softmax, class OnFirstIssue, class OnQDone>
+  // on_first_issue() runs once the first S GEMM is on the tensor cores (the kernel releases the
+  // previous tile's Q stage there).
+  template <class FragO, class Softmax, class OnFirstIssue>
   CUTE_DEVICE static void mma(Params const& p, Pipeline& pipeline_k, Pipeline& pipeline_v,
                               PipelineState& read_k, PipelineState& read_v, TensorStorage& ts,
                               int q_stage, FragO& tOrO, Softmax& softmax, int m_block, int wg, int thread_idx,
-                              OnFirstIssue&& on_first_issue, OnQDone&& on_q_done) {
+                              OnFirstIssue&& on_first_issue) {
     int const n_block_max = p.block_info.n_block_max(m_block);
     int const n_block_min = p.block_info.n_block_min(m_block);
     int const row_offset = m_block * kBlockM + wg * 64;
@@ -289,7 +289,6 @@ struct FwdMainloop {
       };
       for (--n_block; n_block >= n_causal; --n_block) step(n_block, cute::true_type{});
       for (; n_block >= n_block_min; --n_block) step(n_block, cute::false_type{});
-      on_q_done();
       Sched::sync(wg);
       issue_pv();
       Sched::arrive(wg);
@@ -321,7 +320,6 @@ struct FwdMainloop {
       pv_now();
       for (--n_block; n_block >= n_causal; --n_block) step(n_block, cute::true_type{});
       for (; n_block >= n_block_min; --n_block) step(n_block, cute::false_type{});
-      on_q_done();
     }
   }
 };

@@ -30,14 +30,8 @@ inline constexpr bool kOverlapDefault = true;
 #ifndef FLASHHOPPER_HDIM256_PINGPONG
 #define FLASHHOPPER_HDIM256_PINGPONG 1
 #endif
-#ifndef FLASHHOPPER_HDIM256_STAGE_O
-#define FLASHHOPPER_HDIM256_STAGE_O 1  // measured: +5..16% over register stores (docs/perf-notes.md)
-#endif
-
-// kStageO: O goes to global memory by a TMA store staged in the Q stage the tile used (needs the
-// Q stage back before the next tile can load its Q); otherwise straight from registers.
 struct FwdTilePolicy {
-  static constexpr bool kPingPong = kPingPongDefault, kOverlap = kOverlapDefault, kStageO = true;
+  static constexpr bool kPingPong = kPingPongDefault, kOverlap = kOverlapDefault;
 };
 
 template <int kHeadDim, bool kCausal>
@@ -62,7 +56,6 @@ template <bool kCausal>
 struct FwdTileSize<256, kCausal> : FwdTilePolicy {
   static constexpr int kBlockM = 128, kBlockN = 80, kStages = 2, kQStages = 1;
   static constexpr bool kPingPong = kPingPongDefault && FLASHHOPPER_HDIM256_PINGPONG;
-  static constexpr bool kStageO = FLASHHOPPER_HDIM256_STAGE_O;
 };
 
 }  // namespace flashhopper::sm90

@@ -15,11 +15,23 @@ using namespace flashhopper;
 
 namespace {
 
-FwdKernel const* find_fwd(int arch, DType dtype, int headdim, bool causal) {
-  for (auto const& k : fwd_kernels()) {
+template <class Kernel>
+Kernel const* find(std::vector<Kernel> const& table, int arch, DType dtype, int headdim, bool causal) {
+  for (auto const& k : table) {
     if (k.arch == arch && k.dtype == dtype && k.headdim == headdim && k.causal == causal) return &k;
   }
   return nullptr;
+}
+
+template <class Kernel, class Params>
+Kernel const& require(std::vector<Kernel> const& table, char const* what, Params const& p, int arch) {
+  Kernel const* k = find(table, arch, p.dtype, p.headdim, p.causal);
+  if (k == nullptr) {
+    throw std::invalid_argument("flashhopper: this build has no sm" + std::to_string(arch) + " " + what +
+                                " kernel for " + dtype_name(p.dtype) + " headdim " + std::to_string(p.headdim) +
+                                (p.causal ? " causal" : " non-causal"));
+  }
+  return *k;
 }
 
 void check_cuda(cudaError_t err, char const* what) {
@@ -28,33 +40,58 @@ void check_cuda(cudaError_t err, char const* what) {
   }
 }
 
-void fwd(FwdParams const& params, int arch, uintptr_t stream) {
-  FwdKernel const* k = find_fwd(arch, params.dtype, params.headdim, params.causal);
-  if (k == nullptr) {
-    throw std::invalid_argument("flashhopper: this build has no sm" + std::to_string(arch) + " forward kernel for " +
-                                dtype_name(params.dtype) + " headdim " + std::to_string(params.headdim) +
-                                (params.causal ? " causal" : " non-causal"));
-  }
-  // Launch on the tensors' device and leave the caller's current device as it was.
+// Launch on the tensors' device and leave the caller's current device as it was.
+template <class Fn>
+void on_device(int device, char const* what, Fn&& launch) {
   int current = -1;
   check_cuda(cudaGetDevice(&current), "cudaGetDevice");
-  if (current != params.device) check_cuda(cudaSetDevice(params.device), "cudaSetDevice");
+  if (current != device) check_cuda(cudaSetDevice(device), "cudaSetDevice");
   struct Restore {
     int device;
     bool needed;
     ~Restore() {
       if (needed) cudaSetDevice(device);
     }
-  } restore{current, current != params.device};
-  k->launch(params, reinterpret_cast<cudaStream_t>(stream));
-  check_cuda(cudaGetLastError(), "forward kernel launch");
+  } restore{current, current != device};
+  launch();
+  check_cuda(cudaGetLastError(), what);
 }
 
-template <class T>
-void def_ptr(py::class_<FwdParams>& c, char const* name, T FwdParams::*member) {
+void fwd(FwdParams const& params, int arch, uintptr_t stream) {
+  FwdKernel const& k = require(fwd_kernels(), "forward", params, arch);
+  on_device(params.device, "forward kernel launch", [&] { k.launch(params, reinterpret_cast<cudaStream_t>(stream)); });
+}
+
+size_t bwd_workspace_bytes(BwdParams const& params, int arch) {
+  return require(bwd_kernels(), "backward", params, arch).workspace_bytes(params);
+}
+
+void bwd(BwdParams const& params, int arch, uintptr_t stream) {
+  BwdKernel const& k = require(bwd_kernels(), "backward", params, arch);
+  if (params.workspace == nullptr && k.workspace_bytes(params) > 0) {
+    throw std::invalid_argument("flashhopper: the backward needs a workspace (BwdParams.workspace)");
+  }
+  on_device(params.device, "backward kernel launch", [&] { k.launch(params, reinterpret_cast<cudaStream_t>(stream)); });
+}
+
+template <class P, class T>
+void def_ptr(py::class_<P>& c, char const* name, T P::*member) {
   c.def_property(
-      name, [member](FwdParams const& p) { return reinterpret_cast<uintptr_t>(p.*member); },
-      [member](FwdParams& p, uintptr_t v) { p.*member = reinterpret_cast<T>(v); });
+      name, [member](P const& p) { return reinterpret_cast<uintptr_t>(p.*member); },
+      [member](P& p, uintptr_t v) { p.*member = reinterpret_cast<T>(v); });
+}
+
+template <class Kernel>
+py::dict describe(Kernel const& k, char const* mode) {
+  py::dict d;
+  d["mode"] = mode;
+  d["arch"] = k.arch;
+  d["dtype"] = dtype_name(k.dtype);
+  d["headdim"] = k.headdim;
+  d["causal"] = k.causal;
+  d["block_m"] = k.block_m;
+  d["block_n"] = k.block_n;
+  return d;
 }
 
 }  // namespace
@@ -84,24 +121,45 @@ PYBIND11_MODULE(_C, m) {
   FH_RW(softmax_scale); FH_RW(causal); FH_RW(dtype); FH_RW(device); FH_RW(num_sms);
 #undef FH_RW
 
+  py::class_<BwdParams> b(m, "BwdParams");
+  b.def(py::init<>());
+  def_ptr(b, "q_ptr", &BwdParams::q_ptr);
+  def_ptr(b, "k_ptr", &BwdParams::k_ptr);
+  def_ptr(b, "v_ptr", &BwdParams::v_ptr);
+  def_ptr(b, "o_ptr", &BwdParams::o_ptr);
+  def_ptr(b, "do_ptr", &BwdParams::do_ptr);
+  def_ptr(b, "lse_ptr", &BwdParams::lse_ptr);
+  def_ptr(b, "dlse_ptr", &BwdParams::dlse_ptr);
+  def_ptr(b, "dq_ptr", &BwdParams::dq_ptr);
+  def_ptr(b, "dk_ptr", &BwdParams::dk_ptr);
+  def_ptr(b, "dv_ptr", &BwdParams::dv_ptr);
+  def_ptr(b, "workspace", &BwdParams::workspace);
+#define FH_RW(field) b.def_readwrite(#field, &BwdParams::field)
+  FH_RW(q_batch_stride); FH_RW(q_row_stride); FH_RW(q_head_stride);
+  FH_RW(k_batch_stride); FH_RW(k_row_stride); FH_RW(k_head_stride);
+  FH_RW(v_batch_stride); FH_RW(v_row_stride); FH_RW(v_head_stride);
+  FH_RW(o_batch_stride); FH_RW(o_row_stride); FH_RW(o_head_stride);
+  FH_RW(do_batch_stride); FH_RW(do_row_stride); FH_RW(do_head_stride);
+  FH_RW(dq_batch_stride); FH_RW(dq_row_stride); FH_RW(dq_head_stride);
+  FH_RW(dk_batch_stride); FH_RW(dk_row_stride); FH_RW(dk_head_stride);
+  FH_RW(dv_batch_stride); FH_RW(dv_row_stride); FH_RW(dv_head_stride);
+  FH_RW(batch); FH_RW(seqlen_q); FH_RW(seqlen_k); FH_RW(nheads_q); FH_RW(nheads_kv); FH_RW(headdim);
+  FH_RW(softmax_scale); FH_RW(causal); FH_RW(deterministic); FH_RW(dtype); FH_RW(device); FH_RW(num_sms);
+#undef FH_RW
+
   m.def("fwd", &fwd, py::arg("params"), py::arg("arch"), py::arg("stream"),
         "Launch the forward kernel of family `arch` (90 or 80) on `stream` (a cudaStream_t as int).");
+  m.def("bwd", &bwd, py::arg("params"), py::arg("arch"), py::arg("stream"),
+        "Launch the backward (preprocess, main kernel, postprocess) of family `arch` on `stream`.");
+  m.def("bwd_workspace_bytes", &bwd_workspace_bytes, py::arg("params"), py::arg("arch"),
+        "Bytes of device workspace the backward needs for these params (sizes, causal, deterministic).");
 
   m.def("kernels", [] {
     py::list out;
-    for (auto const& k : fwd_kernels()) {
-      py::dict d;
-      d["mode"] = "fwd";
-      d["arch"] = k.arch;
-      d["dtype"] = dtype_name(k.dtype);
-      d["headdim"] = k.headdim;
-      d["causal"] = k.causal;
-      d["block_m"] = k.block_m;
-      d["block_n"] = k.block_n;
-      out.append(d);
-    }
+    for (auto const& k : fwd_kernels()) out.append(describe(k, "fwd"));
+    for (auto const& k : bwd_kernels()) out.append(describe(k, "bwd"));
     return out;
-  }, "The kernel configurations compiled into this build.");
+  }, "The kernel configurations compiled into this build (mode 'fwd' or 'bwd').");
 
   m.def("build_info", [] {
     py::dict d;

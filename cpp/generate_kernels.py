@@ -4,26 +4,40 @@
 Run by CMake at configure time into the build tree; nothing generated is committed. A file is
 rewritten only when its text changes, so reconfiguring does not trigger rebuilds.
 
-    python cpp/generate_kernels.py --out build/gen --archs 90 80 --dtypes bf16 fp16 --hdims 64 128 256
+    python cpp/generate_kernels.py --out build/gen --archs 90 80 --modes fwd bwd --dtypes bf16 fp16 --hdims 64 128 256
 """
 from __future__ import annotations
 
 import argparse
 import itertools
 from pathlib import Path
+from typing import NamedTuple
 
 DTYPES = {"fp16": "kFloat16", "bf16": "kBFloat16"}
-# Which launcher header, template and tile-size table each arch family uses.
+MODES = ("fwd", "bwd")
+
+
+class Family(NamedTuple):
+    """What one (arch, mode) family's translation units include and instantiate."""
+    header: str  # the launcher, relative to cpp/
+    launcher: str  # its template name
+    tile_header: str
+    tile: str  # tile-size table: tile<hdim, causal>::kBlockM / kBlockN
+    workspace: str | None = None  # backward: the workspace-size function, instantiated alongside
+
+
 FAMILIES = {
-    90: ("sm90/launch_fwd.h", "run_fwd_sm90", "sm90/tile_size.h", "sm90::FwdTileSize"),
-    80: ("sm80/launch_fwd.h", "run_fwd_sm80", "sm80/tile_size.h", "sm80::FwdTileSize"),
+    (90, "fwd"): Family("sm90/launch_fwd.h", "run_fwd_sm90", "sm90/tile_size.h", "sm90::FwdTileSize"),
+    (90, "bwd"): Family("sm90/launch_bwd.h", "run_bwd_sm90", "sm90/tile_size.h", "sm90::BwdTileSize",
+                        "bwd_workspace_bytes_sm90"),
+    (80, "fwd"): Family("sm80/launch_fwd.h", "run_fwd_sm80", "sm80/tile_size.h", "sm80::FwdTileSize"),
 }
 CPP_DIR = Path(__file__).resolve().parent
 HDIMS = (64, 128, 256)
 
 
-def kernel_name(arch: int, dtype: str, hdim: int, causal: bool) -> str:
-    return f"fwd_sm{arch}_{dtype}_hdim{hdim}{'_causal' if causal else ''}"
+def kernel_name(arch: int, mode: str, dtype: str, hdim: int, causal: bool) -> str:
+    return f"{mode}_sm{arch}_{dtype}_hdim{hdim}{'_causal' if causal else ''}"
 
 
 def write_if_changed(path: Path, text: str) -> None:
@@ -34,16 +48,25 @@ def write_if_changed(path: Path, text: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--archs", type=int, nargs="*", default=sorted(FAMILIES, reverse=True))
+    ap.add_argument("--archs", type=int, nargs="*", default=sorted({a for a, _ in FAMILIES}, reverse=True))
+    ap.add_argument("--modes", nargs="*", default=list(MODES))
     ap.add_argument("--dtypes", nargs="*", default=list(DTYPES))
     ap.add_argument("--hdims", type=int, nargs="*", default=list(HDIMS))
     args = ap.parse_args()
+    for m in args.modes:
+        if m not in MODES:
+            ap.error(f"unknown mode {m}; known: {list(MODES)}")
+    families = []
     for a in args.archs:
-        if a not in FAMILIES:
-            ap.error(f"unknown arch {a}; known: {sorted(FAMILIES)}")
-        if not (CPP_DIR / FAMILIES[a][0]).exists():
-            ap.error(f"the sm{a} kernel family is not implemented yet (no cpp/{FAMILIES[a][0]}); "
-                     "build without it (FLASHHOPPER_ARCHS=90)")
+        if a not in {arch for arch, _ in FAMILIES}:
+            ap.error(f"unknown arch {a}; known: {sorted({arch for arch, _ in FAMILIES})}")
+        for m in args.modes:
+            fam = FAMILIES.get((a, m))
+            if fam is None or not (CPP_DIR / fam.header).exists():
+                ap.error(f"the sm{a} {m} kernel family is not implemented yet (no cpp/"
+                         f"{fam.header if fam else f'sm{a}/launch_{m}.h'}); build without it "
+                         "(FLASHHOPPER_ARCHS / FLASHHOPPER_MODES)")
+            families.append((a, m, fam))
     for d in args.dtypes:
         if d not in DTYPES:
             ap.error(f"unknown dtype {d}; known: {list(DTYPES)}")
@@ -52,34 +75,42 @@ def main() -> None:
             ap.error(f"unsupported head dim {h}; supported: {list(HDIMS)}")
 
     args.out.mkdir(parents=True, exist_ok=True)
-    entries, sources = [], []
-    for arch, dtype, hdim, causal in itertools.product(args.archs, args.dtypes, args.hdims, (False, True)):
-        header, fn, _, tile = FAMILIES[arch]
-        inst = f"{fn}<DType::{DTYPES[dtype]}, {hdim}, {'true' if causal else 'false'}>"
-        name = kernel_name(arch, dtype, hdim, causal)
+    entries: dict[str, list[str]] = {m: [] for m in MODES}
+    sources = []
+    for (arch, mode, fam), dtype, hdim, causal in itertools.product(families, args.dtypes, args.hdims, (False, True)):
+        targs = f"DType::{DTYPES[dtype]}, {hdim}, {'true' if causal else 'false'}"
+        params = "FwdParams" if mode == "fwd" else "BwdParams"
+        lines = [f"template void {fam.launcher}<{targs}>({params} const&, cudaStream_t);"]
+        if fam.workspace:
+            lines.append(f"template size_t {fam.workspace}<{targs}>({params} const&);")
+        name = kernel_name(arch, mode, dtype, hdim, causal)
         src = args.out / f"{name}.cu"
         write_if_changed(src, (
             "// Generated by cpp/generate_kernels.py; do not edit.\n"
-            f'#include "{header}"\n\n'
-            "namespace flashhopper {\n"
-            f"template void {inst}(FwdParams const&, cudaStream_t);\n"
-            "}  // namespace flashhopper\n"))
+            f'#include "{fam.header}"\n\n'
+            "namespace flashhopper {\n" + "\n".join(lines) + "\n}  // namespace flashhopper\n"))
         sources.append(src.name)
         c = "true" if causal else "false"
-        entries.append(f"      {{{arch}, DType::{DTYPES[dtype]}, {hdim}, {c}, &{inst}, "
-                       f"{tile}<{hdim}, {c}>::kBlockM, {tile}<{hdim}, {c}>::kBlockN}},")
+        tile = f"{fam.tile}<{hdim}, {c}>"
+        extra = f"&{fam.workspace}<{targs}>, " if fam.workspace else ""
+        entries[mode].append(f"      {{{arch}, DType::{DTYPES[dtype]}, {hdim}, {c}, &{fam.launcher}<{targs}>, "
+                             f"{extra}{tile}::kBlockM, {tile}::kBlockN}},")
 
-    tile_headers = "".join(f'#include "{FAMILIES[a][2]}"\n' for a in sorted(set(args.archs)))
+    tile_headers = "".join(f'#include "{h}"\n' for h in sorted({fam.tile_header for _, _, fam in families}))
+
+    def table(mode: str, kind: str) -> str:
+        rows = entries[mode]
+        return (f"std::vector<{kind}> const& {mode}_kernels() {{\n"
+                f"  static std::vector<{kind}> const kernels = {{\n"
+                + "\n".join(rows) + ("\n" if rows else "") + "  };\n  return kernels;\n}\n")
+
     registry = (
         "// Generated by cpp/generate_kernels.py; do not edit.\n"
         '#include "registry.h"\n' + tile_headers + "\n"
-        "namespace flashhopper {\n\n"
-        "std::vector<FwdKernel> const& fwd_kernels() {\n"
-        "  static std::vector<FwdKernel> const kernels = {\n"
-        + "\n".join(entries) + ("\n" if entries else "")
-        + "  };\n  return kernels;\n}\n\n}  // namespace flashhopper\n")
+        "namespace flashhopper {\n\n" + table("fwd", "FwdKernel") + "\n" + table("bwd", "BwdKernel")
+        + "\n}  // namespace flashhopper\n")
     write_if_changed(args.out / "registry.cpp", registry)
-    # The list CMake reads back: one source per line, arch first so CMake can pick its flags.
+    # The list CMake reads back: one source per line; CMake picks each one's flags from its name.
     write_if_changed(args.out / "sources.txt", "".join(f"{s}\n" for s in sources))
 
 

@@ -4,6 +4,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <vector>
 
 #include "common/params.h"
@@ -11,6 +12,8 @@
 namespace flashhopper {
 
 using FwdLaunchFn = void (*)(FwdParams const&, cudaStream_t);
+using BwdLaunchFn = void (*)(BwdParams const&, cudaStream_t);
+using BwdWorkspaceFn = size_t (*)(BwdParams const&);
 
 struct FwdKernel {
   int arch;  // 90: Hopper path (sm_90a), 80: Ampere path (sm_80, also runs on sm_86..sm_90)
@@ -21,13 +24,29 @@ struct FwdKernel {
   int block_m, block_n;  // query rows and keys per tile (the report's IO model uses them)
 };
 
+// Backward: preprocess, main kernel and postprocess behind one launcher.
+struct BwdKernel {
+  int arch;
+  DType dtype;
+  int headdim;
+  bool causal;
+  BwdLaunchFn launch;
+  BwdWorkspaceFn workspace_bytes;  // device scratch the launcher needs for these params
+  int block_m, block_n;  // query rows per inner step, keys per CTA
+};
+
 // Defined in the generated registry.cpp.
 std::vector<FwdKernel> const& fwd_kernels();
+std::vector<BwdKernel> const& bwd_kernels();
 
 // Launchers, explicitly instantiated by the generated translation units.
 template <DType kDType, int kHeadDim, bool kCausal>
 void run_fwd_sm90(FwdParams const& params, cudaStream_t stream);
 template <DType kDType, int kHeadDim, bool kCausal>
 void run_fwd_sm80(FwdParams const& params, cudaStream_t stream);
+template <DType kDType, int kHeadDim, bool kCausal>
+void run_bwd_sm90(BwdParams const& params, cudaStream_t stream);
+template <DType kDType, int kHeadDim, bool kCausal>
+size_t bwd_workspace_bytes_sm90(BwdParams const& params);
 
 }  // namespace flashhopper

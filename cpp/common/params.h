@@ -43,4 +43,43 @@ struct FwdParams {
   int num_sms = 0;  // multiprocessors for a persistent grid; 0 lets the launcher query the device
 };
 
+// Backward attention: gradients of the forward above with respect to q, k and v, given dO and the
+// forward's O and LSE. Same layouts as the forward; dq/dk/dv like q/k/v (any 16-byte-aligned strides,
+// last dim contiguous). With GQA, dk/dv hold the sums over each kv head's group of query heads.
+// The launcher needs `workspace`: bwd_workspace_bytes(...) bytes of device memory, any contents, 256-byte
+// aligned, not shared with a concurrent launch (it holds the fp32 dQ accumulator and the per-row
+// statistics the preprocess kernel writes).
+struct BwdParams {
+  const void* q_ptr = nullptr;
+  const void* k_ptr = nullptr;
+  const void* v_ptr = nullptr;
+  const void* o_ptr = nullptr;
+  const void* do_ptr = nullptr;
+  const float* lse_ptr = nullptr;   // the forward's LSE: (batch, nheads_q, seqlen_q) contiguous, natural log
+  const float* dlse_ptr = nullptr;  // optional gradient of the loss w.r.t. LSE, same layout; nullptr = zero
+  void* dq_ptr = nullptr;
+  void* dk_ptr = nullptr;
+  void* dv_ptr = nullptr;
+  void* workspace = nullptr;
+
+  int64_t q_batch_stride = 0, q_row_stride = 0, q_head_stride = 0;
+  int64_t k_batch_stride = 0, k_row_stride = 0, k_head_stride = 0;
+  int64_t v_batch_stride = 0, v_row_stride = 0, v_head_stride = 0;
+  int64_t o_batch_stride = 0, o_row_stride = 0, o_head_stride = 0;
+  int64_t do_batch_stride = 0, do_row_stride = 0, do_head_stride = 0;
+  int64_t dq_batch_stride = 0, dq_row_stride = 0, dq_head_stride = 0;
+  int64_t dk_batch_stride = 0, dk_row_stride = 0, dk_head_stride = 0;
+  int64_t dv_batch_stride = 0, dv_row_stride = 0, dv_head_stride = 0;
+
+  int batch = 0, seqlen_q = 0, seqlen_k = 0, nheads_q = 0, nheads_kv = 0, headdim = 0;
+  float softmax_scale = 1.f;
+  bool causal = false;
+  // Bitwise-identical gradients from run to run: the fp32 accumulations across CTAs (dQ, and dK/dV
+  // under GQA) happen in a fixed order, enforced by semaphores in the workspace.
+  bool deterministic = false;
+  DType dtype = DType::kBFloat16;
+  int device = 0;
+  int num_sms = 0;
+};
+
 }  // namespace flashhopper

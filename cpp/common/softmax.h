@@ -77,4 +77,28 @@ struct OnlineSoftmax {
   }
 };
 
+// Backward: the probabilities are recomputed from the forward's statistics instead of a running
+// max, P = exp2(S * scale_log2 - lse_log2), and the score gradient is dS = P * (dP - D) with
+// D = rowsum(dO * O) (minus dLSE when the loss uses LSE). Both take the per-query statistic of every
+// element through stat(mi, ni), so the tile can be S or S^T. lse_log2 is +inf for rows with no
+// visible key and for padding rows, which gives P = 0 there.
+template <class TensorS, class Stat>
+CUTE_DEVICE void probs_from_lse(TensorS& s, Stat&& lse_log2, float scale_log2) {
+  CUTE_UNROLL
+  for (int mi = 0; mi < size<0>(s); ++mi) {
+    CUTE_UNROLL
+    for (int ni = 0; ni < size<1>(s); ++ni) s(mi, ni) = exp2_approx(s(mi, ni) * scale_log2 - lse_log2(mi, ni));
+  }
+}
+
+// dP is overwritten with dS; P may be float or the 16-bit P of the dV GEMM.
+template <class TensorP, class TensorDP, class Stat>
+CUTE_DEVICE void grad_scores(TensorP const& p, TensorDP& dp, Stat&& d) {
+  CUTE_UNROLL
+  for (int mi = 0; mi < size<0>(p); ++mi) {
+    CUTE_UNROLL
+    for (int ni = 0; ni < size<1>(p); ++ni) dp(mi, ni) = float(p(mi, ni)) * (dp(mi, ni) - d(mi, ni));
+  }
+}
+
 }  // namespace flashhopper

@@ -13,6 +13,7 @@
 
 #include "../common/block_info.h"
 #include "../common/device_info.h"
+#include "../common/element_type.h"
 #include "../common/params.h"
 #include "../registry.h"
 #include "epilogue_fwd.h"
@@ -22,17 +23,6 @@
 #include "tile_size.h"
 
 namespace flashhopper {
-
-template <DType kDType>
-struct ElementOf;
-template <>
-struct ElementOf<DType::kFloat16> {
-  using type = cutlass::half_t;
-};
-template <>
-struct ElementOf<DType::kBFloat16> {
-  using type = cutlass::bfloat16_t;
-};
 
 template <DType kDType, int kHeadDim, bool kCausal>
 void run_fwd_sm90(FwdParams const& p, cudaStream_t stream) {

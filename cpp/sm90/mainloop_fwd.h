@@ -11,7 +11,6 @@
 
 #include <cute/tensor.hpp>
 
-#include <type_traits>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/cutlass.h>
@@ -22,31 +21,12 @@
 #include "../common/mask.h"
 #include "../common/softmax.h"
 #include "../common/utils.h"
+#include "gemm.h"
 #include "named_barriers.h"
 
 namespace flashhopper::sm90 {
 
 using namespace cute;
-
-// One WGMMA batch: fence the operands, issue all k-blocks, commit; optionally wait.
-template <bool kZeroInit, int kWait, class TiledMma, class TA, class TB, class TC>
-CUTE_DEVICE void wgmma(TiledMma& mma, TA const& tA, TB const& tB, TC& tC) {
-  // A from registers (RS) or a shared-memory descriptor (SS).
-  constexpr bool kARegs = !std::is_same_v<typename TA::iterator, GMMA::DescriptorIterator>;
-  if constexpr (kARegs) warpgroup_fence_operand(const_cast<TA&>(tA));
-  warpgroup_fence_operand(tC);
-  warpgroup_arrive();
-  mma.accumulate_ = kZeroInit ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
-  CUTE_UNROLL
-  for (int k = 0; k < size<2>(tA); ++k) {
-    cute::gemm(mma, tA(_, _, k), tB(_, _, k), tC);
-    mma.accumulate_ = GMMA::ScaleOut::One;
-  }
-  warpgroup_commit_batch();
-  if constexpr (kWait >= 0) warpgroup_wait<kWait>();
-  warpgroup_fence_operand(tC);
-  if constexpr (kARegs) warpgroup_fence_operand(const_cast<TA&>(tA));
-}
 
 // Tile: a FwdTileSize (block sizes, pipeline depths, and whether ping-pong and the intra-warpgroup
 // overlap are on; both are, except in ablation builds).

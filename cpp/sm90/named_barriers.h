@@ -12,6 +12,17 @@ enum NamedBarriers : uint32_t {
   kEpilogueBarrier0 = 4,  // 4 .. 4+kNumMmaWG-1: a warpgroup's own epilogue (128 threads)
 };
 
+// Backward (its own kernel, so the ids are reused).
+enum BwdNamedBarriers : uint32_t {
+  kBwdPdS = 0,        // both consumer warpgroups: P/dS written (and, single-buffered, free to write)
+  kBwddQFull0 = 1,    // 1, 2: a consumer warpgroup's dQ half is staged for the dQ writer
+  kBwddQEmpty0 = 3,   // 3, 4: the dQ writer has sent that half; the buffer may be refilled
+  kBwdAtomicWG0 = 5,  // 5, 6: one warpgroup around its deterministic atomics
+  kBwdEpilogue = 7,   // both consumer warpgroups: done with K/V smem, then dK/dV staged there
+};
+// The dQ hand-offs pair one consumer warpgroup with the dQ-writer warp.
+inline constexpr uint32_t kdQHandoffThreads = cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp;
+
 template <int kNumMmaWG, bool kEnabled>
 struct PingPong {
   static constexpr bool kOn = kEnabled && kNumMmaWG > 1;

@@ -58,4 +58,57 @@ struct FwdTileSize<256, kCausal> : FwdTilePolicy {
   static constexpr bool kPingPong = kPingPongDefault && FLASHHOPPER_HDIM256_PINGPONG;
 };
 
+// ---------------------------------------------------------------------------------------------
+// Backward. A CTA owns kBlockN keys (dK and dV stay in registers, split over two consumer
+// warpgroups) and walks kBlockM-row query blocks. Two ways to lay the GEMMs out:
+//  - kSdPSwapAB (head dims 64, 128): compute S^T = K Q^T and dP^T = V dO^T, so each warpgroup owns
+//    64 keys as its accumulator rows. P^T and dS^T are then already the register A operands of
+//    dV += P^T dO and dK += dS^T Q (no trip through shared memory); only dS is stored, for dQ.
+//  - otherwise (head dim 256, where one warpgroup cannot hold 64 keys x 256 of both dK and dV):
+//    S = Q K^T split over keys, P and dS go through shared memory, and dV^T = dO^T P,
+//    dK^T = Q^T dS split over the head dim (kdKVSwapAB), 128 head-dim rows per warpgroup.
+// dQ = dS K (kBlockM x headdim) is split over the head dim and summed over the key blocks in a
+// float32 buffer by TMA reduce-adds of each warpgroup's share, staged in shared memory. At head
+// dim 256 it goes in two column slices (kdQSlices), so that the staging fits next to one dO stage.
+// Head dim 128: 80 query rows per step without causal masking (more work per step for the same
+// synchronization, and m64n80 GEMMs ask less of shared memory than m64n64), 64 with it (less
+// work wasted on the diagonal). 80 rows make dQ^T the GEMM (kdQSwapAB): 80 is no WGMMA M.
+#ifndef FLASHHOPPER_BWD_HDIM128_BLOCK_M
+#define FLASHHOPPER_BWD_HDIM128_BLOCK_M 64
+#endif
+#ifndef FLASHHOPPER_BWD_HDIM128_CAUSAL_BLOCK_M
+#define FLASHHOPPER_BWD_HDIM128_CAUSAL_BLOCK_M 64
+#endif
+// Causal backward CTA order: heaviest key blocks first across sections of heads holding this many
+// waves of CTAs (tile_scheduler.h); 0 keeps one head per section.
+#ifndef FLASHHOPPER_BWD_CAUSAL_SECTION_WAVES
+#define FLASHHOPPER_BWD_CAUSAL_SECTION_WAVES 0
+#endif
+inline constexpr int kBwdCausalSectionWaves = FLASHHOPPER_BWD_CAUSAL_SECTION_WAVES;
+
+template <int kHeadDim, bool kCausal>
+struct BwdTileSize;
+
+// kStages: Q (with its LSE) stages; kStagesdO: dO (with D) stages; kStagesdS: P/dS buffers;
+// kdQSlices: dQ column slices per query block; kdQSwapAB: compute dQ^T (for kBlockM not 64).
+template <bool kCausal>
+struct BwdTileSize<64, kCausal> {
+  static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2, kStagesdO = 2, kStagesdS = 2, kdQSlices = 1;
+  static constexpr bool kSdPSwapAB = true, kdKVSwapAB = false, kdQSwapAB = false;
+};
+
+template <bool kCausal>
+struct BwdTileSize<128, kCausal> {
+  static constexpr int kBlockM = kCausal ? FLASHHOPPER_BWD_HDIM128_CAUSAL_BLOCK_M : FLASHHOPPER_BWD_HDIM128_BLOCK_M;
+  static constexpr int kBlockN = 128, kStages = 2, kStagesdO = 2, kStagesdS = 2, kdQSlices = 1;
+  static constexpr bool kSdPSwapAB = true, kdKVSwapAB = false, kdQSwapAB = kBlockM % 64 != 0;
+};
+
+template <bool kCausal>
+struct BwdTileSize<256, kCausal> {
+  // One dO stage: it is released mid-iteration (after dV), so the next one loads under the dQ/dK GEMMs.
+  static constexpr int kBlockM = 64, kBlockN = 64, kStages = 2, kStagesdO = 1, kStagesdS = 1, kdQSlices = 2;
+  static constexpr bool kSdPSwapAB = false, kdKVSwapAB = true, kdQSwapAB = false;
+};
+
 }  // namespace flashhopper::sm90

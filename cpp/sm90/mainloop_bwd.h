@@ -1,0 +1,584 @@
+// Hopper backward mainloop. A CTA owns one block of kBlockN keys of one (batch, query head) and
+// walks the query blocks that see it. Per query block m, on the two consumer warpgroups:
+//
+//   S  = Q K^T,  dP = dO V^T                  (SS WGMMA, from the TMA'd Q/dO stage and K/V)
+//   P  = exp2(S * scale * log2e - LSE_m * log2e)   (recomputed from the forward's LSE)
+//   dS = P * (dP - D_m),   D = rowsum(dO * O)   (from the preprocess kernel)
+//   dV += P^T dO,  dK += dS^T Q                 (accumulated in registers over all m)
+//   dQ_m += dS K                                (summed over key blocks in a float32 buffer)
+//
+// BwdTileSize picks one of two layouts (see tile_size.h): S^T with P^T/dS^T as register operands
+// (kSdPSwapAB), or S with P/dS through shared memory and dV^T/dK^T split over the head dim.
+// The producer warp loads K and V once, then Q (+ its LSE row statistics) and dO (+ D) per query
+// block through PipelineTmaAsync stages. dQ leaves through a dQ-writer warp: each warpgroup stages
+// its share in shared memory, kdQSlices column slices per query block, and the writer TMA-reduce-
+// adds each into a float32 buffer (atomics from registers measured 3.4x slower at head dim 256).
+// softmax_scale is applied once: to dK here, to dQ by the postprocess kernel.
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include <cutlass/arch/barrier.h>
+#include <cutlass/cutlass.h>
+#include <cutlass/gemm/collective/builders/sm90_common.inl>
+#include <cutlass/pipeline/pipeline.hpp>
+
+#include <cuda/atomic>
+
+#include <type_traits>
+
+#include "../common/block_info.h"
+#include "../common/mask.h"
+#include "../common/softmax.h"
+#include "../common/utils.h"
+#include "gemm.h"
+#include "named_barriers.h"
+
+namespace flashhopper::sm90 {
+
+using namespace cute;
+
+// Operand descriptors of `t` as the A (kA) or B operand of a thread's slice of a tiled MMA.
+template <bool kA, class ThrMma, class TensorT>
+CUTE_DEVICE auto fragment_ab(ThrMma const& thr, TensorT const& t) {
+  if constexpr (kA) {
+    return thr.partition_fragment_A(t);
+  } else {
+    return thr.partition_fragment_B(t);
+  }
+}
+
+// Semaphores of the deterministic mode: a spin on a global counter by one thread.
+CUTE_DEVICE void wait_at_least(int const* sem, int value) {
+  while (cuda::atomic_ref<int const, cuda::thread_scope_device>(*sem).load(cuda::memory_order_acquire) < value) {
+  }
+}
+CUTE_DEVICE void signal(int* sem) {
+  cuda::atomic_ref<int, cuda::thread_scope_device>(*sem).fetch_add(1, cuda::memory_order_release);
+}
+
+template <class Element_, int kHeadDim_, class Tile, bool kCausal_>
+struct BwdMainloop {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_, kBlockM = Tile::kBlockM, kBlockN = Tile::kBlockN;
+  static constexpr int kStages = Tile::kStages, kStagesdO = Tile::kStagesdO, kStagesdS = Tile::kStagesdS;
+  static constexpr bool kCausal = kCausal_;
+  static constexpr bool kSdPSwapAB = Tile::kSdPSwapAB, kdKVSwapAB = Tile::kdKVSwapAB;
+  static constexpr int kdQSlices = Tile::kdQSlices;
+  static constexpr bool kdQSwapAB = Tile::kdQSwapAB;
+  // P^T and dS^T as register A operands of the dV/dK GEMMs: their accumulator rows are keys.
+  static constexpr bool kdKVRegsA = kSdPSwapAB && !kdKVSwapAB;
+  static_assert(kSdPSwapAB != kdKVSwapAB, "supported layouts: S^T with dK/dV, or S with dK^T/dV^T");
+  static_assert(kdQSwapAB ? kBlockM % 16 == 0 : kBlockM == 64,
+                "dQ (kBlockM x headdim) is one 64-row atom per warpgroup, or computed as dQ^T");
+  static_assert(kStagesdS == 1 || kStagesdS == kStages, "dS stages follow the Q stages");
+  static constexpr int kNumMmaWG = 2;
+  // Ablation build (docs/perf-notes.md), timing only: the dQ reduce-adds are skipped (wrong dQ).
+#ifdef FLASHHOPPER_BWD_NO_DQ_REDUCE
+  static constexpr bool kAblateNoDqReduce = true;
+#else
+  static constexpr bool kAblateNoDqReduce = false;
+#endif
+  // Ablation: dV issued after dS is stored (FA3's order) instead of before the dS math.
+#ifdef FLASHHOPPER_BWD_DV_AFTER_DS
+  static constexpr bool kAblateDvAfterDs = true;
+#else
+  static constexpr bool kAblateDvAfterDs = false;
+#endif
+  static constexpr int kNumMmaThreads = kNumMmaWG * cutlass::NumThreadsPerWarpGroup;
+
+  using D = Int<kHeadDim>;
+  using BM = Int<kBlockM>;
+  using BN = Int<kBlockN>;
+  // dQ is computed in kdQSlices column slices, each split over the two warpgroups.
+  using DSlice = Int<kHeadDim / kdQSlices>;
+  using DQCols = Int<kHeadDim / kdQSlices / 2>;  // one warpgroup's columns of one slice
+
+  // ---- GEMMs: one TiledMma over both consumer warpgroups (thread index 0..255) each ----------
+  // S or S^T (and dP or dP^T), K = headdim; split over the keys.
+  using ShapeSdP = std::conditional_t<kSdPSwapAB, Shape<BN, BM>, Shape<BM, BN>>;
+  using AtomShapeSdP = std::conditional_t<kSdPSwapAB, Shape<Int<kBlockN / 2>, BM, D>, Shape<BM, Int<kBlockN / 2>, D>>;
+  using AtomLayoutSdP = std::conditional_t<kSdPSwapAB, Layout<Shape<_2, _1, _1>>, Layout<Shape<_1, _2, _1>>>;
+  using TiledMmaSdP = decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, AtomShapeSdP>(),
+                                              AtomLayoutSdP{}));
+  // dV, dK (kBlockN x headdim, split over keys) or dV^T, dK^T (headdim x kBlockN, split over the
+  // head dim), K = kBlockM.
+  using ShapedKV = std::conditional_t<kdKVSwapAB, Shape<D, BN>, Shape<BN, D>>;
+  using AtomShapedKV = std::conditional_t<kdKVSwapAB, Shape<_64, BN, BM>, Shape<Int<kBlockN / 2>, D, BM>>;
+  using TiledMmadKV = decltype(make_tiled_mma(
+      std::conditional_t<
+          kdKVRegsA,
+          decltype(GMMA::rs_op_selector<Element, Element, float, AtomShapedKV, GMMA::Major::K, GMMA::Major::MN>()),
+          decltype(GMMA::ss_op_selector<Element, Element, float, AtomShapedKV, GMMA::Major::MN, GMMA::Major::MN>())>{},
+      Layout<Shape<_2, _1, _1>>{}));
+  // dQ = dS K (kBlockM x headdim), one slice of DSlice columns at a time, split over the head dim;
+  // or, when kBlockM is no multiple of 64 (kdQSwapAB), dQ^T = K^T dS^T, split over its rows.
+  // dS is stored the way the S accumulator holds it (adjacent pairs contiguous), so as dQ's A
+  // operand it is MN-major when S was S^T (and as dQ^T's B operand, MN-major likewise).
+  static constexpr GMMA::Major kMajordS = kSdPSwapAB ? GMMA::Major::MN : GMMA::Major::K;
+  using ShapedQ = std::conditional_t<kdQSwapAB, Shape<DSlice, BM>, Shape<BM, DSlice>>;  // accumulator tile
+  using AtomShapedQ = std::conditional_t<kdQSwapAB, Shape<DQCols, BM, BN>, Shape<BM, DQCols, BN>>;
+  using AtomLayoutdQ = std::conditional_t<kdQSwapAB, Layout<Shape<_2, _1, _1>>, Layout<Shape<_1, _2, _1>>>;
+  using MmaAtomdQ = std::conditional_t<
+      kdQSwapAB, decltype(GMMA::ss_op_selector<Element, Element, float, AtomShapedQ, GMMA::Major::MN, kMajordS>()),
+      decltype(GMMA::ss_op_selector<Element, Element, float, AtomShapedQ, kMajordS, GMMA::Major::MN>())>;
+  using TiledMmadQ = decltype(make_tiled_mma(MmaAtomdQ{}, AtomLayoutdQ{}));
+  // One warpgroup's share of a dQ slice: the same per-thread fragment, addressed in its own buffer.
+  using TiledMmadQHalf = decltype(make_tiled_mma(MmaAtomdQ{}));
+
+  // ---- Shared memory --------------------------------------------------------------------------
+  using SmemAtomQ = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, BM, D>());
+  using SmemLayoutQ = decltype(tile_to_shape(SmemAtomQ{}, Shape<BM, D, Int<kStages>>{}));
+  using SmemLayoutdO = decltype(tile_to_shape(SmemAtomQ{}, Shape<BM, D, Int<kStagesdO>>{}));
+  // Q^T and dO^T views (headdim, kBlockM, stage) of the same bytes, for the dK and dV GEMMs.
+  using SmemLayoutQt = decltype(composition(SmemLayoutQ{}, make_ordered_layout(Shape<D, BM, Int<kStages>>{},
+                                                                               Step<_2, _1, _3>{})));
+  using SmemLayoutdOt = decltype(composition(SmemLayoutdO{}, make_ordered_layout(Shape<D, BM, Int<kStagesdO>>{},
+                                                                                 Step<_2, _1, _3>{})));
+  using SmemAtomKV = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, BN, D>());
+  using SmemLayoutK = decltype(tile_to_shape(SmemAtomKV{}, Shape<BN, D>{}));
+  using SmemLayoutV = SmemLayoutK;
+  using SmemLayoutKStaged = decltype(tile_to_shape(SmemAtomKV{}, Shape<BN, D, _1>{}));  // for the TMA partition
+  using SmemLayoutKt = decltype(composition(SmemLayoutK{}, make_ordered_layout(Shape<D, BN>{}, Step<_2, _1>{})));
+  // P and dS as the S accumulator tile (ShapeSdP), its second mode contiguous; and transposed.
+  static constexpr int kSdPRows = size<0>(ShapeSdP{}), kSdPCols = size<1>(ShapeSdP{});
+  using SmemAtomPdS = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element,
+                                                                                  Int<kSdPRows>, Int<kSdPCols>>());
+  using SmemLayoutPdS = decltype(tile_to_shape(SmemAtomPdS{}, Shape<Int<kSdPRows>, Int<kSdPCols>, Int<kStagesdS>>{}));
+  using SmemLayoutPdSt = decltype(composition(
+      SmemLayoutPdS{}, make_ordered_layout(Shape<Int<kSdPCols>, Int<kSdPRows>, Int<kStagesdS>>{}, Step<_2, _1, _3>{})));
+  using SmemLayoutdSq = std::conditional_t<kSdPSwapAB, SmemLayoutPdSt, SmemLayoutPdS>;  // (kBlockM, kBlockN, stage)
+  // dQ staging for the TMA reduce-add: each warpgroup's (kBlockM, DQCols) float32 share of a slice.
+  using SmemLayoutdQHalf = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<float>{}, Shape<BM, DQCols>{}));
+  // The same buffer as a warpgroup's dQ^T accumulator sees it.
+  using SmemLayoutdQHalfAcc = std::conditional_t<
+      kdQSwapAB, decltype(composition(SmemLayoutdQHalf{}, make_ordered_layout(Shape<DQCols, BM>{}, Step<_2, _1>{}))),
+      SmemLayoutdQHalf>;
+  using SmemLayoutdQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<float>{}, Shape<BM, DQCols, _2>{}));
+  // stmatrix of P/dS: four 8x8 matrices per instruction when each thread's share allows it.
+  using SmemCopyAtomPdS = Copy_Atom<std::conditional_t<(kBlockM * kBlockN / kNumMmaThreads) % 8 == 0,
+                                                       SM90_U32x4_STSM_N, SM90_U32x2_STSM_N>, Element>;
+
+  // ---- Global tensors and TMA -----------------------------------------------------------------
+  using ShapeQKV = Shape<int32_t, int32_t, int32_t, int32_t>;  // (seqlen, headdim, head, batch)
+  using StrideQKV = Stride<int64_t, _1, int64_t, int64_t>;
+  using GmemTensor = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{}, StrideQKV{}));
+  using GmemTensorAccum = decltype(make_tensor(make_gmem_ptr(static_cast<float*>(nullptr)), ShapeQKV{}, StrideQKV{}));
+  using TMA_QdO = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutQ{}), Shape<BM, D>{}, _1{}));
+  using TMA_KV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutK{}, Shape<BN, D>{}, _1{}));
+  using TMA_dQ = decltype(make_tma_copy(SM90_TMA_REDUCE_ADD{}, GmemTensorAccum{}, SmemLayoutdQHalf{},
+                                        Shape<BM, DQCols>{}, _1{}));
+
+  static constexpr uint32_t kKVBytes = uint32_t(2 * size(SmemLayoutK{}) * sizeof(Element));
+  static constexpr uint32_t kRowStatBytes = uint32_t(kBlockM * sizeof(float));  // LSE or D of one query block
+  static constexpr uint32_t kQStageBytes = uint32_t(size(take<0, 2>(SmemLayoutQ{})) * sizeof(Element)) + kRowStatBytes;
+
+  using PipelineKV = cutlass::PipelineTmaAsync<1>;
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;      // Q + LSE
+  using PipelinedO = cutlass::PipelineTmaAsync<kStagesdO>;  // dO + D
+  using PipelineState = typename Pipeline::PipelineState;
+  using PipelineStatedO = typename PipelinedO::PipelineState;
+
+  struct BarrierStorage {
+    typename PipelineKV::SharedStorage pipeline_kv;
+    typename Pipeline::SharedStorage pipeline_q;
+    typename PipelinedO::SharedStorage pipeline_do;
+  };
+  // All of the CTA's shared memory. The small pieces come first and the 1 KB-aligned tiles after, so
+  // that alignment costs at most one padding gap (the head-dim-128, 80-row tile is within 2 KB of
+  // the 227 KB limit); P exists only when it goes through shared memory (an empty base otherwise).
+  template <class T, int N>
+  using Tile1K = cute::array_aligned<T, N, 1024>;
+  struct PStorage {
+    Tile1K<Element, cosize_v<SmemLayoutPdS>> smem_p;
+  };
+  struct NoPStorage {};
+  struct TensorStorage : std::conditional_t<kdKVRegsA, NoPStorage, PStorage> {
+    BarrierStorage barriers;
+    cute::array_aligned<float, kBlockM * kStages, 16> smem_lse;      // bulk copies need 16 bytes
+    cute::array_aligned<float, kBlockM * kStagesdO, 16> smem_dpsum;
+    Tile1K<Element, cosize_v<SmemLayoutK>> smem_k;
+    Tile1K<Element, cosize_v<SmemLayoutV>> smem_v;
+    Tile1K<Element, cosize_v<SmemLayoutQ>> smem_q;
+    Tile1K<Element, cosize_v<SmemLayoutdO>> smem_do;
+    Tile1K<Element, cosize_v<SmemLayoutPdS>> smem_ds;
+    Tile1K<float, cosize_v<SmemLayoutdQ>> smem_dq;
+  };
+
+  struct Params {
+    TMA_QdO tma_q, tma_do;
+    TMA_KV tma_k, tma_v;
+    TMA_dQ tma_dq;
+    ShapeQKV shape_q, shape_k;
+    float const* lse_log2;  // (batch, head, seqlen_q_rounded): LSE * log2(e), +inf where P must be 0
+    float const* dpsum;     // (batch, head, seqlen_q_rounded): rowsum(dO * O) - dLSE, 0 on padding rows
+    float* dq_accum;        // (batch, head, seqlen_q, headdim) float32, zeroed
+    int* dq_semaphore;      // (batch, head, m_blocks) zeroed, or nullptr: not deterministic
+    int seqlen_q_rounded;
+    int heads_ratio;
+    float softmax_scale, scale_log2;
+    BwdBlockInfo<kBlockM, kBlockN, kCausal> block_info;
+  };
+
+  static Params make_params(Element const* q, StrideQKV stride_q, Element const* dout, StrideQKV stride_do,
+                            ShapeQKV shape_q, Element const* k, StrideQKV stride_k, Element const* v,
+                            StrideQKV stride_v, ShapeQKV shape_k, float const* lse_log2, float const* dpsum,
+                            float* dq_accum, int* dq_semaphore, int seqlen_q_rounded, float softmax_scale) {
+    auto mQ = make_tensor(make_gmem_ptr(q), shape_q, stride_q);
+    auto mdO = make_tensor(make_gmem_ptr(dout), shape_q, stride_do);
+    auto mK = make_tensor(make_gmem_ptr(k), shape_k, stride_k);
+    auto mV = make_tensor(make_gmem_ptr(v), shape_k, stride_v);
+    int64_t const sq = get<0>(shape_q), d = get<1>(shape_q), h = get<2>(shape_q);
+    auto mdQ = make_tensor(make_gmem_ptr(dq_accum), shape_q, make_stride(d, _1{}, sq * d, h * sq * d));
+    return {make_tma_copy(SM90_TMA_LOAD{}, mQ, take<0, 2>(SmemLayoutQ{}), Shape<BM, D>{}, _1{}),
+            make_tma_copy(SM90_TMA_LOAD{}, mdO, take<0, 2>(SmemLayoutdO{}), Shape<BM, D>{}, _1{}),
+            make_tma_copy(SM90_TMA_LOAD{}, mK, SmemLayoutK{}, Shape<BN, D>{}, _1{}),
+            make_tma_copy(SM90_TMA_LOAD{}, mV, SmemLayoutV{}, Shape<BN, D>{}, _1{}),
+            make_tma_copy(SM90_TMA_REDUCE_ADD{}, mdQ, SmemLayoutdQHalf{}, Shape<BM, DQCols>{}, _1{}),
+            shape_q,
+            shape_k,
+            lse_log2,
+            dpsum,
+            dq_accum,
+            dq_semaphore,
+            seqlen_q_rounded,
+            get<2>(shape_q) / get<2>(shape_k),
+            softmax_scale,
+            float(softmax_scale * M_LOG2E),
+            {get<0>(shape_q), get<0>(shape_k)}};
+  }
+
+  CUTE_DEVICE static void prefetch_descriptors(Params const& p) {
+    cute::prefetch_tma_descriptor(p.tma_q.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.tma_do.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.tma_k.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.tma_dq.get_tma_descriptor());
+  }
+
+  // Accumulator fragment -> its place in a swizzled float32 shared-memory tile, with st.shared: a
+  // plain copy through CuTe's swizzled pointer compiles to generic 4-byte stores (the address space
+  // is lost in the swizzle arithmetic). Adjacent accumulator columns stay adjacent under the 16-byte
+  // swizzle, so unless the tile is transposed each pair goes as one 8-byte store.
+  template <class Frag, class TensorS>
+  CUTE_DEVICE static void store_shared(Frag const& frag, TensorS const& dst) {
+    CUTE_UNROLL
+    for (int i = 0; i < size(frag); i += (kdQSwapAB ? 1 : 2)) {
+      uint32_t const addr = cast_smem_ptr_to_uint(&dst(i));
+      if constexpr (kdQSwapAB) {
+        asm volatile("st.shared.f32 [%0], %1;" ::"r"(addr), "f"(frag(i)));
+      } else {
+        asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(frag(i)), "f"(frag(i + 1)));
+      }
+    }
+  }
+
+  // Deterministic: the key blocks that add to a query block's dQ do so from the highest to the
+  // lowest (so that in causal attention every CTA starts at once: all walk the query blocks from the
+  // last one down). This many of them come before n_block.
+  CUTE_DEVICE static int later_key_blocks(Params const& p, int m_block, int n_block) {
+    return p.block_info.n_block_end(m_block) - 1 - n_block;
+  }
+
+  CUTE_DEVICE static int64_t row_stat_offset(Params const& p, int head, int batch) {
+    return (int64_t(batch) * get<2>(p.shape_q) + head) * p.seqlen_q_rounded;
+  }
+
+  // ---------------------------------------------------------------------------------------------
+  // Producer: one thread. K and V once, then per query block Q with its LSE and dO with its D.
+  CUTE_DEVICE static void load(Params const& p, PipelineKV& pipeline_kv, Pipeline& pipeline_q, PipelinedO& pipeline_do,
+                               TensorStorage& ts, int n_block, int head, int batch) {
+    int const m_begin = p.block_info.m_block_min(n_block), m_end = p.block_info.m_block_max();
+    if (m_end <= m_begin) return;
+    int const kv_head = head / p.heads_ratio;
+
+    Tensor sQ = make_tensor(make_smem_ptr(ts.smem_q.data()), SmemLayoutQ{});
+    Tensor sdO = make_tensor(make_smem_ptr(ts.smem_do.data()), SmemLayoutdO{});
+    // K and V have no stage mode; the same layout with one of size 1, for the TMA partitioning.
+    Tensor sK = make_tensor(make_smem_ptr(ts.smem_k.data()), SmemLayoutKStaged{});
+    Tensor sV = make_tensor(make_smem_ptr(ts.smem_v.data()), SmemLayoutKStaged{});
+    Tensor gQ = local_tile(p.tma_q.get_tma_tensor(p.shape_q)(_, _, head, batch), Shape<BM, D>{}, make_coord(_, _0{}));
+    Tensor gdO = local_tile(p.tma_do.get_tma_tensor(p.shape_q)(_, _, head, batch), Shape<BM, D>{}, make_coord(_, _0{}));
+    Tensor gK = local_tile(p.tma_k.get_tma_tensor(p.shape_k)(_, _, kv_head, batch), Shape<BN, D>{}, make_coord(_, _0{}));
+    Tensor gV = local_tile(p.tma_v.get_tma_tensor(p.shape_k)(_, _, kv_head, batch), Shape<BN, D>{}, make_coord(_, _0{}));
+    auto q_parts = tma_partition(p.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+    auto do_parts = tma_partition(p.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
+    auto k_parts = tma_partition(p.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+    auto v_parts = tma_partition(p.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+    float const* lse_bh = p.lse_log2 + row_stat_offset(p, head, batch);
+    float const* dpsum_bh = p.dpsum + row_stat_offset(p, head, batch);
+
+    auto write_kv = cutlass::make_producer_start_state<PipelineKV>();
+    pipeline_kv.producer_acquire(write_kv);
+    auto* kv_bar = pipeline_kv.producer_get_barrier(write_kv);
+    copy(p.tma_k.with(*kv_bar, 0, TMA::CacheHintSm90::EVICT_FIRST), get<0>(k_parts)(_, n_block), get<1>(k_parts)(_, 0));
+    copy(p.tma_v.with(*kv_bar, 0, TMA::CacheHintSm90::EVICT_FIRST), get<0>(v_parts)(_, n_block), get<1>(v_parts)(_, 0));
+
+    // Every key block of this head reads the same Q and dO: keep them in L2.
+    auto write_q = cutlass::make_producer_start_state<Pipeline>();
+    auto write_do = cutlass::make_producer_start_state<PipelinedO>();
+    for (int m_block = m_end - 1; m_block >= m_begin; --m_block) {
+      pipeline_q.producer_acquire(write_q);
+      auto* q_bar = pipeline_q.producer_get_barrier(write_q);
+      copy(p.tma_q.with(*q_bar, 0, TMA::CacheHintSm90::EVICT_LAST), get<0>(q_parts)(_, m_block),
+           get<1>(q_parts)(_, write_q.index()));
+      SM90_BULK_COPY_G2S::copy(lse_bh + m_block * kBlockM, q_bar, ts.smem_lse.data() + write_q.index() * kBlockM,
+                               kRowStatBytes);
+      ++write_q;
+      pipeline_do.producer_acquire(write_do);
+      auto* do_bar = pipeline_do.producer_get_barrier(write_do);
+      copy(p.tma_do.with(*do_bar, 0, TMA::CacheHintSm90::EVICT_LAST), get<0>(do_parts)(_, m_block),
+           get<1>(do_parts)(_, write_do.index()));
+      SM90_BULK_COPY_G2S::copy(dpsum_bh + m_block * kBlockM, do_bar, ts.smem_dpsum.data() + write_do.index() * kBlockM,
+                               kRowStatBytes);
+      ++write_do;
+    }
+  }
+
+  // ---------------------------------------------------------------------------------------------
+  // dQ writer: one warp. As each consumer warpgroup fills its buffer with its share of a dQ slice,
+  // one lane TMA-reduce-adds it into dq_accum and hands the buffer back once TMA has read it.
+  // Deterministic: key blocks add one at a time, in later_key_blocks order.
+  CUTE_DEVICE static void store_dq(Params const& p, TensorStorage& ts, int n_block, int head, int batch) {
+    int const m_begin = p.block_info.m_block_min(n_block), m_end = p.block_info.m_block_max();
+    Tensor sdQ = make_tensor(make_smem_ptr(ts.smem_dq.data()), SmemLayoutdQ{});  // (BM, DQCols, warpgroup)
+    Tensor gdQ = local_tile(p.tma_dq.get_tma_tensor(p.shape_q)(_, _, head, batch), Shape<BM, DQCols>{},
+                            make_coord(_, _));  // (BM, DQCols, m, column tile)
+    auto parts = tma_partition(p.tma_dq, _0{}, Layout<_1>{}, group_modes<0, 2>(sdQ), group_modes<0, 2>(gdQ));
+    Tensor tdQgdQ = get<0>(parts);  // (TMA, m, column tile)
+    Tensor tdQsdQ = get<1>(parts);  // (TMA, warpgroup)
+    int* sem_bh = p.dq_semaphore == nullptr ? nullptr
+                                            : p.dq_semaphore + (int64_t(batch) * get<2>(p.shape_q) + head) * ceil_div(get<0>(p.shape_q), kBlockM);
+    bool const lane0 = cute::elect_one_sync();
+
+    CUTE_UNROLL
+    for (int wg = 0; wg < kNumMmaWG; ++wg) cutlass::arch::NamedBarrier::arrive(kdQHandoffThreads, kBwddQEmpty0 + wg);
+    for (int m_block = m_end - 1; m_block >= m_begin; --m_block) {
+      if (sem_bh != nullptr && lane0) wait_at_least(sem_bh + m_block, later_key_blocks(p, m_block, n_block));
+      __syncwarp();
+      CUTE_UNROLL
+      for (int slice = 0; slice < kdQSlices; ++slice) {
+        CUTE_UNROLL
+        for (int wg = 0; wg < kNumMmaWG; ++wg) {
+          cutlass::arch::NamedBarrier::sync(kdQHandoffThreads, kBwddQFull0 + wg);
+          if (lane0) {
+            // Warpgroup wg holds columns [(slice * 2 + wg) * DQCols, +DQCols) of dQ_m.
+            if constexpr (!kAblateNoDqReduce) copy(p.tma_dq, tdQsdQ(_, wg), tdQgdQ(_, m_block, slice * kNumMmaWG + wg));
+            tma_store_arrive();
+          }
+        }
+        if (lane0) tma_store_wait<1>();
+        __syncwarp();
+        cutlass::arch::NamedBarrier::arrive(kdQHandoffThreads, kBwddQEmpty0);
+        if (lane0) tma_store_wait<0>();
+        __syncwarp();
+        cutlass::arch::NamedBarrier::arrive(kdQHandoffThreads, kBwddQEmpty0 + 1);
+      }
+      if (sem_bh != nullptr && lane0) {
+        // The reduce must have landed in global memory, not only have been read from smem.
+        asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+        asm volatile("fence.proxy.async.global;" ::: "memory");
+        __threadfence();
+        signal(sem_bh + m_block);
+      }
+      __syncwarp();
+    }
+  }
+
+  // ---------------------------------------------------------------------------------------------
+  // Consumers: both warpgroups, thread_idx 0..255. Accumulates dK (unscaled until the end) and dV
+  // into the caller's zeroed fragments. Returns false if no query block sees this key block.
+  template <class FragdKV>
+  CUTE_DEVICE static bool mma(Params const& p, PipelineKV& pipeline_kv, Pipeline& pipeline_q, PipelinedO& pipeline_do,
+                              TensorStorage& ts, FragdKV& tdKrdK, FragdKV& tdVrdV, int thread_idx, int n_block,
+                              int head, int batch) {
+    auto const& bi = p.block_info;
+    int const m_begin = bi.m_block_min(n_block), m_end = bi.m_block_max();
+    if (m_end <= m_begin) return false;
+    int const wg = thread_idx / cutlass::NumThreadsPerWarpGroup;
+
+    Tensor sQ = make_tensor(make_smem_ptr(ts.smem_q.data()), SmemLayoutQ{});
+    Tensor sdO = make_tensor(make_smem_ptr(ts.smem_do.data()), SmemLayoutdO{});
+    Tensor sQt = make_tensor(make_smem_ptr(ts.smem_q.data()), SmemLayoutQt{});
+    Tensor sdOt = make_tensor(make_smem_ptr(ts.smem_do.data()), SmemLayoutdOt{});
+    Tensor sK = make_tensor(make_smem_ptr(ts.smem_k.data()), SmemLayoutK{});
+    Tensor sV = make_tensor(make_smem_ptr(ts.smem_v.data()), SmemLayoutV{});
+    Tensor sKt = make_tensor(make_smem_ptr(ts.smem_k.data()), SmemLayoutKt{});
+    Tensor sdS = make_tensor(make_smem_ptr(ts.smem_ds.data()), SmemLayoutPdS{});
+    Tensor sdSq = make_tensor(make_smem_ptr(ts.smem_ds.data()), SmemLayoutdSq{});
+    Tensor sdSt = make_tensor(make_smem_ptr(ts.smem_ds.data()), SmemLayoutPdSt{});
+
+    TiledMmaSdP mma_sdp;
+    TiledMmadKV mma_dkv;
+    TiledMmadQ mma_dq;
+    auto thr_sdp = mma_sdp.get_thread_slice(thread_idx);
+    auto thr_dkv = mma_dkv.get_thread_slice(thread_idx);
+    auto thr_dq = mma_dq.get_thread_slice(thread_idx);
+
+    // Operand descriptors, stage mode last where there is one.
+    Tensor tSrQ = fragment_ab<!kSdPSwapAB>(thr_sdp, sQ);
+    Tensor tSrK = fragment_ab<kSdPSwapAB>(thr_sdp, sK);
+    Tensor tdPrdO = fragment_ab<!kSdPSwapAB>(thr_sdp, sdO);
+    Tensor tdPrV = fragment_ab<kSdPSwapAB>(thr_sdp, sV);
+    Tensor tdVrdO = fragment_ab<kdKVSwapAB>(thr_dkv, sdOt);
+    Tensor tdKrQ = fragment_ab<kdKVSwapAB>(thr_dkv, sQt);
+    Tensor tdQrdS = fragment_ab<!kdQSwapAB>(thr_dq, sdSq);
+
+    auto smem_copy_pds = make_tiled_copy_C(SmemCopyAtomPdS{}, mma_sdp);
+    auto thr_copy_pds = smem_copy_pds.get_thread_slice(thread_idx);
+    Tensor tdSsdS = thr_copy_pds.partition_D(sdS);  // (CPY, CPY_M, CPY_N, stage)
+
+    // (row, col) of each score in the S / S^T tile, and the query row of each.
+    Tensor tScS = thr_sdp.partition_C(make_identity_tensor(ShapeSdP{}));
+    Tensor tScS_rc = rowcol(tScS);
+    // The per-query statistics (LSE, D) of an element are read from shared memory where they are
+    // used: held in registers they cost 2 * kBlockM / 4 of them with S^T (spills at kBlockM 80).
+    auto stat = [&](float const* s_stat) {
+      return [&tScS_rc, s_stat](int mi, int ni) {
+        return s_stat[kSdPSwapAB ? int(get<1>(tScS_rc(0, ni))) : int(get<0>(tScS_rc(mi, 0)))];
+      };
+    };
+
+    Mask<kBlockN, kCausal> const mask{bi.seqlen_q, bi.seqlen_k};
+    bool const seqlen_mask = (n_block + 1) * kBlockN > bi.seqlen_k;  // the last key block has padding
+
+    PipelineState read_q;
+    PipelineStatedO read_do;
+    {
+      auto read_kv = typename PipelineKV::PipelineState{};
+      pipeline_kv.consumer_wait(read_kv);
+    }
+
+    int const m_causal_end = bi.m_block_causal_end(n_block);
+    // One loop body for masked and unmasked blocks: two instances of it made the compiler shuffle
+    // (and spill) the dK/dV accumulators between them. Only the mask is behind a uniform branch.
+    auto apply_mask = [&](auto& tSrS, int m_block) {
+      int const q0 = m_block * kBlockM, k0 = n_block * kBlockN;
+      if (m_block < m_causal_end) {
+        if (seqlen_mask) {
+          mask.template apply_bwd<true, true, kSdPSwapAB>(tSrS, tScS, q0, k0);
+        } else {
+          mask.template apply_bwd<false, true, kSdPSwapAB>(tSrS, tScS, q0, k0);
+        }
+      } else if (seqlen_mask) {
+        mask.template apply_bwd<true, false, kSdPSwapAB>(tSrS, tScS, q0, k0);
+      }
+    };
+
+    auto step = [&](int m_block) {
+      int const stage_q = read_q.index(), stage_do = read_do.index();
+      int const stage_ds = kStagesdS == 1 ? 0 : stage_q;
+      Tensor tSrS = partition_fragment_C(mma_sdp, ShapeSdP{});
+      Tensor tdPrdP = partition_fragment_C(mma_sdp, ShapeSdP{});
+
+      pipeline_q.consumer_wait(read_q);
+      if constexpr (kSdPSwapAB) {
+        wgmma<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, stage_q), tSrS);
+      } else {
+        wgmma<true, -1>(mma_sdp, tSrQ(_, _, _, stage_q), tSrK, tSrS);
+      }
+      pipeline_do.consumer_wait(read_do);
+      if constexpr (kSdPSwapAB) {
+        wgmma<true, -1>(mma_sdp, tdPrV, tdPrdO(_, _, _, stage_do), tdPrdP);
+      } else {
+        wgmma<true, -1>(mma_sdp, tdPrdO(_, _, _, stage_do), tdPrV, tdPrdP);
+      }
+
+      // P from S while dP is on the tensor cores.
+      auto const lse = stat(ts.smem_lse.data() + stage_q * kBlockM);
+      warpgroup_wait<1>();
+      warpgroup_fence_operand(tSrS);
+      apply_mask(tSrS, m_block);
+      Tensor scores = rowcol(tSrS);
+      probs_from_lse(scores, lse, p.scale_log2);
+      Tensor rP = convert_type<Element>(tSrS);
+      // dV += P^T dO needs only P: with P^T in registers it goes out now and runs under the dS math.
+      if constexpr (kdKVRegsA && !kAblateDvAfterDs) {
+        Tensor tdVrP = make_tensor(rP.data(), acc_layout_as_a_operand(rP.layout()));
+        wgmma<false, -1>(mma_dkv, tdVrP, tdVrdO(_, _, _, stage_do), tdVrdV);
+      }
+
+      auto const dpsum = stat(ts.smem_dpsum.data() + stage_do * kBlockM);
+      warpgroup_wait<(kdKVRegsA && !kAblateDvAfterDs) ? 1 : 0>();  // dP done
+      warpgroup_fence_operand(tdPrdP);
+      Tensor dscores = rowcol(tdPrdP);
+      // dS from the 16-bit P (the dV operand, as PyTorch's own 16-bit backward has it): the float32
+      // P is dead by now, which keeps the 80-row tile within the register budget.
+      grad_scores(rowcol(rP), dscores, dpsum);
+      Tensor rdS = convert_type<Element>(tdPrdP);
+      // With one dS (and P) buffer, both warpgroups must be done with the previous block's GEMMs.
+      if constexpr (kStagesdS == 1) cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBwdPdS);
+      if constexpr (!kdKVRegsA) {
+        Tensor sP = make_tensor(make_smem_ptr(ts.smem_p.data()), SmemLayoutPdS{});
+        copy(smem_copy_pds, thr_copy_pds.retile_S(rP), thr_copy_pds.partition_D(sP)(_, _, _, stage_ds));
+      }
+      copy(smem_copy_pds, thr_copy_pds.retile_S(rdS), tdSsdS(_, _, _, stage_ds));
+      if constexpr (kdKVRegsA && kAblateDvAfterDs) {
+        Tensor tdVrP = make_tensor(rP.data(), acc_layout_as_a_operand(rP.layout()));
+        wgmma<false, -1>(mma_dkv, tdVrP, tdVrdO(_, _, _, stage_do), tdVrdV);
+      }
+      // dS (and P) written by both warpgroups, visible to the tensor cores.
+      cutlass::arch::fence_view_async_shared();
+      cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBwdPdS);
+      if constexpr (!kdKVRegsA) {
+        Tensor sPt = make_tensor(make_smem_ptr(ts.smem_p.data()), SmemLayoutPdSt{});
+        Tensor tdVrP = thr_dkv.partition_fragment_B(sPt);
+        wgmma<false, -1>(mma_dkv, tdVrdO(_, _, _, stage_do), tdVrP(_, _, _, stage_ds), tdVrdV);
+      }
+      // dQ slices, with dK issued after the first: dQ_0, dK, dQ_1, ...
+      auto issue_dq = [&](auto& tdQrdQ, int slice) {
+        Tensor tdQrK = fragment_ab<kdQSwapAB>(thr_dq, local_tile(sKt, Shape<DSlice, BN>{}, make_coord(slice, _0{})));
+        if constexpr (kdQSwapAB) {
+          wgmma<true, -1>(mma_dq, tdQrK, tdQrdS(_, _, _, stage_ds), tdQrdQ);
+        } else {
+          wgmma<true, -1>(mma_dq, tdQrdS(_, _, _, stage_ds), tdQrK, tdQrdQ);
+        }
+      };
+      cute::array<decltype(partition_fragment_C(mma_dq, ShapedQ{})), kdQSlices> tdQrdQ;
+      issue_dq(tdQrdQ[0], 0);
+      if constexpr (kdKVRegsA) {
+        Tensor tdKrdS = make_tensor(rdS.data(), acc_layout_as_a_operand(rdS.layout()));
+        wgmma<false, -1>(mma_dkv, tdKrdS, tdKrQ(_, _, _, stage_q), tdKrdK);
+      } else {
+        Tensor tdKrdS = thr_dkv.partition_fragment_B(sdSt);
+        wgmma<false, -1>(mma_dkv, tdKrQ(_, _, _, stage_q), tdKrdS(_, _, _, stage_ds), tdKrdK);
+      }
+      CUTE_UNROLL
+      for (int slice = 1; slice < kdQSlices; ++slice) issue_dq(tdQrdQ[slice], slice);
+
+      // Hand each slice to the dQ writer once it has emptied this warpgroup's buffer.
+      // This warpgroup's buffer is the wg-th (kBlockM, DQCols) block of SmemLayoutdQ (1 KB aligned).
+      Tensor sdQ = make_tensor(make_smem_ptr(ts.smem_dq.data() + wg * cosize_v<SmemLayoutdQHalf>), SmemLayoutdQHalfAcc{});
+      Tensor tdQsdQ = TiledMmadQHalf{}.get_thread_slice(thread_idx % cutlass::NumThreadsPerWarpGroup).partition_C(sdQ);
+      auto stage_dq = [&](auto const& frag) {
+        cutlass::arch::NamedBarrier::sync(kdQHandoffThreads, kBwddQEmpty0 + wg);
+        store_shared(frag, tdQsdQ);
+        cutlass::arch::fence_view_async_shared();
+        cutlass::arch::NamedBarrier::arrive(kdQHandoffThreads, kBwddQFull0 + wg);
+      };
+      warpgroup_wait<kdQSlices>();  // dV and dQ_0 done; dK (and later slices) in flight
+      warpgroup_fence_operand(tdQrdQ[0]);
+      pipeline_do.consumer_release(read_do);
+      ++read_do;
+      stage_dq(tdQrdQ[0]);
+      warpgroup_wait<0>();
+      CUTE_UNROLL
+      for (int slice = 1; slice < kdQSlices; ++slice) {
+        warpgroup_fence_operand(tdQrdQ[slice]);
+        stage_dq(tdQrdQ[slice]);
+      }
+      warpgroup_fence_operand(tdKrdK);
+      pipeline_q.consumer_release(read_q);
+      ++read_q;
+    };
+
+    CUTE_NO_UNROLL
+    for (int m_block = m_end - 1; m_block >= m_begin; --m_block) step(m_block);
+
+    CUTE_UNROLL
+    for (int i = 0; i < size(tdKrdK); ++i) tdKrdK(i) *= p.softmax_scale;
+    return true;
+  }
+};
+
+}  // namespace flashhopper::sm90

@@ -1,11 +1,11 @@
-"""Error measures and the one assertion every kernel result goes through."""
+"""Error measures and the assertions every kernel result goes through (forward and backward)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from flashhopper import dispatch
-from flashhopper.reference import attention_lowp, attention_ref
+from flashhopper.reference import attention_bwd_lowp, attention_bwd_ref, attention_lowp, attention_ref
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -57,11 +57,90 @@ def assert_matches_reference(out: torch.Tensor, lse: torch.Tensor, q: torch.Tens
         f"lse max-abs error {lse_err:.3e} > 2 x {lowp_lse_err:.3e} + {lse_atol}: {where}"
 
 
+def one_key_noise_bound(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        softmax_scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Elementwise bounds on |dq| and |dk| when seqlen_k is 1 (and there is no dlse).
+
+    With one key the softmax is constant (P = 1 on the rows that see the key), so dq and dk are 0 in
+    exact arithmetic: dS = dP - D with dP = dO.v and D = dO.O = dO.v. What any implementation returns
+    is rounding noise, and "twice PyTorch's error" would mean exactly 0 (PyTorch's D is rowsum(P * dP)
+    of the very same dP). A float32 dot product of length d is off by at most d * u * sum|dO||v|
+    (u = 2^-24; doubled for truncating tensor-core sums), so |dS| <= 4 d u sum|dO||v| =: e;
+    dq = scale * dS * k elementwise, bounded by scale * e * |k|. dk = scale * sum over rows (and the
+    GQA group) of dS * q: terms of independent signs (q's), so 6 root-sum-squares of the term bounds
+    (Hoeffding: exceeded with probability < 1e-7 even if every |dS| sat at its bound, which it is far
+    below); the worst case sum |.| would be looser by sqrt(seqlen_q) and hide real errors.
+    Both returned twice over, for the roundings after dS (to q.dtype, the float32 sums of dk).
+    """
+    b, sq, hq, d = q.shape
+    hkv = k.shape[2]
+    group = hq // hkv
+    k32 = k.float().repeat_interleave(group, dim=2)  # (b, 1, hq, d)
+    v32 = v.float().repeat_interleave(group, dim=2)
+    ds = 4 * d * 2.0 ** -24 * (dout.float().abs() * v32.abs()).sum(-1)  # (b, sq, hq)
+    if causal:  # bottom-right: only the last row sees the key; the others have P = 0, dS = 0
+        ds[:, : sq - 1] = 0
+    dq = softmax_scale * ds[..., None] * k32.abs()
+    sq_terms = (softmax_scale * ds[..., None] * q.float()).square().sum(1, keepdim=True)  # (b, 1, hq, d)
+    dk = 6 * sq_terms.view(b, 1, hkv, group, d).sum(3).sqrt()
+    return 2 * dq, 2 * dk
+
+
+def assert_grads_match(grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor], dout: torch.Tensor,
+                       q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None,
+                       causal: bool, dlse: torch.Tensor | None = None, ref_dtype: torch.dtype | None = None,
+                       atol: float = 1e-4, rtol: float = 1e-4) -> None:
+    """Backward counterpart of assert_matches_reference. Low-precision gradients (dq, dk, dv) pass
+    iff each is at most twice as far from the reference gradients as PyTorch's own backward in the
+    input precision is (reference.attention_bwd_lowp, i.e. autograd through attention_lowp), plus a
+    small slack: max-abs error <= 2 x PyTorch's + atol, and relative norm error <= 2 x PyTorch's + rtol.
+
+    The reference: the backward formula (attention_bwd_ref) applied to exact out and lse
+    (attention_ref), all in ``ref_dtype``: default float32 on the GPU (float64 there is slow at 8k
+    tokens and float32's own error is ~1e-6, far below bf16/fp16's) and float64 elsewhere.
+    ``dout`` and ``dlse`` are the upstream gradients the kernel was given. NaN never passes; dq rows
+    that see no key must be exactly 0. When seqlen_k is 1 (without dlse) dq and dk vanish in exact
+    arithmetic and are checked against one_key_noise_bound instead.
+    """
+    scale = 1 / q.shape[-1] ** 0.5 if softmax_scale is None else softmax_scale
+    if ref_dtype is None:
+        ref_dtype = torch.float32 if q.is_cuda else torch.float64
+    ref_out, ref_lse = attention_ref(q, k, v, scale, causal, dtype=ref_dtype)
+    ref = attention_bwd_ref(dout, q, k, v, ref_out, ref_lse, scale, causal, dlse, dtype=ref_dtype)
+    del ref_out
+    lowp = attention_bwd_lowp(dout, q, k, v, scale, causal, dlse)
+    where = (f"shape q {tuple(q.shape)} k {tuple(k.shape)} {q.dtype} causal={causal} "
+             f"dlse={'yes' if dlse is not None else 'no'}")
+    vanishing: dict[str, torch.Tensor] = {}
+    if k.shape[1] == 1 and dlse is None:
+        vanishing = dict(zip(("dq", "dk"), one_key_noise_bound(dout, q, k, v, scale, causal)))
+
+    for name, g, r, lo in zip(("dq", "dk", "dv"), grads, ref, lowp):
+        assert g.shape == r.shape, f"{name} shape {tuple(g.shape)} != {tuple(r.shape)}: {where}"
+        assert not torch.isnan(g).any(), f"{name} has NaN (elements left unwritten?): {where}"
+        if name in vanishing:
+            excess = (g.float().abs() - vanishing[name]).max().item() if g.numel() else 0.0
+            assert excess <= 0, (f"{name} should be rounding noise (seqlen_k 1: softmax is constant), but exceeds "
+                                 f"its bound by {excess:.3e}: {where}")
+            continue
+        err, lowp_err = max_abs_err(g, r), max_abs_err(lo, r)
+        assert err <= 2 * lowp_err + atol, f"{name} max-abs error {err:.3e} > 2 x {lowp_err:.3e} + {atol}: {where}"
+        rel, lowp_rel = rel_err(g, r), rel_err(lo, r)
+        assert rel <= 2 * lowp_rel + rtol, f"{name} relative error {rel:.3e} > 2 x {lowp_rel:.3e} + {rtol}: {where}"
+    no_key = torch.isneginf(ref_lse).transpose(1, 2)  # (batch, seqlen_q, nheads_q)
+    assert (grads[0][no_key] == 0).all(), f"dq rows that see no key are not exactly 0: {where}"
+
+
 def require_backend(backend: str, dtype: torch.dtype, headdim: int, causal: bool,
-                    device: str | torch.device = "cuda") -> None:
+                    device: str | torch.device = "cuda", mode: str = "fwd") -> None:
     """Skip (not fail) when ``backend`` cannot run this configuration here: wrong GPU, not compiled.
-    Call it before making inputs, so that a skip costs nothing."""
+    mode "bwd": the forward and the backward kernel must both be there. Call it before making
+    inputs, so that a skip costs nothing."""
     try:
         dispatch.select_backend(torch.empty(0, device=device), headdim, dtype, causal, backend)
     except ValueError as e:
         pytest.skip(str(e))
+    if mode == "bwd":
+        missing = dispatch.missing_bwd_kernel(backend, dtype, headdim, causal, dispatch._CompiledKernels("bwd"))
+        if missing:
+            pytest.skip(missing)

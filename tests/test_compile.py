@@ -1,4 +1,5 @@
-"""torch.compile traces flash_attn_func as one op, through its fake implementation."""
+"""torch.compile traces flash_attn_func as one op, through its fake implementation; forward + backward
+as the two ops fwd and bwd."""
 from __future__ import annotations
 
 import pytest
@@ -22,16 +23,39 @@ def test_fake_impl_shapes() -> None:
 
     with FakeTensorMode():
         q, k, v = randn_qkv(2, 33, 17, 8, 2, 64, dtype=torch.bfloat16)
-        out, lse = torch.ops.flashhopper.fwd.default(q, k, v, 0.125, True, "sm90")
+        out, lse = torch.ops.flashhopper.fwd.default(q, k, v, 0.125, True, False, "sm90")
     assert out.shape == q.shape and out.dtype == torch.bfloat16 and out.is_contiguous()
     assert lse.shape == (2, 8, 33) and lse.dtype == torch.float32 and lse.is_contiguous()
 
 
+def test_fake_impl_shapes_bwd() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        qkv = torch.randn(2, 33, 3, 8, 64, dtype=torch.bfloat16)
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1, :2], qkv[:, :, 2, :2]  # strided, GQA
+        out, lse = torch.empty_like(q), torch.empty(2, 8, 33)
+        grads = torch.ops.flashhopper.bwd.default(out, q, k, v, out, lse, None, 0.125, True, False, "sm90")
+    for g, x in zip(grads, (q, k, v)):
+        assert g.shape == x.shape and g.dtype == torch.bfloat16 and g.is_contiguous()
+
+
 def test_opcheck() -> None:
-    # torch's own consistency checks of a custom op: schema, fake vs real, dispatch under tracing.
-    # (Not test_autograd_registration: there is deliberately no backward yet.)
+    # torch's own consistency checks of a custom op: schema, fake vs real, dispatch under tracing, and
+    # (fwd) that its autograd formula is registered the way torch expects.
+    q, k, v = (x.requires_grad_() for x in randn_qkv(2, 9, 11, 4, 2, 16))
+    torch.library.opcheck(torch.ops.flashhopper.fwd.default, (q, k, v, 0.3, True, False, "reference"),
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static",
+                                      "test_autograd_registration", "test_aot_dispatch_dynamic"))
+
+
+@pytest.mark.parametrize("with_dlse", [False, True])
+def test_opcheck_bwd(with_dlse: bool) -> None:
     q, k, v = randn_qkv(2, 9, 11, 4, 2, 16)
-    torch.library.opcheck(torch.ops.flashhopper.fwd.default, (q, k, v, 0.3, True, "reference"),
+    out, lse = torch.ops.flashhopper.fwd.default(q, k, v, 0.3, True, False, "reference")
+    dlse = torch.randn_like(lse) if with_dlse else None
+    torch.library.opcheck(torch.ops.flashhopper.bwd.default,
+                          (torch.randn_like(out), q, k, v, out, lse, dlse, 0.3, True, False, "reference"),
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
 
 
@@ -41,6 +65,57 @@ def test_compile_fullgraph(backend: str) -> None:
     q, k, v = randn_qkv(2, 24, 40, 4, 2, 32)
     compiled = torch.compile(block, fullgraph=True, backend=backend)  # fullgraph: a graph break raises
     torch.testing.assert_close(compiled(q, k, v), block(q, k, v))
+
+
+def grads_of(fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):  # type: ignore[no-untyped-def]
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    y = fn(*leaves)
+    return (y, *torch.autograd.grad(y.square().sum(), leaves))
+
+
+def block_lse_only(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return flash_attn_func(q, k, v, return_lse=True, deterministic=True)[1] * 3
+
+
+def block_out_only(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return flash_attn_func(q, k, v, causal=True)
+
+
+@pytest.mark.parametrize("fn", [block, block_lse_only, block_out_only])
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compile_fullgraph_backward(backend: str, fn) -> None:  # type: ignore[no-untyped-def]
+    # Forward and backward compiled (the backward through the op's autograd formula, with dlse None or
+    # a tensor as the loss uses lse or not), against eager.
+    torch._dynamo.reset()
+    q, k, v = randn_qkv(2, 24, 40, 4, 2, 32)
+    compiled = torch.compile(fn, fullgraph=True, backend=backend)
+    for got, want in zip(grads_of(compiled, q, k, v), grads_of(fn, q, k, v)):
+        torch.testing.assert_close(got, want)
+
+
+def test_backward_graph_holds_the_bwd_op() -> None:
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    torch._dynamo.reset()
+    graphs: dict[str, list[torch.fx.GraphModule]] = {"fwd": [], "bwd": []}
+
+    def recorder(which: str):  # type: ignore[no-untyped-def]
+        def compile_fn(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):  # type: ignore[no-untyped-def]
+            graphs[which].append(gm)
+            return make_boxed_func(gm.forward)
+        return compile_fn
+
+    backend = aot_autograd(fw_compiler=recorder("fwd"), bw_compiler=recorder("bwd"))
+    q, k, v = (x.requires_grad_() for x in randn_qkv(1, 8, 8, 2, 2, 16))
+    torch.compile(block, fullgraph=True, backend=backend)(q, k, v).sum().backward()
+    assert len(graphs["fwd"]) == len(graphs["bwd"]) == 1
+
+    def targets(gm: torch.fx.GraphModule) -> list[str]:
+        return [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+
+    assert "flashhopper.fwd.default" in targets(graphs["fwd"][0])
+    assert "flashhopper.bwd.default" in targets(graphs["bwd"][0])
 
 
 def test_graph_holds_the_op() -> None:
@@ -73,3 +148,24 @@ def test_cuda_dispatch_is_traced_as_a_constant(monkeypatch: pytest.MonkeyPatch) 
 
     x = torch.zeros(3)
     assert (torch.compile(f, fullgraph=True, backend="eager")(x) == 1).all()
+
+
+def test_bwd_kernel_check_is_traced_as_a_constant(monkeypatch: pytest.MonkeyPatch) -> None:
+    # flash_attn_func asks the build for a backward kernel when inputs require grad; under
+    # torch.compile that question must not break the graph, and a missing kernel must still raise.
+    from flashhopper import _ext, dispatch
+
+    built = {"bwd": True}
+    monkeypatch.setattr(_ext, "has_bwd_kernel", lambda arch, dtype, headdim, causal: built["bwd"])
+    q, k, v = (x.requires_grad_() for x in randn_qkv(1, 4, 4, 2, 2, 128, dtype=torch.bfloat16))
+
+    def f(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        dispatch.require_bwd_kernel("sm90", q, k, v, 128, True)
+        return q * 2
+
+    torch._dynamo.reset()
+    torch.compile(f, fullgraph=True, backend="eager")(q, k, v)
+    built["bwd"] = False
+    torch._dynamo.reset()
+    with pytest.raises(ValueError, match=r"^q requires grad, but this build has no sm90 backward kernel"):
+        torch.compile(f, backend="eager")(q, k, v)  # without fullgraph: the ValueError itself

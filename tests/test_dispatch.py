@@ -100,3 +100,39 @@ def test_available_backends() -> None:
     assert backends == ["reference"]
     assert available_backends()[-1] == "reference"
     assert set(available_backends()) <= set(dispatch.BACKENDS)
+
+
+def test_missing_bwd_kernel() -> None:
+    kernels = build(90)  # bf16 headdim 128, causal and not
+    assert dispatch.missing_bwd_kernel("sm90", BF16, 128, True, kernels) == ""
+    assert dispatch.missing_bwd_kernel("reference", torch.float32, 96, True, set()) == ""  # needs no kernel
+    msg = dispatch.missing_bwd_kernel("sm90", torch.float16, 256, False, kernels)
+    assert msg.startswith("this build has no sm90 backward kernel for float16 headdim 256 non-causal; ")
+    assert "FLASHHOPPER_ARCHS=90 FLASHHOPPER_MODES=fwd;bwd FLASHHOPPER_DTYPES=fp16 FLASHHOPPER_HDIMS=256" in msg
+    msg = dispatch.missing_bwd_kernel("sm80", BF16, 128, True, kernels)
+    assert "no sm80 backward kernel" in msg and "FLASHHOPPER_ARCHS=80 FLASHHOPPER_MODES=fwd;bwd" in msg
+
+
+def test_require_bwd_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    built: set[dispatch.KernelKey] = {(90, BF16, 128, True)}
+    monkeypatch.setattr(dispatch._ext, "has_bwd_kernel", lambda *key: key in built)
+    q, k, v = (torch.randn(1, 4, 2, 128, dtype=BF16) for _ in range(3))
+    dispatch.require_bwd_kernel("sm90", q, k, v, 128, False)  # nothing requires grad
+    v.requires_grad_()
+    dispatch.require_bwd_kernel("sm90", q, k, v, 128, True)  # built
+    with pytest.raises(ValueError, match=r"^v requires grad, but this build has no sm90 backward kernel"):
+        dispatch.require_bwd_kernel("sm90", q, k, v, 128, False)
+    with torch.no_grad():
+        dispatch.require_bwd_kernel("sm90", q, k, v, 128, False)  # no gradient will be asked for
+    k.requires_grad_()
+    with pytest.raises(ValueError, match=r"^k requires grad"):  # the first one that does
+        dispatch.require_bwd_kernel("sm80", q, k, v, 128, True)
+
+
+def test_compiled_kernel_views(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dispatch._ext, "has_fwd_kernel", lambda *key: key[0] == 90)
+    monkeypatch.setattr(dispatch._ext, "has_bwd_kernel", lambda *key: key[0] == 80)
+    fwd, bwd = dispatch._CompiledKernels(), dispatch._CompiledKernels("bwd")
+    assert (90, BF16, 128, True) in fwd and (90, BF16, 128, True) not in bwd
+    assert (80, BF16, 128, True) in bwd and (80, BF16, 128, True) not in fwd
+    assert "not a key" not in fwd

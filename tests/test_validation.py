@@ -10,7 +10,7 @@ import torch
 from helpers import randn_qkv
 
 from flashhopper import flash_attn_func, validation
-from flashhopper.ops import fwd_into
+from flashhopper.ops import bwd_into, fwd_into
 
 
 def good(**kw: Any) -> dict[str, Any]:
@@ -228,3 +228,100 @@ def test_outputs() -> None:
         validation.check_outputs(q, out, torch.empty(2, 16, 8).transpose(1, 2))
     with raises(TypeError, "lse"):
         validation.check_outputs(q, out, None)  # type: ignore[arg-type]
+
+
+def test_deterministic_must_be_bool() -> None:
+    with raises(TypeError, "deterministic"):
+        flash_attn_func(**good(deterministic=1))
+
+
+# --- backward inputs ---
+
+def bwd_args(**kw: Any) -> dict[str, Any]:
+    q, k, v = randn_qkv(2, 16, 24, 8, 2, 64, dtype=torch.bfloat16)
+    out, lse = torch.empty_like(q), torch.empty(2, 8, 16)
+    args = {"dout": torch.randn_like(q), "q": q, "k": k, "v": v, "out": out, "lse": lse,
+            "dq": torch.empty_like(q), "dk": torch.empty_like(k), "dv": torch.empty_like(v),
+            "softmax_scale": 0.125, "causal": False, "deterministic": False, "arch": 90}
+    return {**args, **kw}
+
+
+def test_bwd_into_refuses_cpu_tensors() -> None:
+    with raises(ValueError, "q"):
+        bwd_into(**bwd_args())
+
+
+@pytest.mark.parametrize(("arg", "value", "exc"), [
+    ("deterministic", 1, TypeError),
+    ("causal", None, TypeError),
+    ("softmax_scale", -1.0, ValueError),
+    ("k", torch.randn(3, 24, 2, 64, dtype=torch.bfloat16), ValueError),
+])
+def test_bwd_into_checks_inputs_first(arg: str, value: Any, exc: type[Exception]) -> None:
+    with raises(exc, arg):
+        bwd_into(**bwd_args(**{arg: value}))
+
+
+def test_dout() -> None:
+    out = torch.empty(2, 16, 8, 64, dtype=torch.bfloat16)
+    validation.check_dout(torch.randn_like(out), out)
+    validation.check_dout(torch.randn(2, 16, 8, 128, dtype=torch.bfloat16)[..., :64], out)  # strided is fine
+    with raises(TypeError, "dout"):
+        validation.check_dout(np.zeros((2, 16, 8, 64)), out)
+    with raises(TypeError, "dout"):
+        validation.check_dout(None, out)
+    with raises(ValueError, "dout"):
+        validation.check_dout(out[0], out)  # rank 3
+    with raises(ValueError, "dout"):
+        validation.check_dout(out[:, :8], out)
+    with raises(ValueError, "dout"):
+        validation.check_dout(out.float(), out)
+    with raises(ValueError, "dout"):
+        validation.check_dout(out.to("meta"), out)
+
+
+def test_dlse() -> None:
+    q = torch.randn(2, 16, 8, 64, dtype=torch.bfloat16)
+    validation.check_lse("dlse", torch.randn(2, 8, 16), q)
+    with raises(TypeError, "dlse"):
+        validation.check_lse("dlse", 0.0, q)
+    for bad in (torch.randn(2, 8, 16, dtype=torch.float64), torch.randn(2, 16, 8),
+                torch.randn(2, 16, 8).transpose(1, 2), torch.randn(1, 1, 1).expand(2, 8, 16)):
+        with raises(ValueError, "dlse"):
+            validation.check_lse("dlse", bad, q)
+
+
+def test_grads() -> None:
+    q, k, v = randn_qkv(2, 16, 24, 8, 2, 64, dtype=torch.bfloat16)
+    validation.check_grads(q, k, v, torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+    for i, name in enumerate(("dq", "dk", "dv")):
+        grads = [torch.empty_like(x) for x in (q, k, v)]
+        grads[i] = grads[i].float()
+        with raises(ValueError, name):
+            validation.check_grads(q, k, v, *grads)
+        grads[i] = None  # type: ignore[call-overload]
+        with raises(TypeError, name):
+            validation.check_grads(q, k, v, *grads)
+    with raises(ValueError, "dk"):
+        validation.check_grads(q, k, v, torch.empty_like(q), torch.empty_like(q), torch.empty_like(v))
+
+
+def test_kernel_layout_ok_matches_the_layout_check() -> None:
+    # The metadata-only check the autograd formula uses agrees with the real one.
+    base = torch.randn(4 * 16 * 4 * 66 + 64, dtype=torch.bfloat16)
+    cases = [
+        torch.randn(2, 16, 4, 64, dtype=torch.bfloat16),
+        torch.randn(2, 16, 3, 4, 64, dtype=torch.bfloat16)[:, :, 1],       # packed qkv
+        base[1:1 + 2 * 16 * 4 * 64].view(2, 16, 4, 64),                   # 2 bytes off
+        base[8:8 + 2 * 16 * 4 * 64].view(2, 16, 4, 64),                   # 16 bytes off: fine
+        torch.ones(1, 1, 1, 1, dtype=torch.bfloat16).expand(2, 16, 4, 64),  # out.sum()'s gradient
+        torch.randn(2, 16, 4, 65, dtype=torch.bfloat16)[..., :64],        # row stride 260 elements
+        torch.randn(2, 64, 4, 16, dtype=torch.bfloat16).transpose(1, 3),  # last dim not contiguous
+    ]
+    for x in cases:
+        try:
+            validation.check_kernel_layout("dout", x)
+            ok = True
+        except ValueError:
+            ok = False
+        assert validation.kernel_layout_ok(x) == ok, (x.shape, x.stride(), x.storage_offset())

@@ -2,6 +2,7 @@
 
     from flashhopper import flash_attn_func
     out = flash_attn_func(q, k, v, causal=True)   # q, k, v: (batch, seqlen, nheads, headdim)
+    out.sum().backward()                          # differentiable: fills q.grad, k.grad, v.grad
 """
 from __future__ import annotations
 

@@ -15,14 +15,15 @@ import torch
 _module: ModuleType | None = None
 _error: str | None = None
 _loaded = False
-# (arch, dtype, headdim, causal) of every compiled forward kernel; filled on first load.
+# (arch, dtype, headdim, causal) of every compiled forward / backward kernel; filled on first load.
 _fwd_kernels: frozenset[tuple[int, torch.dtype, int, bool]] = frozenset()
+_bwd_kernels: frozenset[tuple[int, torch.dtype, int, bool]] = frozenset()
 
 DTYPE_NAMES: dict[str, torch.dtype] = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def _load() -> ModuleType | None:
-    global _module, _error, _loaded, _fwd_kernels
+    global _module, _error, _loaded, _fwd_kernels, _bwd_kernels
     if not _loaded:
         _loaded = True
         try:
@@ -30,11 +31,11 @@ def _load() -> ModuleType | None:
         except ImportError as e:  # not built, or built against a CUDA runtime this machine lacks
             _error = f"{type(e).__name__}: {e}"
         else:
-            _fwd_kernels = frozenset(
+            _fwd_kernels, _bwd_kernels = (frozenset(
                 (k["arch"], DTYPE_NAMES[k["dtype"]], k["headdim"], k["causal"])
                 for k in _module.kernels()
-                if k["mode"] == "fwd" and k["dtype"] in DTYPE_NAMES
-            )
+                if k["mode"] == mode and k["dtype"] in DTYPE_NAMES
+            ) for mode in ("fwd", "bwd"))
     return _module
 
 
@@ -66,6 +67,12 @@ def compiled_kernels() -> list[dict[str, Any]]:
 def has_fwd_kernel(arch: int, dtype: torch.dtype, headdim: int, causal: bool) -> bool:
     _load()
     return (arch, dtype, headdim, causal) in _fwd_kernels
+
+
+def has_bwd_kernel(arch: int, dtype: torch.dtype, headdim: int, causal: bool) -> bool:
+    """Whether this build has the arch-``arch`` backward (preprocess, main kernel, postprocess)."""
+    _load()
+    return (arch, dtype, headdim, causal) in _bwd_kernels
 
 
 def build_info() -> dict[str, Any]:

@@ -3,6 +3,8 @@
 Auto (backend=None): CPU tensors -> reference; CUDA capability 9.0 with a compiled arch-90 kernel for
 (dtype, headdim, causal) -> sm90; capability 8.x-9.x with an arch-80 kernel -> sm80; anything else
 is an error that says what is missing. Never a silent fall back to the slow reference on a GPU.
+Gradients run the backward of the family that ran the forward; when they will be needed and that
+family has no backward kernel for the configuration, the forward already refuses (require_bwd_kernel).
 """
 from __future__ import annotations
 
@@ -35,9 +37,10 @@ def _describe(dtype: torch.dtype, headdim: int, causal: bool) -> str:
     return f"{str(dtype).removeprefix('torch.')} headdim {headdim} {'causal' if causal else 'non-causal'}"
 
 
-def _rebuild_hint(backends: tuple[str, ...], dtype: torch.dtype, headdim: int) -> str:
+def _rebuild_hint(backends: tuple[str, ...], dtype: torch.dtype, headdim: int, modes: str | None = None) -> str:
     archs = ";".join(str(ARCH[b]) for b in backends)
-    hint = (f"rebuild with FLASHHOPPER_ARCHS={archs} FLASHHOPPER_DTYPES={_BUILD_DTYPE[dtype]} "
+    mode = f" FLASHHOPPER_MODES={modes}" if modes else ""
+    hint = (f"rebuild with FLASHHOPPER_ARCHS={archs}{mode} FLASHHOPPER_DTYPES={_BUILD_DTYPE[dtype]} "
             f"FLASHHOPPER_HDIMS={headdim} (or a superset), or pass backend='reference'")
     err = _ext.extension_error()
     return hint + (f"; the compiled extension did not import: {err}" if err else "")
@@ -71,11 +74,27 @@ def choose_kernel(info: DeviceInfo, index: int, dtype: torch.dtype, headdim: int
                      f"on {where}; {_rebuild_hint(usable, dtype, headdim)}")
 
 
+def missing_bwd_kernel(backend: str, dtype: torch.dtype, headdim: int, causal: bool,
+                       kernels: Container[KernelKey]) -> str:
+    """Pure decision: "" when ``kernels`` (backward kernels) has the backward for this forward
+    configuration, otherwise why not and what to rebuild with. The reference needs no kernel."""
+    if backend not in ARCH or (ARCH[backend], dtype, headdim, causal) in kernels:
+        return ""
+    # A fwd-only build (FLASHHOPPER_MODES=fwd) is the likely cause: the hint names both modes, so
+    # that following it does not drop the forward kernels.
+    return (f"this build has no {backend} backward kernel for {_describe(dtype, headdim, causal)}; "
+            f"{_rebuild_hint((backend,), dtype, headdim, modes='fwd;bwd')}, or run the forward under "
+            "torch.no_grad() (or on detached inputs) if no gradient is needed")
+
+
 class _CompiledKernels:
     """Live view of the kernel set, so the extension is imported only when a GPU call asks."""
 
+    def __init__(self, mode: str = "fwd") -> None:
+        self._has = _ext.has_fwd_kernel if mode == "fwd" else _ext.has_bwd_kernel
+
     def __contains__(self, key: object) -> bool:
-        return isinstance(key, tuple) and _ext.has_fwd_kernel(*key)
+        return isinstance(key, tuple) and self._has(*key)
 
 
 # Under torch.compile the choice is made once at trace time: its inputs (device, dtype, head dim,
@@ -83,6 +102,29 @@ class _CompiledKernels:
 @torch.compiler.assume_constant_result
 def _select_cuda(index: int, dtype: torch.dtype, headdim: int, causal: bool, backend: str | None) -> str:
     return choose_kernel(_device.device_info(index), index, dtype, headdim, causal, backend, _CompiledKernels())
+
+
+# Returns the message rather than raising: under torch.compile, a ValueError raised inside an
+# assume_constant_result function surfaces as an internal dynamo error, while one raised by the
+# traced caller stays a ValueError (fullgraph=True: an "observed exception" error that quotes it).
+@torch.compiler.assume_constant_result
+def _missing_bwd_cuda(backend: str, dtype: torch.dtype, headdim: int, causal: bool) -> str:
+    # _CompiledKernels looks _ext up at call time (tests replace _ext.has_bwd_kernel).
+    return missing_bwd_kernel(backend, dtype, headdim, causal, _CompiledKernels("bwd"))
+
+
+def require_bwd_kernel(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, headdim: int,
+                       causal: bool) -> None:
+    """ValueError, at forward time, when autograd will ask ``backend`` for a backward this build lacks:
+    grad mode is on and q, k or v requires grad. Better now than after the whole forward graph ran."""
+    if backend not in ARCH or not torch.is_grad_enabled():
+        return
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.requires_grad:
+            msg = _missing_bwd_cuda(backend, q.dtype, headdim, causal)
+            if msg:
+                raise ValueError(f"{name} requires grad, but {msg}")
+            return
 
 
 def select_backend(q: torch.Tensor, headdim: int, dtype: torch.dtype, causal: bool,

@@ -5,27 +5,27 @@ from typing import Literal, overload
 
 import torch
 
-from . import ops  # noqa: F401  (registers torch.ops.flashhopper.fwd)
-from .dispatch import select_backend
+from . import ops  # noqa: F401  (registers torch.ops.flashhopper.fwd / .bwd and fwd's autograd formula)
+from .dispatch import require_bwd_kernel, select_backend
 from .validation import check_flag, check_inputs
 
 
 @overload
 def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = ...,
                     causal: bool = ..., return_lse: Literal[False] = ...,
-                    backend: str | None = ...) -> torch.Tensor: ...
+                    backend: str | None = ..., deterministic: bool = ...) -> torch.Tensor: ...
 
 
 @overload
 def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = ...,
                     causal: bool = ..., *, return_lse: Literal[True],
-                    backend: str | None = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
+                    backend: str | None = ..., deterministic: bool = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
-                    causal: bool = False, return_lse: bool = False,
-                    backend: str | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Exact softmax attention, flash-attn layout.
+                    causal: bool = False, return_lse: bool = False, backend: str | None = None,
+                    deterministic: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Exact softmax attention, flash-attn layout, differentiable.
 
     q: (batch, seqlen_q, nheads_q, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim), with
     nheads_q a multiple of nheads_kv (grouped-query attention). softmax_scale defaults to
@@ -35,10 +35,18 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
     "sm90", "sm80" or "reference" force one, raising ValueError if it cannot run.
 
     Returns out (like q), or (out, lse) with lse float32 (batch, nheads_q, seqlen_q), natural log.
-    Forward only for now: differentiating through it raises.
+
+    Gradients: autograd (and torch.compile) differentiates through it, w.r.t. q, k and v, through
+    out and lse alike, with the backward kernel of the same backend (dk/dv of a kv head sum over its
+    query-head group). deterministic=True makes those gradients bitwise identical from run to run
+    (at some speed cost); the forward is deterministic either way. When grad mode is on and q, k or v
+    requires grad, a kernel backend without a compiled backward for this configuration raises
+    ValueError here, before the forward runs (saying what to rebuild with).
     """
     shapes, scale = check_inputs(q, k, v, softmax_scale, causal)
     check_flag("return_lse", return_lse)
+    check_flag("deterministic", deterministic)
     name = select_backend(q, shapes.headdim, q.dtype, causal, backend)
-    out, lse = torch.ops.flashhopper.fwd.default(q, k, v, scale, causal, name)
+    require_bwd_kernel(name, q, k, v, shapes.headdim, causal)
+    out, lse = torch.ops.flashhopper.fwd.default(q, k, v, scale, causal, deterministic, name)
     return (out, lse) if return_lse else out

@@ -1,7 +1,8 @@
 """Slow truths the kernels are tested against, in the flash-attn layout.
 
 q is (batch, seqlen_q, nheads_q, headdim); k and v are (batch, seqlen_k, nheads_kv, headdim). Every
-function returns ``(out, lse)``: out like q, lse of shape (batch, nheads_q, seqlen_q), natural log.
+forward function returns ``(out, lse)``: out like q, lse of shape (batch, nheads_q, seqlen_q), natural
+log; every backward function returns ``(dq, dk, dv)``, each like its input.
 Conventions shared with the kernels:
 - grouped-query attention: query head h reads kv head ``h // (nheads_q // nheads_kv)``;
 - causal is bottom-right aligned: query row i sees key j iff ``j <= i + seqlen_k - seqlen_q``;
@@ -143,3 +144,102 @@ def attention_tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_m: 
         out[:, :, m0:m1] = torch.where(seen[..., None], acc / torch.where(seen, l, 1.0)[..., None], 0.0)
         lse[:, :, m0:m1] = torch.where(seen, m + torch.log(torch.where(seen, l, 1.0)), float("-inf"))
     return out.transpose(1, 2), lse
+
+
+def _group_sum(x: torch.Tensor, nheads_kv: int) -> torch.Tensor:
+    """(b, nheads_q, s, d) per-query-head gradients of repeated kv heads -> (b, nheads_kv, s, d) sums."""
+    b, h, s, d = x.shape
+    return x.view(b, nheads_kv, h // nheads_kv if nheads_kv else 0, s, d).sum(2)
+
+
+def _probs_from_lse(scores: torch.Tensor, lse: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """P = exp(scores - lse), the forward's probabilities recovered from its LSE, 0 where masked
+    and on rows that see no key (lse -inf: shift by 0 there, so that exp(-inf) gives 0, not NaN)."""
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.exp(scores - torch.where(torch.isneginf(lse), 0.0, lse)[..., None])
+
+
+def attention_bwd_ref(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                      lse: torch.Tensor, softmax_scale: float | None = None, causal: bool = False,
+                      dlse: torch.Tensor | None = None, dtype: torch.dtype = torch.float64
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of attention w.r.t. q, k, v by the explicit backward formula, entirely in ``dtype``.
+
+    Given dout (like out), the forward's out and lse, and optionally dlse (the gradient w.r.t. lse),
+    per (batch, query head), with S = q k^T and the forward's P = exp(S * scale - lse):
+        D  = rowsum(dout * out) - dlse          dV = P^T dout      dP = dout V^T
+        dS = P * (dP - D)                       dQ = scale * dS K  dK = scale * dS^T Q
+    (the dlse term: d lse_i / d S_ij = P_ij * scale). Masked entries and rows that see no key have
+    P = 0 and contribute nothing; with GQA, dK and dV of a kv head sum over its group of query heads.
+    This is what the kernels compute, so out and lse are taken as given rather than recomputed:
+    pass exact ones (attention_ref) for the true gradients. Query rows are processed in blocks, as in
+    attention_ref. Returns dq, dk, dv in ``dtype``.
+    """
+    scale = default_scale(q.shape[-1]) if softmax_scale is None else softmax_scale
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    qt, kt, vt = _heads_first(q, k, v, dtype)
+    dot = dout.transpose(1, 2).to(dtype)
+    lse = lse.to(dtype)
+    delta = (dot * out.transpose(1, 2).to(dtype)).sum(-1)  # D: (b, hq, sq)
+    if dlse is not None:
+        delta = delta - dlse.to(dtype)
+    dq = torch.empty(b, hq, sq, d, dtype=dtype, device=q.device)
+    dk = torch.zeros(b, hq, sk, d, dtype=dtype, device=q.device)  # per query head; summed per group below
+    dv = torch.zeros(b, hq, sk, d, dtype=dtype, device=q.device)
+    step = _rows_per_block(q, sk)
+    for m0 in range(0, sq, step):
+        rows = slice(m0, m0 + step)
+        scores = (qt[:, :, rows] @ kt.transpose(-1, -2)) * scale
+        p = _probs_from_lse(scores, lse[:, :, rows], visible(sq, sk, causal, q.device, rows))
+        dv += p.transpose(-1, -2) @ dot[:, :, rows]
+        ds = p * (dot[:, :, rows] @ vt.transpose(-1, -2) - delta[:, :, rows, None])
+        dq[:, :, rows] = (ds @ kt) * scale
+        dk += (ds.transpose(-1, -2) @ qt[:, :, rows]) * scale
+    return dq.transpose(1, 2), _group_sum(dk, hkv).transpose(1, 2), _group_sum(dv, hkv).transpose(1, 2)
+
+
+def attention_bwd_lowp(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       softmax_scale: float | None = None, causal: bool = False, dlse: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients PyTorch itself computes in the input precision: what autograd through
+    attention_lowp gives (the yardstick for the kernels' backward), written out so that it runs
+    in blocks of query rows. Autograd through attention_lowp would keep every block's float32
+    probabilities alive for the backward, b * h * seqlen_q * seqlen_k of them (over 6 GB at 8k
+    tokens for the tests' largest case); this formula recomputes them per block instead.
+
+    Step by step as autograd does it (tests/test_reference_bwd.py checks the two agree): the forward of
+    attention_lowp (scores from a q.dtype matmul, softmax in float32, P cast to q.dtype); then
+    dV = P^T dout and dP = dout V^T as q.dtype matmuls; the softmax backward in float32,
+    dS = P * (dP - rowsum(P * dP) + dlse) (autograd's D is rowsum(P * dP), not rowsum(dout * out));
+    dS * scale cast to q.dtype; dQ = dS K and dK = dS^T Q as q.dtype matmuls. Sums over row blocks
+    and over a GQA group are kept in float32 and rounded to q.dtype once, as one matmul would (their
+    block products are float32 matmuls of q.dtype-rounded operands: exact products, float32 sums,
+    which is what a q.dtype GEMM does before rounding its output).
+    dout must have q's dtype; dlse is float32 (batch, nheads_q, seqlen_q) or None.
+    """
+    scale = default_scale(q.shape[-1]) if softmax_scale is None else softmax_scale
+    dt = q.dtype
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    qt, kt, vt = _heads_first(q, k, v, dt)
+    dot = dout.transpose(1, 2).to(dt)
+    dq = torch.empty(b, hq, sq, d, dtype=dt, device=q.device)
+    dk = torch.zeros(b, hq, sk, d, dtype=torch.float32, device=q.device)
+    dv = torch.zeros(b, hq, sk, d, dtype=torch.float32, device=q.device)
+    step = _rows_per_block(q, sk)
+    for m0 in range(0, sq, step):
+        rows = slice(m0, m0 + step)
+        scores = (qt[:, :, rows] @ kt.transpose(-1, -2)).float() * scale
+        p, _ = _softmax_rows(scores, visible(sq, sk, causal, q.device, rows))
+        dv += p.to(dt).float().transpose(-1, -2) @ dot[:, :, rows].float()
+        dp = (dot[:, :, rows] @ vt.transpose(-1, -2)).float()
+        ds = p * (dp - (p * dp).sum(-1, keepdim=True))
+        if dlse is not None:
+            ds = ds + p * dlse[:, :, rows, None].float()
+        ds = (ds * scale).to(dt)
+        dq[:, :, rows] = ds @ kt
+        dk += ds.float().transpose(-1, -2) @ qt[:, :, rows].float()
+    return (dq.transpose(1, 2), _group_sum(dk, hkv).to(dt).transpose(1, 2),
+            _group_sum(dv, hkv).to(dt).transpose(1, 2))

@@ -171,18 +171,50 @@ def check_kernel_layout(name: str, x: torch.Tensor) -> None:
     check_alignment(name, x)
 
 
-def check_outputs(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
-    """Caller-provided out (like q) and lse (float32, contiguous (batch, nheads_q, seqlen_q))."""
-    check_tensor("out", out)
-    check_tensor("lse", lse)
-    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
-        raise ValueError(
-            f"out must match q in shape, dtype and device: got {tuple(out.shape)} {out.dtype} {out.device}, "
-            f"q is {tuple(q.shape)} {q.dtype} {q.device}")
+def check_lse(name: str, lse: Any, q: torch.Tensor) -> None:
+    """An LSE-shaped tensor (the forward's lse, or dlse): float32, contiguous (batch, nheads_q, seqlen_q)."""
+    check_tensor(name, lse)
     b, sq, hq, _ = q.shape
     if lse.shape != (b, hq, sq) or lse.dtype != torch.float32 or lse.device != q.device:
         raise ValueError(
-            f"lse must be float32 of shape {(b, hq, sq)} on {q.device}, "
+            f"{name} must be float32 of shape {(b, hq, sq)} on {q.device}, "
             f"got {tuple(lse.shape)} {lse.dtype} {lse.device}")
     if not lse.is_contiguous():
-        raise ValueError(f"lse must be contiguous, got strides {tuple(lse.stride())}")
+        raise ValueError(f"{name} must be contiguous, got strides {tuple(lse.stride())}")
+
+
+def check_like(name: str, x: Any, like_name: str, like: torch.Tensor) -> None:
+    """``x`` is a tensor of exactly the shape, dtype and device of ``like`` (strides may differ)."""
+    check_tensor(name, x)
+    if x.shape != like.shape or x.dtype != like.dtype or x.device != like.device:
+        raise ValueError(
+            f"{name} must match {like_name} in shape, dtype and device: got {tuple(x.shape)} {x.dtype} {x.device}, "
+            f"{like_name} is {tuple(like.shape)} {like.dtype} {like.device}")
+
+
+def check_outputs(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Caller-provided out (like q) and lse (float32, contiguous (batch, nheads_q, seqlen_q))."""
+    check_like("out", out, "q", q)
+    check_lse("lse", lse, q)
+
+
+def check_dout(dout: Any, out: torch.Tensor) -> None:
+    """The gradient of the loss w.r.t. the forward's output: a rank-4 tensor like out."""
+    check_tensor("dout", dout)
+    check_rank("dout", dout)
+    check_like("dout", dout, "out", out)
+
+
+def check_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dq: Any, dk: Any, dv: Any) -> None:
+    """Caller-provided gradients, each like its input (shape, dtype, device)."""
+    for name, g, like_name, like in (("dq", dq, "q", q), ("dk", dk, "k", k), ("dv", dv, "v", v)):
+        check_like(name, g, like_name, like)
+
+
+def kernel_layout_ok(x: torch.Tensor) -> bool:
+    """check_kernel_layout from metadata alone (strides and storage offset, no data pointer), so that
+    it also answers for the fake tensors of a torch.compile trace. Assumes the storage itself is
+    16-byte aligned (the caching allocator aligns far more); the launch still checks the real pointer."""
+    es = x.element_size()
+    return (x.dim() == 4 and x.stride(-1) == 1 and (x.storage_offset() * es) % TMA_ALIGN_BYTES == 0
+            and all(s != 0 and (s * es) % TMA_ALIGN_BYTES == 0 for s in kernel_strides(x)))

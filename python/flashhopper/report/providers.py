@@ -83,7 +83,7 @@ def _timeable(mode: str, make_fwd: Callable[[torch.Tensor, torch.Tensor, torch.T
 
 
 def _ours(backend: str | None, mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-          causal: bool) -> Prepared:
+          causal: bool, deterministic: bool = False) -> Prepared:
     headdim = q.shape[-1]
     try:
         name = dispatch.select_backend(q, headdim, q.dtype, causal, backend)
@@ -97,7 +97,7 @@ def _ours(backend: str | None, mode: str, q: torch.Tensor, k: torch.Tensor, v: t
                           f"headdim {headdim} {'causal' if causal else 'non-causal'}")
 
     def make(q_: torch.Tensor, k_: torch.Tensor, v_: torch.Tensor) -> Fn:
-        return lambda: flashhopper.flash_attn_func(q_, k_, v_, causal=causal, backend=name)
+        return lambda: flashhopper.flash_attn_func(q_, k_, v_, causal=causal, deterministic=deterministic, backend=name)
 
     return Prepared(_timeable(mode, make, q, k, v),
                     {"backend": name, "block_m": kernel["block_m"], "block_n": kernel["block_n"]})
@@ -123,6 +123,8 @@ PROVIDERS: dict[str, Provider] = {p.name: p for p in (
     Provider("flashhopper", functools.partial(_ours, None)),  # auto-dispatch: what flash_attn_func picks
     Provider("flashhopper-sm90", functools.partial(_ours, "sm90")),
     Provider("flashhopper-sm80", functools.partial(_ours, "sm80")),
+    # The backward with deterministic=True (ordered dQ accumulation): its cost next to the default.
+    Provider("flashhopper-deterministic", functools.partial(_ours, None, deterministic=True)),
     *(Provider(name, _sdpa, functools.partial(sdpa_kernel, [b])) for name, b in _SDPA_BACKENDS.items()),
 )}
 

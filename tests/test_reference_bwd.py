@@ -1,0 +1,224 @@
+"""The backward references: the explicit formula equals autograd through the exact forward, the
+low-precision yardstick equals autograd through attention_lowp, and the GPU tests' assertion
+(helpers.assert_grads_match) accepts a faithful FlashAttention-style backward and rejects broken ones."""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import pytest
+import torch
+from helpers import assert_grads_match, randn_qkv, rel_err
+
+from flashhopper.reference import (_group_sum, _heads_first, _probs_from_lse, attention_bwd_lowp, attention_bwd_ref,
+                                   attention_lowp, attention_ref, visible)
+
+# (seqlen_q, seqlen_k): equal, one of them 1, sq < sk, sq > sk (with causal: rows that see no key),
+# lengths that are not multiples of any block size.
+SEQLENS = [(1, 1), (1, 37), (37, 1), (23, 70), (70, 23), (64, 64), (65, 64)]
+GQA = [(4, 4), (4, 2), (4, 1)]  # (nheads_q, nheads_kv): ratios 1, 2, 4
+Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def finite(lse: torch.Tensor) -> torch.Tensor:
+    """lse with the -inf of rows that see no key replaced by 0, so that a loss can use it."""
+    return torch.where(torch.isneginf(lse), 0.0, lse)
+
+
+def autograd_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None,
+                   scale: float, causal: bool,
+                   fwd: Callable[..., tuple[torch.Tensor, torch.Tensor]] = attention_ref) -> Grads:
+    """d/d(q, k, v) of sum(out * dout) + sum(lse * dlse), by torch.autograd through ``fwd``."""
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    out, lse = fwd(*leaves, scale, causal)
+    outputs, grads = [out], [dout]
+    if dlse is not None:
+        outputs.append(finite(lse))
+        grads.append(dlse.to(lse.dtype))
+    return torch.autograd.grad(outputs, leaves, grads)  # type: ignore[return-value]
+
+
+def assert_close(a: Grads, b: Grads, tol: float) -> None:
+    for name, x, y in zip(("dq", "dk", "dv"), a, b):
+        assert x.shape == y.shape and x.dtype == y.dtype, name
+        assert not torch.isnan(x).any(), name
+        assert rel_err(x, y) <= tol, f"{name}: relative error {rel_err(x, y):.2e} > {tol}"
+
+
+@pytest.mark.parametrize("with_dlse", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("nheads", GQA)
+@pytest.mark.parametrize("seqlens", SEQLENS)
+def test_formula_equals_autograd(seqlens: tuple[int, int], nheads: tuple[int, int], causal: bool,
+                                 with_dlse: bool) -> None:
+    q, k, v = randn_qkv(2, *seqlens, *nheads, 24, dtype=torch.float64)
+    out, lse = attention_ref(q, k, v, 0.3, causal)
+    dout = torch.randn_like(out)
+    dlse = torch.randn_like(lse) if with_dlse else None  # also on rows that see no key: must not matter
+    got = attention_bwd_ref(dout, q, k, v, out, lse, 0.3, causal, dlse)
+    assert_close(got, autograd_grads(q, k, v, dout, dlse, 0.3, causal), 1e-10)
+
+
+def test_rows_with_no_key_contribute_nothing() -> None:
+    # seqlen_q 9 > seqlen_k 4, causal: rows 0-4 see no key. Their dout and dlse must not move anything.
+    q, k, v = randn_qkv(1, 9, 4, 2, 1, 8, dtype=torch.float64)
+    out, lse = attention_ref(q, k, v, causal=True)
+    assert torch.isneginf(lse[:, :, :5]).all() and torch.isfinite(lse[:, :, 5:]).all()
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    dq, dk, dv = attention_bwd_ref(dout, q, k, v, out, lse, causal=True, dlse=dlse)
+    assert (dq[:, :5] == 0).all()
+    dout[:, :5], dlse[:, :, :5] = 1e6, -1e6
+    torch.testing.assert_close(attention_bwd_ref(dout, q, k, v, out, lse, causal=True, dlse=dlse), (dq, dk, dv),
+                               atol=0, rtol=0)
+
+
+def test_no_keys_and_no_queries() -> None:
+    q, k, v = randn_qkv(2, 5, 0, 4, 2, 8, dtype=torch.float64)
+    out, lse = attention_ref(q, k, v)
+    dq, dk, dv = attention_bwd_ref(torch.randn_like(out), q, k, v, out, lse)
+    assert dq.shape == q.shape and (dq == 0).all() and dk.shape == dv.shape == k.shape
+    q, k, v = randn_qkv(2, 0, 5, 4, 2, 8, dtype=torch.float64)
+    out, lse = attention_ref(q, k, v)
+    dq, dk, dv = attention_bwd_ref(torch.randn_like(out), q, k, v, out, lse)
+    assert dq.shape == q.shape and (dk == 0).all() and (dv == 0).all() and dk.shape == k.shape
+
+
+def test_row_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Like attention_ref, the backward walks query rows in blocks; tiny blocks give the same answer.
+    q, k, v = randn_qkv(2, 50, 30, 4, 2, 8, dtype=torch.float64)
+    out, lse = attention_ref(q, k, v, causal=True)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    qb, kb, vb, dob = (x.bfloat16() for x in (q, k, v, dout))
+    whole = attention_bwd_ref(dout, q, k, v, out, lse, causal=True, dlse=dlse)
+    whole_lowp = attention_bwd_lowp(dob, qb, kb, vb, causal=True, dlse=dlse.float())
+    monkeypatch.setattr("flashhopper.reference._MAX_SCORE_ELEMENTS", 2 * 4 * 30 * 7)  # 7 rows per block
+    assert_close(attention_bwd_ref(dout, q, k, v, out, lse, causal=True, dlse=dlse), whole, 1e-13)
+    assert_close(attention_bwd_lowp(dob, qb, kb, vb, causal=True, dlse=dlse.float()), whole_lowp, 1e-3)
+
+
+def test_float32_reference_is_close_to_float64() -> None:
+    q, k, v = randn_qkv(1, 64, 80, 4, 2, 32)
+    out, lse = attention_ref(q, k, v, causal=True)
+    dout = torch.randn(q.shape, dtype=torch.float64)
+    g64 = attention_bwd_ref(dout, q, k, v, out, lse, causal=True)
+    g32 = attention_bwd_ref(dout, q, k, v, out, lse, causal=True, dtype=torch.float32)
+    assert all(x.dtype == torch.float32 for x in g32)
+    assert all(rel_err(a, b) < 1e-5 for a, b in zip(g32, g64))
+
+
+# --- the low-precision yardstick ---
+
+def lowp_autograd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None,
+                  scale: float, causal: bool) -> Grads:
+    """Autograd through attention_lowp (GQA through its repeat_interleave, as PyTorch would do it)."""
+    return autograd_grads(q, k, v, dout, dlse, scale, causal, fwd=attention_lowp)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_dlse", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(("seqlens", "nheads"), [((40, 70), (4, 4)), ((70, 40), (4, 2)), ((1, 33), (4, 1)),
+                                                 ((33, 1), (2, 2))])
+def test_lowp_equals_autograd(seqlens: tuple[int, int], nheads: tuple[int, int], causal: bool, with_dlse: bool,
+                              dtype: torch.dtype) -> None:
+    # The same roundings in the same places, up to float32 summation order (which can flip a rounding
+    # to dtype here and there): the two differ by far less than either differs from exact gradients.
+    # GQA dk, dv: autograd rounds each head's gradient before their sum, attention_bwd_lowp only the
+    # sum, so there they differ by a rounding or so, and ours must be at least as accurate.
+    q, k, v = randn_qkv(2, *seqlens, *nheads, 32, dtype=dtype)
+    dout = torch.randn(q.shape, dtype=dtype)
+    dlse = torch.randn(2, nheads[0], seqlens[0]) if with_dlse else None
+    got = attention_bwd_lowp(dout, q, k, v, 0.2, causal, dlse)
+    want = lowp_autograd(q, k, v, dout, dlse, 0.2, causal)
+    out, lse = attention_ref(q, k, v, 0.2, causal)
+    exact = attention_bwd_ref(dout, q, k, v, out, lse, 0.2, causal, dlse)
+    for name, g, w, e in zip(("dq", "dk", "dv"), got, want, exact):
+        assert g.dtype == dtype and g.shape == w.shape and not torch.isnan(g).any(), name
+        same_roundings = name == "dq" or nheads[0] == nheads[1]
+        assert rel_err(g, w) <= (0.1 if same_roundings else 1.0) * rel_err(w, e), name
+        if not same_roundings:
+            assert rel_err(g, e) <= 1.05 * rel_err(w, e), name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_lowp_error_is_the_input_precision(dtype: torch.dtype) -> None:
+    q, k, v = randn_qkv(1, 100, 120, 4, 2, 64, dtype=dtype)
+    dout = torch.randn(q.shape, dtype=dtype)
+    out, lse = attention_ref(q, k, v, causal=True)
+    exact = attention_bwd_ref(dout, q, k, v, out, lse, causal=True)
+    eps = torch.finfo(dtype).eps
+    for g, e in zip(attention_bwd_lowp(dout, q, k, v, causal=True), exact):
+        assert g.dtype == dtype
+        assert eps / 16 < rel_err(g, e) < 8 * eps
+
+
+# --- the GPU tests' assertion, on a CPU emulation of a kernel ---
+
+def emulated_kernel(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                    causal: bool, dlse: torch.Tensor | None = None, bug: str | None = None) -> Grads:
+    """A FlashAttention-style backward as the kernels compute it: forward out rounded to q.dtype and
+    float32 lse; float32 math on q.dtype operands; P and dS rounded to q.dtype for the dV, dQ, dK
+    matmuls; D = rowsum(dO * O) from the rounded O. ``bug`` injects one mistake."""
+    dt = q.dtype
+    b, sq, hq, d = q.shape
+    hkv = k.shape[2]
+    o32, lse = attention_ref(q, k, v, scale, causal, dtype=torch.float32)
+    out = o32.to(dt)
+    qt, kt, vt = _heads_first(q, k, v, torch.float32)
+    dot = dout.transpose(1, 2).float()
+    delta = (dot * out.transpose(1, 2).float()).sum(-1)
+    if dlse is not None and bug != "ignores dlse":
+        delta = delta - dlse
+    if bug == "D 0.1% off":
+        delta = delta * 1.001
+    s = qt @ kt.transpose(-1, -2) * (scale * (1.01 if bug == "scale 1% off" else 1.0))
+    p = _probs_from_lse(s, lse, visible(sq, k.shape[1], causal))
+    dv = p.to(dt).float().transpose(-1, -2) @ dot
+    ds = (p * (dot @ vt.transpose(-1, -2) - delta[..., None])).to(dt).float()
+    dq = (ds @ kt * scale).to(dt).transpose(1, 2)
+    dk = _group_sum(ds.transpose(-1, -2) @ qt * scale, hkv).to(dt).transpose(1, 2)
+    dv = _group_sum(dv, hkv).to(dt).transpose(1, 2)
+    if bug == "row left unwritten":
+        dq = dq.clone()
+        dq[:, -1] = math.nan
+    if bug == "last key block skipped":
+        dv = dv.clone()
+        dv[:, -min(64, dv.shape[1]) // 2:] = 0
+    if bug == "no-key rows not zero":
+        dq = dq + 1e-3 * torch.randn_like(dq.float()).to(dt)  # small, everywhere, including rows without keys
+    return dq, dk, dv
+
+
+CASES = [(2, 70, 130, 4, 2, 64, True), (1, 130, 70, 4, 1, 64, True), (1, 300, 1, 4, 1, 128, False),
+         (2, 65, 1, 4, 2, 64, True), (1, 1, 90, 4, 4, 64, False)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_dlse", [False, True])
+@pytest.mark.parametrize("case", CASES)
+def test_assertion_accepts_a_faithful_kernel(case: tuple[int, ...], with_dlse: bool, dtype: torch.dtype) -> None:
+    b, sq, sk, hq, hkv, d, causal = case
+    q, k, v = randn_qkv(b, sq, sk, hq, hkv, d, dtype=dtype)
+    dout = torch.randn(q.shape, dtype=dtype)
+    dlse = torch.randn(b, hq, sq) if with_dlse else None
+    grads = emulated_kernel(dout, q, k, v, 1 / math.sqrt(d), bool(causal), dlse)
+    for ref_dtype in (torch.float32, torch.float64):
+        assert_grads_match(grads, dout, q, k, v, None, bool(causal), dlse, ref_dtype=ref_dtype)
+
+
+@pytest.mark.parametrize(("bug", "case", "with_dlse"), [
+    ("ignores dlse", CASES[0], True),
+    ("scale 1% off", CASES[1], False),
+    ("row left unwritten", CASES[0], False),
+    ("last key block skipped", CASES[1], False),
+    ("no-key rows not zero", CASES[1], False),
+    ("D 0.1% off", CASES[2], False),  # seqlen_k 1: dq and dk must stay rounding noise
+])
+def test_assertion_rejects_a_broken_kernel(bug: str, case: tuple[int, ...], with_dlse: bool) -> None:
+    b, sq, sk, hq, hkv, d, causal = case
+    q, k, v = randn_qkv(b, sq, sk, hq, hkv, d, dtype=torch.bfloat16)
+    dout = torch.randn(q.shape, dtype=torch.bfloat16)
+    dlse = torch.randn(b, hq, sq) if with_dlse else None
+    grads = emulated_kernel(dout, q, k, v, 1 / math.sqrt(d), bool(causal), dlse, bug=bug)
+    with pytest.raises(AssertionError):
+        assert_grads_match(grads, dout, q, k, v, None, bool(causal), dlse)

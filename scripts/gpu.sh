@@ -3,16 +3,18 @@
 # nvidia-cutlass wheel carried in .whl/). Builds the selected kernels with ninja into build/gpu
 # (incremental while the build folder survives), then runs what is asked, logging under $OUT.
 #
-#   scripts/gpu.sh build            # configure + ninja (FLASHHOPPER_ARCHS/DTYPES/HDIMS select kernels)
+#   scripts/gpu.sh build            # configure + ninja (FLASHHOPPER_ARCHS/MODES/DTYPES/HDIMS select kernels)
 #   scripts/gpu.sh test [pytest args]
 #   scripts/gpu.sh bench [bench args]
 #   scripts/gpu.sh sass             # instruction counts per kernel (HGMMA, UTMALDG, SYNCS, ...)
 #   scripts/gpu.sh sanitize         # compute-sanitizer memcheck + racecheck on small shapes
 #   scripts/gpu.sh check            # scripts/check_fwd.py: every built kernel on a few odd shapes
+#   scripts/gpu.sh check-bwd        # scripts/check_bwd.py: the same for the backward kernels
 #   scripts/gpu.sh health           # GEMM ceiling + clocks under load; non-zero exit if throttled
-#   scripts/gpu.sh ablate           # d128 bf16 with ping-pong / overlap off, 128x176, 3 K/V stages
-#                                   # (ABLATE_VARIANTS="full n176" picks some; ABLATE_SEQLENS too)
-#   scripts/gpu.sh profile --hdim 256 --seqlen 2048 --causal   # ncu sections of one launch
+#   scripts/gpu.sh ablate           # variants built side by side and timed: d128 bf16 with ping-pong /
+#                                   # overlap off, 128x176, 3 K/V stages; backward ones with ABLATE_MODE=bwd
+#                                   # (ABLATE_VARIANTS="full n176" picks some; ABLATE_HDIMS, ABLATE_SEQLENS too)
+#   scripts/gpu.sh profile --hdim 256 --seqlen 2048 --causal   # ncu sections of one launch (--mode bwd too)
 #   scripts/gpu.sh all              # build, test, sass, bench
 #
 # Typical device call: `run` with carry [".whl"] and command `scripts/gpu.sh all`.
@@ -60,6 +62,7 @@ do_build() {
     -Dpybind11_DIR="$("$PY" -m pybind11 --cmakedir)" \
     ${inc:+-DCUTLASS_INCLUDE_DIR="$inc"} \
     -DFLASHHOPPER_ARCHS="${FLASHHOPPER_ARCHS:-90}" \
+    -DFLASHHOPPER_MODES="${FLASHHOPPER_MODES:-fwd;bwd}" \
     -DFLASHHOPPER_DTYPES="${FLASHHOPPER_DTYPES:-bf16;fp16}" \
     -DFLASHHOPPER_HDIMS="${FLASHHOPPER_HDIMS:-64;128;256}" \
     -DFLASHHOPPER_CUDA_FLAGS="${FLASHHOPPER_CUDA_FLAGS:-}" \
@@ -70,45 +73,63 @@ do_build() {
   cp -f "$BUILD_DIR"/_C*.so "$PKG_DIR/"
   echo "build: configure $((t1 - t0)) s, compile $((t2 - t1)) s on $(nproc) cores ($(grep -c 'Building CUDA' "$OUT/build.log" || true) CUDA objects rebuilt)" | tee "$OUT/build-time.txt"
   # Registers / spills of every kernel, from ptxas.
-  grep -E "Compiling entry|registers|spill" "$OUT/build.log" | sed -E 's/_ZN11flashhopper[A-Za-z0-9_]*FwdMainloopIN7cutlass([0-9a-z_]+)ELi([0-9]+)ELi([0-9]+)ELi([0-9]+)ELi([0-9]+)ELb([01])[A-Za-z0-9_]*/fwd \1 d\2 M\3 N\4 st\5 causal\6/' >"$OUT/ptxas.txt" || true
+  grep -E "Compiling entry|registers|spill" "$OUT/build.log" \
+    | sed -E 's/_ZN11flashhopper[A-Za-z0-9_]*(Fwd|Bwd)MainloopIN7cutlass[0-9]+([a-z0-9_]+)ELi([0-9]+)E[A-Za-z0-9_]*TileSizeILi[0-9]+ELb([01])[A-Za-z0-9_]*/\1 \2 d\3 causal\4/' \
+    >"$OUT/ptxas.txt" || true
 }
 
 do_test() {
   "$PY" -m pytest -q -m gpu tests "$@" 2>&1 | tee "$OUT/test.log"
 }
 
-# Build variants of the d128 bf16 kernels side by side (own build and package folders) and time
-# ours only, so that each mechanism's worth is measured in one run.
+# Build variants side by side (own build and package folders, all at once: each one is a few
+# translation units) and time ours only, so that each mechanism's worth is measured in one run.
+#   ABLATE_VARIANTS  names from the list below (default: the forward ones)
+#   ABLATE_MODE      fwd (default) or bwd;  ABLATE_HDIMS, ABLATE_SEQLENS, ABLATE_CAUSAL (off/on/both)
 do_ablate() {
-  local base_pkg=$PKG_DIR
+  local base_pkg=$PKG_DIR mode=${ABLATE_MODE:-fwd}
   local all=("full:" "no-pingpong:-DFLASHHOPPER_NO_PINGPONG" "no-overlap:-DFLASHHOPPER_NO_OVERLAP"
              "no-both:-DFLASHHOPPER_NO_PINGPONG -DFLASHHOPPER_NO_OVERLAP" "n176:-DFLASHHOPPER_HDIM128_BLOCK_N=176"
              "kv3q1:-DFLASHHOPPER_HDIM128_STAGES=3"
-             "d256-nopp:-DFLASHHOPPER_HDIM256_PINGPONG=0")
-  local want=" ${ABLATE_VARIANTS:-full no-pingpong no-overlap no-both n176 kv3q1} "
+             "d256-nopp:-DFLASHHOPPER_HDIM256_PINGPONG=0"
+             "bwd-no-dq-reduce:-DFLASHHOPPER_BWD_NO_DQ_REDUCE" "bwd-m80:-DFLASHHOPPER_BWD_HDIM128_BLOCK_M=80" "bwd-dv-after-ds:-DFLASHHOPPER_BWD_DV_AFTER_DS"
+             "bwd-lpt4:-DFLASHHOPPER_BWD_CAUSAL_SECTION_WAVES=4" "bwd-lpt64:-DFLASHHOPPER_BWD_CAUSAL_SECTION_WAVES=64")
+  local want=" ${ABLATE_VARIANTS:-full no-pingpong no-overlap no-both n176 kv3q1} " chosen=() pids=()
   for v in "${all[@]}"; do
-    [[ $want == *" ${v%%:*} "* ]] || continue
+    [[ $want == *" ${v%%:*} "* ]] && chosen+=("$v")
+  done
+  cutlass_include >/dev/null  # unpack the headers once, before the concurrent builds
+  for v in "${chosen[@]}"; do  # build all variants concurrently
     local name=${v%%:*} flags=${v#*:}
     local pkg="$ROOT/build/ablate/$name/flashhopper"
     mkdir -p "$pkg"
     cp -r "$base_pkg"/*.py "$base_pkg"/report "$pkg/"
-    BUILD_DIR="$ROOT/build/ablate-$name" PKG_DIR="$pkg" FLASHHOPPER_CUDA_FLAGS="$flags" \
-      FLASHHOPPER_DTYPES=bf16 FLASHHOPPER_HDIMS="${ABLATE_HDIMS:-128}" do_build >/dev/null
+    # Build logs stay in the build tree: what comes back from $OUT is limited to a few files.
+    (OUT="$ROOT/build/ablate-logs-$name" && mkdir -p "$OUT" && BUILD_DIR="$ROOT/build/ablate-$name" PKG_DIR="$pkg" FLASHHOPPER_CUDA_FLAGS="$flags" \
+      FLASHHOPPER_DTYPES=bf16 FLASHHOPPER_HDIMS="${ABLATE_HDIMS:-128}" do_build >/dev/null \
+      || echo "ablate build $name failed: see build/ablate-logs-$name") &
+    pids+=($!)
+  done
+  for pid in "${pids[@]}"; do wait "$pid"; done
+  for v in "${chosen[@]}"; do
+    local name=${v%%:*} flags=${v#*:}
     echo "== $name ($flags)" | tee -a "$OUT/ablate.log"
-    PYTHONPATH="$ROOT/build/ablate/$name" "$PY" bench/bench_attention.py --providers flashhopper --mode fwd \
-      --hdims ${ABLATE_HDIMS:-128} --seqlens ${ABLATE_SEQLENS:-512 2048 16384} --out "$OUT/ablate-$name.json" \
-      2>&1 | grep -E "^\*\*|^\| [0-9]" | tee -a "$OUT/ablate.log"
+    PYTHONPATH="$ROOT/build/ablate/$name" "$PY" bench/bench_attention.py --providers flashhopper --mode "$mode" \
+      --hdims ${ABLATE_HDIMS:-128} --seqlens ${ABLATE_SEQLENS:-512 2048 16384} --causal "${ABLATE_CAUSAL:-both}" \
+      --warmup-ms 10 --rep-ms 40 --out "$OUT/ablate-$name.json" 2>&1 | grep -E "^\*\*|^\| [0-9]" | tee -a "$OUT/ablate.log"
   done
 }
 
-# ncu on the third launch of one configuration (args go to scripts/profile_fwd.py).
+# ncu on the third launch of one configuration (args go to scripts/profile_attention.py; with
+# --mode bwd the backward's main kernel is profiled).
 do_profile() {
-  local tag
+  local tag kernel=fwd_kernel
+  [[ " $* " == *" --mode bwd "* ]] && kernel=bwd_kernel
   tag=$(echo "$*" | tr -c 'A-Za-z0-9' '_')
-  ncu --clock-control none --kernel-name regex:fwd_kernel --launch-skip 2 --launch-count 1 \
+  ncu --clock-control none --kernel-name "regex:${kernel}" --launch-skip 2 --launch-count 1 \
     --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section ComputeWorkloadAnalysis \
-    "$PY" scripts/profile_fwd.py "$@" >"$OUT/ncu_${tag}.txt" 2>&1 || true
-  grep -E "Duration|Throughput|Pipe|Hit Rate|Stall|Warp Cycles|Issued|Bandwidth|Busy|L2 Cache" "$OUT/ncu_${tag}.txt" | head -60
+    "$PY" scripts/profile_attention.py "$@" >"$OUT/ncu_${tag}.txt" 2>&1 || true
+  grep -E "Duration|Throughput|Pipe|Hit Rate|Stall|Warp Cycles|Issued|Bandwidth|Busy|L2 Cache|Bank" "$OUT/ncu_${tag}.txt" | head -60
 }
 
 do_health() {
@@ -128,11 +149,15 @@ do_sass() {
   "$PY" scripts/sass_summary.py "$OUT/sass.txt" | tee "$OUT/sass-summary.txt"
 }
 
+# SANITIZE_SCRIPTS picks the checks (default both passes); each runs its --small shapes, bf16.
 do_sanitize() {
-  for tool in memcheck racecheck; do
-    compute-sanitizer --tool "$tool" --error-exitcode 1 "$PY" scripts/check_fwd.py --small --dtypes bfloat16 \
-      >"$OUT/sanitize-$tool.log" 2>&1; echo "$tool exit $?" | tee -a "$OUT/sanitize-$tool.log"
-    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|worst" "$OUT/sanitize-$tool.log"
+  for script in ${SANITIZE_SCRIPTS:-check_fwd check_bwd}; do
+    for tool in memcheck racecheck; do
+      local log="$OUT/sanitize-$script-$tool.log"
+      compute-sanitizer --tool "$tool" --error-exitcode 1 "$PY" "scripts/$script.py" --small --dtypes bfloat16 \
+        >"$log" 2>&1; echo "$script $tool exit $?" | tee -a "$log"
+      grep -E "ERROR SUMMARY|RACECHECK SUMMARY|worst" "$log"
+    done
   done
 }
 
@@ -148,6 +173,7 @@ case "$cmd" in
   ablate) do_ablate ;;
   profile) do_profile "$@" ;;
   check) "$PY" scripts/check_fwd.py "$@" 2>&1 | tee "$OUT/check.log" ;;
+  check-bwd) "$PY" scripts/check_bwd.py "$@" 2>&1 | tee "$OUT/check-bwd.log" ;;
   all) do_build; do_test; do_sass; do_bench "$@" ;;
-  *) echo "usage: $0 build|test|bench|sass|sanitize|all" >&2; exit 2 ;;
+  *) echo "usage: $0 build|test|bench|sass|sanitize|check|check-bwd|health|ablate|profile|all" >&2; exit 2 ;;
 esac

@@ -2,15 +2,16 @@
 """Count the instructions that prove each kernel uses the Hopper mechanisms.
 
     cuobjdump --dump-sass _C.so > sass.txt && python scripts/sass_summary.py sass.txt
-HGMMA/QGMMA: WGMMA; UTMALDG/UTMASTG: TMA load/store; SYNCS: mbarrier ops; USETMAXREG: setmaxnreg;
-HMMA: mma.sync (sm80 path); LDGSTS: cp.async; LDL/STL: local memory (spills).
+HGMMA/QGMMA: WGMMA; UTMALDG/UTMASTG/UTMAREDG: TMA load/store/reduce-add; UBLKCP: bulk copy;
+SYNCS: mbarrier ops; USETMAXREG: setmaxnreg; HMMA: mma.sync (sm80 path); LDGSTS: cp.async;
+ATOMG: global atomics; LDL/STL: local memory (spills).
 """
 import re
 import sys
 from collections import Counter
 
-OPS = ["HGMMA", "QGMMA", "UTMALDG", "UTMASTG", "SYNCS", "USETMAXREG", "HMMA", "LDGSTS", "LDSM", "STSM", "MUFU.EX2",
-       "BAR.SYNC", "BAR.ARV", "LDL", "STL"]
+OPS = ["HGMMA", "QGMMA", "UTMALDG", "UTMASTG", "UTMAREDG", "UBLKCP", "SYNCS", "USETMAXREG", "HMMA", "LDGSTS", "LDSM",
+       "STSM", "MUFU.EX2", "BAR.SYNC", "BAR.ARV", "ATOMG", "LDL", "STL"]
 
 
 def main(path: str) -> None:
@@ -30,11 +31,16 @@ def main(path: str) -> None:
 
 
 def short(mangled: str) -> str:
-    # ...FwdMainloopIN7cutlass10bfloat16_tELi128ENS0_11FwdTileSizeILi128ELb1EEELb1EEE...
-    m = re.search(r"FwdMainloopIN7cutlass\d+(\w+?)ELi(\d+)E.*?FwdTileSizeILi\d+ELb[01]EEELb([01])", mangled)
+    # ...FwdMainloopIN7cutlass10bfloat16_tELi128ENS0_11FwdTileSizeILi128ELb1EEELb1EEE... (Bwd likewise)
+    m = re.search(r"(Fwd|Bwd)MainloopIN7cutlass\d+(\w+?)ELi(\d+)E.*?(?:Fwd|Bwd)TileSizeILi\d+ELb[01]EEELb([01])", mangled)
     if m:
-        dt = "bf16" if "bfloat16" in m.group(1) else "fp16"
-        return f"sm90_fwd_{dt}_d{m.group(2)}{'_causal' if m.group(3) == '1' else ''}"
+        dt = "bf16" if "bfloat16" in m.group(2) else "fp16"
+        return f"sm90_{m.group(1).lower()}_{dt}_d{m.group(3)}{'_causal' if m.group(4) == '1' else ''}"
+    for kind in ("bwd_preprocess_kernel", "convert_accum_kernel"):
+        if kind in mangled:
+            dt = "bf16" if "bfloat16" in mangled else "fp16"
+            hd = re.search(r"ELi(\d+)E", mangled)
+            return f"{kind}_{dt}" + (f"_d{hd.group(1)}" if hd else "")
     return mangled[:80]
 
 

@@ -119,6 +119,28 @@ PYBIND11_MODULE(_C, m) {
   FH_RW(o_batch_stride); FH_RW(o_row_stride); FH_RW(o_head_stride);
   FH_RW(batch); FH_RW(seqlen_q); FH_RW(seqlen_k); FH_RW(nheads_q); FH_RW(nheads_kv); FH_RW(headdim);
   FH_RW(softmax_scale); FH_RW(causal); FH_RW(dtype); FH_RW(device); FH_RW(num_sms);
+  // FP8 (docs/fp8.md)
+  def_ptr(p, "q_scale_ptr", &FwdParams::q_scale_ptr);
+  def_ptr(p, "k_scale_ptr", &FwdParams::k_scale_ptr);
+  def_ptr(p, "v_scale_ptr", &FwdParams::v_scale_ptr);
+  FH_RW(v_dim_stride);
+  FH_RW(q_scale_batch_stride); FH_RW(q_scale_head_stride); FH_RW(q_scale_block_stride); FH_RW(q_scale_block);
+  FH_RW(k_scale_batch_stride); FH_RW(k_scale_head_stride); FH_RW(k_scale_block_stride); FH_RW(k_scale_block);
+  FH_RW(v_scale_batch_stride); FH_RW(v_scale_head_stride); FH_RW(v_scale_block_stride); FH_RW(v_scale_block);
+#undef FH_RW
+
+  py::class_<QuantParams> qp(m, "QuantParams");
+  qp.def(py::init<>());
+  def_ptr(qp, "x_ptr", &QuantParams::x_ptr);
+  def_ptr(qp, "out_ptr", &QuantParams::out_ptr);
+  def_ptr(qp, "scale_ptr", &QuantParams::scale_ptr);
+  def_ptr(qp, "signs_ptr", &QuantParams::signs_ptr);
+#define FH_RW(field) qp.def_readwrite(#field, &QuantParams::field)
+  FH_RW(x_batch_stride); FH_RW(x_row_stride); FH_RW(x_head_stride);
+  FH_RW(out_batch_stride); FH_RW(out_row_stride); FH_RW(out_head_stride); FH_RW(out_dim_stride);
+  FH_RW(scale_batch_stride); FH_RW(scale_head_stride); FH_RW(scale_block_stride);
+  FH_RW(batch); FH_RW(seqlen); FH_RW(nheads); FH_RW(headdim); FH_RW(block_size); FH_RW(transpose);
+  FH_RW(dtype); FH_RW(device);
 #undef FH_RW
 
   py::class_<BwdParams> b(m, "BwdParams");
@@ -151,6 +173,13 @@ PYBIND11_MODULE(_C, m) {
         "Launch the forward kernel of family `arch` (90 or 80) on `stream` (a cudaStream_t as int).");
   m.def("bwd", &bwd, py::arg("params"), py::arg("arch"), py::arg("stream"),
         "Launch the backward (preprocess, main kernel, postprocess) of family `arch` on `stream`.");
+#ifdef FLASHHOPPER_HAS_QUANTIZE
+  m.def("quantize_fp8", [](QuantParams const& params, uintptr_t stream) {
+    on_device(params.device, "quantize_fp8 launch",
+              [&] { launch_quantize_fp8(params, reinterpret_cast<cudaStream_t>(stream)); });
+  }, py::arg("params"), py::arg("stream"),
+        "Quantize to e4m3 with per-block descales, optionally Hadamard-transformed / transposed (docs/fp8.md).");
+#endif
   m.def("bwd_workspace_bytes", &bwd_workspace_bytes, py::arg("params"), py::arg("arch"),
         "Bytes of device workspace the backward needs for these params (sizes, causal, deterministic).");
 

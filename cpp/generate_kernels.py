@@ -13,7 +13,7 @@ import itertools
 from pathlib import Path
 from typing import NamedTuple
 
-DTYPES = {"fp16": "kFloat16", "bf16": "kBFloat16"}
+DTYPES = {"fp16": "kFloat16", "bf16": "kBFloat16", "e4m3": "kFloat8E4M3"}
 MODES = ("fwd", "bwd")
 
 
@@ -22,12 +22,15 @@ class Family(NamedTuple):
     header: str  # the launcher, relative to cpp/
     launcher: str  # its template name
     tile_header: str
-    tile: str  # tile-size table: tile<hdim, causal>::kBlockM / kBlockN
+    tile: str  # tile-size table: tile<hdim, causal[, DType]>::kBlockM / kBlockN
     workspace: str | None = None  # backward: the workspace-size function, instantiated alongside
+    dtypes: tuple[str, ...] = ("fp16", "bf16")  # element types the family has kernels for
+    tile_takes_dtype: bool = False  # the tile table's third parameter is the DType
 
 
 FAMILIES = {
-    (90, "fwd"): Family("sm90/launch_fwd.h", "run_fwd_sm90", "sm90/tile_size.h", "sm90::FwdTileSize"),
+    (90, "fwd"): Family("sm90/launch_fwd.h", "run_fwd_sm90", "sm90/tile_size.h", "sm90::FwdTileSize",
+                        dtypes=("fp16", "bf16", "e4m3"), tile_takes_dtype=True),
     (90, "bwd"): Family("sm90/launch_bwd.h", "run_bwd_sm90", "sm90/tile_size.h", "sm90::BwdTileSize",
                         "bwd_workspace_bytes_sm90"),
     (80, "fwd"): Family("sm80/launch_fwd.h", "run_fwd_sm80", "sm80/tile_size.h", "sm80::FwdTileSize"),
@@ -78,6 +81,8 @@ def main() -> None:
     entries: dict[str, list[str]] = {m: [] for m in MODES}
     sources = []
     for (arch, mode, fam), dtype, hdim, causal in itertools.product(families, args.dtypes, args.hdims, (False, True)):
+        if dtype not in fam.dtypes:  # e.g. e4m3 has a forward only
+            continue
         targs = f"DType::{DTYPES[dtype]}, {hdim}, {'true' if causal else 'false'}"
         params = "FwdParams" if mode == "fwd" else "BwdParams"
         lines = [f"template void {fam.launcher}<{targs}>({params} const&, cudaStream_t);"]
@@ -91,7 +96,7 @@ def main() -> None:
             "namespace flashhopper {\n" + "\n".join(lines) + "\n}  // namespace flashhopper\n"))
         sources.append(src.name)
         c = "true" if causal else "false"
-        tile = f"{fam.tile}<{hdim}, {c}>"
+        tile = f"{fam.tile}<{hdim}, {c}{f', DType::{DTYPES[dtype]}' if fam.tile_takes_dtype else ''}>"
         extra = f"&{fam.workspace}<{targs}>, " if fam.workspace else ""
         entries[mode].append(f"      {{{arch}, DType::{DTYPES[dtype]}, {hdim}, {c}, &{fam.launcher}<{targs}>, "
                              f"{extra}{tile}::kBlockM, {tile}::kBlockN}},")

@@ -13,7 +13,8 @@
 #   scripts/gpu.sh health           # GEMM ceiling + clocks under load; non-zero exit if throttled
 #   scripts/gpu.sh ablate           # variants built side by side and timed: d128 bf16 with ping-pong /
 #                                   # overlap off, 128x176, 3 K/V stages; backward ones with ABLATE_MODE=bwd
-#                                   # (ABLATE_VARIANTS="full n176" picks some; ABLATE_HDIMS, ABLATE_SEQLENS too)
+#                                   # (ABLATE_VARIANTS="full n176" picks some; ABLATE_HDIMS, ABLATE_SEQLENS too;
+#                                   #  fp8 tiles: ABLATE_DTYPES=e4m3 ABLATE_PROVIDERS=flashhopper-fp8 ABLATE_VARIANTS="full fp8-n224")
 #   scripts/gpu.sh profile --hdim 256 --seqlen 2048 --causal   # ncu sections of one launch (--mode bwd too)
 #   scripts/gpu.sh all              # build, test, sass, bench
 #
@@ -63,7 +64,7 @@ do_build() {
     ${inc:+-DCUTLASS_INCLUDE_DIR="$inc"} \
     -DFLASHHOPPER_ARCHS="${FLASHHOPPER_ARCHS:-90}" \
     -DFLASHHOPPER_MODES="${FLASHHOPPER_MODES:-fwd;bwd}" \
-    -DFLASHHOPPER_DTYPES="${FLASHHOPPER_DTYPES:-bf16;fp16}" \
+    -DFLASHHOPPER_DTYPES="${FLASHHOPPER_DTYPES:-bf16;fp16;e4m3}" \
     -DFLASHHOPPER_HDIMS="${FLASHHOPPER_HDIMS:-64;128;256}" \
     -DFLASHHOPPER_CUDA_FLAGS="${FLASHHOPPER_CUDA_FLAGS:-}" \
     -DFLASHHOPPER_PTXAS_VERBOSE=ON >"$OUT/configure.log" 2>&1 || { cat "$OUT/configure.log"; exit 1; }
@@ -93,7 +94,12 @@ do_ablate() {
              "kv3q1:-DFLASHHOPPER_HDIM128_STAGES=3"
              "d256-nopp:-DFLASHHOPPER_HDIM256_PINGPONG=0"
              "bwd-no-dq-reduce:-DFLASHHOPPER_BWD_NO_DQ_REDUCE" "bwd-m80:-DFLASHHOPPER_BWD_HDIM128_BLOCK_M=80" "bwd-dv-after-ds:-DFLASHHOPPER_BWD_DV_AFTER_DS"
-             "bwd-lpt4:-DFLASHHOPPER_BWD_CAUSAL_SECTION_WAVES=4" "bwd-lpt64:-DFLASHHOPPER_BWD_CAUSAL_SECTION_WAVES=64")
+             "bwd-lpt4:-DFLASHHOPPER_BWD_CAUSAL_SECTION_WAVES=4" "bwd-lpt64:-DFLASHHOPPER_BWD_CAUSAL_SECTION_WAVES=64"
+             "fp8-n96:-DFLASHHOPPER_FP8_HDIM128_BLOCK_N=96 -DFLASHHOPPER_FP8_HDIM256_BLOCK_N=96"
+             "fp8-n160:-DFLASHHOPPER_FP8_HDIM128_BLOCK_N=160" "fp8-n192:-DFLASHHOPPER_FP8_HDIM128_BLOCK_N=192"
+             "fp8-n224:-DFLASHHOPPER_FP8_HDIM128_BLOCK_N=224" "fp8-n256:-DFLASHHOPPER_FP8_HDIM128_BLOCK_N=256"
+             "fp8-d64-m128:-DFLASHHOPPER_FP8_HDIM64_BLOCK_M=128" "fp8-d64-m128n192:-DFLASHHOPPER_FP8_HDIM64_BLOCK_M=128 -DFLASHHOPPER_FP8_HDIM64_BLOCK_N=192"
+             "fp8-d64-n160:-DFLASHHOPPER_FP8_HDIM64_BLOCK_N=160" "fp8-d64-n192:-DFLASHHOPPER_FP8_HDIM64_BLOCK_N=192")
   local want=" ${ABLATE_VARIANTS:-full no-pingpong no-overlap no-both n176 kv3q1} " chosen=() pids=()
   for v in "${all[@]}"; do
     [[ $want == *" ${v%%:*} "* ]] && chosen+=("$v")
@@ -106,7 +112,7 @@ do_ablate() {
     cp -r "$base_pkg"/*.py "$base_pkg"/report "$pkg/"
     # Build logs stay in the build tree: what comes back from $OUT is limited to a few files.
     (OUT="$ROOT/build/ablate-logs-$name" && mkdir -p "$OUT" && BUILD_DIR="$ROOT/build/ablate-$name" PKG_DIR="$pkg" FLASHHOPPER_CUDA_FLAGS="$flags" \
-      FLASHHOPPER_DTYPES=bf16 FLASHHOPPER_HDIMS="${ABLATE_HDIMS:-128}" do_build >/dev/null \
+      FLASHHOPPER_DTYPES="${ABLATE_DTYPES:-bf16}" FLASHHOPPER_HDIMS="${ABLATE_HDIMS:-128}" do_build >/dev/null \
       || echo "ablate build $name failed: see build/ablate-logs-$name") &
     pids+=($!)
   done
@@ -114,7 +120,7 @@ do_ablate() {
   for v in "${chosen[@]}"; do
     local name=${v%%:*} flags=${v#*:}
     echo "== $name ($flags)" | tee -a "$OUT/ablate.log"
-    PYTHONPATH="$ROOT/build/ablate/$name" "$PY" bench/bench_attention.py --providers flashhopper --mode "$mode" \
+    PYTHONPATH="$ROOT/build/ablate/$name" "$PY" bench/bench_attention.py --providers ${ABLATE_PROVIDERS:-flashhopper} --mode "$mode" \
       --hdims ${ABLATE_HDIMS:-128} --seqlens ${ABLATE_SEQLENS:-512 2048 16384} --causal "${ABLATE_CAUSAL:-both}" \
       --warmup-ms 10 --rep-ms 40 --out "$OUT/ablate-$name.json" 2>&1 | grep -E "^\*\*|^\| [0-9]" | tee -a "$OUT/ablate.log"
   done

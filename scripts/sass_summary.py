@@ -31,11 +31,16 @@ def main(path: str) -> None:
 
 
 def short(mangled: str) -> str:
-    # ...FwdMainloopIN7cutlass10bfloat16_tELi128ENS0_11FwdTileSizeILi128ELb1EEELb1EEE... (Bwd likewise)
-    m = re.search(r"(Fwd|Bwd)MainloopIN7cutlass\d+(\w+?)ELi(\d+)E.*?(?:Fwd|Bwd)TileSizeILi\d+ELb[01]EEELb([01])", mangled)
+    # ...FwdMainloopIN7cutlass10bfloat16_tELi128ENS0_11FwdTileSizeILi128ELb1E...EELb1EEE... (Bwd likewise);
+    # the tile size's first bool is the causal flag.
+    m = re.search(r"(Fwd|Bwd)MainloopIN7cutlass\d+(\w+?)ELi(\d+)E.*?(?:Fwd|Bwd)TileSizeILi\d+ELb([01])", mangled)
     if m:
-        dt = "bf16" if "bfloat16" in m.group(2) else "fp16"
+        dt = "bf16" if "bfloat16" in m.group(2) else ("e4m3" if "e4m3" in m.group(2) else "fp16")
         return f"sm90_{m.group(1).lower()}_{dt}_d{m.group(3)}{'_causal' if m.group(4) == '1' else ''}"
+    if "quantize_fp8_kernel" in mangled:
+        hd = re.search(r"Li(\d+)ELb([01])", mangled)
+        dt = "bf16" if "bfloat16" in mangled else "fp16"
+        return f"quantize_fp8_{dt}" + (f"_d{hd.group(1)}{'_vt' if hd.group(2) == '1' else ''}" if hd else "")
     for kind in ("bwd_preprocess_kernel", "convert_accum_kernel"):
         if kind in mangled:
             dt = "bf16" if "bfloat16" in mangled else "fp16"

@@ -17,5 +17,9 @@ template <>
 struct ElementOf<DType::kBFloat16> {
   using type = cutlass::bfloat16_t;
 };
+template <>
+struct ElementOf<DType::kFloat8E4M3> {
+  using type = cutlass::float_e4m3_t;
+};
 
 }  // namespace flashhopper

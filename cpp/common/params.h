@@ -36,6 +36,20 @@ struct FwdParams {
   float softmax_scale = 1.f;
   bool causal = false;
   DType dtype = DType::kBFloat16;
+
+  // FP8 (dtype kFloat8E4M3) only; docs/fp8.md. O is bfloat16. V comes transposed (V^T: head-dim rows
+  // v_dim_stride apart, keys contiguous and permuted within groups of 16, zero-padded to a multiple of
+  // 16). Descales x ~ x_fp8 * scale, one per (batch, head, block of *_scale_block tokens); K and V are
+  // indexed by kv head; a zero stride broadcasts (per-head or per-tensor scales).
+  int64_t v_dim_stride = 0;
+  const float* q_scale_ptr = nullptr;
+  const float* k_scale_ptr = nullptr;
+  const float* v_scale_ptr = nullptr;
+  int64_t q_scale_batch_stride = 0, q_scale_head_stride = 0, q_scale_block_stride = 0;
+  int64_t k_scale_batch_stride = 0, k_scale_head_stride = 0, k_scale_block_stride = 0;
+  int64_t v_scale_batch_stride = 0, v_scale_head_stride = 0, v_scale_block_stride = 0;
+  int q_scale_block = 1 << 30, k_scale_block = 1 << 30, v_scale_block = 1 << 30;
+
   // Causal kernels take tiles from this int32 counter: zero before the first launch, and every
   // launch leaves it at zero again. One per stream (kernels on two streams must not share it).
   int* tile_counter = nullptr;
@@ -80,6 +94,24 @@ struct BwdParams {
   DType dtype = DType::kBFloat16;
   int device = 0;
   int num_sms = 0;
+};
+
+// One pass of FP8 quantization (docs/fp8.md): x (batch, seqlen, nheads, headdim) in fp16/bf16 to e4m3
+// plus one float32 descale per (batch, head, block of block_size tokens), optionally after the
+// random-sign Hadamard transform of each row (signs_ptr), optionally written as V^T (transpose).
+struct QuantParams {
+  const void* x_ptr = nullptr;
+  void* out_ptr = nullptr;
+  float* scale_ptr = nullptr;
+  const float* signs_ptr = nullptr;  // headdim x (+1/-1); nullptr: no Hadamard transform
+  int64_t x_batch_stride = 0, x_row_stride = 0, x_head_stride = 0;
+  // transpose: out is (batch, nheads, headdim, round_up(seqlen, 16)) and out_row_stride is unused.
+  int64_t out_batch_stride = 0, out_row_stride = 0, out_head_stride = 0, out_dim_stride = 0;
+  int64_t scale_batch_stride = 0, scale_head_stride = 0, scale_block_stride = 0;
+  int batch = 0, seqlen = 0, nheads = 0, headdim = 0, block_size = 128;
+  bool transpose = false;
+  DType dtype = DType::kBFloat16;  // of x
+  int device = 0;
 };
 
 }  // namespace flashhopper

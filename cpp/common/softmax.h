@@ -11,9 +11,11 @@
 
 namespace flashhopper {
 
-template <int kRows>
+// kMaxOffset (FP8): probabilities are computed as 2^kMaxOffset * p, so that the fp8 P of the PV GEMM
+// uses more of e4m3's range; the factor cancels in O / l and is taken out of the LSE.
+template <int kRows, int kMaxOffset = 0>
 struct OnlineSoftmax {
-  float row_max[kRows];
+  float row_max[kRows];  // running max in scaled (log2) units: max(score * scale)
   float row_sum[kRows];
   float const scale_log2;  // softmax_scale * log2(e)
 
@@ -24,27 +26,36 @@ struct OnlineSoftmax {
   // kCheckInf guards rows that have seen no visible key yet (max still -inf).
   template <bool kFirst, bool kCheckInf, class TensorS>
   CUTE_DEVICE cute::array<float, kRows> update(TensorS& s) {
+    return update<kFirst, kCheckInf>(s, scale_log2);
+  }
+
+  // The same with this block's own scale (FP8: softmax_scale * log2(e) * q and k descales). The max is
+  // kept in scaled units, so blocks with different scales compare correctly; scale must be > 0.
+  template <bool kFirst, bool kCheckInf, class TensorS>
+  CUTE_DEVICE cute::array<float, kRows> update(TensorS& s, float scale) {
     static_assert(decltype(size<0>(s))::value == kRows);
     cute::array<float, kRows> o_scale;
     CUTE_UNROLL
     for (int mi = 0; mi < kRows; ++mi) {
-      float m = kFirst ? -INFINITY : row_max[mi];
+      float m = -INFINITY;
       CUTE_UNROLL
       for (int ni = 0; ni < size<1>(s); ++ni) m = fmaxf(m, s(mi, ni));
-      m = quad_allreduce(m, MaxOp{});
+      m = quad_allreduce(m, MaxOp{}) * scale;
+      if constexpr (!kFirst) m = fmaxf(m, row_max[mi]);
       // A row with no visible key keeps max -inf; use 0 so exp2 gives 0, never NaN.
-      float const m_scaled = (kCheckInf && m == -INFINITY) ? 0.f : m * scale_log2;
+      float const m_used = (kCheckInf && m == -INFINITY) ? 0.f : m;
+      float const m_shifted = m_used - float(kMaxOffset);
       float sum = 0.f;
       CUTE_UNROLL
       for (int ni = 0; ni < size<1>(s); ++ni) {
-        s(mi, ni) = exp2_approx(s(mi, ni) * scale_log2 - m_scaled);
+        s(mi, ni) = exp2_approx(s(mi, ni) * scale - m_shifted);
         sum += s(mi, ni);
       }
       if constexpr (kFirst) {
         o_scale[mi] = 1.f;
         row_sum[mi] = sum;
       } else {
-        o_scale[mi] = exp2_approx(row_max[mi] * scale_log2 - m_scaled);
+        o_scale[mi] = exp2_approx(row_max[mi] - m_used);
         row_sum[mi] = row_sum[mi] * o_scale[mi] + sum;
       }
       row_max[mi] = m;
@@ -71,7 +82,7 @@ struct OnlineSoftmax {
       float const l = quad_allreduce(row_sum[mi], SumOp{});
       bool const empty = (l == 0.f) || (l != l);
       inv_sum[mi] = empty ? 0.f : 1.f / l;
-      lse[mi] = empty ? -INFINITY : (row_max[mi] * scale_log2 + __log2f(l)) * float(M_LN2);
+      lse[mi] = empty ? -INFINITY : (row_max[mi] + __log2f(l) - float(kMaxOffset)) * float(M_LN2);
     }
     return inv_sum;
   }

@@ -1,7 +1,8 @@
 // Hopper forward epilogue, per consumer warpgroup: O (already normalized, fp32) is converted in
 // registers, written with stmatrix into this warpgroup's 64-row slice of the Q stage it just used,
 // and stored by one thread with a TMA store (which clips rows past seqlen_q); the kernel releases
-// that Q stage once TMA has read it. LSE goes straight to global memory from the threads that own
+// that Q stage once TMA has read it. FP8 (kOwnBuffer): O is bfloat16, twice Q's bytes, so it has a
+// buffer of its own, reused once the previous tile's store has been read. LSE goes straight to global memory from the threads that own
 // column 0 of each row. (Storing O from registers instead measured 5-16% slower: docs/perf-notes.md.)
 #pragma once
 
@@ -16,8 +17,8 @@ namespace flashhopper::sm90 {
 
 using namespace cute;
 
-// SmemLayoutO: (64, headdim, warpgroup, q_stage), the layout of Q's stages.
-template <class Element, int kHeadDim, int kNumMmaWG, class SmemLayoutO, class TiledMmaPV>
+// SmemLayoutO: (64, headdim, warpgroup, stage): Q's stages, or O's own buffer (kOwnBuffer, one stage).
+template <class Element, int kHeadDim, int kNumMmaWG, class SmemLayoutO, class TiledMmaPV, bool kOwnBuffer = false>
 struct FwdEpilogue {
   using D = Int<kHeadDim>;
   using ShapeO = Shape<int32_t, int32_t, int32_t, int32_t>;  // (seqlen_q, headdim, head, batch)
@@ -47,25 +48,29 @@ struct FwdEpilogue {
     return (int64_t(batch) * get<2>(p.shape_o) + head) * get<0>(p.shape_o);
   }
 
-  template <class FragO, class LSE, class PipelineStateQ>
-  CUTE_DEVICE static void store(Params const& p, FragO const& tOrO, LSE const& lse, Element* smem_q,
-                                PipelineStateQ const& q_state, int m_block, int head, int batch, int wg,
-                                int thread_idx) {
-    Tensor sO = make_tensor(make_smem_ptr(smem_q), SmemLayoutO{});  // (64, D, wg, q_stage)
+  template <class FragO, class LSE>
+  CUTE_DEVICE static void store(Params const& p, FragO const& tOrO, LSE const& lse, Element* smem_o, int stage,
+                                int m_block, int head, int batch, int wg, int thread_idx) {
+    Tensor sO = make_tensor(make_smem_ptr(smem_o), SmemLayoutO{});  // (64, D, wg, stage)
     Tensor tOrO_out = convert_type<Element>(tOrO);
+    if constexpr (kOwnBuffer) {
+      // The previous tile's store must have read the buffer (issued a whole tile ago: no wait in practice).
+      if (thread_idx == 0) tma_store_wait<0>();
+      epilogue_barrier_sync(wg);
+    }
 
     auto smem_copy = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, TiledMmaPV{});
     auto thr_copy = smem_copy.get_thread_slice(thread_idx);
     Tensor tRrO = thr_copy.retile_S(tOrO_out);
     Tensor tRsO = thr_copy.partition_D(sO);  // (CPY, CPY_M, CPY_N, wg, q_stage)
-    copy(smem_copy, tRrO, tRsO(_, _, _, wg, q_state.index()));
+    copy(smem_copy, tRrO, tRsO(_, _, _, wg, stage));
     cutlass::arch::fence_view_async_shared();  // make the generic-proxy writes visible to TMA
     epilogue_barrier_sync(wg);
     if (thread_idx == 0) {
       Tensor mO = p.tma_o.get_tma_tensor(p.shape_o)(_, _, head, batch);
       Tensor gO = local_tile(mO, Shape<_64, D>{}, make_coord(_, _0{}));  // (64, D, m64)
       auto parts = tma_partition(p.tma_o, _0{}, Layout<_1>{}, group_modes<0, 2>(sO), group_modes<0, 2>(gO));
-      copy(p.tma_o, get<1>(parts)(_, wg, q_state.index()), get<0>(parts)(_, m_block * kNumMmaWG + wg));
+      copy(p.tma_o, get<1>(parts)(_, wg, stage), get<0>(parts)(_, m_block * kNumMmaWG + wg));
       tma_store_arrive();
     }
     store_lse(p, lse, m_block, head, batch, wg, thread_idx);

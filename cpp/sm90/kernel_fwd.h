@@ -124,8 +124,9 @@ struct FwdKernel {
       // Q-stage release: O is staged for its TMA store in the Q stage the tile used, so that stage
       // is free once TMA has read O. With two Q stages that is checked during the next tile, after
       // its first GEMM is issued (long done by then); with one, right after the store, since the
-      // next tile's Q cannot load before.
-      constexpr bool kDeferRelease = Mainloop::kQStages > 1;
+      // next tile's Q cannot load before. FP8 stages O in its own buffer: Q is free after the mainloop.
+      constexpr bool kOInQ = !Mainloop::kFp8;
+      constexpr bool kDeferRelease = kOInQ && Mainloop::kQStages > 1;
       typename Mainloop::PipelineStateQ pending_q;
       bool q_release_pending = false;
       auto release_q_after_store = [&](auto const& q_state) {
@@ -154,22 +155,35 @@ struct FwdKernel {
         }
         Tensor tOrO = partition_fragment_C(typename Mainloop::TiledMmaPV{}, Shape<_64, Int<Mainloop::kHeadDim>>{});
         clear(tOrO);
-        OnlineSoftmax<2> softmax(params.mainloop.scale_log2);
+        typename Mainloop::Softmax softmax(params.mainloop.scale_log2);
 
         pipeline_q.consumer_wait(read_q);
-        Mainloop::mma(params.mainloop, pipeline_k, pipeline_v, read_k, read_v, ss.tensors, read_q.index(), tOrO,
-                      softmax, w.m_block, wg, thread_idx, on_first_issue);
+        float const o_descale = Mainloop::mma(params.mainloop, pipeline_k, pipeline_v, read_k, read_v, ss.tensors,
+                                              read_q.index(), tOrO, softmax, w.m_block, w.head, w.batch, wg,
+                                              thread_idx, on_first_issue);
+        if constexpr (!kOInQ) {
+          if (thread_idx == 0) pipeline_q.consumer_release(read_q);  // every S GEMM has completed
+        }
 
         cute::array<float, 2> lse;
-        auto const inv_sum = softmax.finalize(lse);
+        auto inv_sum = softmax.finalize(lse);
+        if constexpr (Mainloop::kFp8) {
+          inv_sum[0] *= o_descale;
+          inv_sum[1] *= o_descale;
+        }
         Tensor o = rowcol(tOrO);
-        OnlineSoftmax<2>::rescale(o, inv_sum);
-        Epilogue::store(params.epilogue, tOrO, lse, ss.tensors.smem_q.data(), read_q, w.m_block, w.head, w.batch, wg,
-                        thread_idx);
+        Mainloop::Softmax::rescale(o, inv_sum);
+        if constexpr (kOInQ) {
+          Epilogue::store(params.epilogue, tOrO, lse, ss.tensors.smem_q.data(), read_q.index(), w.m_block, w.head,
+                          w.batch, wg, thread_idx);
+        } else {
+          Epilogue::store(params.epilogue, tOrO, lse, ss.tensors.smem_o.data(), 0, w.m_block, w.head, w.batch, wg,
+                          thread_idx);
+        }
         if constexpr (kDeferRelease) {
           pending_q = read_q;
           q_release_pending = true;
-        } else {
+        } else if constexpr (kOInQ) {
           release_q_after_store(read_q);
         }
         ++read_q;

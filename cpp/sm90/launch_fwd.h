@@ -28,10 +28,14 @@ template <DType kDType, int kHeadDim, bool kCausal>
 void run_fwd_sm90(FwdParams const& p, cudaStream_t stream) {
   using namespace cute;
   using Element = typename ElementOf<kDType>::type;
-  using Tile = sm90::FwdTileSize<kHeadDim, kCausal>;
+  using Tile = sm90::FwdTileSize<kHeadDim, kCausal, kDType>;
   using Mainloop = sm90::FwdMainloop<Element, kHeadDim, Tile, kCausal>;
-  using Epilogue = sm90::FwdEpilogue<Element, kHeadDim, Mainloop::kNumMmaWG, typename Mainloop::SmemLayoutQ,
-                                     typename Mainloop::TiledMmaPV>;
+  using ElementOut = typename Mainloop::ElementOut;
+  constexpr bool kFp8 = Mainloop::kFp8;
+  // FP8 stages O in a buffer of its own; 16-bit O goes through the Q stage the tile used.
+  using SmemLayoutO = std::conditional_t<kFp8, typename Mainloop::SmemLayoutO, typename Mainloop::SmemLayoutQ>;
+  using Epilogue = sm90::FwdEpilogue<ElementOut, kHeadDim, Mainloop::kNumMmaWG, SmemLayoutO,
+                                     typename Mainloop::TiledMmaPV, kFp8>;
   using Scheduler = std::conditional_t<kCausal, sm90::DynamicTileScheduler, sm90::StaticTileScheduler>;
   using Kernel = sm90::FwdKernel<Mainloop, Epilogue, Scheduler>;
 
@@ -42,6 +46,30 @@ void run_fwd_sm90(FwdParams const& p, cudaStream_t stream) {
   typename Mainloop::ShapeQKV const shape_q{p.seqlen_q, p.headdim, p.nheads_q, p.batch};
   typename Mainloop::ShapeQKV const shape_k{p.seqlen_k, p.headdim, p.nheads_kv, p.batch};
   auto stride = [](int64_t row, int64_t head, int64_t batch) { return make_stride(row, _1{}, head, batch); };
+  typename Mainloop::Descales descale{};
+  if constexpr (kFp8) {
+    if (p.q_scale_ptr == nullptr || p.k_scale_ptr == nullptr || p.v_scale_ptr == nullptr) {
+      throw std::invalid_argument("flashhopper: fp8 kernels need q, k and v descales");
+    }
+    // A tile must not straddle two scale blocks (one block covering the whole sequence is fine).
+    auto misaligned = [](int block, int64_t block_stride, int tile, int seqlen) {
+      return block_stride != 0 && block < seqlen && block % tile != 0;
+    };
+    if (misaligned(p.q_scale_block, p.q_scale_block_stride, 64, p.seqlen_q)) {
+      throw std::invalid_argument("flashhopper: fp8 q_scale_block must be a multiple of 64");
+    }
+    if (misaligned(p.k_scale_block, p.k_scale_block_stride, Tile::kBlockN, p.seqlen_k) ||
+        misaligned(p.v_scale_block, p.v_scale_block_stride, Tile::kBlockN, p.seqlen_k)) {
+      throw std::invalid_argument("flashhopper: fp8 k/v_scale_block must be a multiple of the kernel's block_n (" +
+                                  std::to_string(Tile::kBlockN) + ")");
+    }
+    descale = {{p.q_scale_ptr, p.q_scale_batch_stride, p.q_scale_head_stride, p.q_scale_block_stride, p.q_scale_block},
+               {p.k_scale_ptr, p.k_scale_batch_stride, p.k_scale_head_stride, p.k_scale_block_stride, p.k_scale_block},
+               {p.v_scale_ptr, p.v_scale_batch_stride, p.v_scale_head_stride, p.v_scale_block_stride, p.v_scale_block}};
+  }
+  // V^T for FP8: (headdim, keys), head-dim rows v_dim_stride apart.
+  auto const stride_v = kFp8 ? stride(p.v_dim_stride, p.v_head_stride, p.v_batch_stride)
+                             : stride(p.v_row_stride, p.v_head_stride, p.v_batch_stride);
 
   DeviceInfo const& dev = device_info(p.device);
   int const num_sms = p.num_sms > 0 ? p.num_sms : dev.num_sms;
@@ -51,9 +79,8 @@ void run_fwd_sm90(FwdParams const& p, cudaStream_t stream) {
       Mainloop::make_params(static_cast<Element const*>(p.q_ptr), stride(p.q_row_stride, p.q_head_stride, p.q_batch_stride),
                             shape_q, static_cast<Element const*>(p.k_ptr),
                             stride(p.k_row_stride, p.k_head_stride, p.k_batch_stride),
-                            static_cast<Element const*>(p.v_ptr),
-                            stride(p.v_row_stride, p.v_head_stride, p.v_batch_stride), shape_k, p.softmax_scale),
-      Epilogue::make_params(static_cast<Element*>(p.o_ptr), shape_q,
+                            static_cast<Element const*>(p.v_ptr), stride_v, shape_k, p.softmax_scale, descale),
+      Epilogue::make_params(static_cast<ElementOut*>(p.o_ptr), shape_q,
                             stride(p.o_row_stride, p.o_head_stride, p.o_batch_stride), p.lse_ptr),
       sm90::make_tile_scheduler_params(num_m_blocks, p.batch, p.nheads_q, p.nheads_q / p.nheads_kv,
                                        int64_t(p.seqlen_k) * p.headdim * 2 * int64_t(sizeof(Element)),

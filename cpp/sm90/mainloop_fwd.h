@@ -7,6 +7,13 @@
 // S only, runs the softmax while the PV GEMM is still on the tensor cores, then rescales O.
 // Ping-pong: warpgroups take turns issuing their GEMMs (named barriers in round robin), so one
 // warpgroup's softmax runs under another's GEMMs.
+//
+// FP8 (e4m3, docs/fp8.md): both WGMMA operands must be K-major, so V arrives transposed (V^T tiles,
+// keys contiguous) with its keys permuted within groups of 16 such that the fp32 S accumulator of a
+// thread converts to the fp8 A operand of the PV GEMM without shuffles. Q and K descales (one per
+// 64 query rows, one per key block) fold into the softmax's per-block scale; the V descale of each
+// key block folds into the O rescale that the online softmax does anyway; O leaves as bfloat16
+// through its own shared-memory buffer (Q's fp8 stage is too small to stage it).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -16,6 +23,8 @@
 #include <cutlass/cutlass.h>
 #include <cutlass/gemm/collective/builders/sm90_common.inl>
 #include <cutlass/pipeline/pipeline.hpp>
+
+#include <type_traits>
 
 #include "../common/block_info.h"
 #include "../common/mask.h"
@@ -33,6 +42,11 @@ using namespace cute;
 template <class Element_, int kHeadDim_, class Tile, bool kCausal_>
 struct FwdMainloop {
   using Element = Element_;
+  static constexpr bool kFp8 = sizeof(Element) == 1;
+  using ElementOut = std::conditional_t<kFp8, cutlass::bfloat16_t, Element>;
+  // FP8: P = 2^8 p uses more of e4m3's normal range (its smallest normal is 2^-6).
+  static constexpr int kMaxOffset = kFp8 ? 8 : 0;
+  using Softmax = OnlineSoftmax<2, kMaxOffset>;
   static constexpr int kHeadDim = kHeadDim_, kBlockM = Tile::kBlockM, kBlockN = Tile::kBlockN;
   static constexpr int kStages = Tile::kStages, kQStages = Tile::kQStages;
   static constexpr bool kCausal = kCausal_, kOverlap = Tile::kOverlap;
@@ -46,8 +60,8 @@ struct FwdMainloop {
 
   // GEMMs of one consumer warpgroup: S(64 x BN) = Q(64 x D) K^T, O(64 x D) += P(64 x BN) V.
   using TiledMmaQK = decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, Shape<_64, BN, D>>()));
-  using TiledMmaPV = decltype(make_tiled_mma(
-      GMMA::rs_op_selector<Element, Element, float, Shape<_64, D, BN>, GMMA::Major::K, GMMA::Major::MN>()));
+  using TiledMmaPV = decltype(make_tiled_mma(GMMA::rs_op_selector<Element, Element, float, Shape<_64, D, BN>,
+                                                                   GMMA::Major::K, kFp8 ? GMMA::Major::K : GMMA::Major::MN>()));
 
   // Q: one 64-row slice per consumer warpgroup, kQStages tiles deep. The epilogue stages O in the
   // warpgroup's slice once its last S GEMM is done, so O needs no buffer of its own.
@@ -55,17 +69,27 @@ struct FwdMainloop {
   using SmemLayoutQ = decltype(tile_to_shape(SmemAtomQ{}, Shape<_64, D, Int<kNumMmaWG>, Int<kQStages>>{}));
   using SmemAtomKV = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, BN, D>());
   using SmemLayoutK = decltype(tile_to_shape(SmemAtomKV{}, Shape<BN, D, Int<kStages>>{}));
-  using SmemLayoutV = SmemLayoutK;
-  // V as PV's B operand: (headdim, keys) with headdim contiguous (MN-major), same bytes.
-  using SmemLayoutVt = decltype(composition(
-      SmemLayoutV{}, make_ordered_layout(Shape<D, BN, Int<kStages>>{}, Step<_2, _1, _3>{})));
+  // V as PV's B operand, (headdim, keys). 16-bit: V's own tiles read MN-major (headdim contiguous).
+  // FP8: V^T tiles as loaded, K-major (keys contiguous).
+  using SmemAtomVt = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, D, BN>());
+  using SmemLayoutVt = std::conditional_t<
+      kFp8, decltype(tile_to_shape(SmemAtomVt{}, Shape<D, BN, Int<kStages>>{})),
+      decltype(composition(SmemLayoutK{}, make_ordered_layout(Shape<D, BN, Int<kStages>>{}, Step<_2, _1, _3>{})))>;
+  // What TMA writes: V tiles (keys, headdim), or for FP8 V^T tiles (headdim, keys).
+  using SmemLayoutV = std::conditional_t<kFp8, SmemLayoutVt, SmemLayoutK>;
+  using TileV = std::conditional_t<kFp8, Shape<D, BN>, Shape<BN, D>>;
+  // FP8: O (bfloat16) staged for its TMA store, 64 rows per consumer warpgroup.
+  using SmemAtomO = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, ElementOut, _64, D>());
+  using SmemLayoutO = decltype(tile_to_shape(SmemAtomO{}, Shape<_64, D, Int<kNumMmaWG>, _1>{}));
 
   // Global tensors as (seqlen, headdim, head, batch).
   using ShapeQKV = Shape<int32_t, int32_t, int32_t, int32_t>;
   using StrideQKV = Stride<int64_t, _1, int64_t, int64_t>;
   using GmemTensor = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{}, StrideQKV{}));
   using TMA_Q = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutQ{}), Shape<_64, D>{}, _1{}));
-  using TMA_KV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutK{}), Shape<BN, D>{}, _1{}));
+  using TMA_K = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutK{}), Shape<BN, D>{}, _1{}));
+  // FP8's V^T has the same tensor type: (headdim, keys) with the keys at stride 1.
+  using TMA_V = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutV{}), TileV{}, _1{}));
 
   static constexpr uint32_t kQStageBytes = uint32_t(size(take<0, 3>(SmemLayoutQ{})) * sizeof(Element));
   static constexpr uint32_t kKVStageBytes = uint32_t(size(take<0, 2>(SmemLayoutK{})) * sizeof(Element));
@@ -76,40 +100,66 @@ struct FwdMainloop {
   using PipelineQ = cutlass::PipelineTmaAsync<kQStages>;
   using PipelineStateQ = typename PipelineQ::PipelineState;
 
-  struct TensorStorage {
+  struct TensorStorage16 {
     cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> smem_q;
     cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> smem_k;
     cute::array_aligned<Element, cosize_v<SmemLayoutV>, 1024> smem_v;
   };
+  struct TensorStorageFp8 : TensorStorage16 {
+    cute::array_aligned<ElementOut, cosize_v<SmemLayoutO>, 1024> smem_o;
+  };
+  using TensorStorage = std::conditional_t<kFp8, TensorStorageFp8, TensorStorage16>;
   struct BarrierStorage {
     typename PipelineQ::SharedStorage pipeline_q;
     typename Pipeline::SharedStorage pipeline_k;
     typename Pipeline::SharedStorage pipeline_v;
   };
 
+  // FP8 descales: scale(b, h, block) = ptr[b * batch + h * head + (token / block) * block_stride].
+  struct Descale {
+    float const* ptr;
+    int64_t batch, head, block_stride;
+    int block;
+    CUTE_DEVICE float operator()(int b, int h, int token) const {
+      return ptr[b * batch + h * head + (token / block) * block_stride];
+    }
+  };
+  struct Descales {
+    Descale q, k, v;
+  };
+
   struct Params {
     TMA_Q tma_q;
-    TMA_KV tma_k, tma_v;
-    ShapeQKV shape_q, shape_k;
+    TMA_K tma_k;
+    TMA_V tma_v;
+    ShapeQKV shape_q, shape_k, shape_v;  // shape_v: V's, or for FP8 V^T's (headdim, keys padded to 16)
     int heads_ratio;  // query heads per kv head (GQA/MQA)
     float scale_log2;
     BlockInfo<kBlockM, kBlockN, kCausal> block_info;
+    Descales descale;  // FP8 only
   };
 
   static Params make_params(Element const* q, StrideQKV stride_q, ShapeQKV shape_q, Element const* k,
                             StrideQKV stride_k, Element const* v, StrideQKV stride_v, ShapeQKV shape_k,
-                            float softmax_scale) {
+                            float softmax_scale, Descales descale = {}) {
     auto mQ = make_tensor(make_gmem_ptr(q), shape_q, stride_q);
     auto mK = make_tensor(make_gmem_ptr(k), shape_k, stride_k);
-    auto mV = make_tensor(make_gmem_ptr(v), shape_k, stride_v);
+    // FP8's V^T: (headdim, keys); the TMA bound is the padded key count, since a group of 16 keys
+    // holds them permuted (a key below seqlen_k may sit at a position above it).
+    ShapeQKV const shape_v = kFp8 ? ShapeQKV{get<1>(shape_k), (get<0>(shape_k) + 15) / 16 * 16, get<2>(shape_k),
+                                             get<3>(shape_k)}
+                                  : shape_k;
+    auto mV = make_tensor(make_gmem_ptr(v), shape_v, stride_v);
     return {make_tma_copy(SM90_TMA_LOAD{}, mQ, take<0, 2>(SmemLayoutQ{}), Shape<_64, D>{}, _1{}),
             make_tma_copy(SM90_TMA_LOAD{}, mK, take<0, 2>(SmemLayoutK{}), Shape<BN, D>{}, _1{}),
-            make_tma_copy(SM90_TMA_LOAD{}, mV, take<0, 2>(SmemLayoutV{}), Shape<BN, D>{}, _1{}),
+            make_tma_copy(SM90_TMA_LOAD{}, mV, take<0, 2>(SmemLayoutV{}), TileV{}, _1{}),
             shape_q,
             shape_k,
+            shape_v,
             get<2>(shape_q) / get<2>(shape_k),
             float(softmax_scale * M_LOG2E),
-            {get<0>(shape_q), get<0>(shape_k)}};
+            {get<0>(shape_q), get<0>(shape_k)},
+            descale};
   }
 
   CUTE_DEVICE static void prefetch_descriptors(Params const& p) {
@@ -133,10 +183,16 @@ struct FwdMainloop {
     Tensor sV = make_tensor(make_smem_ptr(ts.smem_v.data()), SmemLayoutV{});
     Tensor mQ = p.tma_q.get_tma_tensor(p.shape_q)(_, _, head, batch);
     Tensor mK = p.tma_k.get_tma_tensor(p.shape_k)(_, _, head / p.heads_ratio, batch);
-    Tensor mV = p.tma_v.get_tma_tensor(p.shape_k)(_, _, head / p.heads_ratio, batch);
+    Tensor mV = p.tma_v.get_tma_tensor(p.shape_v)(_, _, head / p.heads_ratio, batch);
     Tensor gQ = local_tile(mQ, Shape<_64, D>{}, make_coord(_, _0{}));  // (64, D, m64)
     Tensor gK = local_tile(mK, Shape<BN, D>{}, make_coord(_, _0{}));   // (BN, D, n)
-    Tensor gV = local_tile(mV, Shape<BN, D>{}, make_coord(_, _0{}));
+    Tensor gV = [&] {
+      if constexpr (kFp8) {
+        return local_tile(mV, TileV{}, make_coord(_0{}, _));  // (D, BN, n)
+      } else {
+        return local_tile(mV, TileV{}, make_coord(_, _0{}));  // (BN, D, n)
+      }
+    }();
     auto q_parts = tma_partition(p.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
     auto k_parts = tma_partition(p.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
     auto v_parts = tma_partition(p.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
@@ -182,14 +238,26 @@ struct FwdMainloop {
   // into `softmax`; K/V stages are released as they are consumed, the Q stage by the epilogue.
   // on_first_issue() runs once the first S GEMM is on the tensor cores (the kernel releases the
   // previous tile's Q stage there).
-  template <class FragO, class Softmax, class OnFirstIssue>
-  CUTE_DEVICE static void mma(Params const& p, Pipeline& pipeline_k, Pipeline& pipeline_v,
-                              PipelineState& read_k, PipelineState& read_v, TensorStorage& ts,
-                              int q_stage, FragO& tOrO, Softmax& softmax, int m_block, int wg, int thread_idx,
-                              OnFirstIssue&& on_first_issue) {
+  // Returns the factor the finished O still needs (FP8: the V descale of the last key block; else 1).
+  template <class FragO, class OnFirstIssue>
+  CUTE_DEVICE static float mma(Params const& p, Pipeline& pipeline_k, Pipeline& pipeline_v,
+                               PipelineState& read_k, PipelineState& read_v, TensorStorage& ts,
+                               int q_stage, FragO& tOrO, Softmax& softmax, int m_block, int head, int batch,
+                               int wg, int thread_idx, OnFirstIssue&& on_first_issue) {
     int const n_block_max = p.block_info.n_block_max(m_block);
     int const n_block_min = p.block_info.n_block_min(m_block);
     int const row_offset = m_block * kBlockM + wg * 64;
+    int const kv_head = head / p.heads_ratio;
+    // Per key block: the softmax scale (times the q and k descales) and the V descale.
+    float const q_descale = kFp8 ? p.descale.q(batch, head, row_offset) * p.scale_log2 : p.scale_log2;
+    auto qk_scale = [&](int n) {
+      if constexpr (kFp8) return q_descale * p.descale.k(batch, kv_head, n * kBlockN);
+      else return q_descale;
+    };
+    auto v_descale = [&](int n) {
+      if constexpr (kFp8) return p.descale.v(batch, kv_head, n * kBlockN);
+      else return 1.f;
+    };
     Mask<kBlockN, kCausal> const mask{p.block_info.seqlen_q, p.block_info.seqlen_k};
 
     Tensor sQ = make_tensor(make_smem_ptr(ts.smem_q.data()), SmemLayoutQ{});
@@ -204,14 +272,57 @@ struct FwdMainloop {
     Tensor tSrK = thr_qk.partition_fragment_B(sK);   // (MMA, 1, K, stage)
     Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (MMA, 1, K, stage)
     Tensor tSrS = partition_fragment_C(mma_qk, Shape<_64, BN>{});
-    Tensor tOrP = make_tensor<Element>(acc_layout_as_a_operand(tSrS.layout()));
     Tensor tScS = rowcol(thr_qk.partition_C(make_identity_tensor(Shape<_64, BN>{})));
     Tensor scores = rowcol(tSrS);
+    // P as the A operand of the PV GEMM. 16-bit: the accumulator's own layout. FP8: per 32-key k-block
+    // a thread holds 4 registers of 4 keys, (row r, keys 16h + 4t .. 16h + 4t + 3) in register 2h + r,
+    // while its accumulator holds keys 8j + 2t, 8j + 2t + 1; V^T's key permutation makes the accumulator's
+    // keys {16h + 2t, +1, 16h + 8 + 2t, +1} the ones the A operand wants, so the conversion only regroups.
+    Tensor tOrP = [&] {
+      if constexpr (kFp8) {
+        return make_tensor<Element>(Shape<Shape<_4, _2, _2>, _1, Int<kBlockN / 32>>{});
+      } else {
+        return make_tensor<Element>(acc_layout_as_a_operand(tSrS.layout()));
+      }
+    }();
 
     auto to_p = [&] {
-      Tensor p16 = convert_type<Element>(tSrS);
-      CUTE_UNROLL
-      for (int i = 0; i < size(tOrP); ++i) tOrP(i) = p16(i);
+      if constexpr (kFp8) {
+        static_assert(kBlockN % 32 == 0);
+        cutlass::NumericArrayConverter<Element, float, 4> convert;
+        CUTE_UNROLL
+        for (int kb = 0; kb < kBlockN / 32; ++kb) {
+          CUTE_UNROLL
+          for (int h = 0; h < 2; ++h) {
+            CUTE_UNROLL
+            for (int r = 0; r < 2; ++r) {
+              cutlass::Array<float, 4> four;
+              CUTE_UNROLL
+              for (int b = 0; b < 4; ++b) four[b] = tSrS(make_coord(b % 2, r, kb * 4 + h * 2 + b / 2), 0, 0);
+              auto const packed = convert(four);
+              CUTE_UNROLL
+              for (int b = 0; b < 4; ++b) tOrP(make_coord(b, r, h), 0, kb) = packed[b];
+            }
+          }
+        }
+      } else {
+        Tensor p16 = convert_type<Element>(tSrS);
+        CUTE_UNROLL
+        for (int i = 0; i < size(tOrP); ++i) tOrP(i) = p16(i);
+      }
+    };
+    // O is kept in units of the V descale of the newest key block in it: moving from block n + 1 to
+    // n multiplies by v_descale(n + 1) / v_descale(n) together with the softmax rescale.
+    float v_descale_prev = v_descale(n_block_max - 1);
+    auto rescale_o = [&](cute::array<float, 2> o_scale, float vd) {
+      if constexpr (kFp8) {
+        float const ratio = v_descale_prev / vd;
+        v_descale_prev = vd;
+        o_scale[0] *= ratio;
+        o_scale[1] *= ratio;
+      }
+      Tensor o = rowcol(tOrO);
+      Softmax::rescale(o, o_scale);
     };
 
     // S_n = Q K_n^T for key block n; the caller waits for it.
@@ -245,7 +356,7 @@ struct FwdMainloop {
     warpgroup_wait<0>();
     release_k();
     mask.template apply<true, true>(scores, tScS, row_offset, n_block);
-    softmax.template update<true, true>(scores);
+    softmax.template update<true, true>(scores, qk_scale(n_block));
     to_p();
 
     if constexpr (kOverlap) {
@@ -253,6 +364,8 @@ struct FwdMainloop {
       // GEMM is still on the tensor cores, and O is rescaled once it has finished.
       auto step = [&](int n, auto causal_mask) {
         constexpr bool kMask = decltype(causal_mask)::value;
+        // Descale loads go out before the GEMMs and land while they run.
+        float const s_scale = qk_scale(n), vd = v_descale(n);
         Sched::sync(wg);
         issue_s();
         issue_pv();
@@ -260,11 +373,10 @@ struct FwdMainloop {
         warpgroup_wait<1>();
         release_k();
         if constexpr (kMask) mask.template apply<false, true>(scores, tScS, row_offset, n);
-        auto o_scale = softmax.template update<false, kMask>(scores);
+        auto o_scale = softmax.template update<false, kMask>(scores, s_scale);
         warpgroup_wait<0>();
         release_v();
-        Tensor o = rowcol(tOrO);
-        Softmax::rescale(o, o_scale);
+        rescale_o(o_scale, vd);
         to_p();
       };
       for (--n_block; n_block >= n_causal; --n_block) step(n_block, cute::true_type{});
@@ -285,15 +397,15 @@ struct FwdMainloop {
       };
       auto step = [&](int n, auto causal_mask) {
         constexpr bool kMask = decltype(causal_mask)::value;
+        float const s_scale = qk_scale(n), vd = v_descale(n);
         Sched::sync(wg);
         issue_s();
         Sched::arrive(wg);
         warpgroup_wait<0>();
         release_k();
         if constexpr (kMask) mask.template apply<false, true>(scores, tScS, row_offset, n);
-        auto o_scale = softmax.template update<false, kMask>(scores);
-        Tensor o = rowcol(tOrO);
-        Softmax::rescale(o, o_scale);
+        auto o_scale = softmax.template update<false, kMask>(scores, s_scale);
+        rescale_o(o_scale, vd);
         to_p();
         pv_now();
       };
@@ -301,6 +413,7 @@ struct FwdMainloop {
       for (--n_block; n_block >= n_causal; --n_block) step(n_block, cute::true_type{});
       for (; n_block >= n_block_min; --n_block) step(n_block, cute::false_type{});
     }
+    return v_descale_prev;
   }
 };
 

@@ -4,6 +4,8 @@
 // Starting points taken from FA3's public choices; docs/perf-notes.md records what we measured.
 #pragma once
 
+#include "../common/params.h"
+
 namespace flashhopper::sm90 {
 
 // Ablation builds (docs/perf-notes.md) turn mechanisms off to measure what each is worth.
@@ -34,17 +36,17 @@ struct FwdTilePolicy {
   static constexpr bool kPingPong = kPingPongDefault, kOverlap = kOverlapDefault;
 };
 
-template <int kHeadDim, bool kCausal>
+template <int kHeadDim, bool kCausal, DType kDType>
 struct FwdTileSize;
 
 // Small head dim: softmax costs as much as the GEMMs, so three consumer warpgroups share K/V.
-template <bool kCausal>
-struct FwdTileSize<64, kCausal> : FwdTilePolicy {
+template <bool kCausal, DType kDType>
+struct FwdTileSize<64, kCausal, kDType> : FwdTilePolicy {
   static constexpr int kBlockM = 192, kBlockN = 128, kStages = 3, kQStages = 2;
 };
 
-template <bool kCausal>
-struct FwdTileSize<128, kCausal> : FwdTilePolicy {
+template <bool kCausal, DType kDType>
+struct FwdTileSize<128, kCausal, kDType> : FwdTilePolicy {
   static constexpr int kBlockM = 128, kBlockN = FLASHHOPPER_HDIM128_BLOCK_N, kStages = FLASHHOPPER_HDIM128_STAGES;
   // A wider K/V tile or a third K/V stage leaves room for one Q tile only.
   static constexpr int kQStages = FLASHHOPPER_HDIM128_QSTAGES;
@@ -52,10 +54,42 @@ struct FwdTileSize<128, kCausal> : FwdTilePolicy {
 
 // Large head dim: the O accumulator (64x256 fp32 per warpgroup) leaves room for 80 keys, and
 // shared memory for one Q tile.
-template <bool kCausal>
-struct FwdTileSize<256, kCausal> : FwdTilePolicy {
+template <bool kCausal, DType kDType>
+struct FwdTileSize<256, kCausal, kDType> : FwdTilePolicy {
   static constexpr int kBlockM = 128, kBlockN = 80, kStages = 2, kQStages = 1;
   static constexpr bool kPingPong = kPingPongDefault && FLASHHOPPER_HDIM256_PINGPONG;
+};
+
+// FP8 (e4m3): half the bytes per K/V tile, the same registers per score. kBlockN must be a multiple of
+// 32 (the fp8 PV GEMM's k) and is also the K/V scale block the kernel needs (docs/fp8.md). O has its
+// own bfloat16 staging buffer (64 x headdim x 2 bytes per warpgroup). Head dim 128: 192 keys measured
+// best of 96..256 with the exp2 work per GEMM fixed, fewer iterations pay less per-iteration
+// synchronization; 256 spills (docs/perf-notes.md). Head dim 256: 128 (96 was 7-9% slower).
+#ifndef FLASHHOPPER_FP8_HDIM128_BLOCK_N
+#define FLASHHOPPER_FP8_HDIM128_BLOCK_N 192
+#endif
+#ifndef FLASHHOPPER_FP8_HDIM256_BLOCK_N
+#define FLASHHOPPER_FP8_HDIM256_BLOCK_N 128
+#endif
+#ifndef FLASHHOPPER_FP8_HDIM64_BLOCK_M
+#define FLASHHOPPER_FP8_HDIM64_BLOCK_M 192
+#endif
+#ifndef FLASHHOPPER_FP8_HDIM64_BLOCK_N
+#define FLASHHOPPER_FP8_HDIM64_BLOCK_N 128
+#endif
+template <bool kCausal>
+struct FwdTileSize<64, kCausal, DType::kFloat8E4M3> : FwdTilePolicy {
+  static constexpr int kBlockM = FLASHHOPPER_FP8_HDIM64_BLOCK_M, kBlockN = FLASHHOPPER_FP8_HDIM64_BLOCK_N;
+  static constexpr int kStages = 3, kQStages = 2;
+};
+template <bool kCausal>
+struct FwdTileSize<128, kCausal, DType::kFloat8E4M3> : FwdTilePolicy {
+  static constexpr int kBlockM = 128, kBlockN = FLASHHOPPER_FP8_HDIM128_BLOCK_N, kStages = 2, kQStages = 2;
+};
+// Q 32 KB, K and V 2 x 32 KB each, O 64 KB: 224 KB of the 227.
+template <bool kCausal>
+struct FwdTileSize<256, kCausal, DType::kFloat8E4M3> : FwdTilePolicy {
+  static constexpr int kBlockM = 128, kBlockN = FLASHHOPPER_FP8_HDIM256_BLOCK_N, kStages = 2, kQStages = 1;
 };
 
 // ---------------------------------------------------------------------------------------------

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-from . import reference
+from . import fp8, reference, reference_fp8
 from ._ext import build_info, compiled_kernels, extension_error, has_extension
 from .dispatch import BACKENDS, available_backends, select_backend
+from .fp8 import FP8Tensor, QuantizedKV, flash_attn_fp8_func, hadamard_signs, quantize_fp8, quantize_kv, to_vt
 from .interface import flash_attn_func
 from .reference import attention_ref
 
@@ -21,14 +22,23 @@ except PackageNotFoundError:  # imported from a source tree that was never insta
 
 __all__ = [
     "BACKENDS",
+    "FP8Tensor",
+    "QuantizedKV",
     "__version__",
     "attention_ref",
     "available_backends",
     "build_info",
     "compiled_kernels",
     "extension_error",
+    "flash_attn_fp8_func",
     "flash_attn_func",
+    "fp8",
+    "hadamard_signs",
     "has_extension",
+    "quantize_fp8",
+    "quantize_kv",
     "reference",
+    "reference_fp8",
     "select_backend",
+    "to_vt",
 ]

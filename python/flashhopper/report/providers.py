@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashhopper
-from flashhopper import dispatch
+from flashhopper import _ext, dispatch, fp8
 
 from .timing import Fn
 
@@ -43,6 +43,9 @@ class Provider:
     prepare: Callable[[str, torch.Tensor, torch.Tensor, torch.Tensor, bool], Prepared]
     # Entered around preparing and timing rather than inside the timed call (SDPA's backend choice).
     context: Callable[[], contextlib.AbstractContextManager[Any]] = field(default=contextlib.nullcontext)
+    # The relative error against SDPA above which a result is suspect. fp8's own error on randn
+    # inputs is ~5e-2 (tests/test_fp8_gpu.py), so its providers say so here.
+    rel_err_tolerance: float = 1e-2
 
 
 def is_ours(provider: str) -> bool:
@@ -113,6 +116,45 @@ def _sdpa(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: 
     return Prepared(_timeable(mode, make, q, k, v), {})
 
 
+def _fp8(quantize_in_call: bool, mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+         causal: bool) -> Prepared:
+    """The sm90 fp8 (e4m3) forward on bf16/fp16 (or raw e4m3) inputs, as flash_attn_fp8_func quantizes
+    them: Q per 64 rows, K and V per block_n keys, Q and K with the Hadamard transform, V as V^T.
+    ``quantize_in_call`` False: quantized once, untimed (the kernel); True: the timed call quantizes
+    all three (end to end). TFLOPS count the same FLOPs as the bf16 forward."""
+    if mode != "fwd":
+        raise Unavailable(f"fp8 is forward-only (mode {mode!r})")
+    if not q.is_cuda:
+        raise Unavailable(f"q is on {q.device}; the fp8 kernels need CUDA tensors")
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
+        raise Unavailable(f"the fp8 kernels are sm_90a code; {q.device} is {torch.cuda.get_device_name(q.device)}")
+    headdim = q.shape[-1]
+    kernel = find_kernel(90, "fwd", torch.float8_e4m3fn, headdim, causal)
+    if kernel is None:
+        raise Unavailable(f"this build has no sm90 fp8 forward kernel for headdim {headdim} "
+                          f"{'causal' if causal else 'non-causal'}")
+    if quantize_in_call and not _ext.has_fp8_quantize():
+        raise Unavailable("this build has no fp8 quantization kernel (_C.quantize_fp8)")
+    if q.dtype == torch.float8_e4m3fn:  # --dtype fp8: raw e4m3 values, exact in bf16; quantized as usual
+        q, k, v = (x.to(torch.bfloat16) for x in (q, k, v))
+    try:
+        if quantize_in_call:
+            def fn() -> Any:
+                return fp8.flash_attn_fp8_func(q, k, v, causal=causal)
+        else:
+            q8 = fp8.quantize_fp8(q, block_size=64, hadamard=True)
+            k8 = fp8.quantize_fp8(k, block_size=kernel["block_n"], hadamard=True)
+            v8 = fp8.quantize_fp8(v, block_size=kernel["block_n"], hadamard=False, transpose=True)
+
+            def fn() -> Any:
+                return fp8.flash_attn_fp8_func(q8, k8, v8, causal=causal)
+        fn()
+    except (RuntimeError, ValueError) as e:
+        raise Unavailable(str(e).splitlines()[0]) from None
+    return Prepared(fn, {"backend": "sm90", "block_m": kernel["block_m"], "block_n": kernel["block_n"],
+                         "kernel_dtype": "fp8"})
+
+
 _SDPA_BACKENDS: dict[str, SDPBackend] = {
     "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION,
     "sdpa-fa2": SDPBackend.FLASH_ATTENTION,
@@ -125,6 +167,9 @@ PROVIDERS: dict[str, Provider] = {p.name: p for p in (
     Provider("flashhopper-sm80", functools.partial(_ours, "sm80")),
     # The backward with deterministic=True (ordered dQ accumulation): its cost next to the default.
     Provider("flashhopper-deterministic", functools.partial(_ours, None, deterministic=True)),
+    # fp8 forward: the kernel on inputs quantized beforehand, and end to end (quantizing q, k, v in the call).
+    Provider("flashhopper-fp8", functools.partial(_fp8, False), rel_err_tolerance=8e-2),
+    Provider("flashhopper-fp8-e2e", functools.partial(_fp8, True), rel_err_tolerance=8e-2),
     *(Provider(name, _sdpa, functools.partial(sdpa_kernel, [b])) for name, b in _SDPA_BACKENDS.items()),
 )}
 

@@ -1,0 +1,189 @@
+"""Slow truths for the fp8 (e4m3) forward: the quantization of docs/fp8.md written out in torch, and an
+emulation of the fp8 kernel's arithmetic on the dequantized data.
+
+quantize_ref follows the kernel operation by operation in float32 (Hadamard butterflies in the same
+order, the same float32 1/sqrt(headdim), IEEE divisions, round-to-nearest-even with saturation), so on
+finite inputs it reproduces the kernel's bytes and scales. attention_fp8_ref uses the final row max
+where the kernel uses a running one, so the two agree to fp8 rounding, not bitwise.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .fp8 import FP8_DTYPE, GRANULARITIES, FP8Tensor, hadamard_signs, nblocks, to_vt, vt_key_index
+from .reference import _rows_per_block, default_scale, visible
+
+E4M3_MAX = 448.0  # largest finite e4m3
+# The kernel computes P' = 2^P_OFFSET * exp(s - rowmax) in [0, 256]: more of e4m3's range for the fp8 P.
+P_OFFSET = 8
+
+
+def _check_pow2(d: int) -> None:
+    if d < 1 or d & (d - 1):
+        raise ValueError(f"headdim must be a power of two for the Hadamard transform, got {d}")
+
+
+def hadamard_matrix(d: int, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None
+                    ) -> torch.Tensor:
+    """The Sylvester Hadamard matrix: H[i][j] = (-1)^popcount(i & j), d a power of two (H H^T = d I)."""
+    _check_pow2(d)
+    i = torch.arange(d, device=device)
+    both = i[:, None] & i[None, :]
+    parity = torch.zeros_like(both)
+    for bit in range(d.bit_length()):
+        parity ^= (both >> bit) & 1
+    return (1 - 2 * parity).to(dtype)
+
+
+def hadamard_transform(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """Each row (last dim) becomes H · diag(signs) · x / sqrt(d), in x's dtype if float32/float64, else
+    float32. Computed as the kernel does: the sign flip, butterflies of stride 1, 2, 4, ... (the lower
+    element keeps the sum, the upper the difference), then a multiply by 1/sqrt(d) rounded to x's dtype."""
+    d = x.shape[-1]
+    _check_pow2(d)
+    if signs.shape != (d,):
+        raise ValueError(f"signs must have shape ({d},), got {tuple(signs.shape)}")
+    dtype = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
+    y = x.to(dtype) * signs.to(dtype=dtype, device=x.device)
+    rows = y.numel() // d
+    out = y.reshape(rows, d)
+    h = 1
+    while h < d:
+        pairs = out.reshape(rows, d // (2 * h), 2, h)
+        lo, hi = pairs[:, :, 0], pairs[:, :, 1]
+        out = torch.stack((lo + hi, lo - hi), dim=2).reshape(rows, d)
+        h *= 2
+    return out.reshape(y.shape) * torch.tensor(1.0 / math.sqrt(d), dtype=dtype)
+
+
+def _amax(y: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """max |y| over ``dims`` (kept), 0 for empty groups (torch refuses to reduce an empty dim)."""
+    if any(y.shape[dim] == 0 for dim in dims):
+        shape = [1 if i in dims else n for i, n in enumerate(y.shape)]
+        return y.new_zeros(shape)
+    return y.abs().amax(dim=dims, keepdim=True)
+
+
+def quantize_ref(x: torch.Tensor, block_size: int | None = 128, granularity: str = "block",
+                 signs: torch.Tensor | int | None = None, transpose: bool = False, *,
+                 hadamard_seed: int | None = None) -> FP8Tensor:
+    """docs/fp8.md's quantization of x (batch, seqlen, nheads, headdim), any float dtype, in float32.
+
+    granularity "block" (one scale per ``block_size`` tokens of a (batch, head)), "head" or "tensor".
+    signs: None (no Hadamard transform), an int seed (the signs ``hadamard_signs(headdim, seed)``) or
+    the ±1 signs themselves, with ``hadamard_seed`` naming them for the FP8Tensor.
+    Per scale group: amax = max |x| (after the transform), scale = amax / 448 (1 when amax is 0),
+    x_fp8 = e4m3_rn_satfinite(x * (448 / amax)) with 448 / amax rounded once (x * 0 when amax is 0).
+    transpose: return V^T (``fp8.to_vt``). Scales: (batch, nheads, nblocks) contiguous for "block",
+    (batch, nheads, 1) for "head", a (1, 1, 1) tensor broadcast to (batch, nheads, 1) for "tensor".
+    """
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be one of {', '.join(map(repr, GRANULARITIES))}, got {granularity!r}")
+    b, s, h, d = x.shape
+    seed = hadamard_seed
+    if isinstance(signs, int) and not isinstance(signs, bool):
+        seed, signs = signs, hadamard_signs(d, signs)
+    elif signs is not None and seed is None:
+        raise ValueError("hadamard_seed must name the signs passed (an FP8Tensor records it, so that Q and K "
+                         "can be checked to share it); or pass the seed itself as signs")
+    y = x.float() if signs is None else hadamard_transform(x.float(), signs)
+
+    if granularity == "block":
+        if block_size is None or block_size < 1:
+            raise ValueError(f"block_size must be a positive int for granularity 'block', got {block_size}")
+        nblk = nblocks(s, block_size)
+        padded = y.new_zeros((b, nblk * block_size, h, d))  # zeros leave every amax unchanged
+        padded[:, :s] = y
+        amax = _amax(padded.view(b, nblk, block_size, h, d), (2, 4)).view(b, nblk, h).transpose(1, 2)
+    elif granularity == "head":
+        amax = _amax(y, (1, 3)).view(b, 1, h).transpose(1, 2)  # (b, h, 1)
+    else:
+        amax = _amax(y.reshape(1, -1), (1,)).view(1, 1, 1)
+    # Tensor / tensor: IEEE division on every device (CUDA turns "/ python scalar" into a multiply).
+    limit = torch.full_like(amax, E4M3_MAX)
+    scale = torch.where(amax > 0, amax / limit, 1.0).contiguous()
+    inv = torch.where(amax > 0, limit / amax, 0.0)
+
+    if granularity == "block":
+        token_block = torch.arange(s, device=y.device) // block_size
+        inv_tokens = inv[:, :, token_block].transpose(1, 2)  # (b, s, h)
+    else:
+        inv_tokens = inv.transpose(1, 2)  # (b or 1, 1, h or 1)
+    data = (y * inv_tokens[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE)
+    if granularity == "tensor":
+        scale = scale.expand(b, h, 1)
+    t = FP8Tensor(data, scale, block_size if granularity == "block" else None, seed, False, s)
+    return to_vt(t) if transpose else t
+
+
+def token_scales(t: FP8Tensor) -> torch.Tensor:
+    """float32 (batch, seqlen, nheads): the descale of every token."""
+    block = torch.arange(t.seqlen, device=t.data.device)
+    block = block // t.block_size if t.block_size is not None else torch.zeros_like(block)
+    return t.scales()[:, :, block].transpose(1, 2)
+
+
+def dequantize(t: FP8Tensor) -> torch.Tensor:
+    """float32 (batch, seqlen, nheads, headdim): data * scale, V^T brought back to the token layout
+    (permutation and padding undone). The Hadamard transform, if any, stays applied."""
+    data = t.data.float()
+    if t.transposed:
+        b, h, d, sp = data.shape
+        x = torch.empty((b, sp, h, d), dtype=torch.float32, device=data.device)
+        x[:, vt_key_index(sp, data.device)] = data.permute(0, 3, 1, 2)
+        data = x[:, : t.seqlen]
+    return data * token_scales(t)[..., None]
+
+
+def attention_fp8_ref(q8: FP8Tensor, k8: FP8Tensor, v8: FP8Tensor, softmax_scale: float | None = None,
+                      causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp8 kernel's arithmetic on dequantized Q, K, V, in float32: (out (batch, seqlen_q, nheads_q,
+    headdim), lse (batch, nheads_q, seqlen_q)), both float32.
+
+    S = deq(Q) deq(K)^T * softmax_scale (causal bottom-right, as reference.attention_ref);
+    P' = exp2((S - rowmax) * log2(e) + 8), rounded to e4m3 for the PV product; l = rowsum of the
+    unrounded P'; O = (P'_fp8 @ deq(V)) / l; lse = rowmax + log(l) - 8 ln 2. Rows that see no key:
+    O = 0, lse = -inf. GQA: query head h reads kv head h // (nheads_q // nheads_kv).
+    """
+    q, k, v = dequantize(q8), dequantize(k8), dequantize(v8)
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    scale = default_scale(d) if softmax_scale is None else softmax_scale
+    group = hq // hkv if hkv else 1
+    qt = q.transpose(1, 2)
+    kt = k.transpose(1, 2).repeat_interleave(group, dim=1)
+    vt = v.transpose(1, 2).repeat_interleave(group, dim=1)
+    out = torch.empty(b, hq, sq, d, dtype=torch.float32, device=q.device)
+    lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
+    log2e = 1.0 / math.log(2.0)
+    step = _rows_per_block(q, sk)
+    for m0 in range(0, sq, step):
+        rows = slice(m0, m0 + step)
+        s = (qt[:, :, rows] @ kt.transpose(-1, -2)) * scale
+        mask = visible(sq, sk, causal, q.device, rows)
+        if mask is not None:
+            s = s.masked_fill(~mask, float("-inf"))
+        m = s.amax(dim=-1) if sk else s.new_full(s.shape[:-1], float("-inf"))
+        m_safe = torch.where(torch.isinf(m), 0.0, m)  # no visible key: exp2(-inf) = 0, not NaN
+        p = torch.exp2((s - m_safe[..., None]) * log2e + P_OFFSET)
+        l = p.sum(dim=-1)
+        o = p.clamp(max=E4M3_MAX).to(FP8_DTYPE).float() @ vt
+        seen = l > 0
+        out[:, :, rows] = torch.where(seen[..., None], o / torch.where(seen, l, 1.0)[..., None], 0.0)
+        lse[:, :, rows] = torch.where(seen, m_safe + torch.log(torch.where(seen, l, 1.0)) - P_OFFSET * math.log(2.0),
+                                      float("-inf"))
+    return out.transpose(1, 2), lse
+
+
+def outlier_inputs(shape: tuple[int, ...], generator: torch.Generator | None = None) -> torch.Tensor:
+    """float32 N(0, 1) with 0.1% of the entries replaced by N(0, 10^2): the FA3 paper's fp8 accuracy setup."""
+    x = torch.randn(shape, generator=generator)
+    outliers = torch.rand(shape, generator=generator) < 1e-3
+    return torch.where(outliers, 10.0 * torch.randn(shape, generator=generator), x)
+
+
+def rmse(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Root mean square of a - b, in float64."""
+    return (a.double() - b.double()).square().mean().sqrt().item()

@@ -38,7 +38,14 @@ def print_table(rows: list[dict[str, Any]], providers: list[str]) -> None:
         groups.setdefault((r["mode"], r["dtype"], r["headdim"], r["causal"]), []).append(r)
     for (mode, dtype, hdim, causal), rs in groups.items():
         cols = [p for p in providers if any(r["provider"] == p and "tflops" in r for r in rs)]
-        print(f"\n**{mode} {dtype} headdim {hdim} {'causal' if causal else 'non-causal'}** (TFLOPS)\n")
+        # Providers whose kernel computes in another precision than the inputs (fp8 on bf16 inputs).
+        other: dict[str, list[str]] = {}
+        for p in cols:
+            kd = next((r.get("kernel_dtype", dtype) for r in rs if r["provider"] == p and "tflops" in r), dtype)
+            if kd != dtype:
+                other.setdefault(kd, []).append(p)
+        note = "".join(f"; {kd} kernels on these {dtype} inputs: {', '.join(ps)}" for kd, ps in other.items())
+        print(f"\n**{mode} {dtype} headdim {hdim} {'causal' if causal else 'non-causal'}** (TFLOPS{note})\n")
         print("| seqlen | " + " | ".join(cols) + " |")
         print("|---|" + "---|" * len(cols))
         for s in sorted({r["seqlen"] for r in rs}):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import flashhopper
-from flashhopper.report import ceilings, cli, io_model, render, results
+from flashhopper.report import ceilings, cli, io_model, metrics, render, results
 from flashhopper.report.providers import PROVIDERS, Unavailable, find_kernel
 from flashhopper.report.sweep import QUICK, grid
 
@@ -73,6 +73,21 @@ def test_tflops_percentages_and_speedup() -> None:
     assert cudnn["io_ours_bytes"] is None
     skipped = _one(rows, **shape, causal=False, provider="flashhopper-sm80")
     assert skipped["tflops"] is None and "sm80" in skipped["skipped"]
+
+
+def test_fp8_rows_are_measured_against_the_fp8_peak() -> None:
+    # An fp8 kernel on bf16 inputs: the row's dtype is the inputs' (bf16), its percentages the fp8 ones.
+    shape = dict(mode="fwd", dtype="bf16", headdim=256, causal=False, seqlen=4096, batch=4, nheads=8)
+    raw = [{**shape, "provider": p, "kernel_dtype": kd, "ms": 0.25, "block_m": 128, "block_n": 128}
+           for p, kd in (("flashhopper", None), ("flashhopper-fp8", "fp8"))]
+    ceilings = {"gemm": {"bf16": {"tflops": 800.0}, "fp8": {"tflops": 1360.0}}}
+    rows = metrics.derive(raw, ceilings, {"tflops": {"bf16": 989.4, "fp8": 1978.9}})
+    bf16, fp8 = _one(rows, provider="flashhopper"), _one(rows, provider="flashhopper-fp8")
+    assert bf16["tflops"] == pytest.approx(fp8["tflops"])  # same FLOPs, same time
+    assert bf16["pct_gemm_ceiling"] == pytest.approx(100 * bf16["tflops"] / 800.0)
+    assert fp8["pct_gemm_ceiling"] == pytest.approx(100 * fp8["tflops"] / 1360.0)
+    assert fp8["pct_datasheet_peak"] == pytest.approx(100 * fp8["tflops"] / 1978.9)
+    assert bf16["io_ours_bytes"] is not None and fp8["io_ours_bytes"] is None  # no fp8 IO model (yet)
 
 
 def test_console_table_shows_those_numbers(capsys: pytest.CaptureFixture[str]) -> None:

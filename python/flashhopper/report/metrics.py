@@ -16,7 +16,8 @@ from .providers import is_ours
 from .sweep import DTYPES
 
 SHAPE = ("mode", "dtype", "headdim", "causal", "seqlen", "batch", "nheads")
-RAW = SHAPE + ("provider", "backend", "block_m", "block_n", "ms", "rel_err_vs_sdpa", "skipped")
+# kernel_dtype: what the kernel computes in when it is not the inputs' dtype (the fp8 providers: "fp8").
+RAW = SHAPE + ("provider", "backend", "kernel_dtype", "block_m", "block_n", "ms", "rel_err_vs_sdpa", "skipped")
 DERIVED = ("tflops", "pct_gemm_ceiling", "pct_datasheet_peak", "best_peer", "speedup_vs_best_peer",
            "io_standard_bytes", "io_ours_bytes", "io_ours_tbps")
 COLUMNS = RAW + DERIVED
@@ -39,7 +40,7 @@ def _io(row: dict[str, Any]) -> dict[str, Any]:
     """IO model of our forward rows; None elsewhere (the backward's model is not written yet, and
     files without tile sizes cannot say what ours moves)."""
     dtype = DTYPES.get(row["dtype"])
-    if row["mode"] != "fwd" or dtype is None:
+    if row["mode"] != "fwd" or dtype is None or row.get("kernel_dtype"):  # no fp8 IO model yet
         return {}
     b, h, s, d, es = row["batch"], row["nheads"], row["seqlen"], row["headdim"], dtype.itemsize
     out: dict[str, Any] = {"io_standard_bytes": io_model.standard_bytes(b, h, s, s, d, es)}
@@ -59,8 +60,9 @@ def derive(rows: list[dict[str, Any]], ceilings: dict[str, Any] | None,
             continue
         r["tflops"] = tflops(attention_flops(r["batch"], r["seqlen"], r["seqlen"], r["nheads"], r["headdim"],
                                              r["causal"], r["mode"]), r["ms"])
-        r["pct_gemm_ceiling"] = _pct(r["tflops"], gemm_ceiling(ceilings, r["dtype"]))
-        r["pct_datasheet_peak"] = _pct(r["tflops"], datasheet_peak(datasheet, r["dtype"]))
+        compute = r["kernel_dtype"] or r["dtype"]  # an fp8 kernel is measured against the fp8 ceilings
+        r["pct_gemm_ceiling"] = _pct(r["tflops"], gemm_ceiling(ceilings, compute))
+        r["pct_datasheet_peak"] = _pct(r["tflops"], datasheet_peak(datasheet, compute))
         key = tuple(r[c] for c in SHAPE)
         if not is_ours(r["provider"]) and r["tflops"] > best.get(key, {}).get("tflops", 0.0):
             best[key] = r

@@ -446,7 +446,7 @@ def test_quantize_fp8_arguments() -> None:
     fp8.check_quant_block_size(16, 256, kernel=True)
     fp8.check_quant_block_size(128, 256, kernel=True)
     fp8.check_quant_block_size(100, 256, kernel=False)
-    for bs, d in ((24, 128), (8, 64), (144, 256), (528, 64)):
+    for bs, d in ((24, 128), (8, 64), (16, 64), (48, 64), (144, 256), (528, 64)):
         with raises(ValueError, "block_size"):
             fp8.check_quant_block_size(bs, d, kernel=True)
     with raises(ValueError, "v"):

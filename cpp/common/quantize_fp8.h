@@ -226,8 +226,10 @@ void launch_quantize(QuantParams const& p, cudaStream_t stream) {
 inline void quantize_fp8(QuantParams const& p, cudaStream_t stream) {
   auto fail = [](std::string const& why) { throw std::invalid_argument("flashhopper.quantize_fp8: " + why); };
   if (p.headdim != 64 && p.headdim != 128 && p.headdim != 256) fail("headdim must be 64, 128 or 256");
-  if (p.block_size < 16 || p.block_size % 16 != 0 || p.block_size * p.headdim > quant::kElems * quant::kMaxThreads) {
-    fail("block_size must be a multiple of 16 with block_size * headdim <= 32768");
+  // Whole warps (one thread per 64 elements of a row): at headdim 64 the block is a multiple of 32.
+  if (p.block_size < 16 || p.block_size % 16 != 0 || p.block_size * p.headdim % (32 * quant::kElems) != 0 ||
+      p.block_size * p.headdim > quant::kElems * quant::kMaxThreads) {
+    fail("block_size must be a multiple of 16 (of 32 at headdim 64) with block_size * headdim <= 32768");
   }
   if (p.seqlen <= 0 || p.batch <= 0 || p.nheads <= 0) return;
   auto by_dim = [&](auto tag) {

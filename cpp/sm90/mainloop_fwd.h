@@ -63,8 +63,8 @@ struct FwdMainloop {
   using TiledMmaPV = decltype(make_tiled_mma(GMMA::rs_op_selector<Element, Element, float, Shape<_64, D, BN>,
                                                                    GMMA::Major::K, kFp8 ? GMMA::Major::K : GMMA::Major::MN>()));
 
-  // Q: one 64-row slice per consumer warpgroup, kQStages tiles deep. The epilogue stages O in the
-  // warpgroup's slice once its last S GEMM is done, so O needs no buffer of its own.
+  // Q: one 64-row slice per consumer warpgroup, kQStages tiles deep. The 16-bit epilogue stages O in
+  // the warpgroup's slice once its last S GEMM is done, so O needs no buffer of its own (FP8 does).
   using SmemAtomQ = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, _64, D>());
   using SmemLayoutQ = decltype(tile_to_shape(SmemAtomQ{}, Shape<_64, D, Int<kNumMmaWG>, Int<kQStages>>{}));
   using SmemAtomKV = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, BN, D>());

@@ -33,6 +33,7 @@ Q_BLOCK = 64
 DEFAULT_KV_BLOCK = 128
 # The quantization kernel holds a whole block in one CTA's registers (docs/fp8.md).
 QUANT_BLOCK_MULTIPLE = 16
+QUANT_WARP_ELEMENTS = 32 * 64  # the kernel runs whole warps of 64-element row chunks: 32 tokens at headdim 64
 QUANT_MAX_BLOCK_ELEMENTS = 32768  # cpp/common/quantize_fp8.h: 512 threads x 8 loads of 8
 # "Tokens per scale" handed to the kernel for one scale per head (any value > every seqlen).
 NO_BLOCK = 1 << 30
@@ -197,10 +198,12 @@ def check_quant_block_size(block_size: Any, headdim: int, kernel: bool) -> None:
                          "(granularity 'head' or 'tensor' takes none)")
     _check_int("block_size", block_size, minimum=1)
     limit = QUANT_MAX_BLOCK_ELEMENTS // headdim
-    if kernel and (block_size % QUANT_BLOCK_MULTIPLE or block_size > limit):
+    if kernel and (block_size % QUANT_BLOCK_MULTIPLE or block_size * headdim % QUANT_WARP_ELEMENTS
+                   or block_size > limit):
         raise ValueError(f"block_size {block_size}: the quantization kernel needs a multiple of "
-                         f"{QUANT_BLOCK_MULTIPLE} with block_size * headdim <= {QUANT_MAX_BLOCK_ELEMENTS} "
-                         f"(headdim {headdim}: at most {limit}); kernel=False quantizes in torch with any block size")
+                         f"{max(QUANT_BLOCK_MULTIPLE, QUANT_WARP_ELEMENTS // headdim)} with block_size * headdim <= "
+                         f"{QUANT_MAX_BLOCK_ELEMENTS} (headdim {headdim}: at most {limit}); kernel=False quantizes "
+                         "in torch with any block size")
 
 
 _Q_WHY = f"the fp8 kernel applies one Q scale per {Q_BLOCK} query rows"
@@ -330,7 +333,7 @@ def default_kv_block_size(headdim: int, causal: bool | None = None) -> int:
     if not ns:
         return DEFAULT_KV_BLOCK
     n = math.lcm(*ns)
-    if n % QUANT_BLOCK_MULTIPLE or n * headdim > QUANT_MAX_BLOCK_ELEMENTS:
+    if n % QUANT_BLOCK_MULTIPLE or n * headdim % QUANT_WARP_ELEMENTS or n * headdim > QUANT_MAX_BLOCK_ELEMENTS:
         n = ns[0]
     return n
 

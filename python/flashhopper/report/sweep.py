@@ -54,10 +54,11 @@ class Preset:
 _OURS = ("flashhopper-sm90", "flashhopper-sm80")
 # The default: under 2 minutes on an H100, head dim 128 over three lengths and the others at one.
 QUICK = Preset({64: (4096,), 128: (1024, 4096, 16384), 256: (4096,)}, ("fwd",),
-               _OURS + ("sdpa-cudnn", "sdpa-fa2"), warmup_ms=10, rep_ms=50)
+               _OURS + ("flashhopper-fp8", "sdpa-cudnn", "sdpa-fa2"), warmup_ms=10, rep_ms=50)
 # The FlashAttention-3 paper's grid, every peer.
 FULL = Preset({h: FA3_SEQLENS for h in (64, 128, 256)}, ("fwd", "bwd"),
-              _OURS + ("sdpa-cudnn", "sdpa-fa2", "sdpa-memeff"), warmup_ms=25, rep_ms=100)
+              _OURS + ("flashhopper-fp8", "flashhopper-fp8-e2e", "sdpa-cudnn", "sdpa-fa2", "sdpa-memeff"),
+              warmup_ms=25, rep_ms=100)
 
 
 def grid(plan: Mapping[int, Sequence[int]], modes: Sequence[str], dtypes: Sequence[str],

@@ -31,10 +31,10 @@ GRANULARITIES: tuple[str, ...] = ("block", "head", "tensor")
 Q_BLOCK = 64
 # K/V scale block when there is no kernel table to take block_n from.
 DEFAULT_KV_BLOCK = 128
-# The quantization kernel holds a whole block in one CTA's registers (docs/fp8.md).
+# The quantization kernel holds a whole block in one CTA (docs/fp8.md), a thread per 64 elements of a row.
 QUANT_BLOCK_MULTIPLE = 16
 QUANT_WARP_ELEMENTS = 32 * 64  # the kernel runs whole warps of 64-element row chunks: 32 tokens at headdim 64
-QUANT_MAX_BLOCK_ELEMENTS = 32768  # cpp/common/quantize_fp8.h: 512 threads x 8 loads of 8
+QUANT_MAX_BLOCK_ELEMENTS = 32768  # cpp/common/quantize_fp8.h: at most 512 threads x 64 elements
 # "Tokens per scale" handed to the kernel for one scale per head (any value > every seqlen).
 NO_BLOCK = 1 << 30
 # V^T: within each aligned group of 16 keys, position l holds key VT_ORDER[l] (docs/fp8.md).

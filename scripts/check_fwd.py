@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Quick check of every compiled sm90 forward kernel: poisoned outputs, fresh random inputs, error
+"""Quick check of every compiled sm90 (or, with --arch 80, sm80) forward kernel: poisoned outputs, fresh random inputs, error
 against exact attention (float32 on the GPU), through flashhopper.ops.fwd_into. A developer tool for
 the device machine and for compute-sanitizer runs (--small: few, small shapes); the real tests are
 tests/test_fwd_gpu.py, the real timings bench/bench_attention.py.
@@ -20,11 +20,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--small", action="store_true", help="few small shapes (for compute-sanitizer)")
     ap.add_argument("--dtypes", nargs="*", default=["bfloat16", "float16"], help="which built kernels to check")
+    ap.add_argument("--arch", type=int, choices=[90, 80], default=90, help="kernel family (80 runs on Hopper too)")
     args = ap.parse_args()
     built = sorted((k["dtype"], k["headdim"], k["causal"]) for k in flashhopper.compiled_kernels()
-                   if k["mode"] == "fwd" and k["arch"] == 90 and k["dtype"] in args.dtypes)
+                   if k["mode"] == "fwd" and k["arch"] == args.arch and k["dtype"] in args.dtypes)
     if not built:
-        raise SystemExit(f"no sm90 forward kernel for {args.dtypes} in this build: nothing to check")
+        raise SystemExit(f"no sm{args.arch} forward kernel for {args.dtypes} in this build: nothing to check")
     if args.small:
         shapes = [(1, 17, 200, 4, 1), (2, 255, 130, 4, 2), (1, 300, 40, 2, 2)]
     else:
@@ -40,7 +41,7 @@ def main() -> None:
             v = torch.randn(b, sk, hk, d, device="cuda", dtype=dtype)
             out = torch.full_like(q, math.nan)
             lse = torch.full((b, hq, sq), math.nan, device="cuda")
-            fwd_into(q, k, v, out, lse, 1 / math.sqrt(d), causal, 90)
+            fwd_into(q, k, v, out, lse, 1 / math.sqrt(d), causal, args.arch)
             ref, ref_lse = attention_ref(q, k, v, None, causal, dtype=torch.float32)
             err = ((out.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
             finite = torch.isfinite(ref_lse)

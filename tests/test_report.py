@@ -87,7 +87,12 @@ def test_fp8_rows_are_measured_against_the_fp8_peak() -> None:
     assert bf16["pct_gemm_ceiling"] == pytest.approx(100 * bf16["tflops"] / 800.0)
     assert fp8["pct_gemm_ceiling"] == pytest.approx(100 * fp8["tflops"] / 1360.0)
     assert fp8["pct_datasheet_peak"] == pytest.approx(100 * fp8["tflops"] / 1978.9)
-    assert bf16["io_ours_bytes"] is not None and fp8["io_ours_bytes"] is None  # no fp8 IO model (yet)
+    # IO: the fp8 kernel reads e4m3 Q, K, V (1 byte) and writes bf16 O (2 bytes); bf16 moves 2 for each.
+    b, s, h, d = 4, 4096, 8, 256
+    keys = io_model.keys_streamed(s, s, 128, 128, False)
+    assert bf16["io_ours_bytes"] == b * h * (s * d * 4 + 2 * d * keys * 2)
+    assert fp8["io_ours_bytes"] == b * h * (s * d * 3 + 2 * d * keys * 1)
+    assert fp8["io_standard_bytes"] == bf16["io_standard_bytes"]
 
 
 def test_console_table_shows_those_numbers(capsys: pytest.CaptureFixture[str]) -> None:

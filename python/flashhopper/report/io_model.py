@@ -36,9 +36,12 @@ def keys_streamed(seqlen_q: int, seqlen_k: int, block_m: int, block_n: int, caus
 
 
 def flash_fwd_bytes(batch: int, nheads: int, seqlen_q: int, seqlen_k: int, headdim: int, elem_bytes: int,
-                    block_m: int, block_n: int, causal: bool) -> int:
-    per_head = 2 * seqlen_q * headdim + 2 * headdim * keys_streamed(seqlen_q, seqlen_k, block_m, block_n, causal)
-    return batch * nheads * per_head * elem_bytes
+                    block_m: int, block_n: int, causal: bool, out_bytes: int | None = None) -> int:
+    """``out_bytes``: O's element size when it differs from Q, K, V's (the fp8 kernels write bf16)."""
+    out_bytes = elem_bytes if out_bytes is None else out_bytes
+    keys = keys_streamed(seqlen_q, seqlen_k, block_m, block_n, causal)
+    per_head = seqlen_q * headdim * (elem_bytes + out_bytes) + 2 * headdim * keys * elem_bytes
+    return batch * nheads * per_head
 
 
 def tbps(nbytes: float, ms: float) -> float:

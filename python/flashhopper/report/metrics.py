@@ -40,12 +40,15 @@ def _io(row: dict[str, Any]) -> dict[str, Any]:
     """IO model of our forward rows; None elsewhere (the backward's model is not written yet, and
     files without tile sizes cannot say what ours moves)."""
     dtype = DTYPES.get(row["dtype"])
-    if row["mode"] != "fwd" or dtype is None or row.get("kernel_dtype"):  # no fp8 IO model yet
+    if row["mode"] != "fwd" or dtype is None:
         return {}
     b, h, s, d, es = row["batch"], row["nheads"], row["seqlen"], row["headdim"], dtype.itemsize
+    # Standard attention in the inputs' precision; an fp8 kernel reads e4m3 Q, K, V and writes O as they came.
+    kernel = DTYPES.get(row.get("kernel_dtype") or row["dtype"], dtype)
     out: dict[str, Any] = {"io_standard_bytes": io_model.standard_bytes(b, h, s, s, d, es)}
     if row["block_m"] and row["block_n"]:
-        ours = io_model.flash_fwd_bytes(b, h, s, s, d, es, row["block_m"], row["block_n"], row["causal"])
+        ours = io_model.flash_fwd_bytes(b, h, s, s, d, kernel.itemsize, row["block_m"], row["block_n"], row["causal"],
+                                        out_bytes=es)
         out.update(io_ours_bytes=ours, io_ours_tbps=io_model.tbps(ours, row["ms"]))
     return out
 

@@ -12,6 +12,9 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "params.h"
+#include "workspace_bwd.h"
+
 namespace flashhopper {
 
 struct ConvertAccumParams {
@@ -50,6 +53,30 @@ void launch_convert_accum(ConvertAccumParams const& p, int num_sms, cudaStream_t
   if (total == 0) return;
   int const blocks = int(std::min<int64_t>((total + 255) / 256, int64_t(num_sms) * 8));
   convert_accum_kernel<Element><<<blocks, 256, 0, stream>>>(p);
+}
+
+// Under GQA, dK and dV from their float32 sums over each group.
+template <class Element>
+void launch_convert_dkv(BwdParams const& p, BwdWorkspace const& ws, int num_sms, cudaStream_t stream) {
+  if (!ws.gqa) return;
+  launch_convert_accum<Element>({ws.at<float>(p.workspace, ws.dk_accum), p.dk_ptr, p.dk_batch_stride, p.dk_row_stride,
+                                 p.dk_head_stride, p.batch, p.seqlen_k, p.nheads_kv, p.headdim, 1.f},
+                                num_sms, stream);
+  launch_convert_accum<Element>({ws.at<float>(p.workspace, ws.dv_accum), p.dv_ptr, p.dv_batch_stride, p.dv_row_stride,
+                                 p.dv_head_stride, p.batch, p.seqlen_k, p.nheads_kv, p.headdim, 1.f},
+                                num_sms, stream);
+  check_launch(cudaGetLastError(), "backward dK/dV postprocess launch");
+}
+
+// dQ = softmax_scale * dQ_accum (row-major (batch, nheads_q, seqlen_q, headdim)) in the input dtype;
+// under GQA also dK and dV.
+template <class Element>
+void launch_bwd_postprocess(BwdParams const& p, BwdWorkspace const& ws, int num_sms, cudaStream_t stream) {
+  launch_convert_accum<Element>({ws.at<float>(p.workspace, ws.dq_accum), p.dq_ptr, p.dq_batch_stride, p.dq_row_stride,
+                                 p.dq_head_stride, p.batch, p.seqlen_q, p.nheads_q, p.headdim, p.softmax_scale},
+                                num_sms, stream);
+  check_launch(cudaGetLastError(), "backward dQ postprocess launch");
+  launch_convert_dkv<Element>(p, ws, num_sms, stream);
 }
 
 }  // namespace flashhopper

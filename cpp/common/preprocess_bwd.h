@@ -12,6 +12,9 @@
 #include <cmath>
 #include <cstdint>
 
+#include "params.h"
+#include "workspace_bwd.h"
+
 namespace flashhopper {
 
 struct BwdPreprocessParams {
@@ -76,6 +79,21 @@ __global__ void __launch_bounds__(BwdPreprocess<Element, kHeadDim>::kThreads)
     p.lse_log2[bh * p.seqlen_q_rounded + row] = lse_log2;
     p.dpsum[bh * p.seqlen_q_rounded + row] = dpsum;
   }
+}
+
+// Zero the workspace's accumulators (one memset) and run the preprocess into its statistics.
+template <class Element, int kHeadDim>
+void launch_bwd_preprocess(BwdParams const& p, BwdWorkspace const& ws, cudaStream_t stream) {
+  check_launch(cudaMemsetAsync(ws.at<char>(p.workspace, ws.zero_begin), 0, ws.zero_end - ws.zero_begin, stream),
+               "backward workspace memset");
+  BwdPreprocessParams pre{p.o_ptr, p.do_ptr, p.lse_ptr, p.dlse_ptr,
+                          ws.at<float>(p.workspace, ws.lse_log2), ws.at<float>(p.workspace, ws.dpsum),
+                          p.o_batch_stride, p.o_row_stride, p.o_head_stride,
+                          p.do_batch_stride, p.do_row_stride, p.do_head_stride,
+                          p.seqlen_q, ws.seqlen_q_rounded, p.nheads_q};
+  using Pre = BwdPreprocess<Element, kHeadDim>;
+  bwd_preprocess_kernel<Element, kHeadDim><<<Pre::grid(pre, p.batch), Pre::kThreads, 0, stream>>>(pre);
+  check_launch(cudaGetLastError(), "backward preprocess launch");
 }
 
 }  // namespace flashhopper

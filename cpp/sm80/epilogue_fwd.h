@@ -1,8 +1,6 @@
 // Ampere forward epilogue: O (normalized, float) converted in registers, staged in Q's shared-memory
 // tile (free once the last S = Q K^T is done) and written to global memory in 16-byte rows, clipped
 // at seqlen_q; LSE from the threads that own column 0 of each row.
-//
-// Not run on a GPU yet (written 2026-11-22): issue #5.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -10,6 +8,7 @@
 #include <cmath>
 
 #include "../common/utils.h"
+#include "gemm.h"
 
 namespace flashhopper::sm80 {
 
@@ -28,26 +27,13 @@ struct FwdEpilogue {
     int const tid = threadIdx.x;
     typename Mainloop::TiledMma tiled_mma;
     Tensor sO = make_tensor(make_smem_ptr(ts.smem_q.data()), typename Mainloop::SmemLayoutQ{});
-    Tensor rO = convert_type<Element>(acc_o);
-    auto r2s = make_tiled_copy_C(Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<32>, Element>{}, tiled_mma);
-    auto r2s_thr = r2s.get_thread_slice(tid);
     __syncthreads();  // every warp is done reading Q
-    copy(r2s, r2s_thr.retile_S(rO), r2s_thr.partition_D(sO));
+    store_fragment(tiled_mma, convert_type<Element>(acc_o), sO);
     __syncthreads();
 
     int const rows = seqlen_q - m_block * kBlockM;
     Tensor gO = local_tile(Mainloop::rows(o, seqlen_q, o_row_stride), Shape<BM, D>{}, make_coord(m_block, 0));
-    auto s2g = make_tiled_copy(Copy_Atom<UniversalCopy<cute::uint128_t>, Element>{},
-                               Layout<Shape<Int<Mainloop::kNumThreads / 8>, _8>, Stride<_8, _1>>{},
-                               Layout<Shape<_1, _8>>{});
-    auto s2g_thr = s2g.get_thread_slice(tid);
-    Tensor tOsO = s2g_thr.partition_S(sO);
-    Tensor tOgO = s2g_thr.partition_D(gO);
-    Tensor tOcO = s2g_thr.partition_D(make_identity_tensor(Shape<BM, D>{}));
-    CUTE_UNROLL
-    for (int m = 0; m < size<1>(tOgO); ++m) {
-      if (get<0>(tOcO(0, m, 0)) < rows) copy(s2g, tOsO(_, m, _), tOgO(_, m, _));
-    }
+    store_rows<Mainloop::kNumThreads>(sO, gO, rows);
 
     auto thr_mma = tiled_mma.get_thread_slice(tid);
     Tensor cO = rowcol(thr_mma.partition_C(make_identity_tensor(Shape<BM, D>{})));

@@ -1,7 +1,5 @@
 // Host launcher of the Ampere forward kernel: one CTA per (query block, head, batch). Included by
 // the generated translation units, one per (dtype, head dim, causal); compiled for sm_80 and sm_90.
-//
-// Not run on a GPU yet (written 2026-11-22): issue #5.
 #pragma once
 
 #include <cuda_runtime.h>

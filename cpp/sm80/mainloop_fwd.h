@@ -4,20 +4,15 @@
 // tensor cores through ldmatrix (V transposed on the way, as the B operand of O += P V);
 // mma.sync m16n8k16 with float accumulators. The next block's K loads while P V runs, and V while
 // S = Q K^T runs. The online softmax, masks and block ranges are the ones the sm90 path uses.
-//
-// Not run on a GPU yet (written 2026-11-22, compiled for sm_80 and sm_90): issue #5.
 #pragma once
 
 #include <cute/tensor.hpp>
-
-#include <cutlass/numeric_types.h>
-
-#include <type_traits>
 
 #include "../common/block_info.h"
 #include "../common/mask.h"
 #include "../common/softmax.h"
 #include "../common/utils.h"
+#include "gemm.h"
 
 namespace flashhopper::sm80 {
 
@@ -35,25 +30,11 @@ struct FwdMainloop {
   using BM = Int<kBlockM>;
   using BN = Int<kBlockN>;
 
-  using MmaAtom = std::conditional_t<std::is_same_v<Element, cutlass::half_t>,
-                                     MMA_Atom<SM80_16x8x16_F32F16F16F32_TN>, MMA_Atom<SM80_16x8x16_F32BF16BF16F32_TN>>;
   // Warps stacked along M: each owns 16 rows of every 16 x kNumWarps row group.
-  using TiledMma = decltype(make_tiled_mma(MmaAtom{}, Layout<Shape<Int<TileSize::kNumWarps>, _1, _1>>{},
-                                           Tile<Int<16 * TileSize::kNumWarps>, _16, _16>{}));
-
-  // 64-element (128-byte) rows swizzled so that ldmatrix and cp.async hit distinct banks.
-  using SmemAtom = decltype(composition(Swizzle<3, 3, 3>{}, Layout<Shape<_8, _64>, Stride<_64, _1>>{}));
-  using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<BM, D>{}));
-  using SmemLayoutKV = decltype(tile_to_shape(SmemAtom{}, Shape<BN, D>{}));
-  // V read as (headdim, keys) for the B operand of O += P V: same bytes, transposed view.
-  using SmemLayoutVt = decltype(composition(SmemLayoutKV{}, make_layout(Shape<D, BN>{}, GenRowMajor{})));
-
-  // 16-byte cp.async per thread; a row of 64 elements takes 8 threads.
-  using GmemCopy = decltype(make_tiled_copy(Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>, Element>{},
-                                            Layout<Shape<Int<kNumThreads / 8>, _8>, Stride<_8, _1>>{},
-                                            Layout<Shape<_1, _8>>{}));
-  using SmemCopyAtom = Copy_Atom<SM75_U32x4_LDSM_N, Element>;
-  using SmemCopyAtomT = Copy_Atom<SM75_U16x8_LDSM_T, Element>;
+  using TiledMma = sm80::TiledMma<Element, TileSize::kNumWarps, 1>;
+  using SmemLayoutQ = SmemLayout<kBlockM, kHeadDim>;
+  using SmemLayoutKV = SmemLayout<kBlockN, kHeadDim>;
+  using GmemCopy = sm80::GmemCopy<Element, kNumThreads>;
 
   struct TensorStorage {
     cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 128> smem_q;  // O is staged here at the end
@@ -61,25 +42,9 @@ struct FwdMainloop {
     cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 128> smem_v;
   };
 
-  // One (batch, head)'s Q, K, V or O as (seqlen, headdim).
   template <class T>
   CUTE_DEVICE static auto rows(T* ptr, int seqlen, int64_t row_stride) {
-    return make_tensor(make_gmem_ptr(ptr), make_shape(seqlen, D{}), make_stride(row_stride, _1{}));
-  }
-
-  // Copy rows of a tile into shared memory with cp.async; rows at or past `valid_rows` are zeroed
-  // instead (they would be padding of V, multiplied by P = 0: they must be finite).
-  template <class TiledCopy, class Src, class Dst, class Coords>
-  CUTE_DEVICE static void copy_rows(TiledCopy const& tiled_copy, Src const& src, Dst& dst, Coords const& coords,
-                                    int valid_rows) {
-    CUTE_UNROLL
-    for (int m = 0; m < size<1>(dst); ++m) {
-      if (get<0>(coords(0, m, 0)) < valid_rows) {
-        copy(tiled_copy, src(_, m, _), dst(_, m, _));
-      } else {
-        clear(dst(_, m, _));
-      }
-    }
+    return gmem_rows<kHeadDim>(ptr, seqlen, row_stride);
   }
 
   // Accumulates the unnormalized O of this CTA's rows into acc_o (zeroed here) and the softmax state;
@@ -100,7 +65,7 @@ struct FwdMainloop {
     Tensor sQ = make_tensor(make_smem_ptr(ts.smem_q.data()), SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(ts.smem_k.data()), SmemLayoutKV{});
     Tensor sV = make_tensor(make_smem_ptr(ts.smem_v.data()), SmemLayoutKV{});
-    Tensor sVt = make_tensor(make_smem_ptr(ts.smem_v.data()), SmemLayoutVt{});
+    Tensor sVt = make_tensor(make_smem_ptr(ts.smem_v.data()), transposed(SmemLayoutKV{}));  // (D, BN)
 
     GmemCopy gmem_copy;
     auto gthr = gmem_copy.get_thread_slice(tid);
@@ -118,19 +83,6 @@ struct FwdMainloop {
 
     TiledMma tiled_mma;
     auto thr_mma = tiled_mma.get_thread_slice(tid);
-    Tensor tSrQ = thr_mma.partition_fragment_A(sQ);  // (MMA, MMA_M, MMA_K)
-    Tensor tSrK = thr_mma.partition_fragment_B(sK);  // (MMA, MMA_N, MMA_K)
-    Tensor tOrVt = thr_mma.partition_fragment_B(make_tensor(sV.data(), make_layout(Shape<D, BN>{})));
-    auto s2r_q = make_tiled_copy_A(SmemCopyAtom{}, tiled_mma);
-    auto s2r_k = make_tiled_copy_B(SmemCopyAtom{}, tiled_mma);
-    auto s2r_v = make_tiled_copy_B(SmemCopyAtomT{}, tiled_mma);
-    Tensor tSsQ = s2r_q.get_thread_slice(tid).partition_S(sQ);
-    Tensor tSsK = s2r_k.get_thread_slice(tid).partition_S(sK);
-    Tensor tOsVt = s2r_v.get_thread_slice(tid).partition_S(sVt);
-    Tensor tSrQ_view = s2r_q.get_thread_slice(tid).retile_D(tSrQ);
-    Tensor tSrK_view = s2r_k.get_thread_slice(tid).retile_D(tSrK);
-    Tensor tOrVt_view = s2r_v.get_thread_slice(tid).retile_D(tOrVt);
-
     Tensor acc_s = partition_fragment_C(tiled_mma, Shape<BM, BN>{});
     Tensor scores = rowcol(acc_s);
     Tensor tScS = rowcol(thr_mma.partition_C(make_identity_tensor(Shape<BM, BN>{})));
@@ -145,46 +97,39 @@ struct FwdMainloop {
     cp_async_fence();
     clear(acc_o);
 
-    // One loop body (a lambda per variant would take the fragments' addresses and put them on the
-    // stack): the mask only where a block needs it, the softmax from a -inf / 0 start.
     CUTE_UNROLL
     for (int mi = 0; mi < size<0>(scores); ++mi) {
       softmax.row_max[mi] = -INFINITY;
       softmax.row_sum[mi] = 0.f;
     }
-    for (; n_block >= n_block_min; --n_block) {
+    // One iteration; kMasked: the block holds the sequence end or (causal) the diagonal, and a row
+    // may have seen no visible key yet.
+    auto step = [&](auto masked) {
+      constexpr bool kMasked = decltype(masked)::value;
       clear(acc_s);
       cp_async_wait<0>();
       __syncthreads();  // K_n (and Q) landed; every warp is done with V_{n+1}
       load_v(n_block);
       cp_async_fence();
-      CUTE_UNROLL
-      for (int kk = 0; kk < size<2>(tSrQ); ++kk) {  // S = Q K_n^T
-        copy(s2r_q, tSsQ(_, _, kk), tSrQ_view(_, _, kk));
-        copy(s2r_k, tSsK(_, _, kk), tSrK_view(_, _, kk));
-        gemm(tiled_mma, tSrQ(_, _, kk), tSrK(_, _, kk), acc_s);
-      }
-      // The highest block holds the sequence end; causal blocks from n_causal on hold the diagonal.
-      if (n_block >= n_causal || n_block == n_block_max - 1) {
-        mask.template apply<true, true>(scores, tScS, row_offset, n_block);
-      }
+      gemm_ss<LdsmN, LdsmN>(tiled_mma, acc_s, sQ, sK);  // S = Q K_n^T
+      if constexpr (kMasked) mask.template apply<true, true>(scores, tScS, row_offset, n_block);
       cp_async_wait<0>();
       __syncthreads();  // V_n landed; every warp is done with K_n
       if (n_block > n_block_min) {
         load_k(n_block - 1);
         cp_async_fence();
       }
-      auto const o_scale = softmax.template update<false, true>(scores);
+      auto const o_scale = softmax.template update<false, kMasked>(scores);
       Tensor o = rowcol(acc_o);
       Softmax::rescale(o, o_scale);
       Tensor p16 = convert_type<Element>(acc_s);
       Tensor tOrP = make_tensor(p16.data(), acc_layout_as_a_operand(p16.layout()));
-      CUTE_UNROLL
-      for (int kk = 0; kk < size<2>(tOrP); ++kk) {  // O += P V_n
-        copy(s2r_v, tOsVt(_, _, kk), tOrVt_view(_, _, kk));
-        gemm(tiled_mma, tOrP(_, _, kk), tOrVt(_, _, kk), acc_o);
-      }
-    }
+      gemm_rs<LdsmT>(tiled_mma, acc_o, tOrP, sVt);  // O += P V_n
+    };
+    // The highest block holds the sequence end; causal blocks from n_causal on hold the diagonal.
+    int const n_masked_end = cute::min(n_causal, n_block_max - 1);
+    for (; n_block >= n_masked_end; --n_block) step(cute::true_type{});
+    for (; n_block >= n_block_min; --n_block) step(cute::false_type{});
     return true;
   }
 };

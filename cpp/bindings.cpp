@@ -167,6 +167,7 @@ PYBIND11_MODULE(_C, m) {
   FH_RW(dv_batch_stride); FH_RW(dv_row_stride); FH_RW(dv_head_stride);
   FH_RW(batch); FH_RW(seqlen_q); FH_RW(seqlen_k); FH_RW(nheads_q); FH_RW(nheads_kv); FH_RW(headdim);
   FH_RW(softmax_scale); FH_RW(causal); FH_RW(deterministic); FH_RW(dtype); FH_RW(device); FH_RW(num_sms);
+  FH_RW(max_smem_bytes);
 #undef FH_RW
 
   m.def("fwd", &fwd, py::arg("params"), py::arg("arch"), py::arg("stream"),

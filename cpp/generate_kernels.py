@@ -34,6 +34,8 @@ FAMILIES = {
     (90, "bwd"): Family("sm90/launch_bwd.h", "run_bwd_sm90", "sm90/tile_size.h", "sm90::BwdTileSize",
                         "bwd_workspace_bytes_sm90"),
     (80, "fwd"): Family("sm80/launch_fwd.h", "run_fwd_sm80", "sm80/tile_size.h", "sm80::FwdTileSize"),
+    (80, "bwd"): Family("sm80/launch_bwd.h", "run_bwd_sm80", "sm80/tile_size.h", "sm80::BwdTileSize",
+                        "bwd_workspace_bytes_sm80"),
 }
 CPP_DIR = Path(__file__).resolve().parent
 HDIMS = (64, 128, 256)

@@ -48,6 +48,10 @@ template <DType kDType, int kHeadDim, bool kCausal>
 void run_bwd_sm90(BwdParams const& params, cudaStream_t stream);
 template <DType kDType, int kHeadDim, bool kCausal>
 size_t bwd_workspace_bytes_sm90(BwdParams const& params);
+template <DType kDType, int kHeadDim, bool kCausal>
+void run_bwd_sm80(BwdParams const& params, cudaStream_t stream);
+template <DType kDType, int kHeadDim, bool kCausal>
+size_t bwd_workspace_bytes_sm80(BwdParams const& params);
 
 // FP8 quantization pass (cpp/quantize_fp8.cu; built with the sm90 family).
 void launch_quantize_fp8(QuantParams const& params, cudaStream_t stream);

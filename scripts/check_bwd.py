@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Quick check of every compiled sm90 backward kernel: fresh random inputs, the forward kernel for out
+"""Quick check of every compiled sm90 (or, with --arch 80, sm80) backward kernel: fresh random inputs, the forward kernel for out
 and lse, then the backward into NaN-poisoned dq, dk, dv (through flashhopper.ops.fwd_into/bwd_into),
 each gradient's relative error against reference gradients in float32 (from exact out and lse).
 A developer tool for the device machine and for compute-sanitizer runs (--small: few, small shapes);
@@ -24,17 +24,20 @@ def main() -> None:
     ap.add_argument("--dtypes", nargs="*", default=["bfloat16", "float16"], help="which built kernels to check")
     ap.add_argument("--deterministic", action="store_true",
                     help="run the deterministic backward, twice per shape, and require identical bits")
+    ap.add_argument("--arch", type=int, choices=[90, 80], default=90, help="kernel family (80 runs on Hopper too)")
+    ap.add_argument("--max-smem-bytes", type=int, default=0,
+                    help="sm80: pick tiles as on a GPU with this much shared memory per block (101376: sm_86/sm_89)")
     args = ap.parse_args()
     kernels = flashhopper.compiled_kernels()
-    have_fwd = {(k["dtype"], k["headdim"], k["causal"]) for k in kernels if k["mode"] == "fwd" and k["arch"] == 90}
+    have_fwd = {(k["dtype"], k["headdim"], k["causal"]) for k in kernels if k["mode"] == "fwd" and k["arch"] == args.arch}
     built = sorted((k["dtype"], k["headdim"], k["causal"]) for k in kernels
-                   if k["mode"] == "bwd" and k["arch"] == 90 and k["dtype"] in args.dtypes)
+                   if k["mode"] == "bwd" and k["arch"] == args.arch and k["dtype"] in args.dtypes)
     missing_fwd = [b for b in built if b not in have_fwd]
     if missing_fwd:  # the backward needs the forward's out and lse
         print(f"skipping {len(missing_fwd)} backward kernels without a forward in this build: {missing_fwd}")
         built = [b for b in built if b in have_fwd]
     if not built:
-        raise SystemExit(f"no sm90 backward kernel (with its forward) for {args.dtypes} in this build: "
+        raise SystemExit(f"no sm{args.arch} backward kernel (with its forward) for {args.dtypes} in this build: "
                          "nothing to check")
     # (batch, seqlen_q, seqlen_k, nheads_q, nheads_kv): odd lengths, seqlen_q != seqlen_k both ways
     # (causal rows without keys included), GQA and MQA. Not seqlen_k 1: there dq and dk vanish in
@@ -56,12 +59,13 @@ def main() -> None:
             v = torch.randn(b, sk, hk, d, device="cuda", dtype=dtype)
             out = torch.full_like(q, math.nan)
             lse = torch.full((b, hq, sq), math.nan, device="cuda")
-            fwd_into(q, k, v, out, lse, scale, causal, 90)
+            fwd_into(q, k, v, out, lse, scale, causal, args.arch)
             dout = torch.randn_like(q)
 
             def run() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
                 grads = tuple(torch.full_like(x, math.nan) for x in (q, k, v))
-                bwd_into(dout, q, k, v, out, lse, *grads, scale, causal, args.deterministic, 90)
+                bwd_into(dout, q, k, v, out, lse, *grads, scale, causal, args.deterministic, args.arch,
+                         max_smem_bytes=args.max_smem_bytes)
                 return grads  # type: ignore[return-value]
 
             grads = run()

@@ -14,7 +14,8 @@
 #   scripts/gpu.sh ablate           # variants built side by side and timed: d128 bf16 with ping-pong /
 #                                   # overlap off, 128x176, 3 K/V stages; backward ones with ABLATE_MODE=bwd
 #                                   # (ABLATE_VARIANTS="full n176" picks some; ABLATE_HDIMS, ABLATE_SEQLENS too;
-#                                   #  fp8 tiles: ABLATE_DTYPES=e4m3 ABLATE_PROVIDERS=flashhopper-fp8 ABLATE_VARIANTS="full fp8-n224")
+#                                   #  fp8 tiles: ABLATE_DTYPES=e4m3 ABLATE_PROVIDERS=flashhopper-fp8 ABLATE_VARIANTS="full fp8-n224";
+#                                   #  sm80: FLASHHOPPER_ARCHS=80 ABLATE_PROVIDERS=flashhopper-sm80 ABLATE_VARIANTS="full sm80-d64-n64")
 #   scripts/gpu.sh profile --hdim 256 --seqlen 2048 --causal   # ncu sections of one launch (--mode bwd too)
 #   scripts/gpu.sh all              # build, test, sass, bench
 #
@@ -99,7 +100,9 @@ do_ablate() {
              "fp8-n160:-DFLASHHOPPER_FP8_HDIM128_BLOCK_N=160" "fp8-n192:-DFLASHHOPPER_FP8_HDIM128_BLOCK_N=192"
              "fp8-n224:-DFLASHHOPPER_FP8_HDIM128_BLOCK_N=224" "fp8-n256:-DFLASHHOPPER_FP8_HDIM128_BLOCK_N=256"
              "fp8-d64-m128:-DFLASHHOPPER_FP8_HDIM64_BLOCK_M=128" "fp8-d64-m128n192:-DFLASHHOPPER_FP8_HDIM64_BLOCK_M=128 -DFLASHHOPPER_FP8_HDIM64_BLOCK_N=192"
-             "fp8-d64-n160:-DFLASHHOPPER_FP8_HDIM64_BLOCK_N=160" "fp8-d64-n192:-DFLASHHOPPER_FP8_HDIM64_BLOCK_N=192")
+             "fp8-d64-n160:-DFLASHHOPPER_FP8_HDIM64_BLOCK_N=160" "fp8-d64-n192:-DFLASHHOPPER_FP8_HDIM64_BLOCK_N=192"
+             "sm80-d64-n64:-DFLASHHOPPER_SM80_HDIM64_BLOCK_N=64" "sm80-d64-n128:-DFLASHHOPPER_SM80_HDIM64_BLOCK_N=128"
+             "sm80-d64-m64:-DFLASHHOPPER_SM80_HDIM64_BLOCK_M=64")
   local want=" ${ABLATE_VARIANTS:-full no-pingpong no-overlap no-both n176 kv3q1} " chosen=() pids=()
   for v in "${all[@]}"; do
     [[ $want == *" ${v%%:*} "* ]] && chosen+=("$v")
@@ -129,11 +132,14 @@ do_ablate() {
 # ncu on the third launch of one configuration (args go to scripts/profile_attention.py; with
 # --mode bwd the backward's main kernel is profiled).
 do_profile() {
+  # PROFILE_KERNEL: a regex for other kernels (SDPA's FlashAttention-2: flash_fwd_kernel, flash_bwd_dq_dk_dv)
   local tag kernel=fwd_kernel
   [[ " $* " == *" --mode bwd "* ]] && kernel=bwd_kernel
+  kernel=${PROFILE_KERNEL:-$kernel}
   tag=$(echo "$*" | tr -c 'A-Za-z0-9' '_')
   ncu --clock-control none --kernel-name "regex:${kernel}" --launch-skip 2 --launch-count 1 \
     --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section ComputeWorkloadAnalysis \
+    --section InstructionStats --section LaunchStats --section SchedulerStats --section MemoryWorkloadAnalysis_Tables \
     "$PY" scripts/profile_attention.py "$@" >"$OUT/ncu_${tag}.txt" 2>&1 || true
   grep -E "Duration|Throughput|Pipe|Hit Rate|Stall|Warp Cycles|Issued|Bandwidth|Busy|L2 Cache|Bank" "$OUT/ncu_${tag}.txt" | head -60
 }
@@ -155,12 +161,13 @@ do_sass() {
   "$PY" scripts/sass_summary.py "$OUT/sass.txt" | tee "$OUT/sass-summary.txt"
 }
 
-# SANITIZE_SCRIPTS picks the checks (default both passes); each runs its --small shapes, bf16.
+# SANITIZE_SCRIPTS picks the checks (default both passes); each runs its --small shapes, bf16;
+# SANITIZE_ARGS adds arguments (e.g. "--arch 80").
 do_sanitize() {
   for script in ${SANITIZE_SCRIPTS:-check_fwd check_bwd}; do
     for tool in memcheck racecheck; do
       local log="$OUT/sanitize-$script-$tool.log"
-      compute-sanitizer --tool "$tool" --error-exitcode 1 "$PY" "scripts/$script.py" --small --dtypes bfloat16 \
+      compute-sanitizer --tool "$tool" --error-exitcode 1 "$PY" "scripts/$script.py" --small --dtypes bfloat16 ${SANITIZE_ARGS:-} \
         >"$log" 2>&1; echo "$script $tool exit $?" | tee -a "$log"
       grep -E "ERROR SUMMARY|RACECHECK SUMMARY|worst" "$log"
     done

@@ -78,6 +78,23 @@ def test_bwd_float64_reference(shape: tuple[int, int, int, int, int], causal: bo
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("headdim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(("sq", "sk", "hq", "hkv"), [(1000, 1000, 4, 4), (255, 700, 4, 1), (700, 130, 4, 2)])
+def test_bwd_sm80_small_smem_tiles(sq: int, sk: int, hq: int, hkv: int, causal: bool, headdim: int) -> None:
+    # The sm80 backward picks its tiles by the shared memory a block may use; sm_86/sm_89 allow
+    # 99 KB, a third of the H100's. max_smem_bytes runs those tiles here.
+    require_backend("sm80", torch.bfloat16, headdim, causal, mode="bwd")
+    q, k, v = randn_qkv(2, sq, sk, hq, hkv, headdim, torch.bfloat16, "cuda")
+    scale = 1 / math.sqrt(headdim)
+    out, lse = forward(q, k, v, scale, causal, "sm80")
+    dout = torch.randn_like(q)
+    dq, dk, dv = nan_like(q), nan_like(k), nan_like(v)
+    bwd_into(dout, q, k, v, out, lse, dq, dk, dv, scale, causal, False, 80, max_smem_bytes=99 * 1024)
+    assert_grads_match((dq, dk, dv), dout, q, k, v, scale, causal)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(("shape", "causal", "dtype"), [
     ((2, 2000, 2000, 8, 8, 128), False, torch.bfloat16),
@@ -94,6 +111,10 @@ def test_deterministic(shape: tuple[int, ...], causal: bool, dtype: torch.dtype,
     scale = 1 / math.sqrt(d)
     out, lse = forward(q, k, v, scale, causal, backend)
     dout = torch.randn_like(q)
+    if backend == "sm80":  # no deterministic mode: refused before any launch
+        with pytest.raises(ValueError, match="no deterministic mode"):
+            backward(dout, q, k, v, out, lse, scale, causal, backend, deterministic=True)
+        return
     runs = [backward(dout, q, k, v, out, lse, scale, causal, backend, deterministic=True) for _ in range(3)]
     for other in runs[1:]:
         for name, a, c in zip(("dq", "dk", "dv"), runs[0], other):

@@ -11,6 +11,7 @@ namespace flashhopper {
 struct DeviceInfo {
   int num_sms = 0;
   int64_t l2_bytes = 0;
+  int max_smem_optin = 0;  // dynamic shared memory a block may opt into
 };
 
 inline DeviceInfo const& device_info(int device) {
@@ -23,6 +24,7 @@ inline DeviceInfo const& device_info(int device) {
     cudaDeviceGetAttribute(&info.num_sms, cudaDevAttrMultiProcessorCount, device);
     cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device);
     info.l2_bytes = l2;
+    cudaDeviceGetAttribute(&info.max_smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
     cache[device] = info;
     ready[device].store(true, std::memory_order_release);
   }

@@ -94,6 +94,9 @@ struct BwdParams {
   DType dtype = DType::kBFloat16;
   int device = 0;
   int num_sms = 0;
+  // sm80 family: the shared memory a CTA may use, which picks its tiles; 0 = the device's opt-in
+  // limit. Tests set 99 KB to run the sm_86/sm_89 tiles on a bigger GPU.
+  int max_smem_bytes = 0;
 };
 
 // One pass of FP8 quantization (docs/fp8.md): x (batch, seqlen, nheads, headdim) in fp16/bf16 to e4m3

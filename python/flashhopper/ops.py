@@ -171,7 +171,10 @@ def fill_bwd_params(p: Any, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
 
 def _launch_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                 lse: torch.Tensor, dlse: torch.Tensor | None, dq: torch.Tensor, dk: torch.Tensor,
-                dv: torch.Tensor, softmax_scale: float, causal: bool, deterministic: bool, arch: int) -> None:
+                dv: torch.Tensor, softmax_scale: float, causal: bool, deterministic: bool, arch: int,
+                max_smem_bytes: int = 0) -> None:
+    if deterministic and arch == 80:
+        raise ValueError("deterministic=True: the sm80 backward has no deterministic mode (use the sm90 backend)")
     if q.numel() == 0 or k.numel() == 0:
         # No query rows (or no keys, or no heads): every gradient is an empty sum, 0. zero_ on the
         # empty ones is a no-op; the others (dk, dv without queries; dq without keys) are real.
@@ -188,6 +191,7 @@ def _launch_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
     if p is None:
         p = _local.bwd_params = C.BwdParams()
     fill_bwd_params(p, dout, q, k, v, out, lse, dlse, dq, dk, dv, softmax_scale, causal, deterministic)
+    p.max_smem_bytes = max_smem_bytes
     # Scratch (the fp32 dQ accumulator, per-row statistics, semaphores), fresh per call: two launches
     # must never share it. Allocated and freed on the stream the kernels run on, so the caching
     # allocator hands it to no one else before they finish; its blocks are 512-byte aligned.
@@ -200,11 +204,14 @@ def _launch_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
 
 def bwd_into(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
              lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, softmax_scale: float,
-             causal: bool, deterministic: bool, arch: int, dlse: torch.Tensor | None = None) -> None:
+             causal: bool, deterministic: bool, arch: int, dlse: torch.Tensor | None = None, *,
+             max_smem_bytes: int = 0) -> None:
     """Run the arch-``arch`` (90 or 80) backward, writing into caller-provided ``dq``, ``dk``, ``dv``
     (each like its input; any valid kernel strides). ``out`` and ``lse`` are the forward's (see
     fwd_into), ``dout`` the gradient w.r.t. out, ``dlse`` (optional, float32 like lse) the gradient
-    w.r.t. lse. Checks everything first; tests use it to poison the gradients before a run."""
+    w.r.t. lse. Checks everything first; tests use it to poison the gradients before a run.
+    ``max_smem_bytes`` (sm80 only; 0 = the device's limit) picks the sm80 tiles as on a GPU with that
+    much shared memory per block: tests run the 99 KB tiles of sm_86/sm_89 with it."""
     shapes, _ = validation.check_inputs(q, k, v, softmax_scale, causal)
     validation.check_flag("deterministic", deterministic)
     if not q.is_cuda:
@@ -216,7 +223,10 @@ def bwd_into(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     if dlse is not None:
         validation.check_lse("dlse", dlse, q)
     validation.check_grads(q, k, v, dq, dk, dv)
-    _launch_bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, softmax_scale, causal, deterministic, arch)
+    if not isinstance(max_smem_bytes, int) or isinstance(max_smem_bytes, bool) or max_smem_bytes < 0:
+        raise ValueError(f"max_smem_bytes must be a non-negative int, got {max_smem_bytes!r}")
+    _launch_bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, softmax_scale, causal, deterministic, arch,
+                max_smem_bytes)
 
 
 def _reference_bwd_into(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,

@@ -1,0 +1,78 @@
+// The Ampere backward kernel: one CTA per (key block, query head, batch), every warp on every GEMM;
+// composes the mainloop and the epilogue. No warp specialization, no persistence: FlashAttention-2's
+// shape.
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include "epilogue_bwd.h"
+#include "mainloop_bwd.h"
+
+namespace flashhopper::sm80 {
+
+using namespace cute;
+
+template <class Mainloop>
+struct BwdKernel {
+  using Element = typename Mainloop::Element;
+  using Epilogue = BwdEpilogue<Mainloop>;
+  static constexpr int kNumThreads = Mainloop::kNumThreads;
+  static constexpr int kSmemBytes = int(sizeof(typename Mainloop::TensorStorage));
+
+  struct Params {
+    Element const *q, *k, *v, *dout;
+    Element *dk, *dv;
+    float const *lse_log2, *dpsum;  // (batch, nheads_q, seqlen_q_rounded)
+    float* dq_accum;                // (batch, nheads_q, seqlen_q_rounded, headdim), tiles in fragment order
+    float *dk_accum, *dv_accum;     // GQA: (batch, nheads_kv, seqlen_k, headdim); else nullptr
+    int64_t q_batch_stride, q_row_stride, q_head_stride;
+    int64_t k_batch_stride, k_row_stride, k_head_stride;
+    int64_t v_batch_stride, v_row_stride, v_head_stride;
+    int64_t do_batch_stride, do_row_stride, do_head_stride;
+    int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
+    int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
+    int seqlen_q, seqlen_k, seqlen_q_rounded, nheads_q, nheads_kv;
+    float scale_log2, softmax_scale;
+  };
+
+  CUTE_DEVICE static void run(Params const& p, char* smem) {
+    auto& ts = *reinterpret_cast<typename Mainloop::TensorStorage*>(smem);
+    int const n_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
+    int const kv_head = head / (p.nheads_q / p.nheads_kv);
+    int64_t const bh = int64_t(batch) * p.nheads_q + head;
+    typename Mainloop::Args const args{p.q + batch * p.q_batch_stride + head * p.q_head_stride,
+                                       p.k + batch * p.k_batch_stride + kv_head * p.k_head_stride,
+                                       p.v + batch * p.v_batch_stride + kv_head * p.v_head_stride,
+                                       p.dout + batch * p.do_batch_stride + head * p.do_head_stride,
+                                       p.q_row_stride, p.k_row_stride, p.v_row_stride, p.do_row_stride,
+                                       p.lse_log2 + bh * p.seqlen_q_rounded, p.dpsum + bh * p.seqlen_q_rounded,
+                                       p.dq_accum + bh * p.seqlen_q_rounded * Mainloop::kHeadDim,
+                                       p.seqlen_q, p.seqlen_k, p.scale_log2};
+
+    typename Mainloop::TiledMmadKV mma_dkv;
+    Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<Mainloop::kBlockN>, Int<Mainloop::kHeadDim>>{});
+    Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<Mainloop::kBlockN>, Int<Mainloop::kHeadDim>>{});
+    clear(acc_dk);
+    clear(acc_dv);
+    bool const any = Mainloop::mma(ts, args, n_block, acc_dk, acc_dv);
+    // GQA: each query head adds its share (none when no query sees the block).
+    if (p.dk_accum != nullptr && !any) return;
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= p.softmax_scale;
+    if (p.dk_accum != nullptr) {
+      int64_t const offset = (int64_t(batch) * p.nheads_kv + kv_head) * p.seqlen_k * Mainloop::kHeadDim;
+      Epilogue::reduce(acc_dk, acc_dv, p.dk_accum + offset, p.dv_accum + offset, p.seqlen_k, n_block);
+      return;
+    }
+    Epilogue::store(ts, acc_dk, acc_dv, p.dk + batch * p.dk_batch_stride + head * p.dk_head_stride, p.dk_row_stride,
+                    p.dv + batch * p.dv_batch_stride + head * p.dv_head_stride, p.dv_row_stride, p.seqlen_k, n_block);
+  }
+};
+
+template <class Kernel>
+__global__ void __launch_bounds__(Kernel::kNumThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT typename Kernel::Params const p) {
+  extern __shared__ __align__(128) char smem[];
+  Kernel::run(p, smem);
+}
+
+}  // namespace flashhopper::sm80

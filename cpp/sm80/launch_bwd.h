@@ -1,0 +1,125 @@
+// Host launcher of the Ampere backward: carves the caller's workspace, then on one stream the
+// shared preprocess (memset, D and LSE per row), the main kernel (grid: key blocks x query heads x
+// batch) and the postprocess (dQ from its fragment-ordered tiles; under GQA the shared dK, dV one).
+// The tiles follow the shared memory the device allows (sm80::BwdTileSize: 99 KB on sm_86/sm_89).
+// Included by the generated translation units, one per (dtype, head dim, causal); compiled for
+// sm_80 and sm_90.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <stdexcept>
+#include <type_traits>
+
+#include "../common/block_info.h"
+#include "../common/device_info.h"
+#include "../common/element_type.h"
+#include "../common/params.h"
+#include "../common/postprocess_bwd.h"
+#include "../common/preprocess_bwd.h"
+#include "../common/workspace_bwd.h"
+#include "../registry.h"
+#include "kernel_bwd.h"
+#include "mainloop_bwd.h"
+#include "postprocess_bwd.h"
+#include "tile_size.h"
+
+namespace flashhopper {
+
+namespace sm80 {
+
+template <DType kDType, int kHeadDim, bool kCausal, int kSmemKB>
+struct BwdConfig {
+  using Element = typename ElementOf<kDType>::type;
+  using Tile = typename BwdTileSize<kHeadDim, kCausal, kSmemKB>::type;
+  using Mainloop = BwdMainloop<Element, kHeadDim, Tile, kCausal>;
+  using Kernel = BwdKernel<Mainloop>;
+  static_assert(Kernel::kSmemBytes <= kSmemKB * 1024, "the tiles must fit their shared-memory class");
+};
+
+// The largest shared-memory class whose tiles fit the device (or the caller's limit): 227, 163 or 99.
+template <DType kDType, int kHeadDim, bool kCausal>
+int bwd_smem_class(BwdParams const& p) {
+  int const limit = p.max_smem_bytes > 0 ? p.max_smem_bytes : device_info(p.device).max_smem_optin;
+  if (BwdConfig<kDType, kHeadDim, kCausal, 227>::Kernel::kSmemBytes <= limit) return 227;
+  if (BwdConfig<kDType, kHeadDim, kCausal, 163>::Kernel::kSmemBytes <= limit) return 163;
+  return 99;
+}
+
+template <DType kDType, int kHeadDim, bool kCausal, int kSmemKB>
+size_t bwd_workspace_bytes(BwdParams const& p) {
+  using Tile = typename BwdConfig<kDType, kHeadDim, kCausal, kSmemKB>::Tile;
+  return BwdWorkspace::make<Tile::kBlockM, Tile::kBlockN>(p).total;
+}
+
+template <DType kDType, int kHeadDim, bool kCausal, int kSmemKB>
+void run_bwd(BwdParams const& p, cudaStream_t stream) {
+  using Config = BwdConfig<kDType, kHeadDim, kCausal, kSmemKB>;
+  using Element = typename Config::Element;
+  using Tile = typename Config::Tile;
+  using Kernel = typename Config::Kernel;
+  check_bwd_params(p, kHeadDim);
+  if (p.deterministic) throw std::invalid_argument("flashhopper: the sm80 backward has no deterministic mode");
+  BwdWorkspace const ws = BwdWorkspace::make<Tile::kBlockM, Tile::kBlockN>(p);
+  int const num_sms = p.num_sms > 0 ? p.num_sms : device_info(p.device).num_sms;
+
+  launch_bwd_preprocess<Element, kHeadDim>(p, ws, stream);
+
+  typename Kernel::Params const kp{
+      static_cast<Element const*>(p.q_ptr), static_cast<Element const*>(p.k_ptr),
+      static_cast<Element const*>(p.v_ptr), static_cast<Element const*>(p.do_ptr),
+      static_cast<Element*>(p.dk_ptr), static_cast<Element*>(p.dv_ptr),
+      ws.at<float>(p.workspace, ws.lse_log2), ws.at<float>(p.workspace, ws.dpsum),
+      ws.at<float>(p.workspace, ws.dq_accum),
+      ws.gqa ? ws.at<float>(p.workspace, ws.dk_accum) : nullptr,
+      ws.gqa ? ws.at<float>(p.workspace, ws.dv_accum) : nullptr,
+      p.q_batch_stride, p.q_row_stride, p.q_head_stride,
+      p.k_batch_stride, p.k_row_stride, p.k_head_stride,
+      p.v_batch_stride, p.v_row_stride, p.v_head_stride,
+      p.do_batch_stride, p.do_row_stride, p.do_head_stride,
+      p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride,
+      p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride,
+      p.seqlen_q, p.seqlen_k, ws.seqlen_q_rounded, p.nheads_q, p.nheads_kv,
+      float(p.softmax_scale * M_LOG2E), p.softmax_scale};
+  auto kernel = &bwd_kernel<Kernel>;
+  check_launch(set_max_dynamic_smem_once(kernel, p.device, Kernel::kSmemBytes), "cudaFuncSetAttribute");
+  dim3 const grid(ceil_div(p.seqlen_k, Tile::kBlockN), p.nheads_q, p.batch);
+  kernel<<<grid, Kernel::kNumThreads, Kernel::kSmemBytes, stream>>>(kp);
+  check_launch(cudaGetLastError(), "backward kernel launch");
+
+  // dQ from its fragment-ordered tiles; dK, dV (GQA) as on sm90.
+  using Convert = ConvertdQ<typename Config::Mainloop>;
+  typename Convert::Params const cp{ws.at<float>(p.workspace, ws.dq_accum), static_cast<Element*>(p.dq_ptr),
+                                    p.dq_batch_stride, p.dq_row_stride, p.dq_head_stride,
+                                    p.seqlen_q, ws.seqlen_q_rounded, p.nheads_q, p.softmax_scale};
+  auto convert = &convert_dq_kernel<typename Config::Mainloop>;
+  check_launch(set_max_dynamic_smem_once(convert, p.device, Convert::kSmemBytes), "cudaFuncSetAttribute");
+  convert<<<dim3(ws.seqlen_q_rounded / Tile::kBlockM, p.nheads_q, p.batch), Kernel::kNumThreads, Convert::kSmemBytes,
+            stream>>>(cp);
+  check_launch(cudaGetLastError(), "backward dQ postprocess launch");
+  launch_convert_dkv<Element>(p, ws, num_sms, stream);
+}
+
+}  // namespace sm80
+
+template <DType kDType, int kHeadDim, bool kCausal>
+size_t bwd_workspace_bytes_sm80(BwdParams const& p) {
+  switch (sm80::bwd_smem_class<kDType, kHeadDim, kCausal>(p)) {
+    case 227: return sm80::bwd_workspace_bytes<kDType, kHeadDim, kCausal, 227>(p);
+    case 163: return sm80::bwd_workspace_bytes<kDType, kHeadDim, kCausal, 163>(p);
+    default: return sm80::bwd_workspace_bytes<kDType, kHeadDim, kCausal, 99>(p);
+  }
+}
+
+template <DType kDType, int kHeadDim, bool kCausal>
+void run_bwd_sm80(BwdParams const& p, cudaStream_t stream) {
+  switch (sm80::bwd_smem_class<kDType, kHeadDim, kCausal>(p)) {
+    case 227: return sm80::run_bwd<kDType, kHeadDim, kCausal, 227>(p, stream);
+    case 163: return sm80::run_bwd<kDType, kHeadDim, kCausal, 163>(p, stream);
+    default: return sm80::run_bwd<kDType, kHeadDim, kCausal, 99>(p, stream);
+  }
+}
+
+}  // namespace flashhopper

@@ -127,11 +127,6 @@ def test_require_bwd_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     k.requires_grad_()
     with pytest.raises(ValueError, match=r"^k requires grad"):  # the first one that does
         dispatch.require_bwd_kernel("sm80", q, k, v, 128, True)
-    built.add((80, BF16, 128, True))
-    dispatch.require_bwd_kernel("sm90", q, k, v, 128, True, deterministic=True)
-    dispatch.require_bwd_kernel("sm80", q, k, v, 128, True)
-    with pytest.raises(ValueError, match=r"^k requires grad with deterministic=True, but the sm80 backward has no"):
-        dispatch.require_bwd_kernel("sm80", q, k, v, 128, True, deterministic=True)
 
 
 def test_compiled_kernel_views(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -134,10 +134,10 @@ def test_bwd_launches_the_arch_on_the_current_stream(fake: FakeC, allocations: l
     qkv = torch.randn(2, 40, 3, 8, 128, dtype=torch.bfloat16)  # packed: strided q, and GQA k, v
     q, k, v = qkv[:, :, 0], qkv[:, :, 1, :2], qkv[:, :, 2, :2]
     dout, out, lse = torch.randn_like(q), torch.randn_like(q), torch.randn(2, 8, 40)
-    dq, dk, dv = torch.ops.flashhopper.bwd.default(dout, q, k, v, out, lse, None, 0.3, True, True, "sm90")
+    dq, dk, dv = torch.ops.flashhopper.bwd.default(dout, q, k, v, out, lse, None, 0.3, True, True, "sm80")
     assert len(c.bwd_calls) == 1 and c.calls == []
     p, arch, stream = c.bwd_calls[0]
-    assert arch == 90 and stream == 4242
+    assert arch == 80 and stream == 4242
     assert (p["q_ptr"], p["k_ptr"], p["v_ptr"], p["o_ptr"], p["do_ptr"], p["lse_ptr"]) == tuple(
         x.data_ptr() for x in (q, k, v, out, dout, lse))
     assert (p["dq_ptr"], p["dk_ptr"], p["dv_ptr"]) == (dq.data_ptr(), dk.data_ptr(), dv.data_ptr())
@@ -155,19 +155,11 @@ def test_bwd_launches_the_arch_on_the_current_stream(fake: FakeC, allocations: l
     assert p["causal"] is True and p["deterministic"] is True and p["softmax_scale"] == 0.3 and p["dtype"] == "bf16"
     # The workspace: asked for with every other field already filled, then allocated at that size.
     (queried, q_arch), = c.workspace_queries
-    assert q_arch == 90 and queried["workspace"] == 0
+    assert q_arch == 80 and queried["workspace"] == 0
     assert {**queried, "workspace": None} == {**p, "workspace": None}
     assert allocations == [((c.workspace_bytes,), torch.uint8)]
     assert p["workspace"] != 0
     assert p["max_smem_bytes"] == 0  # the device's limit picks the sm80 tiles
-
-
-def test_sm80_deterministic_bwd_is_refused_before_launch(fake: FakeC) -> None:
-    dout, q, k, v, out, lse = torch.randn(1, 8, 2, 64, dtype=torch.bfloat16), *(
-        torch.randn(1, 8, 2, 64, dtype=torch.bfloat16) for _ in range(4)), torch.randn(1, 2, 8)
-    with pytest.raises(ValueError, match="sm80 backward has no deterministic mode"):
-        torch.ops.flashhopper.bwd.default(dout, q, k, v, out, lse, None, 0.3, False, True, "sm80")
-    assert fake.bwd_calls == [] and fake.workspace_queries == []
 
 
 def test_bwd_passes_dlse(fake: FakeC) -> None:

@@ -5,6 +5,8 @@
 
 #include <cute/tensor.hpp>
 
+#include "../common/block_info.h"
+#include "../common/semaphore.h"
 #include "epilogue_bwd.h"
 #include "mainloop_bwd.h"
 
@@ -25,6 +27,8 @@ struct BwdKernel {
     float const *lse_log2, *dpsum;  // (batch, nheads_q, seqlen_q_rounded)
     float* dq_accum;                // (batch, nheads_q, seqlen_q_rounded, headdim), tiles in fragment order
     float *dk_accum, *dv_accum;     // GQA: (batch, nheads_kv, seqlen_k, headdim); else nullptr
+    int* dq_semaphore;              // deterministic: (batch, nheads_q, m_blocks) zeroed; else nullptr
+    int* dkv_semaphore;             // deterministic GQA: (batch, nheads_kv, n_blocks) zeroed; else nullptr
     int64_t q_batch_stride, q_row_stride, q_head_stride;
     int64_t k_batch_stride, k_row_stride, k_head_stride;
     int64_t v_batch_stride, v_row_stride, v_head_stride;
@@ -47,6 +51,9 @@ struct BwdKernel {
                                        p.q_row_stride, p.k_row_stride, p.v_row_stride, p.do_row_stride,
                                        p.lse_log2 + bh * p.seqlen_q_rounded, p.dpsum + bh * p.seqlen_q_rounded,
                                        p.dq_accum + bh * p.seqlen_q_rounded * Mainloop::kHeadDim,
+                                       p.dq_semaphore == nullptr
+                                           ? nullptr
+                                           : p.dq_semaphore + bh * (p.seqlen_q_rounded / Mainloop::kBlockM),
                                        p.seqlen_q, p.seqlen_k, p.scale_log2};
 
     typename Mainloop::TiledMmadKV mma_dkv;
@@ -55,13 +62,26 @@ struct BwdKernel {
     clear(acc_dk);
     clear(acc_dv);
     bool const any = Mainloop::mma(ts, args, n_block, acc_dk, acc_dv);
-    // GQA: each query head adds its share (none when no query sees the block).
-    if (p.dk_accum != nullptr && !any) return;
     CUTE_UNROLL
-    for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= p.softmax_scale;
-    if (p.dk_accum != nullptr) {
-      int64_t const offset = (int64_t(batch) * p.nheads_kv + kv_head) * p.seqlen_k * Mainloop::kHeadDim;
-      Epilogue::reduce(acc_dk, acc_dv, p.dk_accum + offset, p.dv_accum + offset, p.seqlen_k, n_block);
+    for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= p.softmax_scale;  // zero stays zero when !any
+    if (p.dk_accum != nullptr) {  // GQA: each query head of the group adds its share
+      int64_t const kv = int64_t(batch) * p.nheads_kv + kv_head;
+      // Deterministic: the group's heads take turns in head order, also those with nothing to add.
+      int* sem = p.dkv_semaphore == nullptr ? nullptr
+                                            : p.dkv_semaphore + kv * ceil_div(p.seqlen_k, Mainloop::kBlockN) + n_block;
+      if (sem != nullptr) {
+        if (threadIdx.x == 0) wait_at_least(sem, head % (p.nheads_q / p.nheads_kv));
+        __syncthreads();
+      }
+      if (any) {
+        int64_t const offset = kv * p.seqlen_k * Mainloop::kHeadDim;
+        Epilogue::reduce(acc_dk, acc_dv, p.dk_accum + offset, p.dv_accum + offset, p.seqlen_k, n_block);
+      }
+      if (sem != nullptr) {
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0) signal(sem);
+      }
       return;
     }
     Epilogue::store(ts, acc_dk, acc_dv, p.dk + batch * p.dk_batch_stride + head * p.dk_head_stride, p.dk_row_stride,

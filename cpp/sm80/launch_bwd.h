@@ -61,7 +61,6 @@ void run_bwd(BwdParams const& p, cudaStream_t stream) {
   using Tile = typename Config::Tile;
   using Kernel = typename Config::Kernel;
   check_bwd_params(p, kHeadDim);
-  if (p.deterministic) throw std::invalid_argument("flashhopper: the sm80 backward has no deterministic mode");
   BwdWorkspace const ws = BwdWorkspace::make<Tile::kBlockM, Tile::kBlockN>(p);
   int const num_sms = p.num_sms > 0 ? p.num_sms : device_info(p.device).num_sms;
 
@@ -75,6 +74,8 @@ void run_bwd(BwdParams const& p, cudaStream_t stream) {
       ws.at<float>(p.workspace, ws.dq_accum),
       ws.gqa ? ws.at<float>(p.workspace, ws.dk_accum) : nullptr,
       ws.gqa ? ws.at<float>(p.workspace, ws.dv_accum) : nullptr,
+      p.deterministic ? ws.at<int>(p.workspace, ws.dq_semaphore) : nullptr,
+      p.deterministic && ws.gqa ? ws.at<int>(p.workspace, ws.dkv_semaphore) : nullptr,
       p.q_batch_stride, p.q_row_stride, p.q_head_stride,
       p.k_batch_stride, p.k_row_stride, p.k_head_stride,
       p.v_batch_stride, p.v_row_stride, p.v_head_stride,

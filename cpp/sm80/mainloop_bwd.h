@@ -16,6 +16,7 @@
 
 #include "../common/block_info.h"
 #include "../common/mask.h"
+#include "../common/semaphore.h"
 #include "../common/softmax.h"
 #include "../common/utils.h"
 #include "gemm.h"
@@ -94,6 +95,7 @@ struct BwdMainloop {
     float const* lse_log2;  // this head's seqlen_q_rounded rows (padding rows: +inf)
     float const* dpsum;     // D, same rows (padding rows: 0)
     float* dq_accum;        // seqlen_q_rounded / kBlockM tiles in fragment order (red_add_fragment_order)
+    int* dq_semaphore;      // deterministic: one zeroed counter per query block; else nullptr
     int seqlen_q, seqlen_k;
     float scale_log2;
   };
@@ -217,7 +219,18 @@ struct BwdMainloop {
       }
       clear(acc_dq);
       gemm_ss<LdsmN, LdsmT>(mma_dq, acc_dq, sdS, sKt);  // dQ = dS K
+      // Deterministic: key blocks 0 .. n_block_end(m_block) - 1 all add into this query block; they
+      // take turns in that order (the lower ones are earlier in the grid, so the wait ends).
+      if (args.dq_semaphore != nullptr) {
+        if (tid == 0) wait_at_least(args.dq_semaphore + m_block, n_block);
+        __syncthreads();
+      }
       red_add_fragment_order<kNumThreads>(acc_dq, args.dq_accum + int64_t(m_block) * kBlockM * kHeadDim);
+      if (args.dq_semaphore != nullptr) {
+        __threadfence();  // this CTA's reductions are ordered before the turn passes
+        __syncthreads();
+        if (tid == 0) signal(args.dq_semaphore + m_block);
+      }
     }
     return true;
   }

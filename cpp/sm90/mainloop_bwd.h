@@ -23,11 +23,10 @@
 #include <cutlass/gemm/collective/builders/sm90_common.inl>
 #include <cutlass/pipeline/pipeline.hpp>
 
-#include <cuda/atomic>
-
 #include <type_traits>
 
 #include "../common/block_info.h"
+#include "../common/semaphore.h"
 #include "../common/mask.h"
 #include "../common/softmax.h"
 #include "../common/utils.h"
@@ -46,15 +45,6 @@ CUTE_DEVICE auto fragment_ab(ThrMma const& thr, TensorT const& t) {
   } else {
     return thr.partition_fragment_B(t);
   }
-}
-
-// Semaphores of the deterministic mode: a spin on a global counter by one thread.
-CUTE_DEVICE void wait_at_least(int const* sem, int value) {
-  while (cuda::atomic_ref<int const, cuda::thread_scope_device>(*sem).load(cuda::memory_order_acquire) < value) {
-  }
-}
-CUTE_DEVICE void signal(int* sem) {
-  cuda::atomic_ref<int, cuda::thread_scope_device>(*sem).fetch_add(1, cuda::memory_order_release);
 }
 
 template <class Element_, int kHeadDim_, class Tile, bool kCausal_>

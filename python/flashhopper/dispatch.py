@@ -114,17 +114,13 @@ def _missing_bwd_cuda(backend: str, dtype: torch.dtype, headdim: int, causal: bo
 
 
 def require_bwd_kernel(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, headdim: int,
-                       causal: bool, deterministic: bool = False) -> None:
-    """ValueError, at forward time, when autograd will ask ``backend`` for a backward this build lacks
-    (or a deterministic one sm80 does not have): grad mode is on and q, k or v requires grad. Better
-    now than after the whole forward graph ran."""
+                       causal: bool) -> None:
+    """ValueError, at forward time, when autograd will ask ``backend`` for a backward this build lacks:
+    grad mode is on and q, k or v requires grad. Better now than after the whole forward graph ran."""
     if backend not in ARCH or not torch.is_grad_enabled():
         return
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.requires_grad:
-            if deterministic and backend == "sm80":
-                raise ValueError(f"{name} requires grad with deterministic=True, but the sm80 backward has no "
-                                 "deterministic mode (use the sm90 backend, or deterministic=False)")
             msg = _missing_bwd_cuda(backend, q.dtype, headdim, causal)
             if msg:
                 raise ValueError(f"{name} requires grad, but {msg}")

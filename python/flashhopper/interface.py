@@ -47,6 +47,6 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
     check_flag("return_lse", return_lse)
     check_flag("deterministic", deterministic)
     name = select_backend(q, shapes.headdim, q.dtype, causal, backend)
-    require_bwd_kernel(name, q, k, v, shapes.headdim, causal, deterministic)
+    require_bwd_kernel(name, q, k, v, shapes.headdim, causal)
     out, lse = torch.ops.flashhopper.fwd.default(q, k, v, scale, causal, deterministic, name)
     return (out, lse) if return_lse else out

@@ -41,7 +41,9 @@ struct BwdKernel {
 
   CUTE_DEVICE static void run(Params const& p, char* smem) {
     auto& ts = *reinterpret_cast<typename Mainloop::TensorStorage*>(smem);
-    int const n_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
+    // Deterministic: last key block first, the order of the dQ turns (BwdMainloop::mma).
+    int const n_block = p.dq_semaphore != nullptr ? int(gridDim.x - 1 - blockIdx.x) : int(blockIdx.x);
+    int const head = blockIdx.y, batch = blockIdx.z;
     int const kv_head = head / (p.nheads_q / p.nheads_kv);
     int64_t const bh = int64_t(batch) * p.nheads_q + head;
     typename Mainloop::Args const args{p.q + batch * p.q_batch_stride + head * p.q_head_stride,

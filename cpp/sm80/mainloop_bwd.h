@@ -220,9 +220,11 @@ struct BwdMainloop {
       clear(acc_dq);
       gemm_ss<LdsmN, LdsmT>(mma_dq, acc_dq, sdS, sKt);  // dQ = dS K
       // Deterministic: key blocks 0 .. n_block_end(m_block) - 1 all add into this query block; they
-      // take turns in that order (the lower ones are earlier in the grid, so the wait ends).
+      // take turns from the last down: a higher key block starts its walk at a higher query block,
+      // so it gets here first (ascending turns measured 0.41-0.50x of the default causal). The
+      // kernel launches key blocks in that order, so a CTA only waits on ones started before it.
       if (args.dq_semaphore != nullptr) {
-        if (tid == 0) wait_at_least(args.dq_semaphore + m_block, n_block);
+        if (tid == 0) wait_at_least(args.dq_semaphore + m_block, info.n_block_end(m_block) - 1 - n_block);
         __syncthreads();
       }
       red_add_fragment_order<kNumThreads>(acc_dq, args.dq_accum + int64_t(m_block) * kBlockM * kHeadDim);

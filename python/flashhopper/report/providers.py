@@ -167,6 +167,7 @@ PROVIDERS: dict[str, Provider] = {p.name: p for p in (
     Provider("flashhopper-sm80", functools.partial(_ours, "sm80")),
     # The backward with deterministic=True (ordered dQ accumulation): its cost next to the default.
     Provider("flashhopper-deterministic", functools.partial(_ours, None, deterministic=True)),
+    Provider("flashhopper-sm80-deterministic", functools.partial(_ours, "sm80", deterministic=True)),
     # fp8 forward: the kernel on inputs quantized beforehand, and end to end (quantizing q, k, v in the call).
     Provider("flashhopper-fp8", functools.partial(_fp8, False), rel_err_tolerance=8e-2),
     Provider("flashhopper-fp8-e2e", functools.partial(_fp8, True), rel_err_tolerance=8e-2),

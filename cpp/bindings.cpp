@@ -118,7 +118,7 @@ PYBIND11_MODULE(_C, m) {
   FH_RW(v_batch_stride); FH_RW(v_row_stride); FH_RW(v_head_stride);
   FH_RW(o_batch_stride); FH_RW(o_row_stride); FH_RW(o_head_stride);
   FH_RW(batch); FH_RW(seqlen_q); FH_RW(seqlen_k); FH_RW(nheads_q); FH_RW(nheads_kv); FH_RW(headdim);
-  FH_RW(softmax_scale); FH_RW(causal); FH_RW(dtype); FH_RW(device); FH_RW(num_sms);
+  FH_RW(softmax_scale); FH_RW(causal); FH_RW(dtype); FH_RW(device); FH_RW(num_sms); FH_RW(max_smem_bytes);
   // FP8 (docs/fp8.md)
   def_ptr(p, "q_scale_ptr", &FwdParams::q_scale_ptr);
   def_ptr(p, "k_scale_ptr", &FwdParams::k_scale_ptr);

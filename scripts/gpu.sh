@@ -102,7 +102,7 @@ do_ablate() {
              "fp8-d64-m128:-DFLASHHOPPER_FP8_HDIM64_BLOCK_M=128" "fp8-d64-m128n192:-DFLASHHOPPER_FP8_HDIM64_BLOCK_M=128 -DFLASHHOPPER_FP8_HDIM64_BLOCK_N=192"
              "fp8-d64-n160:-DFLASHHOPPER_FP8_HDIM64_BLOCK_N=160" "fp8-d64-n192:-DFLASHHOPPER_FP8_HDIM64_BLOCK_N=192"
              "sm80-d64-n64:-DFLASHHOPPER_SM80_HDIM64_BLOCK_N=64" "sm80-d64-n128:-DFLASHHOPPER_SM80_HDIM64_BLOCK_N=128"
-             "sm80-d64-m64:-DFLASHHOPPER_SM80_HDIM64_BLOCK_M=64")
+             "sm80-d64-m64:-DFLASHHOPPER_SM80_HDIM64_BLOCK_M=64" "sm80-fwd-d256-small:-DFLASHHOPPER_SM80_HDIM256_FWD_SMALL")
   local want=" ${ABLATE_VARIANTS:-full no-pingpong no-overlap no-both n176 kv3q1} " chosen=() pids=()
   for v in "${all[@]}"; do
     [[ $want == *" ${v%%:*} "* ]] && chosen+=("$v")
@@ -133,6 +133,7 @@ do_ablate() {
 # --mode bwd the backward's main kernel is profiled).
 do_profile() {
   # PROFILE_KERNEL: a regex for other kernels (SDPA's FlashAttention-2: flash_fwd_kernel, flash_bwd_dq_dk_dv)
+  # NCU_ARGS: more ncu options, e.g. "--print-details all --section SourceCounters" (stall reasons, hot spots)
   local tag kernel=fwd_kernel
   [[ " $* " == *" --mode bwd "* ]] && kernel=bwd_kernel
   kernel=${PROFILE_KERNEL:-$kernel}
@@ -140,7 +141,7 @@ do_profile() {
   ncu --clock-control none --kernel-name "regex:${kernel}" --launch-skip 2 --launch-count 1 \
     --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section ComputeWorkloadAnalysis \
     --section InstructionStats --section LaunchStats --section SchedulerStats --section MemoryWorkloadAnalysis_Tables \
-    "$PY" scripts/profile_attention.py "$@" >"$OUT/ncu_${tag}.txt" 2>&1 || true
+    ${NCU_ARGS:-} "$PY" scripts/profile_attention.py "$@" >"$OUT/ncu_${tag}.txt" 2>&1 || true
   grep -E "Duration|Throughput|Pipe|Hit Rate|Stall|Warp Cycles|Issued|Bandwidth|Busy|L2 Cache|Bank" "$OUT/ncu_${tag}.txt" | head -60
 }
 

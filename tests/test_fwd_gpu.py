@@ -74,6 +74,21 @@ def test_fwd(case: tuple[int, int, int, bool, int, int, torch.dtype], backend: s
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("headdim", HDIMS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(("sq", "sk", "hq", "hkv"), [(1000, 1000, 4, 4), (255, 700, 4, 1), (700, 130, 4, 2)])
+def test_fwd_sm80_small_smem_tiles(sq: int, sk: int, hq: int, hkv: int, causal: bool, headdim: int) -> None:
+    # The sm80 forward picks its tiles by the shared memory a block may use (head dim 256 has larger
+    # ones above 99 KB); max_smem_bytes runs the 99 KB tiles of sm_86/sm_89 here.
+    require_backend("sm80", torch.bfloat16, headdim, causal)
+    q, k, v = randn_qkv(2, sq, sk, hq, hkv, headdim, torch.bfloat16, "cuda")
+    out, lse = poisoned(q)
+    scale = 1 / math.sqrt(headdim)
+    fwd_into(q, k, v, out, lse, scale, causal, 80, max_smem_bytes=99 * 1024)
+    assert_matches_reference(out, lse, q, k, v, scale, causal)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("scale", [0.02, 0.5])
 @pytest.mark.parametrize("causal", [False, True])

@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import randn_qkv
 
-from flashhopper import flash_attn_func, validation
+from flashhopper import flash_attn_func, ops, validation
 from flashhopper.ops import bwd_into, fwd_into
 
 
@@ -154,6 +154,12 @@ def test_fwd_into_refuses_cpu_tensors() -> None:
     out, lse = torch.empty_like(q), torch.empty(2, 8, 16)
     with raises(ValueError, "q"):
         fwd_into(q, k, v, out, lse, 0.125, False, 90)
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True, None])
+def test_max_smem_bytes(value: Any) -> None:
+    with raises(ValueError, "max_smem_bytes"):
+        ops._check_max_smem_bytes(value)
 
 
 # --- memory layout (checked right before a launch; CPU tensors stand in for CUDA ones) ---

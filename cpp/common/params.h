@@ -55,6 +55,9 @@ struct FwdParams {
   int* tile_counter = nullptr;
   int device = 0;   // CUDA device ordinal the pointers live on
   int num_sms = 0;  // multiprocessors for a persistent grid; 0 lets the launcher query the device
+  // sm80 kernels: pick the tiles as on a device with this much shared memory per block (bytes);
+  // 0 = this device's limit. Tests run the 99 KB tiles of sm_86/sm_89 on larger GPUs with it.
+  int max_smem_bytes = 0;
 };
 
 // Backward attention: gradients of the forward above with respect to q, k and v, given dO and the

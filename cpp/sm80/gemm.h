@@ -54,6 +54,15 @@ CUTE_DEVICE auto gmem_rows(T* ptr, int seqlen, int64_t row_stride) {
   return make_tensor(make_gmem_ptr(ptr), make_shape(seqlen, Int<kHeadDim>{}), make_stride(row_stride, _1{}));
 }
 
+// Rows [n kRows, (n + 1) kRows) of a (seqlen, kCols) row-major matrix as one tile. The tile's base is
+// 64-bit, the offsets inside it 32-bit (the launchers check kRows * row_stride < 2^31): per-row
+// addresses then cost one add instead of 64-bit multiply-adds kept live across the loop.
+template <int kRows, int kCols, class T>
+CUTE_DEVICE auto block_rows(T* ptr, int64_t row_stride, int n) {
+  return make_tensor(make_gmem_ptr(ptr + int64_t(n) * kRows * row_stride),
+                     make_layout(make_shape(Int<kRows>{}, Int<kCols>{}), make_stride(int(row_stride), _1{})));
+}
+
 // Copy a partitioned tile into shared memory with cp.async; rows at or past `valid_rows` are
 // zeroed instead (padding that meets P = 0 or a masked score must be finite).
 template <class TiledCopy, class Src, class Dst, class Coords>
@@ -85,11 +94,16 @@ CUTE_DEVICE void store_rows(STile const& s, GTile&& g, int valid_rows) {
   }
 }
 
+struct NoHook {
+  CUTE_DEVICE void operator()(int) const {}
+};
+
 // acc += A B^T over the shared k extent. sA is (M, K) and sB (N, K) in shared memory (possibly
 // transposed views, read with the matching ldmatrix); rA, when given, is A already in registers
-// (the P of O += P V). The next k slice is loaded while the current one multiplies.
-template <class AtomA, class AtomB, class TiledMma_, class Acc, class SA, class SB>
-CUTE_DEVICE void gemm_ss(TiledMma_ const& tiled_mma, Acc& acc, SA const& sA, SB const& sB) {
+// (the P of O += P V). The next k slice is loaded while the current one multiplies. hook(k) runs
+// after slice k is issued: independent work (e.g. global reductions) spread between the MMAs.
+template <class AtomA, class AtomB, class TiledMma_, class Acc, class SA, class SB, class Hook = NoHook>
+CUTE_DEVICE void gemm_ss(TiledMma_ const& tiled_mma, Acc& acc, SA const& sA, SB const& sB, Hook&& hook = {}) {
   int const tid = threadIdx.x;
   auto thr_mma = tiled_mma.get_thread_slice(tid);
   Tensor rA = thr_mma.partition_fragment_A(sA);
@@ -109,6 +123,7 @@ CUTE_DEVICE void gemm_ss(TiledMma_ const& tiled_mma, Acc& acc, SA const& sA, SB 
       copy(copy_b, tsB(_, _, k + 1), trB(_, _, k + 1));
     }
     cute::gemm(tiled_mma, rA(_, _, k), rB(_, _, k), acc);
+    hook(k);
   }
 }
 

@@ -18,7 +18,6 @@ struct FwdKernel {
   using Epilogue = FwdEpilogue<Mainloop>;
   static constexpr int kNumThreads = Mainloop::kNumThreads;
   static constexpr int kSmemBytes = int(sizeof(typename Mainloop::TensorStorage));
-  static_assert(kSmemBytes <= 99 * 1024, "sm_86/sm_89 have 99 KB of shared memory per block");
 
   struct Params {
     Element const* q;

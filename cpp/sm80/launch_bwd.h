@@ -8,6 +8,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <stdexcept>
@@ -61,6 +62,9 @@ void run_bwd(BwdParams const& p, cudaStream_t stream) {
   using Tile = typename Config::Tile;
   using Kernel = typename Config::Kernel;
   check_bwd_params(p, kHeadDim);
+  // Offsets inside a query block are 32-bit (sm80::block_rows).
+  if (std::max(p.q_row_stride, p.do_row_stride) > INT32_MAX / Tile::kBlockM)
+    throw std::invalid_argument("flashhopper: Q/dO row stride too large for the sm80 kernels");
   BwdWorkspace const ws = BwdWorkspace::make<Tile::kBlockM, Tile::kBlockN>(p);
   int const num_sms = p.num_sms > 0 ? p.num_sms : device_info(p.device).num_sms;
 

@@ -5,9 +5,9 @@
 //   dP = dO V^T, dS = P (dP - D)                             D = rowsum(dO O) from the preprocess
 //   P, dS -> shared memory (16-bit)
 //   dV += P^T dO;   then the next dO loads
-//   dK += dS^T Q;   then the next Q loads (single-buffered Q; double-buffered it loaded at the top)
 //   dQ  = dS K      added into the float32 dQ accumulator with fire-and-forget reductions
-//                   (in fragment order: red_add_fragment_order).
+//                   (in fragment order: red_add_fragment_order), issued between dK's MMAs:
+//   dK += dS^T Q;   then the next Q loads (single-buffered Q; double-buffered it loaded at the top).
 // dK and dV stay in registers for the whole walk. Masks, block ranges and the P / dS math are the
 // ones the sm90 path uses (common/).
 #pragma once
@@ -51,10 +51,13 @@ CUTE_DEVICE void red_add_fragment(Frag const& acc, Coords const& coords, int row
 // (row, col) order it touches 8 rows). Scalar reductions: measured on the H100, both the
 // (row, col)-ordered red.v2 and a fragment-ordered red.v4 kept L2 busier (73%, 80%) than this
 // pattern. The sm80 postprocess reads the tiles back with the same mapping.
+// part / num_parts: the share of the elements to add now (all of them by default).
 template <int kNumThreads, class Frag>
-CUTE_DEVICE void red_add_fragment_order(Frag const& acc, float* tile) {
+CUTE_DEVICE void red_add_fragment_order(Frag const& acc, float* tile, int part = 0, int num_parts = 1) {
   CUTE_UNROLL
-  for (int i = 0; i < size(acc); ++i) red_add(tile + i * kNumThreads + int(threadIdx.x), acc(i));
+  for (int i = 0; i < size(acc); ++i) {
+    if (i * num_parts / size(acc) == part) red_add(tile + i * kNumThreads + int(threadIdx.x), acc(i));
+  }
 }
 
 template <class Element_, int kHeadDim_, class TileSize, bool kCausal_>
@@ -114,10 +117,6 @@ struct BwdMainloop {
     bool const seqlen_mask = (n_block + 1) * kBlockN > args.seqlen_k;
     int const tid = threadIdx.x;
 
-    Tensor gQ = local_tile(gmem_rows<kHeadDim>(args.q, args.seqlen_q, args.q_row_stride), Shape<BM, D>{},
-                           make_coord(_, 0));  // (BM, D, m)
-    Tensor gdO = local_tile(gmem_rows<kHeadDim>(args.dout, args.seqlen_q, args.do_row_stride), Shape<BM, D>{},
-                            make_coord(_, 0));
     Tensor gK = local_tile(gmem_rows<kHeadDim>(args.k, args.seqlen_k, args.k_row_stride), Shape<BN, D>{},
                            make_coord(n_block, 0));
     Tensor gV = local_tile(gmem_rows<kHeadDim>(args.v, args.seqlen_k, args.v_row_stride), Shape<BN, D>{},
@@ -138,16 +137,22 @@ struct BwdMainloop {
 
     GmemCopy gmem_copy;
     auto gthr = gmem_copy.get_thread_slice(tid);
-    Tensor tQgQ = gthr.partition_S(gQ);  // (CPY, CPY_M, CPY_K, m)
-    Tensor tdOgdO = gthr.partition_S(gdO);
     Tensor tdOsdO = gthr.partition_D(sdO);
     Tensor tQcQ = gthr.partition_S(make_identity_tensor(Shape<BM, D>{}));
     Tensor tKcK = gthr.partition_S(make_identity_tensor(Shape<BN, D>{}));
     int const k_rows = args.seqlen_k - n_block * kBlockN;
-    auto load_q = [&](int m, int stage) {
-      copy_rows(gmem_copy, tQgQ(_, _, _, m), gthr.partition_D(sQ(stage)), tQcQ, args.seqlen_q - m * kBlockM);
+    // Only the last query block can hold the sequence end; the others load without row checks.
+    auto load_rows = [&](Element const* ptr, int64_t row_stride, auto&& dst, int m) {
+      Tensor src = gthr.partition_S(block_rows<kBlockM, kHeadDim>(ptr, row_stride, m));
+      int const valid = args.seqlen_q - m * kBlockM;
+      if (valid < kBlockM) {
+        copy_rows(gmem_copy, src, dst, tQcQ, valid);
+      } else {
+        copy(gmem_copy, src, dst);
+      }
     };
-    auto load_do = [&](int m) { copy_rows(gmem_copy, tdOgdO(_, _, _, m), tdOsdO, tQcQ, args.seqlen_q - m * kBlockM); };
+    auto load_q = [&](int m, int stage) { load_rows(args.q, args.q_row_stride, gthr.partition_D(sQ(stage)), m); };
+    auto load_do = [&](int m) { load_rows(args.dout, args.do_row_stride, tdOsdO, m); };
 
     TiledMmaSdP mma_sdp;
     TiledMmadKV mma_dkv;
@@ -208,15 +213,6 @@ struct BwdMainloop {
         load_do(m_block + 1);
         cp_async_fence();
       }
-      Tensor sQt = make_tensor(sQ(stage).data(), transposed(SmemLayoutQ{}));  // (D, BM)
-      gemm_ss<LdsmT, LdsmT>(mma_dkv, acc_dk, sdSt, sQt);  // dK += dS^T Q
-      if constexpr (kStagesQ == 1) {
-        __syncthreads();  // every warp is done with Q
-        if (m_block + 1 < m_block_max) {
-          load_q(m_block + 1, 0);
-          cp_async_fence();
-        }
-      }
       clear(acc_dq);
       gemm_ss<LdsmN, LdsmT>(mma_dq, acc_dq, sdS, sKt);  // dQ = dS K
       // Deterministic: key blocks 0 .. n_block_end(m_block) - 1 all add into this query block; they
@@ -227,11 +223,26 @@ struct BwdMainloop {
         if (tid == 0) wait_at_least(args.dq_semaphore + m_block, info.n_block_end(m_block) - 1 - n_block);
         __syncthreads();
       }
-      red_add_fragment_order<kNumThreads>(acc_dq, args.dq_accum + int64_t(m_block) * kBlockM * kHeadDim);
+      // dQ's reductions are handed to dK's GEMM in slices (ptxas still pulls most of them to its
+      // first MMAs). Issued as one block before or after it they filled the load/store queue (ncu,
+      // head dim 256, 8k: LG-throttle 1.75 cycles per instruction, now 1.05; 0.98x -> 1.01x FA2).
+      Tensor sQt = make_tensor(sQ(stage).data(), transposed(SmemLayoutQ{}));  // (D, BM)
+      float* dq_tile = args.dq_accum + int64_t(m_block) * kBlockM * kHeadDim;
+      gemm_ss<LdsmT, LdsmT>(mma_dkv, acc_dk, sdSt, sQt, [&](int k) {  // dK += dS^T Q
+        constexpr int kSlices = kBlockM / 16;  // the k extent of dK = dS^T Q is the query block
+        red_add_fragment_order<kNumThreads>(acc_dq, dq_tile, k, kSlices);
+      });
       if (args.dq_semaphore != nullptr) {
         __threadfence();  // this CTA's reductions are ordered before the turn passes
         __syncthreads();
         if (tid == 0) signal(args.dq_semaphore + m_block);
+      }
+      if constexpr (kStagesQ == 1) {
+        __syncthreads();  // every warp is done with Q
+        if (m_block + 1 < m_block_max) {
+          load_q(m_block + 1, 0);
+          cp_async_fence();
+        }
       }
     }
     return true;

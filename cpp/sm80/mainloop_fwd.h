@@ -60,8 +60,6 @@ struct FwdMainloop {
     int const tid = threadIdx.x;
 
     Tensor gQ = local_tile(rows(q, seqlen_q, q_row_stride), Shape<BM, D>{}, make_coord(m_block, 0));  // (BM, D)
-    Tensor gK = local_tile(rows(k, seqlen_k, k_row_stride), Shape<BN, D>{}, make_coord(_, 0));  // (BN, D, n)
-    Tensor gV = local_tile(rows(v, seqlen_k, v_row_stride), Shape<BN, D>{}, make_coord(_, 0));
     Tensor sQ = make_tensor(make_smem_ptr(ts.smem_q.data()), SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(ts.smem_k.data()), SmemLayoutKV{});
     Tensor sV = make_tensor(make_smem_ptr(ts.smem_v.data()), SmemLayoutKV{});
@@ -71,15 +69,23 @@ struct FwdMainloop {
     auto gthr = gmem_copy.get_thread_slice(tid);
     Tensor tQgQ = gthr.partition_S(gQ);
     Tensor tQsQ = gthr.partition_D(sQ);
-    Tensor tKgK = gthr.partition_S(gK);  // (CPY, CPY_N, CPY_K, n)
-    Tensor tKsK = gthr.partition_D(sK);
-    Tensor tVgV = gthr.partition_S(gV);
+    Tensor tKsK = gthr.partition_D(sK);  // (CPY, CPY_N, CPY_K)
     Tensor tVsV = gthr.partition_D(sV);
     Tensor tQcQ = gthr.partition_S(make_identity_tensor(Shape<BM, D>{}));
     Tensor tKcK = gthr.partition_S(make_identity_tensor(Shape<BN, D>{}));
     int const q_rows = seqlen_q - m_block * kBlockM;
-    auto load_k = [&](int n) { copy_rows(gmem_copy, tKgK(_, _, _, n), tKsK, tKcK, seqlen_k - n * kBlockN); };
-    auto load_v = [&](int n) { copy_rows(gmem_copy, tVgV(_, _, _, n), tVsV, tKcK, seqlen_k - n * kBlockN); };
+    // Only the highest key block can hold the sequence end (check_end); the others load without row checks.
+    auto load_kv = [&](Element const* ptr, int64_t row_stride, auto& dst, int n, auto check_end) {
+      Tensor src = gthr.partition_S(block_rows<kBlockN, kHeadDim>(ptr, row_stride, n));
+      int const valid = seqlen_k - n * kBlockN;
+      if (decltype(check_end)::value && valid < kBlockN) {
+        copy_rows(gmem_copy, src, dst, tKcK, valid);
+      } else {
+        copy(gmem_copy, src, dst);
+      }
+    };
+    auto load_k = [&](int n, auto check_end) { load_kv(k, k_row_stride, tKsK, n, check_end); };
+    auto load_v = [&](int n, auto check_end) { load_kv(v, v_row_stride, tVsV, n, check_end); };
 
     TiledMma tiled_mma;
     auto thr_mma = tiled_mma.get_thread_slice(tid);
@@ -93,7 +99,7 @@ struct FwdMainloop {
     // Prologue: Q and the last K block in flight together.
     int n_block = n_block_max - 1;
     copy_rows(gmem_copy, tQgQ, tQsQ, tQcQ, q_rows);
-    load_k(n_block);
+    load_k(n_block, cute::true_type{});
     cp_async_fence();
     clear(acc_o);
 
@@ -109,14 +115,14 @@ struct FwdMainloop {
       clear(acc_s);
       cp_async_wait<0>();
       __syncthreads();  // K_n (and Q) landed; every warp is done with V_{n+1}
-      load_v(n_block);
+      load_v(n_block, masked);  // the unmasked blocks are all below the highest
       cp_async_fence();
       gemm_ss<LdsmN, LdsmN>(tiled_mma, acc_s, sQ, sK);  // S = Q K_n^T
       if constexpr (kMasked) mask.template apply<true, true>(scores, tScS, row_offset, n_block);
       cp_async_wait<0>();
       __syncthreads();  // V_n landed; every warp is done with K_n
       if (n_block > n_block_min) {
-        load_k(n_block - 1);
+        load_k(n_block - 1, cute::false_type{});
         cp_async_fence();
       }
       auto const o_scale = softmax.template update<false, kMasked>(scores);

@@ -1,17 +1,25 @@
 // Per-head-dim tiles of the Ampere (sm80) kernels. Forward: kBlockM query rows per CTA, kBlockN keys per
-// iteration, four warps. Q, K and V each have one shared-memory tile; with 16-bit elements that is
-// (kBlockM + 2 kBlockN) x headdim x 2 bytes, at most 96 KB, inside the 99 KB of sm_86/sm_89.
-// Starting points taken from FlashAttention-2's public choices, to be measured (docs/perf-notes.md).
+// iteration. Q, K and V each have one shared-memory tile; with 16-bit elements that is
+// (kBlockM + 2 kBlockN) x headdim x 2 bytes. As for the backward (below), one table per
+// shared-memory class kSmemKB: 99 (sm_86, sm_89), 163 (sm_80), 227 (sm_90); `type` names the table
+// that defines the tiles. Starting points taken from FlashAttention-2's public choices, measured
+// (docs/perf-notes.md).
 #pragma once
 
 namespace flashhopper::sm80 {
 
-template <int kHeadDim, bool kCausal>
+template <int kHeadDim, bool kCausal, int kSmemKB = 227>
 struct FwdTileSize;
 
+template <int kHeadDim, bool kCausal>  // the sm_80 tiles unless a head dim has its own
+struct FwdTileSize<kHeadDim, kCausal, 227> : FwdTileSize<kHeadDim, kCausal, 163> {};
+template <int kHeadDim, bool kCausal>  // the 99 KB tiles unless a head dim has its own
+struct FwdTileSize<kHeadDim, kCausal, 163> : FwdTileSize<kHeadDim, kCausal, 99> {};
+
 // Head dim 64: 128 x 64 measured 1.04x FA2 non-causal where 128 x 128 gave 0.93x, but 0.91-0.94x
-// causal where 128 x 128 gives 0.95x (H100, 2026-11-22, docs/perf-notes.md). Build-time
-// overrides for ablations (scripts/gpu.sh ablate).
+// causal where 128 x 128 gave 0.95x (H100, 2026-11-22, before the row-check-free K/V loads, which
+// took the kept tiles to 1.08-1.15x; docs/perf-notes.md). Build-time overrides for ablations
+// (scripts/gpu.sh ablate).
 #ifndef FLASHHOPPER_SM80_HDIM64_BLOCK_M
 #define FLASHHOPPER_SM80_HDIM64_BLOCK_M 128
 #endif
@@ -19,18 +27,31 @@ struct FwdTileSize;
 #define FLASHHOPPER_SM80_HDIM64_BLOCK_N (kCausal ? 128 : 64)
 #endif
 template <bool kCausal>
-struct FwdTileSize<64, kCausal> {  // 48 KB
+struct FwdTileSize<64, kCausal, 99> {  // 48 KB
+  using type = FwdTileSize;
   static constexpr int kBlockM = FLASHHOPPER_SM80_HDIM64_BLOCK_M, kBlockN = FLASHHOPPER_SM80_HDIM64_BLOCK_N;
   static constexpr int kNumWarps = 4;
 };
 template <bool kCausal>
-struct FwdTileSize<128, kCausal> {  // 64 KB
+struct FwdTileSize<128, kCausal, 99> {  // 64 KB
+  using type = FwdTileSize;
   static constexpr int kBlockM = 128, kBlockN = 64, kNumWarps = 4;
 };
 template <bool kCausal>
-struct FwdTileSize<256, kCausal> {  // 96 KB
+struct FwdTileSize<256, kCausal, 99> {  // 96 KB
+  using type = FwdTileSize;
   static constexpr int kBlockM = 64, kBlockN = 64, kNumWarps = 4;
 };
+// Head dim 256 with more than 99 KB, non-causal: 128 query rows on 8 warps share each K/V tile
+// (FA2's choice): 1.02-1.06x FA2 where 64 x 64 gave 0.99-1.02x. Causal keeps 64 x 64 (1.03-1.14x;
+// 128 x 64 gave 0.98x at 1k). H100, 2026-11-22, docs/perf-notes.md.
+#ifndef FLASHHOPPER_SM80_HDIM256_FWD_SMALL
+template <>
+struct FwdTileSize<256, false, 163> {  // 128 KB
+  using type = FwdTileSize;
+  static constexpr int kBlockM = 128, kBlockN = 64, kNumWarps = 8;
+};
+#endif
 
 // Backward: a CTA owns kBlockN keys and walks the query blocks of kBlockM rows. Warp tilings of
 // the three GEMM shapes: kWarpsMSdP warps along the queries of S / dP (kBlockM x kBlockN),

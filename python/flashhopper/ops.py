@@ -68,7 +68,7 @@ def fill_params(p: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
 
 
 def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-            softmax_scale: float, causal: bool, arch: int) -> None:
+            softmax_scale: float, causal: bool, arch: int, max_smem_bytes: int = 0) -> None:
     if out.numel() == 0:  # batch, seqlen_q or nheads 0: nothing to compute
         return
     if k.shape[1] == 0:  # no keys at all: every row is a row with no key
@@ -85,21 +85,28 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
     stream = torch.cuda.current_stream(index).cuda_stream
     counter = tile_counter(index, stream).data_ptr() if causal else 0
     fill_params(p, q, k, v, out, lse, softmax_scale, causal, counter)
+    p.max_smem_bytes = max_smem_bytes
     C.fwd(p, arch, stream)  # switches to p.device for the launch and back
 
 
+def _check_max_smem_bytes(max_smem_bytes: int) -> None:
+    if not isinstance(max_smem_bytes, int) or isinstance(max_smem_bytes, bool) or max_smem_bytes < 0:
+        raise ValueError(f"max_smem_bytes must be a non-negative int, got {max_smem_bytes!r}")
+
+
 def fwd_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-             softmax_scale: float, causal: bool, arch: int) -> None:
+             softmax_scale: float, causal: bool, arch: int, *, max_smem_bytes: int = 0) -> None:
     """Run the arch-``arch`` (90 or 80) forward kernel, writing into caller-provided ``out`` (like q)
     and ``lse`` (float32, contiguous (batch, nheads_q, seqlen_q)). Checks everything first; tests use
-    it to poison the outputs before a run."""
+    it to poison the outputs before a run. ``max_smem_bytes`` as in bwd_into (sm80 tiles)."""
     shapes, _ = validation.check_inputs(q, k, v, softmax_scale, causal)
     if not q.is_cuda:
         raise ValueError(f"q is on {q.device}; the flashhopper kernels need CUDA tensors")
     validation.check_kernel_dtype("q", q.dtype)
     validation.check_kernel_headdim(shapes.headdim)
     validation.check_outputs(q, out, lse)
-    _launch(q, k, v, out, lse, softmax_scale, causal, arch)
+    _check_max_smem_bytes(max_smem_bytes)
+    _launch(q, k, v, out, lse, softmax_scale, causal, arch, max_smem_bytes)
 
 
 def _reference_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
@@ -221,8 +228,7 @@ def bwd_into(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     if dlse is not None:
         validation.check_lse("dlse", dlse, q)
     validation.check_grads(q, k, v, dq, dk, dv)
-    if not isinstance(max_smem_bytes, int) or isinstance(max_smem_bytes, bool) or max_smem_bytes < 0:
-        raise ValueError(f"max_smem_bytes must be a non-negative int, got {max_smem_bytes!r}")
+    _check_max_smem_bytes(max_smem_bytes)
     _launch_bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, softmax_scale, causal, deterministic, arch,
                 max_smem_bytes)
 

@@ -6,7 +6,7 @@
 //   P, dS -> shared memory (16-bit)
 //   dV += P^T dO;   then the next dO loads
 //   dQ  = dS K      added into the float32 dQ accumulator with fire-and-forget reductions
-//                   (in fragment order: red_add_fragment_order), issued between dK's MMAs:
+//                   (in fragment order: red_add_fragment_order), issued during dK's GEMM:
 //   dK += dS^T Q;   then the next Q loads (single-buffered Q; double-buffered it loaded at the top).
 // dK and dV stay in registers for the whole walk. Masks, block ranges and the P / dS math are the
 // ones the sm90 path uses (common/).

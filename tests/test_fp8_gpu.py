@@ -325,6 +325,23 @@ def test_quantize_kernel(case: QuantCase) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("headdim", HDIMS)
+@pytest.mark.parametrize("had,transpose", [(True, False), (False, True)])  # the Q/K and the V pass
+def test_quantize_kernel_many_blocks(headdim: int, had: bool, transpose: bool) -> None:
+    # More blocks than CTAs fit on the GPU at once: each persistent CTA walks several blocks through its
+    # two input buffers (the grid above has too few at head dim 64). Seqlen not a multiple of the block.
+    require_quant_kernel()
+    b, s, h, block = 1, 40000, 4, 64
+    x = quant_input(b, s, h, headdim, torch.bfloat16, "contiguous")
+    where = f"x {tuple(x.shape)} block {block} hadamard={had} transpose={transpose}"
+    poison_allocator(b * round_up(s, 16) * h * headdim, b * h * math.ceil(s / block) * 4)
+    got = fp8.quantize_fp8(x, block_size=block, hadamard=had, seed=SEED, granularity="block", transpose=transpose,
+                           kernel=True)
+    want = reference_fp8.quantize_ref(x, block, "block", SEED if had else None, transpose)
+    assert_same_quantization(got, want, exact=not had, where=where)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("headdim", HDIMS)
 @pytest.mark.parametrize("seqlen", [17, 1000])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_vt_layout(headdim: int, seqlen: int, dtype: torch.dtype) -> None:

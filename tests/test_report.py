@@ -215,13 +215,29 @@ def test_newest_goes_by_the_date_inside(tmp_path: Path) -> None:
     (tmp_path / "zz.json").write_text('{"not": "a result"}')
     shutil.copy(BENCH_FILE, tmp_path / "zzz.json")
     assert results.newest(tmp_path) == tmp_path / "a.json"
+    # A newer bench file (a few providers) does not win over a report; one of bench_quant.py (rows
+    # without a mode) is no attention result at all.
+    bench = json.loads(BENCH_FILE.read_text())
+    bench["environment"]["date"] = "2028-01-01T00:00:00+00:00"
+    (tmp_path / "b.json").write_text(json.dumps(bench))
+    quant = {"environment": {"date": "2029-01-01T00:00:00+00:00", "device": "x"}, "args": {},
+             "results": [{"headdim": 128, "ms": 0.1}]}
+    (tmp_path / "q.json").write_text(json.dumps(quant))
+    with pytest.raises(ValueError, match="not of attention"):
+        results.load(tmp_path / "q.json")
+    assert results.newest(tmp_path) == tmp_path / "a.json"
+    (tmp_path / "a.json").unlink()
+    (tmp_path / "z.json").unlink()
+    assert results.newest(tmp_path) == tmp_path / "b.json"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="measures instead of rendering when a GPU is present")
 def test_without_gpu_renders_the_newest_shipped_result(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(ROOT)  # an installed package finds bench/results through the source tree here
-    expected = max((ROOT / "bench" / "results").glob("*.json"), key=_date)
+    reports = [p for p in (ROOT / "bench" / "results").glob("*.json")
+               if json.loads(p.read_text()).get("format") == results.FORMAT]
+    expected = max(reports, key=_date)
     assert cli.main(["--out", str(tmp_path)]) == 0
     first = capsys.readouterr().out.splitlines()[0]
     assert first.startswith("no CUDA GPU found: rendering ") and first.split()[5].endswith(str(expected.name))

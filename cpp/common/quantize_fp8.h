@@ -2,22 +2,26 @@
 // (batch, head, block of tokens) out, optionally after a random-sign Hadamard transform of each row
 // (incoherent processing) and optionally written transposed for the fp8 PV GEMM (V^T, keys permuted).
 //
-// One CTA per (token block, head, batch) holds its whole block in registers. A thread owns 64
-// contiguous elements of one row, so the Hadamard butterflies of stride < 64 stay inside the thread
-// and only those across a row's headdim/64 threads (consecutive lanes) are shuffles. Global memory is
-// only touched in coalesced 16-byte runs: the block is loaded into shared memory by the whole CTA
-// (eight loads a thread, all in flight), and the fp8 result leaves the same way, row-major or as
-// (headdim, keys) bytes for V^T. Memory-bound: 2 bytes read and 1 written per element, once.
+// A CTA holds one (token block, head, batch) block in registers at a time and walks several of them
+// (persistent: as many CTAs as fit), copying the next block into shared memory with cp.async while it
+// transforms this one. A thread owns 64 contiguous elements of one row, so the Hadamard butterflies
+// of stride < 64 stay inside the thread and only those across a row's headdim/64 threads (consecutive
+// lanes) are shuffles. Global memory is only touched in coalesced 16-byte runs: the block comes into
+// shared memory by the whole CTA (eight 16-byte copies a thread), and the fp8 result leaves the same
+// way, row-major or as (headdim, keys) bytes for V^T. Memory-bound: 2 bytes read and 1 written per
+// element, once; at head dim 256 with the transform the instruction count shows (docs/perf-notes.md).
 #pragma once
 
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
 
+#include "device_info.h"
 #include "element_type.h"
 #include "params.h"
 
@@ -33,9 +37,15 @@ inline constexpr float kFp8Max = 448.f;    // largest finite e4m3
 // (inverse of a(l) = 8*((l%4)/2) + 2*(l/4) + l%2, docs/fp8.md).
 __host__ __device__ constexpr int vt_position(int a) { return 4 * ((a >> 1) & 3) + 2 * (a >> 3) + (a & 1); }
 
+// Eight elements from shared memory, their sign bits flipped where `flip` has them set (the random
+// signs of the Hadamard transform, applied exactly on the 16-bit inputs: one XOR per two elements).
 template <class T>
-__device__ __forceinline__ void load8(T const* src, float* v) {
-  uint4 const raw = *reinterpret_cast<uint4 const*>(src);
+__device__ __forceinline__ void load8(T const* src, uint4 flip, float* v) {
+  uint4 raw = *reinterpret_cast<uint4 const*>(src);
+  raw.x ^= flip.x;
+  raw.y ^= flip.y;
+  raw.z ^= flip.z;
+  raw.w ^= flip.w;
   T const* e = reinterpret_cast<T const*>(&raw);
 #pragma unroll
   for (int j = 0; j < 8; ++j) v[j] = float(e[j]);
@@ -47,156 +57,202 @@ __device__ __forceinline__ uint32_t to_fp8x4(float a, float b, float c, float d)
   return lo | (hi << 16);
 }
 
-// Shared memory of one CTA: the input block (block_size, headdim + 8) elements, then the fp8 block,
-// (block_size, headdim + 16) bytes or for V^T (headdim, block_size + 16). The pads keep 16-byte
-// alignment and move consecutive rows to other banks.
+// Shared memory of one CTA: two input blocks (block_size, headdim + 8) elements (the next one loads
+// while this one is transformed), then the fp8 block, (block_size, headdim + 16) bytes or for V^T
+// (headdim, block_size + kVtSkewMax) bytes. The pads keep 16-byte alignment and move consecutive rows
+// to other banks.
 template <class T, int kHeadDim>
 constexpr int in_pitch() { return kHeadDim + 8; }
+// V^T staging: dim row d starts kVtSkew * (d / kElems) bytes further in, so that the byte stores of the
+// row's 64-element parts (which are 64 dim rows apart: the same bank for any even pitch) spread over
+// other banks.
+inline constexpr int kVtSkew = 16;
+template <int kHeadDim>
+constexpr int vt_pitch_pad() { return 16 + kVtSkew * (kHeadDim / kElems - 1); }
+template <class T, int kHeadDim>
+__host__ __device__ constexpr int in_bytes(int block_size) { return block_size * in_pitch<T, kHeadDim>() * int(sizeof(T)); }
 template <class T, int kHeadDim, bool kTranspose>
 int smem_bytes(int block_size) {
-  int const out = kTranspose ? kHeadDim * (block_size + 16) : block_size * (kHeadDim + 16);
-  return block_size * in_pitch<T, kHeadDim>() * int(sizeof(T)) + out;
+  int const out = kTranspose ? kHeadDim * (block_size + vt_pitch_pad<kHeadDim>()) : block_size * (kHeadDim + 16);
+  return 2 * in_bytes<T, kHeadDim>(block_size) + out;
 }
 
+__device__ __forceinline__ void cp_async_16(void* smem, void const* gmem, bool valid) {
+  // src-size 0 fills the 16 bytes with zeros (rows past seqlen).
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(uint32_t(__cvta_generic_to_shared(smem))),
+               "l"(gmem), "r"(valid ? 16 : 0)
+               : "memory");
+}
+
+// Persistent CTAs: each walks the (token block, head, batch) blocks with a stride of the grid, and
+// copies block i+1 into its second input buffer (cp.async, no registers) while it transforms block i.
+// One 512-thread CTA per SM at head dim 256 (~110 registers a thread) could not overlap its own loads,
+// transform and stores otherwise.
 template <class T, int kHeadDim, bool kTranspose>
 __global__ void __launch_bounds__(kMaxThreads) quantize_fp8_kernel(QuantParams const p) {
   constexpr int kLanesPerRow = kHeadDim / kElems;  // 1, 2 or 4
   constexpr int kInPitch = in_pitch<T, kHeadDim>();
-  constexpr int kVecsPerRow = kHeadDim / 8;  // 16-byte input vectors per row
+  constexpr unsigned kVecsPerRow = kHeadDim / 8;  // 16-byte input vectors per row
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ float warp_max[kMaxThreads / 32];
+  __shared__ __align__(16) uint32_t sign_flip[kHeadDim / 2];  // sign bits of the random signs, 2 per word
 
-  int const blk = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
   int const tid = threadIdx.x, nthreads = blockDim.x;  // nthreads = block_size * kLanesPerRow
   int const B = p.block_size;
-  int const token0 = blk * B;
   int const row = tid / kLanesPerRow, part = tid % kLanesPerRow;
-  bool const valid = token0 + row < p.seqlen;
   int const col0 = part * kElems;
-  T* s_in = reinterpret_cast<T*>(smem);
-  uint8_t* s_out = smem + B * kInPitch * sizeof(T);
-
-  {  // The block into shared memory: a warp reads whole rows; rows past seqlen are zeros.
-    T const* x = static_cast<T const*>(p.x_ptr) + batch * p.x_batch_stride + head * p.x_head_stride;
-    uint4 raw[kElems / 8];  // B * kVecsPerRow == nthreads * kElems / 8
-#pragma unroll
-    for (int k = 0; k < kElems / 8; ++k) {
-      int const i = k * nthreads + tid, r = i / kVecsPerRow, c = i % kVecsPerRow;
-      raw[k] = token0 + r < p.seqlen
-                   ? *reinterpret_cast<uint4 const*>(x + int64_t(token0 + r) * p.x_row_stride + c * 8)
-                   : make_uint4(0, 0, 0, 0);
-    }
-#pragma unroll
-    for (int k = 0; k < kElems / 8; ++k) {
-      int const i = k * nthreads + tid, r = i / kVecsPerRow, c = i % kVecsPerRow;
-      *reinterpret_cast<uint4*>(s_in + r * kInPitch + c * 8) = raw[k];
+  int const blocks_per_head = (p.seqlen + B - 1) / B;
+  int const num_work = blocks_per_head * p.nheads * p.batch;
+  bool const hadamard = p.signs_ptr != nullptr;
+  auto s_in = [&](int buf) { return reinterpret_cast<T*>(smem + buf * in_bytes<T, kHeadDim>(B)); };
+  uint8_t* s_out = smem + 2 * in_bytes<T, kHeadDim>(B);
+  if (hadamard) {  // read by all threads after the loop's first barrier
+    for (int i = tid; i < kHeadDim / 2; i += nthreads) {
+      sign_flip[i] = (p.signs_ptr[2 * i] < 0.f ? 0x8000u : 0u) | (p.signs_ptr[2 * i + 1] < 0.f ? 0x80000000u : 0u);
     }
   }
-  __syncthreads();
-  float v[kElems];
-#pragma unroll
-  for (int i = 0; i < kElems / 8; ++i) load8(s_in + row * kInPitch + col0 + 8 * i, v + 8 * i);
 
-  if (p.signs_ptr != nullptr) {
-    float4 const* sign4 = reinterpret_cast<float4 const*>(p.signs_ptr + col0);
+  struct Work {
+    int blk, head, batch;
+  };
+  auto decode = [&](int work) {
+    int const bh = work / blocks_per_head;
+    return Work{work - bh * blocks_per_head, bh % p.nheads, bh / p.nheads};
+  };
+  // One block into an input buffer: a warp reads whole rows; rows past seqlen are zeros.
+  auto load_async = [&](Work const& w, T* dst) {
+    int const token0 = w.blk * B;
+    T const* x = static_cast<T const*>(p.x_ptr) + w.batch * p.x_batch_stride + w.head * p.x_head_stride +
+                 int64_t(token0) * p.x_row_stride;
+    int const rows = p.seqlen - token0;
 #pragma unroll
-    for (int i = 0; i < kElems / 4; ++i) {
-      float4 const sg = sign4[i];
-      v[4 * i] *= sg.x;
-      v[4 * i + 1] *= sg.y;
-      v[4 * i + 2] *= sg.z;
-      v[4 * i + 3] *= sg.w;
+    for (int k = 0; k < kElems / 8; ++k) {  // B * kVecsPerRow == nthreads * kElems / 8
+      unsigned const i = unsigned(k * nthreads + tid), r = i / kVecsPerRow, c = i % kVecsPerRow;
+      bool const in = int(r) < rows;
+      cp_async_16(dst + r * kInPitch + c * 8, in ? x + int64_t(r) * p.x_row_stride + c * 8 : x, in);
     }
-    // Butterflies inside the thread (strides 1 .. 32): y_i = x_i + x_{i+h}, y_{i+h} = x_i - x_{i+h}.
+    asm volatile("cp.async.commit_group;" ::: "memory");
+  };
+
+  int work = blockIdx.x;
+  Work next = decode(work);
+  if (work < num_work) load_async(next, s_in(0));
+  for (int it = 0; work < num_work; ++it, work += gridDim.x) {
+    Work const cur = next;
+    int const token0 = cur.blk * B;
+    bool const valid = token0 + row < p.seqlen;
+    // The next block's copy goes into the buffer the previous iteration read (all threads are past
+    // its reads: the barrier after the amax below).
+    if (work + int(gridDim.x) < num_work) {
+      next = decode(work + gridDim.x);
+      load_async(next, s_in((it + 1) & 1));
+      asm volatile("cp.async.wait_group 1;" ::: "memory");
+    } else {
+      asm volatile("cp.async.wait_group 0;" ::: "memory");
+    }
+    __syncthreads();  // every thread's copies of this block have landed
+    T const* in_row = s_in(it & 1) + row * kInPitch + col0;
+    float v[kElems];
+    if (hadamard) {
+      uint4 const* flip = reinterpret_cast<uint4 const*>(sign_flip + col0 / 2);
 #pragma unroll
-    for (int h = 1; h < kElems; h *= 2) {
+      for (int i = 0; i < kElems / 8; ++i) load8(in_row + 8 * i, flip[i], v + 8 * i);
+      // Butterflies inside the thread (strides 1 .. 32): y_i = x_i + x_{i+h}, y_{i+h} = x_i - x_{i+h}.
 #pragma unroll
-      for (int j = 0; j < kElems; ++j) {
-        if ((j & h) == 0) {
-          float const a = v[j], b = v[j + h];
-          v[j] = a + b;
-          v[j + h] = a - b;
+      for (int h = 1; h < kElems; h *= 2) {
+#pragma unroll
+        for (int j = 0; j < kElems; ++j) {
+          if ((j & h) == 0) {
+            float const a = v[j], b = v[j + h];
+            v[j] = a + b;
+            v[j + h] = a - b;
+          }
         }
       }
-    }
-    // Across the row's lanes (strides 64, 128): the lower partner keeps the sum, the upper the difference.
+      // Across the row's lanes (strides 64, 128): the lower partner keeps the sum, the upper the
+      // difference (other - own, one FFMA with the sign of the own term).
 #pragma unroll
-    for (int lane_h = 1; lane_h < kLanesPerRow; lane_h *= 2) {
-      bool const upper = (part & lane_h) != 0;
+      for (int lane_h = 1; lane_h < kLanesPerRow; lane_h *= 2) {
+        float const own = (part & lane_h) != 0 ? -1.f : 1.f;
 #pragma unroll
-      for (int j = 0; j < kElems; ++j) {
-        float const other = __shfl_xor_sync(0xffffffffu, v[j], lane_h);
-        v[j] = upper ? other - v[j] : v[j] + other;
+        for (int j = 0; j < kElems; ++j) v[j] = fmaf(own, v[j], __shfl_xor_sync(0xffffffffu, v[j], lane_h));
       }
+    } else {
+#pragma unroll
+      for (int i = 0; i < kElems / 8; ++i) load8(in_row + 8 * i, make_uint4(0, 0, 0, 0), v + 8 * i);
     }
-    float const norm = kHeadDim == 64 ? 0.125f : (kHeadDim == 256 ? 0.0625f : 0.08838834764831845f);  // 1/sqrt(d)
-#pragma unroll
-    for (int j = 0; j < kElems; ++j) v[j] *= norm;
-  }
+    // The transform's 1/sqrt(headdim) is folded into the amax and the quantization multiplier
+    // (docs/fp8.md): max |y| * norm is max |y * norm| (rounding is monotonic).
+    float const norm = !hadamard ? 1.f : (kHeadDim == 64 ? 0.125f : (kHeadDim == 256 ? 0.0625f : 0.08838834764831845f));
 
-  // amax of the block: thread, warp, CTA.
-  float amax = 0.f;
+    // amax of the block: thread, warp, CTA.
+    float amax = 0.f;
 #pragma unroll
-  for (int j = 0; j < kElems; ++j) amax = fmaxf(amax, fabsf(v[j]));
+    for (int j = 0; j < kElems; ++j) amax = fmaxf(amax, fabsf(v[j]));
 #pragma unroll
-  for (int o = 16; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-  if (tid % 32 == 0) warp_max[tid / 32] = amax;
-  __syncthreads();
-  amax = 0.f;
-  for (int w = 0; w < nthreads / 32; ++w) amax = fmaxf(amax, warp_max[w]);
-  // IEEE division (not the fast-math approximation) so that the reference reproduces the bytes.
-  float const inv = amax > 0.f ? __fdiv_rn(kFp8Max, amax) : 0.f;
-  if (tid == 0) {
-    p.scale_ptr[batch * p.scale_batch_stride + head * p.scale_head_stride + blk * p.scale_block_stride] =
-        amax > 0.f ? __fdiv_rn(amax, kFp8Max) : 1.f;
-  }
-
-  uint8_t* out = static_cast<uint8_t*>(p.out_ptr) + batch * p.out_batch_stride + head * p.out_head_stride;
-  if constexpr (!kTranspose) {
-    // Stage (B, headdim) bytes, then write whole rows (a warp covers 512 contiguous bytes of them).
-    constexpr int kOutPitch = kHeadDim + 16;
-    uint4* dst = reinterpret_cast<uint4*>(s_out + row * kOutPitch + col0);
-#pragma unroll
-    for (int i = 0; i < kElems / 16; ++i) {
-      float const* w = v + 16 * i;
-      dst[i] = make_uint4(to_fp8x4(w[0] * inv, w[1] * inv, w[2] * inv, w[3] * inv),
-                          to_fp8x4(w[4] * inv, w[5] * inv, w[6] * inv, w[7] * inv),
-                          to_fp8x4(w[8] * inv, w[9] * inv, w[10] * inv, w[11] * inv),
-                          to_fp8x4(w[12] * inv, w[13] * inv, w[14] * inv, w[15] * inv));
-    }
+    for (int o = 16; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    if (tid % 32 == 0) warp_max[tid / 32] = amax;
+    // Also: every thread is done reading this input buffer and the previous block's staged output.
     __syncthreads();
-    constexpr int kRuns = kHeadDim / 16;
-    for (int i = tid; i < B * kRuns; i += nthreads) {
-      int const r = i / kRuns, c = i % kRuns;
-      if (token0 + r < p.seqlen) {
-        *reinterpret_cast<uint4*>(out + int64_t(token0 + r) * p.out_row_stride + c * 16) =
-            *reinterpret_cast<uint4 const*>(s_out + r * kOutPitch + c * 16);
+    amax = 0.f;
+    for (int w = 0; w < nthreads / 32; ++w) amax = fmaxf(amax, warp_max[w]);
+    amax *= norm;
+    // IEEE division (not the fast-math approximation) so that the reference reproduces the bytes.
+    float const inv = amax > 0.f ? __fdiv_rn(kFp8Max, amax) : 0.f;
+    if (tid == 0) {
+      p.scale_ptr[cur.batch * p.scale_batch_stride + cur.head * p.scale_head_stride + cur.blk * p.scale_block_stride] =
+          amax > 0.f ? __fdiv_rn(amax, kFp8Max) : 1.f;
+    }
+    float const mul = inv * norm;
+
+    uint8_t* out = static_cast<uint8_t*>(p.out_ptr) + cur.batch * p.out_batch_stride + cur.head * p.out_head_stride;
+    if constexpr (!kTranspose) {
+      // Stage (B, headdim) bytes, then write whole rows (a warp covers 512 contiguous bytes of them).
+      constexpr int kOutPitch = kHeadDim + 16;
+      uint4* dst = reinterpret_cast<uint4*>(s_out + row * kOutPitch + col0);
+#pragma unroll
+      for (int i = 0; i < kElems / 16; ++i) {
+        float const* w = v + 16 * i;
+        dst[i] = make_uint4(to_fp8x4(w[0] * mul, w[1] * mul, w[2] * mul, w[3] * mul),
+                            to_fp8x4(w[4] * mul, w[5] * mul, w[6] * mul, w[7] * mul),
+                            to_fp8x4(w[8] * mul, w[9] * mul, w[10] * mul, w[11] * mul),
+                            to_fp8x4(w[12] * mul, w[13] * mul, w[14] * mul, w[15] * mul));
       }
-    }
-  } else {
-    // Stage (headdim, B) bytes with the keys in V^T order, then write whole 16-byte runs of keys.
-    // Lanes of a warp hold consecutive keys, so one byte store covers 32 (or 16 x 2) adjacent bytes.
-    uint8_t* smem_vt = s_out;
-    int const ld = B + 16;  // row pitch: keeps 16-byte alignment for the reads below
-    int const pos = (row & ~15) + vt_position(row & 15);
+      __syncthreads();
+      constexpr unsigned kRuns = kHeadDim / 16;
+      uint8_t* out_rows = out + int64_t(token0) * p.out_row_stride;
+      int const rows = p.seqlen - token0;
+      for (unsigned i = tid; i < unsigned(B) * kRuns; i += nthreads) {
+        unsigned const r = i / kRuns, c = i % kRuns;
+        if (int(r) < rows) {
+          *reinterpret_cast<uint4*>(out_rows + int64_t(r) * p.out_row_stride + c * 16) =
+              *reinterpret_cast<uint4 const*>(s_out + r * kOutPitch + c * 16);
+        }
+      }
+    } else {
+      // Stage (headdim, B) bytes with the keys in V^T order, then write whole 16-byte runs of keys.
+      // Lanes of a warp hold consecutive keys, so one byte store covers 32 (or 16 x 2) adjacent bytes.
+      uint8_t* smem_vt = s_out;
+      int const ld = B + vt_pitch_pad<kHeadDim>();  // row pitch: keeps 16-byte alignment for the reads below
+      uint8_t* dst = smem_vt + col0 * ld + (row & ~15) + vt_position(row & 15) + kVtSkew * part;
 #pragma unroll
-    for (int j = 0; j < kElems; j += 2) {
-      // Padding keys: +0 bytes (the signs of the Hadamard transform may have made their zeros -0).
-      uint16_t const two = valid ? __nv_cvt_float2_to_fp8x2(make_float2(v[j] * inv, v[j + 1] * inv), __NV_SATFINITE,
-                                                            __NV_E4M3)
-                                 : uint16_t(0);
-      smem_vt[(col0 + j) * ld + pos] = uint8_t(two & 0xff);
-      smem_vt[(col0 + j + 1) * ld + pos] = uint8_t(two >> 8);
-    }
-    __syncthreads();
-    int const seqlen_pad = (p.seqlen + 15) / 16 * 16;
-    int const runs = B / 16;
-    for (int i = tid; i < kHeadDim * runs; i += nthreads) {
-      int const dim = i / runs, run = i % runs;
-      int const key = token0 + run * 16;
-      if (key < seqlen_pad) {
-        *reinterpret_cast<uint4*>(out + dim * p.out_dim_stride + key) =
-            *reinterpret_cast<uint4 const*>(smem_vt + dim * ld + run * 16);
+      for (int j = 0; j < kElems; j += 2) {
+        // Padding keys: +0 bytes (the signs of the Hadamard transform may have made their zeros -0).
+        uint16_t const two = valid ? __nv_cvt_float2_to_fp8x2(make_float2(v[j] * mul, v[j + 1] * mul), __NV_SATFINITE,
+                                                              __NV_E4M3)
+                                   : uint16_t(0);
+        dst[j * ld] = uint8_t(two & 0xff);
+        dst[(j + 1) * ld] = uint8_t(two >> 8);
+      }
+      __syncthreads();
+      int const keys = (p.seqlen + 15) / 16 * 16 - token0;  // padded keys left from token0
+      unsigned const runs = unsigned(B) / 16;
+      for (unsigned i = tid; i < kHeadDim * runs; i += nthreads) {
+        unsigned const dim = i / runs, run = i % runs;
+        if (int(run * 16) < keys) {
+          *reinterpret_cast<uint4*>(out + dim * p.out_dim_stride + token0 + run * 16) =
+              *reinterpret_cast<uint4 const*>(smem_vt + dim * ld + kVtSkew * (dim / kElems) + run * 16);
+        }
       }
     }
   }
@@ -205,13 +261,19 @@ __global__ void __launch_bounds__(kMaxThreads) quantize_fp8_kernel(QuantParams c
 template <class T, int kHeadDim>
 void launch_quantize(QuantParams const& p, cudaStream_t stream) {
   int const threads = p.block_size * (kHeadDim / kElems);  // one row (part) per thread
-  dim3 const grid((p.seqlen + p.block_size - 1) / p.block_size, p.nheads, p.batch);
+  int64_t const work = int64_t((p.seqlen + p.block_size - 1) / p.block_size) * p.nheads * p.batch;
+  if (work > INT32_MAX) throw std::invalid_argument("flashhopper.quantize_fp8: more than 2^31 blocks");
   auto launch = [&](auto transpose) {
     constexpr bool kTranspose = decltype(transpose)::value;
     auto kernel = &quantize_fp8_kernel<T, kHeadDim, kTranspose>;
+    DeviceInfo const& dev = device_info(p.device);
     int const smem = smem_bytes<T, kHeadDim, kTranspose>(p.block_size);
     if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    kernel<<<grid, threads, smem, stream>>>(p);
+    // As many CTAs as fit at once (by registers and shared memory), each looping over blocks.
+    int per_sm = 0;
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem);
+    int64_t const grid = std::min<int64_t>(work, int64_t(std::max(per_sm, 1)) * dev.num_sms);
+    kernel<<<unsigned(grid), threads, smem, stream>>>(p);
   };
   if (p.transpose) {
     launch(std::true_type{});

@@ -37,10 +37,11 @@ def hadamard_matrix(d: int, dtype: torch.dtype = torch.float32, device: torch.de
     return (1 - 2 * parity).to(dtype)
 
 
-def hadamard_transform(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+def hadamard_transform(x: torch.Tensor, signs: torch.Tensor, normalize: bool = True) -> torch.Tensor:
     """Each row (last dim) becomes H · diag(signs) · x / sqrt(d), in x's dtype if float32/float64, else
     float32. Computed as the kernel does: the sign flip, butterflies of stride 1, 2, 4, ... (the lower
-    element keeps the sum, the upper the difference), then a multiply by 1/sqrt(d) rounded to x's dtype."""
+    element keeps the sum, the upper the difference), then a multiply by 1/sqrt(d) rounded to x's dtype
+    (left out with ``normalize=False``: the quantization folds it into its multiplier)."""
     d = x.shape[-1]
     _check_pow2(d)
     if signs.shape != (d,):
@@ -55,7 +56,8 @@ def hadamard_transform(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
         lo, hi = pairs[:, :, 0], pairs[:, :, 1]
         out = torch.stack((lo + hi, lo - hi), dim=2).reshape(rows, d)
         h *= 2
-    return out.reshape(y.shape) * torch.tensor(1.0 / math.sqrt(d), dtype=dtype)
+    out = out.reshape(y.shape)
+    return out * torch.tensor(1.0 / math.sqrt(d), dtype=dtype) if normalize else out
 
 
 def _amax(y: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
@@ -75,7 +77,8 @@ def quantize_ref(x: torch.Tensor, block_size: int | None = 128, granularity: str
     signs: None (no Hadamard transform), an int seed (the signs ``hadamard_signs(headdim, seed)``) or
     the ±1 signs themselves, with ``hadamard_seed`` naming them for the FP8Tensor.
     Per scale group: amax = max |x| (after the transform), scale = amax / 448 (1 when amax is 0),
-    x_fp8 = e4m3_rn_satfinite(x * (448 / amax)) with 448 / amax rounded once (x * 0 when amax is 0).
+    x_fp8 = e4m3_rn_satfinite(x * (448 / amax)) with 448 / amax rounded once (x * 0 when amax is 0);
+    with the transform, x * (448 / amax) is y * ((448 / amax) * norm), y unnormalized, norm = 1/sqrt(d).
     transpose: return V^T (``fp8.to_vt``). Scales: (batch, nheads, nblocks) contiguous for "block",
     (batch, nheads, 1) for "head", a (1, 1, 1) tensor broadcast to (batch, nheads, 1) for "tensor".
     """
@@ -88,7 +91,10 @@ def quantize_ref(x: torch.Tensor, block_size: int | None = 128, granularity: str
     elif signs is not None and seed is None:
         raise ValueError("hadamard_seed must name the signs passed (an FP8Tensor records it, so that Q and K "
                          "can be checked to share it); or pass the seed itself as signs")
-    y = x.float() if signs is None else hadamard_transform(x.float(), signs)
+    # With the transform, y is left unnormalized and 1/sqrt(d) (float32) is folded in as the kernel does
+    # it: amax = max |y| * norm (= max |y * norm|, rounding being monotonic), multiplier (448 / amax) * norm.
+    y = x.float() if signs is None else hadamard_transform(x.float(), signs, normalize=False)
+    norm = None if signs is None else torch.tensor(1.0 / math.sqrt(d), dtype=torch.float32, device=y.device)
 
     if granularity == "block":
         if block_size is None or block_size < 1:
@@ -101,10 +107,14 @@ def quantize_ref(x: torch.Tensor, block_size: int | None = 128, granularity: str
         amax = _amax(y, (1, 3)).view(b, 1, h).transpose(1, 2)  # (b, h, 1)
     else:
         amax = _amax(y.reshape(1, -1), (1,)).view(1, 1, 1)
+    if norm is not None:
+        amax = amax * norm
     # Tensor / tensor: IEEE division on every device (CUDA turns "/ python scalar" into a multiply).
     limit = torch.full_like(amax, E4M3_MAX)
     scale = torch.where(amax > 0, amax / limit, 1.0).contiguous()
     inv = torch.where(amax > 0, limit / amax, 0.0)
+    if norm is not None:
+        inv = inv * norm
 
     if granularity == "block":
         token_block = torch.arange(s, device=y.device) // block_size

@@ -53,6 +53,8 @@ def load(path: Path) -> Report:
         return Report(doc["environment"], doc.get("config", {}), doc["rows"], doc.get("ceilings"),
                       doc.get("datasheet"), Path(path))
     if isinstance(doc, dict) and {"environment", "results"} <= doc.keys():
+        if not all(isinstance(r, dict) and "mode" in r for r in doc["results"]):  # e.g. bench_quant.py's
+            raise ValueError(f"{path}: a bench result, but not of attention (rows without a mode)")
         env = doc["environment"]
         return Report(env, doc.get("args", {}), doc["results"], None, datasheet_for(env.get("device", "")), Path(path))
     raise ValueError(f"{path}: neither a flashhopper-report file nor a bench/bench_attention.py result")
@@ -64,12 +66,15 @@ def _when(report: Report) -> dt.datetime:
 
 
 def newest(folder: Path) -> Path | None:
-    """The results file in ``folder`` with the latest date inside it (files that are not results
-    or carry no date are passed over)."""
-    dated: list[tuple[dt.datetime, str, Path]] = []
+    """The results file in ``folder`` with the latest date inside it, report files (the whole sweep
+    with its ceilings) before bench files (often a few providers or shapes); files that are not
+    attention results or carry no date are passed over."""
+    dated: list[tuple[bool, dt.datetime, str, Path]] = []
     for path in Path(folder).glob("*.json"):
         try:
-            dated.append((_when(load(path)), path.name, path))
-        except (OSError, ValueError, KeyError):
+            report = load(path)
+            is_report = json.loads(path.read_text()).get("format") == FORMAT
+            dated.append((is_report, _when(report), path.name, path))
+        except (OSError, ValueError, KeyError, AttributeError):
             continue
-    return max(dated)[2] if dated else None
+    return max(dated)[3] if dated else None

@@ -8,6 +8,7 @@
 #   scripts/gpu.sh bench [bench args]
 #   scripts/gpu.sh sass             # instruction counts per kernel (HGMMA, UTMALDG, SYNCS, ...)
 #   scripts/gpu.sh sanitize         # compute-sanitizer memcheck + racecheck on small shapes
+#                                   # (SANITIZE_SCRIPTS=check_quant: the fp8 quantization kernel)
 #   scripts/gpu.sh check            # scripts/check_fwd.py: every built kernel on a few odd shapes
 #   scripts/gpu.sh check-bwd        # scripts/check_bwd.py: the same for the backward kernels
 #   scripts/gpu.sh health           # GEMM ceiling + clocks under load; non-zero exit if throttled

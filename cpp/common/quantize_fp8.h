@@ -59,7 +59,7 @@ __device__ __forceinline__ uint32_t to_fp8x4(float a, float b, float c, float d)
 
 // Shared memory of one CTA: two input blocks (block_size, headdim + 8) elements (the next one loads
 // while this one is transformed), then the fp8 block, (block_size, headdim + 16) bytes or for V^T
-// (headdim, block_size + kVtSkewMax) bytes. The pads keep 16-byte alignment and move consecutive rows
+// (headdim, block_size + vt_pitch_pad) bytes. The pads keep 16-byte alignment and move consecutive rows
 // to other banks.
 template <class T, int kHeadDim>
 constexpr int in_pitch() { return kHeadDim + 8; }
@@ -86,7 +86,7 @@ __device__ __forceinline__ void cp_async_16(void* smem, void const* gmem, bool v
 
 // Persistent CTAs: each walks the (token block, head, batch) blocks with a stride of the grid, and
 // copies block i+1 into its second input buffer (cp.async, no registers) while it transforms block i.
-// One 512-thread CTA per SM at head dim 256 (~110 registers a thread) could not overlap its own loads,
+// One 512-thread CTA per SM at head dim 256 (128 registers a thread) could not overlap its own loads,
 // transform and stores otherwise.
 template <class T, int kHeadDim, bool kTranspose>
 __global__ void __launch_bounds__(kMaxThreads) quantize_fp8_kernel(QuantParams const p) {

@@ -30,7 +30,7 @@ namespace flashhopper {
 namespace quant {
 
 inline constexpr int kElems = 64;          // contiguous elements of a row per thread
-inline constexpr int kMaxThreads = 512;    // ~110 registers a thread
+inline constexpr int kMaxThreads = 512;    // 128 registers a thread at most
 inline constexpr float kFp8Max = 448.f;    // largest finite e4m3
 
 // Position, inside its aligned group of 16, of key `a` in the V^T layout the fp8 PV GEMM reads

@@ -40,15 +40,6 @@ struct BwdConfig {
   static_assert(Kernel::kSmemBytes <= kSmemKB * 1024, "the tiles must fit their shared-memory class");
 };
 
-// The largest shared-memory class whose tiles fit the device (or the caller's limit): 227, 163 or 99.
-template <DType kDType, int kHeadDim, bool kCausal>
-int bwd_smem_class(BwdParams const& p) {
-  int const limit = p.max_smem_bytes > 0 ? p.max_smem_bytes : device_info(p.device).max_smem_optin;
-  if (BwdConfig<kDType, kHeadDim, kCausal, 227>::Kernel::kSmemBytes <= limit) return 227;
-  if (BwdConfig<kDType, kHeadDim, kCausal, 163>::Kernel::kSmemBytes <= limit) return 163;
-  return 99;
-}
-
 template <DType kDType, int kHeadDim, bool kCausal, int kSmemKB>
 size_t bwd_workspace_bytes(BwdParams const& p) {
   using Tile = typename BwdConfig<kDType, kHeadDim, kCausal, kSmemKB>::Tile;
@@ -111,7 +102,7 @@ void run_bwd(BwdParams const& p, cudaStream_t stream) {
 
 template <DType kDType, int kHeadDim, bool kCausal>
 size_t bwd_workspace_bytes_sm80(BwdParams const& p) {
-  switch (sm80::bwd_smem_class<kDType, kHeadDim, kCausal>(p)) {
+  switch (sm80::smem_class<sm80::BwdConfig, kDType, kHeadDim, kCausal>(p)) {
     case 227: return sm80::bwd_workspace_bytes<kDType, kHeadDim, kCausal, 227>(p);
     case 163: return sm80::bwd_workspace_bytes<kDType, kHeadDim, kCausal, 163>(p);
     default: return sm80::bwd_workspace_bytes<kDType, kHeadDim, kCausal, 99>(p);
@@ -120,7 +111,7 @@ size_t bwd_workspace_bytes_sm80(BwdParams const& p) {
 
 template <DType kDType, int kHeadDim, bool kCausal>
 void run_bwd_sm80(BwdParams const& p, cudaStream_t stream) {
-  switch (sm80::bwd_smem_class<kDType, kHeadDim, kCausal>(p)) {
+  switch (sm80::smem_class<sm80::BwdConfig, kDType, kHeadDim, kCausal>(p)) {
     case 227: return sm80::run_bwd<kDType, kHeadDim, kCausal, 227>(p, stream);
     case 163: return sm80::run_bwd<kDType, kHeadDim, kCausal, 163>(p, stream);
     default: return sm80::run_bwd<kDType, kHeadDim, kCausal, 99>(p, stream);

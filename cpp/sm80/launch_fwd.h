@@ -32,15 +32,6 @@ struct FwdConfig {
   static_assert(Kernel::kSmemBytes <= kSmemKB * 1024, "the tiles must fit their shared-memory class");
 };
 
-// The largest shared-memory class whose tiles fit the device (or the caller's limit): 227, 163 or 99.
-template <DType kDType, int kHeadDim, bool kCausal>
-int fwd_smem_class(FwdParams const& p) {
-  int const limit = p.max_smem_bytes > 0 ? p.max_smem_bytes : device_info(p.device).max_smem_optin;
-  if (FwdConfig<kDType, kHeadDim, kCausal, 227>::Kernel::kSmemBytes <= limit) return 227;
-  if (FwdConfig<kDType, kHeadDim, kCausal, 163>::Kernel::kSmemBytes <= limit) return 163;
-  return 99;
-}
-
 template <DType kDType, int kHeadDim, bool kCausal, int kSmemKB>
 void run_fwd(FwdParams const& p, cudaStream_t stream) {
   using Config = FwdConfig<kDType, kHeadDim, kCausal, kSmemKB>;
@@ -71,7 +62,7 @@ void run_fwd(FwdParams const& p, cudaStream_t stream) {
 template <DType kDType, int kHeadDim, bool kCausal>
 void run_fwd_sm80(FwdParams const& p, cudaStream_t stream) {
   if (p.headdim != kHeadDim) throw std::invalid_argument("flashhopper: head dim does not match the kernel");
-  switch (sm80::fwd_smem_class<kDType, kHeadDim, kCausal>(p)) {
+  switch (sm80::smem_class<sm80::FwdConfig, kDType, kHeadDim, kCausal>(p)) {
     case 227: return sm80::run_fwd<kDType, kHeadDim, kCausal, 227>(p, stream);
     case 163: return sm80::run_fwd<kDType, kHeadDim, kCausal, 163>(p, stream);
     default: return sm80::run_fwd<kDType, kHeadDim, kCausal, 99>(p, stream);

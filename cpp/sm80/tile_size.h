@@ -6,7 +6,20 @@
 // (docs/perf-notes.md).
 #pragma once
 
+#include "../common/device_info.h"
+#include "../common/params.h"
+
 namespace flashhopper::sm80 {
+
+// The largest shared-memory class whose tiles fit the device (or the caller's limit, p.max_smem_bytes):
+// 227, 163 or 99. Config<..., kSmemKB>::Kernel::kSmemBytes is what that class's kernel asks for.
+template <template <DType, int, bool, int> class Config, DType kDType, int kHeadDim, bool kCausal, class Params>
+int smem_class(Params const& p) {
+  int const limit = p.max_smem_bytes > 0 ? p.max_smem_bytes : device_info(p.device).max_smem_optin;
+  if (Config<kDType, kHeadDim, kCausal, 227>::Kernel::kSmemBytes <= limit) return 227;
+  if (Config<kDType, kHeadDim, kCausal, 163>::Kernel::kSmemBytes <= limit) return 163;
+  return 99;
+}
 
 template <int kHeadDim, bool kCausal, int kSmemKB = 227>
 struct FwdTileSize;

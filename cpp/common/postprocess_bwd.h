@@ -6,12 +6,16 @@
 
 #include <cuda_runtime.h>
 
+#include <cuda/atomic>
+
+#include <cutlass/arch/grid_dependency_control.h>
 #include <cutlass/array.h>
 #include <cutlass/numeric_conversion.h>
 
 #include <algorithm>
 #include <cstdint>
 
+#include "block_info.h"
 #include "params.h"
 #include "workspace_bwd.h"
 
@@ -25,26 +29,111 @@ struct ConvertAccumParams {
   float scale;
 };
 
+// Eight consecutive float32 sums, read from L2 only (.cg): they were added there, by TMA or by other
+// SMs, possibly while the reading kernel already ran.
+struct Accum8 {
+  float4 lo, hi;
+};
+CUTE_DEVICE Accum8 load_accum8(float const* src) {
+  return {__ldcg(reinterpret_cast<float4 const*>(src)), __ldcg(reinterpret_cast<float4 const*>(src) + 1)};
+}
+
+// scale * a in the output dtype, as one 16-byte store.
+template <class Element>
+CUTE_DEVICE void store_scaled8(Element* dst, Accum8 const& a, float scale) {
+  cutlass::Array<float, 8> v;
+  v[0] = a.lo.x, v[1] = a.lo.y, v[2] = a.lo.z, v[3] = a.lo.w, v[4] = a.hi.x, v[5] = a.hi.y, v[6] = a.hi.z, v[7] = a.hi.w;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) v[j] *= scale;
+  cutlass::NumericArrayConverter<Element, float, 8> convert;
+  cutlass::Array<Element, 8> const out = convert(v);
+  *reinterpret_cast<uint4*>(dst) = reinterpret_cast<uint4 const&>(out);
+}
+
 template <class Element>
 __global__ void __launch_bounds__(256) convert_accum_kernel(ConvertAccumParams const p) {
-  constexpr int kVec = 8;
-  int64_t const vecs_per_row = p.headdim / kVec;
-  int64_t const total = int64_t(p.batch) * p.nheads * p.seqlen * vecs_per_row;
-  cutlass::NumericArrayConverter<Element, float, kVec> convert;
+  int64_t const total = int64_t(p.batch) * p.nheads * p.seqlen * (p.headdim / 8);
+  int64_t const vecs_per_row = p.headdim / 8;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
     int64_t rest = i / vecs_per_row;
-    int const col = int(i - rest * vecs_per_row) * kVec;
+    int const col = int(i - rest * vecs_per_row) * 8;
     int const row = int(rest % p.seqlen);
     rest /= p.seqlen;
     int const head = int(rest % p.nheads);
     int const batch = int(rest / p.nheads);
-    auto const* src = reinterpret_cast<cutlass::Array<float, kVec> const*>(p.accum + i * kVec);
-    cutlass::Array<float, kVec> v = *src;
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) v[j] *= p.scale;
-    auto* dst = static_cast<Element*>(p.out) + batch * p.batch_stride + row * p.row_stride + head * p.head_stride + col;
-    *reinterpret_cast<cutlass::Array<Element, kVec>*>(dst) = convert(v);
+    Accum8 const a = load_accum8(p.accum + i * 8);
+    store_scaled8(static_cast<Element*>(p.out) + batch * p.batch_stride + row * p.row_stride + head * p.head_stride + col,
+                  a, p.scale);
   }
+}
+
+// dQ one query block at a time, each once the main kernel has counted all the key blocks that add
+// to it (BlockInfo::n_block_end; zero for rows that see no key, whose dQ is the zeroed accumulator).
+// Launched as a programmatic dependent of the main kernel, so its CTAs fill the SMs that the main
+// kernel's tail leaves idle. Blocks are handed out in the order the main kernel finishes them:
+// (batch, head) ascending, as its CTAs start, and within a head the last query block first, as
+// every key block walks them.
+struct ConvertDqReadyParams {
+  ConvertAccumParams accum;
+  int const* ready;  // (batch, nheads, m_blocks): key blocks whose additions have landed
+  int* ticket;       // zeroed: the next block to hand out
+  int block_m, num_m_blocks;
+};
+
+template <class Element, class BlockInfo>
+__global__ void __launch_bounds__(256) convert_dq_when_ready_kernel(ConvertDqReadyParams const p, BlockInfo const bi) {
+#if defined(__CUDA_ARCH__)
+  static_assert(cutlass::arch::IsGdcGloballyEnabled, "build with -DCUTLASS_ENABLE_GDC_FOR_SM90 (see CMakeLists.txt)");
+#endif
+  __shared__ int next;
+  int const total = p.accum.batch * p.accum.nheads * p.num_m_blocks;
+  int const vecs_per_row = p.accum.headdim / 8;
+  for (;;) {
+    if (threadIdx.x == 0) {
+      int const t = atomicAdd(p.ticket, 1);
+      int work = -1;
+      if (t < total) {
+        int const bh = t / p.num_m_blocks, m_block = p.num_m_blocks - 1 - (t - bh * p.num_m_blocks);
+        work = bh * p.num_m_blocks + m_block;
+        int const need = bi.n_block_end(m_block);
+        cuda::atomic_ref<int const, cuda::thread_scope_device> ready(p.ready[work]);
+        while (ready.load(cuda::memory_order_acquire) < need) __nanosleep(256);  // spare L2 the polling
+        __threadfence();  // the block's sums, before the barrier publishes them to the CTA
+      }
+      next = work;
+    }
+    __syncthreads();
+    int const work = next;
+    __syncthreads();  // everyone has read `next` before thread 0 writes it again
+    if (work < 0) break;
+    int const bh = work / p.num_m_blocks, m_block = work - bh * p.num_m_blocks;
+    int const batch = bh / p.accum.nheads, head = bh - batch * p.accum.nheads;
+    int const row_begin = m_block * p.block_m, rows = min(p.block_m, p.accum.seqlen - row_begin);
+    float const* src = p.accum.accum + (int64_t(bh) * p.accum.seqlen + row_begin) * p.accum.headdim;
+    Element* dst = static_cast<Element*>(p.accum.out) + batch * p.accum.batch_stride + head * p.accum.head_stride +
+                   row_begin * p.accum.row_stride;
+    // kBatch loads in flight before the first store (the compiler cannot move loads past stores).
+    constexpr int kBatch = 4;
+    for (int i0 = threadIdx.x; i0 < rows * vecs_per_row; i0 += kBatch * blockDim.x) {
+      Accum8 a[kBatch];
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        int const i = i0 + j * blockDim.x;
+        if (i < rows * vecs_per_row) a[j] = load_accum8(src + int64_t(i) * 8);
+      }
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        int const i = i0 + j * blockDim.x;
+        if (i < rows * vecs_per_row) {
+          int const row = i / vecs_per_row, col = (i - row * vecs_per_row) * 8;
+          store_scaled8(dst + row * p.accum.row_stride + col, a[j], p.accum.scale);
+        }
+      }
+    }
+  }
+  // This grid ends only after the main kernel has ended and its writes (dK, dV) are visible, so
+  // work ordered after it on the stream sees them.
+  cutlass::arch::wait_on_dependent_grids();
 }
 
 template <class Element>
@@ -53,6 +142,12 @@ void launch_convert_accum(ConvertAccumParams const& p, int num_sms, cudaStream_t
   if (total == 0) return;
   int const blocks = int(std::min<int64_t>((total + 255) / 256, int64_t(num_sms) * 8));
   convert_accum_kernel<Element><<<blocks, 256, 0, stream>>>(p);
+}
+
+// dQ's conversion: softmax_scale is applied here, once.
+inline ConvertAccumParams dq_convert_params(BwdParams const& p, BwdWorkspace const& ws) {
+  return {ws.at<float>(p.workspace, ws.dq_accum), p.dq_ptr, p.dq_batch_stride, p.dq_row_stride, p.dq_head_stride,
+          p.batch, p.seqlen_q, p.nheads_q, p.headdim, p.softmax_scale};
 }
 
 // Under GQA, dK and dV from their float32 sums over each group.
@@ -72,11 +167,32 @@ void launch_convert_dkv(BwdParams const& p, BwdWorkspace const& ws, int num_sms,
 // under GQA also dK and dV.
 template <class Element>
 void launch_bwd_postprocess(BwdParams const& p, BwdWorkspace const& ws, int num_sms, cudaStream_t stream) {
-  launch_convert_accum<Element>({ws.at<float>(p.workspace, ws.dq_accum), p.dq_ptr, p.dq_batch_stride, p.dq_row_stride,
-                                 p.dq_head_stride, p.batch, p.seqlen_q, p.nheads_q, p.headdim, p.softmax_scale},
-                                num_sms, stream);
+  launch_convert_accum<Element>(dq_convert_params(p, ws), num_sms, stream);
   check_launch(cudaGetLastError(), "backward dQ postprocess launch");
   launch_convert_dkv<Element>(p, ws, num_sms, stream);
+}
+
+// dQ as the main kernel completes its query blocks (the main kernel counts them in
+// ws.dq_semaphore and starts dependents early); kBlockM of BlockInfo is the counters' block.
+template <class Element, int kBlockM, int kBlockN, bool kCausal>
+void launch_convert_dq_when_ready(BwdParams const& p, BwdWorkspace const& ws,
+                                  BwdBlockInfo<kBlockM, kBlockN, kCausal> const& bi, int num_sms, cudaStream_t stream) {
+  ConvertDqReadyParams const rp{dq_convert_params(p, ws), ws.at<int>(p.workspace, ws.dq_semaphore),
+                                ws.at<int>(p.workspace, ws.dq_ticket), kBlockM, ceil_div(p.seqlen_q, kBlockM)};
+  auto kernel = &convert_dq_when_ready_kernel<Element, BwdBlockInfo<kBlockM, kBlockN, kCausal>>;
+  int per_sm = 0;
+  check_launch(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, 256, 0), "occupancy query");
+  int64_t const blocks = int64_t(p.batch) * p.nheads_q * rp.num_m_blocks;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(unsigned(std::max<int64_t>(1, std::min<int64_t>(blocks, int64_t(num_sms) * std::max(1, per_sm)))));
+  config.blockDim = dim3(256);
+  config.stream = stream;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  check_launch(cudaLaunchKernelEx(&config, kernel, rp, bi), "backward dQ postprocess launch");
 }
 
 }  // namespace flashhopper

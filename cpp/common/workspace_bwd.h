@@ -22,7 +22,11 @@ struct BwdWorkspace {
   size_t zero_begin = 0;                               // --- zeroed from here ---
   size_t dq_accum = 0;                                 // float (batch, nheads_q, seqlen_q_rounded, headdim)
   size_t dk_accum = 0, dv_accum = 0;                   // GQA: float (batch, nheads_kv, seqlen_k, headdim)
-  size_t dq_semaphore = 0, dkv_semaphore = 0;          // deterministic: int per (batch, head, block)
+  size_t dq_semaphore = 0;                             // int per (batch, head, query block): key blocks
+                                                       // whose dQ additions have landed (sm90 counts
+                                                       // them always, sm80 when deterministic)
+  size_t dq_ticket = 0;                                // int: next query block for the dQ postprocess
+  size_t dkv_semaphore = 0;                            // deterministic GQA: int per (batch, head, block)
   size_t zero_end = 0, total = 0;
   bool gqa = false;
   int seqlen_q_rounded = 0;
@@ -48,10 +52,9 @@ struct BwdWorkspace {
       w.dk_accum = take(bkv * p.seqlen_k * p.headdim * sizeof(float));
       w.dv_accum = take(bkv * p.seqlen_k * p.headdim * sizeof(float));
     }
-    if (p.deterministic) {
-      w.dq_semaphore = take(bq * ceil_div(p.seqlen_q, kBlockM) * sizeof(int));
-      if (w.gqa) w.dkv_semaphore = take(bkv * ceil_div(p.seqlen_k, kBlockN) * sizeof(int));
-    }
+    w.dq_semaphore = take(bq * ceil_div(p.seqlen_q, kBlockM) * sizeof(int));
+    w.dq_ticket = take(sizeof(int));
+    if (p.deterministic && w.gqa) w.dkv_semaphore = take(bkv * ceil_div(p.seqlen_k, kBlockN) * sizeof(int));
     w.zero_end = at;
     w.total = at;
     return w;

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cute/tensor.hpp>
+#include <cutlass/arch/grid_dependency_control.h>
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/cutlass.h>
 #include <cutlass/pipeline/pipeline.hpp>
@@ -71,6 +72,10 @@ struct BwdKernel {
     // dO with its D: the same sizes as Q with its LSE.
     auto pipeline_do = make_pipeline<PipelinedO>(ss.barriers.pipeline_do, Mainloop::kQStageBytes, is_producer, is_loader);
     __syncthreads();  // barrier initialization is visible to every thread
+
+    // The dQ postprocess may start once every CTA has started: it only waits on blocks that resident
+    // CTAs complete, so it can never hold an SM that a CTA of this grid still needs.
+    cutlass::arch::launch_dependent_grids();
 
     BwdTile const tile = decode_bwd_tile(params.scheduler, int(blockIdx.x));
     int const n_block = tile.n_block, head = tile.head, batch = tile.batch;

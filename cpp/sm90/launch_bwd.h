@@ -2,7 +2,9 @@
 //   1. zeroes the float32 accumulators and semaphores (one memset),
 //   2. preprocess: D = rowsum(dO * O) - dLSE and LSE * log2(e) per query row,
 //   3. the main kernel (grid: key blocks x query heads x batch),
-//   4. postprocess: dQ = softmax_scale * dQ_accum in the input dtype; under GQA also dK, dV.
+//   4. postprocess: dQ = softmax_scale * dQ_accum in the input dtype, each query block once the main
+//      kernel has counted all its key blocks' additions, launched to run beside the main kernel's
+//      tail; under GQA then dK, dV.
 // Included by the generated translation units, one per (dtype, head dim, causal).
 #pragma once
 
@@ -52,7 +54,7 @@ void run_bwd_sm90(BwdParams const& p, cudaStream_t stream) {
   float* dq_accum = ws.at<float>(p.workspace, ws.dq_accum);
   float* dk_accum = ws.gqa ? ws.at<float>(p.workspace, ws.dk_accum) : nullptr;
   float* dv_accum = ws.gqa ? ws.at<float>(p.workspace, ws.dv_accum) : nullptr;
-  int* dq_sem = p.deterministic ? ws.at<int>(p.workspace, ws.dq_semaphore) : nullptr;
+  int* dq_sem = ws.at<int>(p.workspace, ws.dq_semaphore);
   int* dkv_sem = p.deterministic && ws.gqa ? ws.at<int>(p.workspace, ws.dkv_semaphore) : nullptr;
   DeviceInfo const& dev = device_info(p.device);
   int const num_sms = p.num_sms > 0 ? p.num_sms : dev.num_sms;
@@ -68,7 +70,8 @@ void run_bwd_sm90(BwdParams const& p, cudaStream_t stream) {
                             shape_q, static_cast<Element const*>(p.k_ptr),
                             stride(p.k_row_stride, p.k_head_stride, p.k_batch_stride),
                             static_cast<Element const*>(p.v_ptr), stride(p.v_row_stride, p.v_head_stride, p.v_batch_stride),
-                            shape_k, lse_log2, dpsum, dq_accum, dq_sem, ws.seqlen_q_rounded, p.softmax_scale),
+                            shape_k, lse_log2, dpsum, dq_accum, dq_sem, p.deterministic, ws.seqlen_q_rounded,
+                            p.softmax_scale),
       // Without GQA, dK/dV go straight to the outputs, one per query head.
       Epilogue::make_params(static_cast<Element*>(p.dk_ptr), stride(p.dk_row_stride, p.dk_head_stride, p.dk_batch_stride),
                             static_cast<Element*>(p.dv_ptr), stride(p.dv_row_stride, p.dv_head_stride, p.dv_batch_stride),
@@ -84,7 +87,13 @@ void run_bwd_sm90(BwdParams const& p, cudaStream_t stream) {
   kernel<<<grid, Kernel::kNumThreads, smem_bytes, stream>>>(kp);
   check_launch(cudaGetLastError(), "backward kernel launch");
 
+#ifdef FLASHHOPPER_BWD_SERIAL_DQ_CONVERT  // ablation: one pass over dQ after the main kernel
   launch_bwd_postprocess<Element>(p, ws, num_sms, stream);
+#else
+  // dQ block by block as the main kernel completes them (a programmatic dependent launch).
+  launch_convert_dq_when_ready<Element>(p, ws, typename Mainloop::BlockInfo{p.seqlen_q, p.seqlen_k}, num_sms, stream);
+  launch_convert_dkv<Element>(p, ws, num_sms, stream);
+#endif
 }
 
 }  // namespace flashhopper

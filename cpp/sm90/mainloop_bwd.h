@@ -69,6 +69,15 @@ struct BwdMainloop {
 #else
   static constexpr bool kAblateNoDqReduce = false;
 #endif
+  // A query block's dQ additions are counted this many query blocks after they were issued (not
+  // deterministic). 0, an ablation: not counted, and dQ is converted after the kernel.
+#ifdef FLASHHOPPER_BWD_SERIAL_DQ_CONVERT
+  static constexpr int kdQCountLag = 0;
+#elif defined(FLASHHOPPER_BWD_DQ_COUNT_LAG)
+  static constexpr int kdQCountLag = FLASHHOPPER_BWD_DQ_COUNT_LAG;
+#else
+  static constexpr int kdQCountLag = 1;  // 1 and 2 measured alike (docs/perf-notes.md)
+#endif
   // Ablation: dV issued after dS is stored (FA3's order) instead of before the dS math.
 #ifdef FLASHHOPPER_BWD_DV_AFTER_DS
   static constexpr bool kAblateDvAfterDs = true;
@@ -195,6 +204,8 @@ struct BwdMainloop {
     Tile1K<float, cosize_v<SmemLayoutdQ>> smem_dq;
   };
 
+  using BlockInfo = BwdBlockInfo<kBlockM, kBlockN, kCausal>;
+
   struct Params {
     TMA_QdO tma_q, tma_do;
     TMA_KV tma_k, tma_v;
@@ -203,17 +214,19 @@ struct BwdMainloop {
     float const* lse_log2;  // (batch, head, seqlen_q_rounded): LSE * log2(e), +inf where P must be 0
     float const* dpsum;     // (batch, head, seqlen_q_rounded): rowsum(dO * O) - dLSE, 0 on padding rows
     float* dq_accum;        // (batch, head, seqlen_q, headdim) float32, zeroed
-    int* dq_semaphore;      // (batch, head, m_blocks) zeroed, or nullptr: not deterministic
+    int* dq_semaphore;      // (batch, head, m_blocks) zeroed: key blocks whose dQ additions have landed
+    bool deterministic;     // key blocks add in a fixed order (they wait on dq_semaphore)
     int seqlen_q_rounded;
     int heads_ratio;
     float softmax_scale, scale_log2;
-    BwdBlockInfo<kBlockM, kBlockN, kCausal> block_info;
+    BlockInfo block_info;
   };
 
   static Params make_params(Element const* q, StrideQKV stride_q, Element const* dout, StrideQKV stride_do,
                             ShapeQKV shape_q, Element const* k, StrideQKV stride_k, Element const* v,
                             StrideQKV stride_v, ShapeQKV shape_k, float const* lse_log2, float const* dpsum,
-                            float* dq_accum, int* dq_semaphore, int seqlen_q_rounded, float softmax_scale) {
+                            float* dq_accum, int* dq_semaphore, bool deterministic, int seqlen_q_rounded,
+                            float softmax_scale) {
     auto mQ = make_tensor(make_gmem_ptr(q), shape_q, stride_q);
     auto mdO = make_tensor(make_gmem_ptr(dout), shape_q, stride_do);
     auto mK = make_tensor(make_gmem_ptr(k), shape_k, stride_k);
@@ -231,6 +244,7 @@ struct BwdMainloop {
             dpsum,
             dq_accum,
             dq_semaphore,
+            deterministic,
             seqlen_q_rounded,
             get<2>(shape_q) / get<2>(shape_k),
             softmax_scale,
@@ -328,7 +342,11 @@ struct BwdMainloop {
   // ---------------------------------------------------------------------------------------------
   // dQ writer: one warp. As each consumer warpgroup fills its buffer with its share of a dQ slice,
   // one lane TMA-reduce-adds it into dq_accum and hands the buffer back once TMA has read it.
-  // Deterministic: key blocks add one at a time, in later_key_blocks order.
+  // Once a query block's additions have landed in global memory, its dq_semaphore counts them: the
+  // postprocess converts a block as soon as every key block has counted (it runs beside this
+  // kernel's tail). Deterministic: key blocks add one at a time, in later_key_blocks order, and
+  // count at once; otherwise a block is counted kdQCountLag query blocks later, when its
+  // reduce-adds have long completed, so that waiting for them does not hold up the hand-offs.
   CUTE_DEVICE static void store_dq(Params const& p, TensorStorage& ts, int n_block, int head, int batch) {
     int const m_begin = p.block_info.m_block_min(n_block), m_end = p.block_info.m_block_max();
     Tensor sdQ = make_tensor(make_smem_ptr(ts.smem_dq.data()), SmemLayoutdQ{});  // (BM, DQCols, warpgroup)
@@ -337,14 +355,25 @@ struct BwdMainloop {
     auto parts = tma_partition(p.tma_dq, _0{}, Layout<_1>{}, group_modes<0, 2>(sdQ), group_modes<0, 2>(gdQ));
     Tensor tdQgdQ = get<0>(parts);  // (TMA, m, column tile)
     Tensor tdQsdQ = get<1>(parts);  // (TMA, warpgroup)
-    int* sem_bh = p.dq_semaphore == nullptr ? nullptr
-                                            : p.dq_semaphore + (int64_t(batch) * get<2>(p.shape_q) + head) * ceil_div(get<0>(p.shape_q), kBlockM);
+    int* const sem_bh = p.dq_semaphore + (int64_t(batch) * get<2>(p.shape_q) + head) * ceil_div(get<0>(p.shape_q), kBlockM);
     bool const lane0 = cute::elect_one_sync();
+    constexpr int kGroupsPerBlock = kdQSlices * kNumMmaWG;  // bulk async-groups the writer commits per block
+    // Count blocks [m_first, m_last] once at most kPending bulk groups (the newest) are in flight.
+    auto count = [&](int m_first, int m_last, auto pending) {
+      if (lane0) {
+        asm volatile("cp.async.bulk.wait_group %0;" ::"n"(decltype(pending)::value) : "memory");  // writes done
+        asm volatile("fence.proxy.async.global;" ::: "memory");  // the async proxy's writes, then the count
+        for (int m = m_first; m <= m_last; ++m) {
+          cuda::atomic_ref<int, cuda::thread_scope_device>(sem_bh[m]).fetch_add(1, cuda::memory_order_release);
+        }
+      }
+      __syncwarp();
+    };
 
     CUTE_UNROLL
     for (int wg = 0; wg < kNumMmaWG; ++wg) cutlass::arch::NamedBarrier::arrive(kdQHandoffThreads, kBwddQEmpty0 + wg);
     for (int m_block = m_end - 1; m_block >= m_begin; --m_block) {
-      if (sem_bh != nullptr && lane0) wait_at_least(sem_bh + m_block, later_key_blocks(p, m_block, n_block));
+      if (p.deterministic && lane0) wait_at_least(sem_bh + m_block, later_key_blocks(p, m_block, n_block));
       __syncwarp();
       CUTE_UNROLL
       for (int slice = 0; slice < kdQSlices; ++slice) {
@@ -364,15 +393,13 @@ struct BwdMainloop {
         __syncwarp();
         cutlass::arch::NamedBarrier::arrive(kdQHandoffThreads, kBwddQEmpty0 + 1);
       }
-      if (sem_bh != nullptr && lane0) {
-        // The reduce must have landed in global memory, not only have been read from smem.
-        asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-        asm volatile("fence.proxy.async.global;" ::: "memory");
-        __threadfence();
-        signal(sem_bh + m_block);
+      if (p.deterministic) {
+        count(m_block, m_block, Int<0>{});
+      } else if (kdQCountLag > 0 && m_block + kdQCountLag < m_end) {
+        count(m_block + kdQCountLag, m_block + kdQCountLag, Int<kdQCountLag * kGroupsPerBlock>{});
       }
-      __syncwarp();
     }
+    if (!p.deterministic && kdQCountLag > 0) count(m_begin, imin(m_end, m_begin + kdQCountLag) - 1, Int<0>{});
   }
 
   // ---------------------------------------------------------------------------------------------

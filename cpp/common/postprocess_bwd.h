@@ -16,6 +16,7 @@
 #include <cstdint>
 
 #include "block_info.h"
+#include "dq_frag_layout.h"
 #include "params.h"
 #include "workspace_bwd.h"
 
@@ -67,12 +68,45 @@ __global__ void __launch_bounds__(256) convert_accum_kernel(ConvertAccumParams c
   }
 }
 
+// One query block of fragment-ordered sums (dq_frag_layout.h) to rows [0, rows) of dst: each thread
+// reads 16-byte chunks (two rows, two columns each), kBatch of them in flight.
+template <class Element, int kFragCols>
+CUTE_DEVICE void convert_frag_block(float const* src, Element* dst, int rows, ConvertAccumParams const& p) {
+  using Layout = DqFragLayout<kFragCols>;
+  using Pair = cutlass::Array<Element, 2>;
+  cutlass::NumericArrayConverter<Element, float, 2> convert;
+  int const chunks = Layout::kBlockM * p.headdim / 4;
+  constexpr int kBatch = 4;
+  for (int k0 = threadIdx.x; k0 < chunks; k0 += kBatch * blockDim.x) {
+    float4 a[kBatch];
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      int const k = k0 + j * blockDim.x;
+      if (k < chunks) a[j] = __ldcg(reinterpret_cast<float4 const*>(src) + k);
+    }
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      int const k = k0 + j * blockDim.x;
+      if (k >= chunks) continue;
+      int row = 0, col = 0;
+      Layout::coord(k, row, col);
+      if (row < rows) {
+        *reinterpret_cast<Pair*>(dst + row * p.row_stride + col) = convert(cutlass::Array<float, 2>{a[j].x * p.scale, a[j].y * p.scale});
+      }
+      if (row + 8 < rows) {
+        *reinterpret_cast<Pair*>(dst + (row + 8) * p.row_stride + col) = convert(cutlass::Array<float, 2>{a[j].z * p.scale, a[j].w * p.scale});
+      }
+    }
+  }
+}
+
 // dQ one query block at a time, each once the main kernel has counted all the key blocks that add
 // to it (BlockInfo::n_block_end; zero for rows that see no key, whose dQ is the zeroed accumulator).
 // Launched as a programmatic dependent of the main kernel, so its CTAs fill the SMs that the main
 // kernel's tail leaves idle. Blocks are handed out in the order the main kernel finishes them:
 // (batch, head) ascending, as its CTAs start, and within a head the last query block first, as
-// every key block walks them.
+// every key block walks them. kFragCols > 0: the sums are in fragment order (dq_frag_layout.h,
+// 64-row blocks), else row-major (batch, nheads, seqlen, headdim).
 struct ConvertDqReadyParams {
   ConvertAccumParams accum;
   int const* ready;  // (batch, nheads, m_blocks): key blocks whose additions have landed
@@ -80,7 +114,7 @@ struct ConvertDqReadyParams {
   int block_m, num_m_blocks;
 };
 
-template <class Element, class BlockInfo>
+template <class Element, class BlockInfo, int kFragCols>
 __global__ void __launch_bounds__(256) convert_dq_when_ready_kernel(ConvertDqReadyParams const p, BlockInfo const bi) {
 #if defined(__CUDA_ARCH__)
   static_assert(cutlass::arch::IsGdcGloballyEnabled, "build with -DCUTLASS_ENABLE_GDC_FOR_SM90 (see CMakeLists.txt)");
@@ -109,9 +143,14 @@ __global__ void __launch_bounds__(256) convert_dq_when_ready_kernel(ConvertDqRea
     int const bh = work / p.num_m_blocks, m_block = work - bh * p.num_m_blocks;
     int const batch = bh / p.accum.nheads, head = bh - batch * p.accum.nheads;
     int const row_begin = m_block * p.block_m, rows = min(p.block_m, p.accum.seqlen - row_begin);
-    float const* src = p.accum.accum + (int64_t(bh) * p.accum.seqlen + row_begin) * p.accum.headdim;
     Element* dst = static_cast<Element*>(p.accum.out) + batch * p.accum.batch_stride + head * p.accum.head_stride +
                    row_begin * p.accum.row_stride;
+    if constexpr (kFragCols > 0) {
+      convert_frag_block<Element, kFragCols>(p.accum.accum + int64_t(work) * p.block_m * p.accum.headdim, dst, rows,
+                                             p.accum);
+      continue;
+    }
+    float const* src = p.accum.accum + (int64_t(bh) * p.accum.seqlen + row_begin) * p.accum.headdim;
     // kBatch loads in flight before the first store (the compiler cannot move loads past stores).
     constexpr int kBatch = 4;
     for (int i0 = threadIdx.x; i0 < rows * vecs_per_row; i0 += kBatch * blockDim.x) {
@@ -174,12 +213,13 @@ void launch_bwd_postprocess(BwdParams const& p, BwdWorkspace const& ws, int num_
 
 // dQ as the main kernel completes its query blocks (the main kernel counts them in
 // ws.dq_semaphore and starts dependents early); kBlockM of BlockInfo is the counters' block.
-template <class Element, int kBlockM, int kBlockN, bool kCausal>
+template <class Element, int kFragCols, int kBlockM, int kBlockN, bool kCausal>
 void launch_convert_dq_when_ready(BwdParams const& p, BwdWorkspace const& ws,
                                   BwdBlockInfo<kBlockM, kBlockN, kCausal> const& bi, int num_sms, cudaStream_t stream) {
   ConvertDqReadyParams const rp{dq_convert_params(p, ws), ws.at<int>(p.workspace, ws.dq_semaphore),
                                 ws.at<int>(p.workspace, ws.dq_ticket), kBlockM, ceil_div(p.seqlen_q, kBlockM)};
-  auto kernel = &convert_dq_when_ready_kernel<Element, BwdBlockInfo<kBlockM, kBlockN, kCausal>>;
+  static_assert(kFragCols == 0 || kBlockM == DqFragLayout<8>::kBlockM, "fragment order is in 64-row blocks");
+  auto kernel = &convert_dq_when_ready_kernel<Element, BwdBlockInfo<kBlockM, kBlockN, kCausal>, kFragCols>;
   int per_sm = 0;
   check_launch(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, 256, 0), "occupancy query");
   int64_t const blocks = int64_t(p.batch) * p.nheads_q * rp.num_m_blocks;

@@ -1,7 +1,7 @@
 // Float32 reductions into global memory from WGMMA accumulator fragments, as fire-and-forget
 // `red` instructions (an unused atomicAdd result still compiles to ATOMG, which waits for L2's
-// answer: `red` measured 1.4x faster for the head-dim-256 dQ before that moved to TMA). Used by
-// the GQA dK/dV epilogue, once per CTA. No "memory" clobber: nothing in the issuing thread reads
+// answer: `red` measured 1.4x faster). Used by the GQA dK/dV epilogue, once per CTA, and for the
+// head-dim-256 dQ (mainloop_bwd.h). No "memory" clobber: nothing in the issuing thread reads
 // these addresses; code that must order them (the deterministic semaphores) uses __threadfence()
 // and a barrier after them.
 #pragma once

@@ -87,13 +87,18 @@ void run_bwd_sm90(BwdParams const& p, cudaStream_t stream) {
   kernel<<<grid, Kernel::kNumThreads, smem_bytes, stream>>>(kp);
   check_launch(cudaGetLastError(), "backward kernel launch");
 
+  // Fragment-ordered dQ sums (head dim 256) are always converted block by block as they complete.
+  constexpr int kFragCols = Mainloop::kdQAtomic ? int(Mainloop::DQCols::value) : 0;
 #ifdef FLASHHOPPER_BWD_SERIAL_DQ_CONVERT  // ablation: one pass over dQ after the main kernel
-  launch_bwd_postprocess<Element>(p, ws, num_sms, stream);
-#else
-  // dQ block by block as the main kernel completes them (a programmatic dependent launch).
-  launch_convert_dq_when_ready<Element>(p, ws, typename Mainloop::BlockInfo{p.seqlen_q, p.seqlen_k}, num_sms, stream);
-  launch_convert_dkv<Element>(p, ws, num_sms, stream);
+  if constexpr (kFragCols == 0) {
+    launch_bwd_postprocess<Element>(p, ws, num_sms, stream);
+    return;
+  }
 #endif
+  // dQ block by block as the main kernel completes them (a programmatic dependent launch).
+  launch_convert_dq_when_ready<Element, kFragCols>(p, ws, typename Mainloop::BlockInfo{p.seqlen_q, p.seqlen_k},
+                                                   num_sms, stream);
+  launch_convert_dkv<Element>(p, ws, num_sms, stream);
 }
 
 }  // namespace flashhopper

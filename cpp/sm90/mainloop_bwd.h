@@ -12,7 +12,9 @@
 // The producer warp loads K and V once, then Q (+ its LSE row statistics) and dO (+ D) per query
 // block through PipelineTmaAsync stages. dQ leaves through a dQ-writer warp: each warpgroup stages
 // its share in shared memory, kdQSlices column slices per query block, and the writer TMA-reduce-
-// adds each into a float32 buffer (atomics from registers measured 3.4x slower at head dim 256).
+// adds each into a float32 buffer. At head dim 256 (kdQAtomic) the consumers add it themselves
+// with 16-byte reductions into a fragment-ordered buffer (dq_frag_layout.h): its four slices a step
+// made the staging round trips cost more than the reductions.
 // softmax_scale is applied once: to dK here, to dQ by the postprocess kernel.
 #pragma once
 
@@ -26,11 +28,13 @@
 #include <type_traits>
 
 #include "../common/block_info.h"
+#include "../common/dq_frag_layout.h"
 #include "../common/semaphore.h"
 #include "../common/mask.h"
 #include "../common/softmax.h"
 #include "../common/utils.h"
 #include "gemm.h"
+#include "global_reduce.h"
 #include "named_barriers.h"
 
 namespace flashhopper::sm90 {
@@ -69,6 +73,20 @@ struct BwdMainloop {
 #else
   static constexpr bool kAblateNoDqReduce = false;
 #endif
+  // The bank-conflict swap of the dQ staging stores (store_shared): +3-7% at head dim 256 with TMA
+  // (four slices a step), none at 128 (one slice), where it costs the causal kernel an 8-byte spill.
+  // FLASHHOPPER_BWD_DQ_STAGE_PLAIN (ablation) turns it off.
+#ifdef FLASHHOPPER_BWD_DQ_STAGE_PLAIN
+  static constexpr bool kdQStageSwap = false;
+#else
+  static constexpr bool kdQStageSwap = kdQSlices > 1;
+#endif
+  // Ablation, timing only: the consumers skip the dQ staging stores too (hand-offs kept).
+#ifdef FLASHHOPPER_BWD_NO_DQ_STAGE
+  static constexpr bool kAblateNoDqStage = true;
+#else
+  static constexpr bool kAblateNoDqStage = false;
+#endif
   // A query block's dQ additions are counted this many query blocks after they were issued (not
   // deterministic). 0, an ablation: not counted, and dQ is converted after the kernel.
 #ifdef FLASHHOPPER_BWD_SERIAL_DQ_CONVERT
@@ -85,6 +103,18 @@ struct BwdMainloop {
   static constexpr bool kAblateDvAfterDs = false;
 #endif
   static constexpr int kNumMmaThreads = kNumMmaWG * cutlass::NumThreadsPerWarpGroup;
+  // Head dim 256: the consumers add dQ from registers with 16-byte `red`s into a buffer laid out as
+  // their fragments (dq_frag_offset), instead of staging it for TMA: the staging round trips (the
+  // buffer is refilled only once TMA has read it, four times a step) cost more than the reductions
+  // (docs/perf-notes.md). FLASHHOPPER_BWD_DQ_TMA (ablation) keeps TMA at every head dim.
+#ifndef FLASHHOPPER_BWD_DQ_ATOMIC_MIN_HDIM
+#define FLASHHOPPER_BWD_DQ_ATOMIC_MIN_HDIM 256
+#endif
+#ifdef FLASHHOPPER_BWD_DQ_TMA
+  static constexpr bool kdQAtomic = false;
+#else
+  static constexpr bool kdQAtomic = kHeadDim >= FLASHHOPPER_BWD_DQ_ATOMIC_MIN_HDIM && !kdQSwapAB && kBlockM == 64;
+#endif
 
   using D = Int<kHeadDim>;
   using BM = Int<kBlockM>;
@@ -141,8 +171,16 @@ struct BwdMainloop {
   using SmemLayoutKt = decltype(composition(SmemLayoutK{}, make_ordered_layout(Shape<D, BN>{}, Step<_2, _1>{})));
   // P and dS as the S accumulator tile (ShapeSdP), its second mode contiguous; and transposed.
   static constexpr int kSdPRows = size<0>(ShapeSdP{}), kSdPCols = size<1>(ShapeSdP{});
-  using SmemAtomPdS = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element,
-                                                                                  Int<kSdPRows>, Int<kSdPCols>>());
+  // Split over columns (S, not S^T), each warpgroup's columns must be whole swizzle atoms for the
+  // stmatrix partition: at 80 keys a warpgroup's 40 columns take the 8-column interleaved atom.
+  using SmemAtomPdSWide = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element,
+                                                                                      Int<kSdPRows>, Int<kSdPCols>>());
+  static constexpr bool kPdSAtomPerWG = !kSdPSwapAB && (kSdPCols / 2) % size<1>(SmemAtomPdSWide{}) != 0;
+  using SmemAtomPdS = std::conditional_t<
+      kPdSAtomPerWG,
+      decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, Int<kSdPRows>,
+                                                                   Int<kSdPCols / 2>>()),
+      SmemAtomPdSWide>;
   using SmemLayoutPdS = decltype(tile_to_shape(SmemAtomPdS{}, Shape<Int<kSdPRows>, Int<kSdPCols>, Int<kStagesdS>>{}));
   using SmemLayoutPdSt = decltype(composition(
       SmemLayoutPdS{}, make_ordered_layout(Shape<Int<kSdPCols>, Int<kSdPRows>, Int<kStagesdS>>{}, Step<_2, _1, _3>{})));
@@ -201,7 +239,7 @@ struct BwdMainloop {
     Tile1K<Element, cosize_v<SmemLayoutQ>> smem_q;
     Tile1K<Element, cosize_v<SmemLayoutdO>> smem_do;
     Tile1K<Element, cosize_v<SmemLayoutPdS>> smem_ds;
-    Tile1K<float, cosize_v<SmemLayoutdQ>> smem_dq;
+    Tile1K<float, kdQAtomic ? 256 : cosize_v<SmemLayoutdQ>> smem_dq;  // unused with dQ atomics
   };
 
   using BlockInfo = BwdBlockInfo<kBlockM, kBlockN, kCausal>;
@@ -264,15 +302,27 @@ struct BwdMainloop {
   // plain copy through CuTe's swizzled pointer compiles to generic 4-byte stores (the address space
   // is lost in the swizzle arithmetic). Adjacent accumulator columns stay adjacent under the 16-byte
   // swizzle, so unless the tile is transposed each pair goes as one 8-byte store.
+  // Bank conflicts: a warp's 8-byte stores are served a half-warp (4 accumulator rows x 32 bytes) at
+  // a time, and under the 128-byte swizzle rows r and r^1 put the same column group on the same
+  // banks (2 wavefronts per half-warp; ncu: 4 per store instead of 2). So the lanes of odd rows
+  // store their column groups j and j^2 swapped: fragment index i = pair element + 2 * row half +
+  // 4 * column group, so group j^2 is index i^8, and each half-warp then covers all 32 banks once.
   template <class Frag, class TensorS>
   CUTE_DEVICE static void store_shared(Frag const& frag, TensorS const& dst) {
-    CUTE_UNROLL
-    for (int i = 0; i < size(frag); i += (kdQSwapAB ? 1 : 2)) {
-      uint32_t const addr = cast_smem_ptr_to_uint(&dst(i));
-      if constexpr (kdQSwapAB) {
-        asm volatile("st.shared.f32 [%0], %1;" ::"r"(addr), "f"(frag(i)));
-      } else {
-        asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(frag(i)), "f"(frag(i + 1)));
+    if constexpr (kdQSwapAB) {
+      CUTE_UNROLL
+      for (int i = 0; i < size(frag); ++i) {
+        asm volatile("st.shared.f32 [%0], %1;" ::"r"(cast_smem_ptr_to_uint(&dst(i))), "f"(frag(i)));
+      }
+    } else {
+      static_assert(size(Frag{}) % 16 == 0, "at least four 8-column groups per thread");
+      bool const odd_row = kdQStageSwap && (threadIdx.x / 4) % 2;
+      CUTE_UNROLL
+      for (int i = 0; i < size(frag); i += 2) {
+        int const k = i ^ 8;
+        uint32_t const addr = odd_row ? cast_smem_ptr_to_uint(&dst(k)) : cast_smem_ptr_to_uint(&dst(i));
+        float const v0 = odd_row ? frag(k) : frag(i), v1 = odd_row ? frag(k + 1) : frag(i + 1);
+        asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(v0), "f"(v1));
       }
     }
   }
@@ -348,6 +398,7 @@ struct BwdMainloop {
   // count at once; otherwise a block is counted kdQCountLag query blocks later, when its
   // reduce-adds have long completed, so that waiting for them does not hold up the hand-offs.
   CUTE_DEVICE static void store_dq(Params const& p, TensorStorage& ts, int n_block, int head, int batch) {
+    if constexpr (kdQAtomic) return;  // the consumers add and count dQ themselves
     int const m_begin = p.block_info.m_block_min(n_block), m_end = p.block_info.m_block_max();
     Tensor sdQ = make_tensor(make_smem_ptr(ts.smem_dq.data()), SmemLayoutdQ{});  // (BM, DQCols, warpgroup)
     Tensor gdQ = local_tile(p.tma_dq.get_tma_tensor(p.shape_q)(_, _, head, batch), Shape<BM, DQCols>{},
@@ -413,6 +464,15 @@ struct BwdMainloop {
     int const m_begin = bi.m_block_min(n_block), m_end = bi.m_block_max();
     if (m_end <= m_begin) return false;
     int const wg = thread_idx / cutlass::NumThreadsPerWarpGroup;
+    int64_t const bh = int64_t(batch) * get<2>(p.shape_q) + head;
+    int const num_m_blocks = ceil_div(get<0>(p.shape_q), kBlockM);
+    int* const sem_bh = p.dq_semaphore + bh * num_m_blocks;
+    // Once every consumer thread's reductions so far have landed, count query blocks [m0, m1) done.
+    auto count_dq_atomics = [&](int m0, int m1) {
+      __threadfence();
+      cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBwddQAtomic);
+      for (int m = m0 + thread_idx; m < m1; m += kNumMmaThreads) signal(sem_bh + m);
+    };
 
     Tensor sQ = make_tensor(make_smem_ptr(ts.smem_q.data()), SmemLayoutQ{});
     Tensor sdO = make_tensor(make_smem_ptr(ts.smem_do.data()), SmemLayoutdO{});
@@ -500,6 +560,9 @@ struct BwdMainloop {
       } else {
         wgmma<true, -1>(mma_sdp, tdPrdO(_, _, _, stage_do), tdPrV, tdPrdP);
       }
+      // Deterministic dQ atomics: the previous block's additions are counted here, where the fence
+      // waiting for them overlaps the S and dP GEMMs (right after them it stalled every step).
+      if (kdQAtomic && p.deterministic && m_block + 1 < m_end) count_dq_atomics(m_block + 1, m_block + 2);
 
       // P from S while dP is on the tensor cores.
       auto const lse = stat(ts.smem_lse.data() + stage_q * kBlockM);
@@ -551,38 +614,76 @@ struct BwdMainloop {
           wgmma<true, -1>(mma_dq, tdQrdS(_, _, _, stage_ds), tdQrK, tdQrdQ);
         }
       };
-      cute::array<decltype(partition_fragment_C(mma_dq, ShapedQ{})), kdQSlices> tdQrdQ;
-      issue_dq(tdQrdQ[0], 0);
-      if constexpr (kdKVRegsA) {
-        Tensor tdKrdS = make_tensor(rdS.data(), acc_layout_as_a_operand(rdS.layout()));
-        wgmma<false, -1>(mma_dkv, tdKrdS, tdKrQ(_, _, _, stage_q), tdKrdK);
-      } else {
-        Tensor tdKrdS = thr_dkv.partition_fragment_B(sdSt);
-        wgmma<false, -1>(mma_dkv, tdKrQ(_, _, _, stage_q), tdKrdS(_, _, _, stage_ds), tdKrdK);
-      }
-      CUTE_UNROLL
-      for (int slice = 1; slice < kdQSlices; ++slice) issue_dq(tdQrdQ[slice], slice);
+      auto issue_dk = [&]() {
+        if constexpr (kdKVRegsA) {
+          Tensor tdKrdS = make_tensor(rdS.data(), acc_layout_as_a_operand(rdS.layout()));
+          wgmma<false, -1>(mma_dkv, tdKrdS, tdKrQ(_, _, _, stage_q), tdKrdK);
+        } else {
+          Tensor tdKrdS = thr_dkv.partition_fragment_B(sdSt);
+          wgmma<false, -1>(mma_dkv, tdKrQ(_, _, _, stage_q), tdKrdS(_, _, _, stage_ds), tdKrdK);
+        }
+      };
 
       // Hand each slice to the dQ writer once it has emptied this warpgroup's buffer.
       // This warpgroup's buffer is the wg-th (kBlockM, DQCols) block of SmemLayoutdQ (1 KB aligned).
       Tensor sdQ = make_tensor(make_smem_ptr(ts.smem_dq.data() + wg * cosize_v<SmemLayoutdQHalf>), SmemLayoutdQHalfAcc{});
       Tensor tdQsdQ = TiledMmadQHalf{}.get_thread_slice(thread_idx % cutlass::NumThreadsPerWarpGroup).partition_C(sdQ);
-      auto stage_dq = [&](auto const& frag) {
-        cutlass::arch::NamedBarrier::sync(kdQHandoffThreads, kBwddQEmpty0 + wg);
-        store_shared(frag, tdQsdQ);
-        cutlass::arch::fence_view_async_shared();
-        cutlass::arch::NamedBarrier::arrive(kdQHandoffThreads, kBwddQFull0 + wg);
+      // With dQ atomics, the slice is added to this block's fragment-ordered sums instead.
+      float* const dq_block = p.dq_accum + (bh * num_m_blocks + m_block) * int64_t(kBlockM * kHeadDim);
+      auto stage_dq = [&](auto& frag, int slice) {
+        warpgroup_fence_operand(frag);
+        if constexpr (kdQAtomic) {
+          using FragLayout = DqFragLayout<DQCols::value>;
+          int const t = thread_idx % cutlass::NumThreadsPerWarpGroup;
+          if (p.deterministic && slice == 0) {  // the key blocks before this one have added theirs
+            if (thread_idx == 0) wait_at_least(sem_bh + m_block, later_key_blocks(p, m_block, n_block));
+            cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBwddQAtomic);
+          }
+          CUTE_UNROLL
+          for (int i = 0; i < size(frag); i += 4) {
+            red_add_v4(dq_block + FragLayout::offset(slice * kNumMmaWG + wg, t, i), frag(i), frag(i + 1), frag(i + 2),
+                       frag(i + 3));
+          }
+        } else {
+          cutlass::arch::NamedBarrier::sync(kdQHandoffThreads, kBwddQEmpty0 + wg);
+          if constexpr (!kAblateNoDqStage) store_shared(frag, tdQsdQ);
+          cutlass::arch::fence_view_async_shared();
+          cutlass::arch::NamedBarrier::arrive(kdQHandoffThreads, kBwddQFull0 + wg);
+        }
       };
-      warpgroup_wait<kdQSlices>();  // dV and dQ_0 done; dK (and later slices) in flight
-      warpgroup_fence_operand(tdQrdQ[0]);
-      pipeline_do.consumer_release(read_do);
-      ++read_do;
-      stage_dq(tdQrdQ[0]);
-      warpgroup_wait<0>();
-      CUTE_UNROLL
-      for (int slice = 1; slice < kdQSlices; ++slice) {
-        warpgroup_fence_operand(tdQrdQ[slice]);
-        stage_dq(tdQrdQ[slice]);
+      using FragdQ = decltype(partition_fragment_C(mma_dq, ShapedQ{}));
+      if constexpr (kdQSlices <= 2) {
+        // Every slice in flight at once: dQ_0, dK, dQ_1.
+        cute::array<FragdQ, kdQSlices> tdQrdQ;
+        issue_dq(tdQrdQ[0], 0);
+        issue_dk();
+        if constexpr (kdQSlices == 2) issue_dq(tdQrdQ[1], 1);
+        warpgroup_wait<kdQSlices>();  // dV and dQ_0 done; dK (and dQ_1) in flight
+        pipeline_do.consumer_release(read_do);
+        ++read_do;
+        stage_dq(tdQrdQ[0], 0);
+        warpgroup_wait<0>();
+        if constexpr (kdQSlices == 2) stage_dq(tdQrdQ[1], 1);
+      } else {
+        // Two slices in flight, in two rotating accumulators (all of them do not fit beside the
+        // 80-key dK^T/dV^T): dQ_0, dK, dQ_1; then each slice is issued as the one two before it
+        // has been staged.
+        cute::array<FragdQ, 2> tdQrdQ;
+        issue_dq(tdQrdQ[0], 0);
+        issue_dk();
+        issue_dq(tdQrdQ[1], 1);
+        warpgroup_wait<2>();  // dV and dQ_0 done
+        pipeline_do.consumer_release(read_do);
+        ++read_do;
+        stage_dq(tdQrdQ[0], 0);
+        CUTE_UNROLL
+        for (int slice = 2; slice < kdQSlices; ++slice) {
+          issue_dq(tdQrdQ[slice % 2], slice);
+          warpgroup_wait<1>();  // slice - 1 (and dK) done
+          stage_dq(tdQrdQ[(slice - 1) % 2], slice - 1);
+        }
+        warpgroup_wait<0>();
+        stage_dq(tdQrdQ[(kdQSlices - 1) % 2], kdQSlices - 1);
       }
       warpgroup_fence_operand(tdKrdK);
       pipeline_q.consumer_release(read_q);
@@ -591,6 +692,10 @@ struct BwdMainloop {
 
     CUTE_NO_UNROLL
     for (int m_block = m_end - 1; m_block >= m_begin; --m_block) step(m_block);
+
+    // dQ atomics: not deterministic, this CTA's additions to every block it walked are counted at
+    // once (one fence per thread, not one per step); deterministic, those to the last block.
+    if constexpr (kdQAtomic) count_dq_atomics(m_begin, p.deterministic ? m_begin + 1 : m_end);
 
     CUTE_UNROLL
     for (int i = 0; i < size(tdKrdK); ++i) tdKrdK(i) *= p.softmax_scale;

@@ -138,10 +138,23 @@ struct BwdTileSize<128, kCausal> {
   static constexpr bool kSdPSwapAB = true, kdKVSwapAB = false, kdQSwapAB = kBlockM % 64 != 0;
 };
 
+#ifndef FLASHHOPPER_BWD_HDIM256_BLOCK_N
+#define FLASHHOPPER_BWD_HDIM256_BLOCK_N 80
+#endif
+#ifndef FLASHHOPPER_BWD_HDIM256_DQ_SLICES
+#define FLASHHOPPER_BWD_HDIM256_DQ_SLICES (FLASHHOPPER_BWD_HDIM256_BLOCK_N > 64 ? 4 : 2)
+#endif
+#ifndef FLASHHOPPER_BWD_HDIM256_DS_STAGES
+#define FLASHHOPPER_BWD_HDIM256_DS_STAGES 1
+#endif
+// Head dim 256: 80 keys per CTA (20% less Q/dO traffic per FLOP than 64; dK^T/dV^T take 160
+// registers), dQ in four 32-column slices to fit the registers (and, with FLASHHOPPER_BWD_DQ_TMA, the
+// staging); one P/dS buffer (a second measured +0-1%).
 template <bool kCausal>
 struct BwdTileSize<256, kCausal> {
   // One dO stage: it is released mid-iteration (after dV), so the next one loads under the dQ/dK GEMMs.
-  static constexpr int kBlockM = 64, kBlockN = 64, kStages = 2, kStagesdO = 1, kStagesdS = 1, kdQSlices = 2;
+  static constexpr int kBlockM = 64, kBlockN = FLASHHOPPER_BWD_HDIM256_BLOCK_N, kStages = 2, kStagesdO = 1;
+  static constexpr int kStagesdS = FLASHHOPPER_BWD_HDIM256_DS_STAGES, kdQSlices = FLASHHOPPER_BWD_HDIM256_DQ_SLICES;
   static constexpr bool kSdPSwapAB = false, kdKVSwapAB = true, kdQSwapAB = false;
 };
 

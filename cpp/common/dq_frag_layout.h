@@ -1,0 +1,39 @@
+// The float32 dQ accumulator in fragment order (sm90 backward, head dim 256): a query block's
+// kBlockM x headdim sums are stored as the consumer threads hold them, so that each thread adds 4
+// of its accumulator values with one 16-byte `red` and a warp's reductions cover 512 contiguous
+// bytes. Both directions live here: the main kernel writes with `offset`, the dQ postprocess reads
+// with `coord`.
+//
+// The main kernel computes dQ (64 rows x headdim) in column groups of kCols per warpgroup (a group
+// per slice and warpgroup). In a warpgroup's m64 x kCols WGMMA accumulator, thread t (0..127) holds
+// fragment value i = e + 2 h + 4 j at row 16 (t / 32) + (t % 32) / 4 + 8 h and column
+// 8 j + 2 (t % 4) + e. Values i..i+3 (i % 4 == 0) are one 16-byte chunk:
+//   offset(group, t, i) = ((group * kCols / 8 + i / 4) * 128 + t) * 4 + i % 4   (floats)
+// Each query block takes 64 * headdim floats, blocks (then heads, then batches) one after another.
+#pragma once
+
+#include <cute/config.hpp>
+
+namespace flashhopper {
+
+template <int kCols>
+struct DqFragLayout {
+  static_assert(kCols % 8 == 0, "8-column groups of the WGMMA accumulator");
+  static constexpr int kBlockM = 64;  // one m64 WGMMA atom per warpgroup
+  static constexpr int kChunksPerGroup = kCols / 8;
+
+  // Float offset, within its query block, of fragment value i (a multiple of 4) of thread t.
+  CUTE_HOST_DEVICE static constexpr int offset(int group, int t, int i) {
+    return ((group * kChunksPerGroup + i / 4) * 128 + t) * 4;
+  }
+  // The (row, col) of the first value of 16-byte chunk k of a block; its four values are (row, col),
+  // (row, col + 1), (row + 8, col), (row + 8, col + 1).
+  CUTE_HOST_DEVICE static constexpr void coord(int k, int& row, int& col) {
+    int const t = k % 128, gj = k / 128;
+    int const group = gj / kChunksPerGroup, j = gj % kChunksPerGroup;
+    row = 16 * (t / 32) + (t % 32) / 4;
+    col = group * kCols + 8 * j + 2 * (t % 4);
+  }
+};
+
+}  // namespace flashhopper

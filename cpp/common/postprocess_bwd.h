@@ -90,12 +90,11 @@ CUTE_DEVICE void convert_frag_block(float const* src, Element* dst, int rows, Co
       if (k >= chunks) continue;
       int row = 0, col = 0;
       Layout::coord(k, row, col);
-      if (row < rows) {
-        *reinterpret_cast<Pair*>(dst + row * p.row_stride + col) = convert(cutlass::Array<float, 2>{a[j].x * p.scale, a[j].y * p.scale});
-      }
-      if (row + 8 < rows) {
-        *reinterpret_cast<Pair*>(dst + (row + 8) * p.row_stride + col) = convert(cutlass::Array<float, 2>{a[j].z * p.scale, a[j].w * p.scale});
-      }
+      auto store = [&](int r, float x, float y) {
+        if (r < rows) *reinterpret_cast<Pair*>(dst + r * p.row_stride + col) = convert({x * p.scale, y * p.scale});
+      };
+      store(row, a[j].x, a[j].y);
+      store(row + 8, a[j].z, a[j].w);
     }
   }
 }

@@ -104,7 +104,7 @@ struct BwdMainloop {
 #endif
   static constexpr int kNumMmaThreads = kNumMmaWG * cutlass::NumThreadsPerWarpGroup;
   // Head dim 256: the consumers add dQ from registers with 16-byte `red`s into a buffer laid out as
-  // their fragments (dq_frag_offset), instead of staging it for TMA: the staging round trips (the
+  // their fragments (common/dq_frag_layout.h), instead of staging it for TMA: the staging round trips (the
   // buffer is refilled only once TMA has read it, four times a step) cost more than the reductions
   // (docs/perf-notes.md). FLASHHOPPER_BWD_DQ_TMA (ablation) keeps TMA at every head dim.
 #ifndef FLASHHOPPER_BWD_DQ_ATOMIC_MIN_HDIM
@@ -334,6 +334,12 @@ struct BwdMainloop {
     return p.block_info.n_block_end(m_block) - 1 - n_block;
   }
 
+  // Index of (batch, head)'s first query block among all of them: its dq_semaphore entries (and, with
+  // dQ atomics, its fragment-ordered dQ blocks) start there.
+  CUTE_DEVICE static int64_t first_m_block(Params const& p, int head, int batch) {
+    return (int64_t(batch) * get<2>(p.shape_q) + head) * ceil_div(get<0>(p.shape_q), kBlockM);
+  }
+
   CUTE_DEVICE static int64_t row_stat_offset(Params const& p, int head, int batch) {
     return (int64_t(batch) * get<2>(p.shape_q) + head) * p.seqlen_q_rounded;
   }
@@ -406,7 +412,7 @@ struct BwdMainloop {
     auto parts = tma_partition(p.tma_dq, _0{}, Layout<_1>{}, group_modes<0, 2>(sdQ), group_modes<0, 2>(gdQ));
     Tensor tdQgdQ = get<0>(parts);  // (TMA, m, column tile)
     Tensor tdQsdQ = get<1>(parts);  // (TMA, warpgroup)
-    int* const sem_bh = p.dq_semaphore + (int64_t(batch) * get<2>(p.shape_q) + head) * ceil_div(get<0>(p.shape_q), kBlockM);
+    int* const sem_bh = p.dq_semaphore + first_m_block(p, head, batch);
     bool const lane0 = cute::elect_one_sync();
     constexpr int kGroupsPerBlock = kdQSlices * kNumMmaWG;  // bulk async-groups the writer commits per block
     // Count blocks [m_first, m_last] once at most kPending bulk groups (the newest) are in flight.
@@ -464,9 +470,8 @@ struct BwdMainloop {
     int const m_begin = bi.m_block_min(n_block), m_end = bi.m_block_max();
     if (m_end <= m_begin) return false;
     int const wg = thread_idx / cutlass::NumThreadsPerWarpGroup;
-    int64_t const bh = int64_t(batch) * get<2>(p.shape_q) + head;
-    int const num_m_blocks = ceil_div(get<0>(p.shape_q), kBlockM);
-    int* const sem_bh = p.dq_semaphore + bh * num_m_blocks;
+    int64_t const m_block0 = first_m_block(p, head, batch);
+    int* const sem_bh = p.dq_semaphore + m_block0;
     // Once every consumer thread's reductions so far have landed, count query blocks [m0, m1) done.
     auto count_dq_atomics = [&](int m0, int m1) {
       __threadfence();
@@ -629,7 +634,7 @@ struct BwdMainloop {
       Tensor sdQ = make_tensor(make_smem_ptr(ts.smem_dq.data() + wg * cosize_v<SmemLayoutdQHalf>), SmemLayoutdQHalfAcc{});
       Tensor tdQsdQ = TiledMmadQHalf{}.get_thread_slice(thread_idx % cutlass::NumThreadsPerWarpGroup).partition_C(sdQ);
       // With dQ atomics, the slice is added to this block's fragment-ordered sums instead.
-      float* const dq_block = p.dq_accum + (bh * num_m_blocks + m_block) * int64_t(kBlockM * kHeadDim);
+      float* const dq_block = p.dq_accum + (m_block0 + m_block) * int64_t(kBlockM * kHeadDim);
       auto stage_dq = [&](auto& frag, int slice) {
         warpgroup_fence_operand(frag);
         if constexpr (kdQAtomic) {

@@ -6,10 +6,11 @@
 // (persistent: as many CTAs as fit), copying the next block into shared memory with cp.async while it
 // transforms this one. A thread owns 64 contiguous elements of one row, so the Hadamard butterflies
 // of stride < 64 stay inside the thread and only those across a row's headdim/64 threads (consecutive
-// lanes) are shuffles. Global memory is only touched in coalesced 16-byte runs: the block comes into
-// shared memory by the whole CTA (eight 16-byte copies a thread), and the fp8 result leaves the same
-// way, row-major or as (headdim, keys) bytes for V^T. Memory-bound: 2 bytes read and 1 written per
-// element, once; at head dim 256 with the transform the instruction count shows (docs/perf-notes.md).
+// lanes) are shuffles: half exchanges of 32 values (slot_dim). Global memory is only touched in
+// coalesced 16-byte runs: the block comes into shared memory by the whole CTA (eight 16-byte copies a
+// thread), and the fp8 result leaves the same way, row-major or as (headdim, keys) bytes for V^T.
+// Memory-bound: 2 bytes read and 1 written per element, once; at head dim 256 with the transform the
+// instruction count shows (docs/perf-notes.md).
 #pragma once
 
 #include <cuda_fp8.h>
@@ -46,9 +47,20 @@ __device__ __forceinline__ void load8(T const* src, uint4 flip, float* v) {
   raw.y ^= flip.y;
   raw.z ^= flip.z;
   raw.w ^= flip.w;
-  T const* e = reinterpret_cast<T const*>(&raw);
+  uint32_t const* w = &raw.x;
 #pragma unroll
-  for (int j = 0; j < 8; ++j) v[j] = float(e[j]);
+  for (int j = 0; j < 4; ++j) {
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      // bf16 is the upper half of a float: one shift or mask per element (the generic conversion
+      // spends an extra PRMT on the upper one).
+      v[2 * j] = __uint_as_float(w[j] << 16);
+      v[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
+    } else {
+      T const* e = reinterpret_cast<T const*>(w + j);
+      v[2 * j] = float(e[0]);
+      v[2 * j + 1] = float(e[1]);
+    }
+  }
 }
 
 __device__ __forceinline__ uint32_t to_fp8x4(float a, float b, float c, float d) {
@@ -57,12 +69,39 @@ __device__ __forceinline__ uint32_t to_fp8x4(float a, float b, float c, float d)
   return lo | (hi << 16);
 }
 
+// The Hadamard butterflies across a row's threads (strides 64 and 128) are half exchanges: of the two
+// partners of lane bit k, each keeps both outputs (sum and difference) of the element indices whose bit
+// 5 - k is its lane bit k, and receives the partner's 32 values of those: 32 shuffles a stage, not 64.
+// For the values sent to be in the same register slots in both partners, a thread holds element e of
+// its 64 in slot e ^ lbl, lbl < 64 having lane bit k at bit 5 - k (it loads its 16-byte vectors in that
+// order). Every butterfly, of stride h on a = v[j], b = v[j + h], is v[j] = fma(s, a, b),
+// v[j + h] = fma(-s, b, a) with s = 1: a + b, a - b; or with s = -1 where lbl has bit h (the lower element
+// in b): b - a, b + a, the difference and sum in the slots the labelling gives them, rounded as the plain
+// adds (the products by +-1 are exact). A half exchange is that butterfly with b from the partner's slot
+// j + h; then slot bit 5 - k stands for dim bit 6 + k (XOR lane bit k) and lane bit k for element bit
+// 5 - k: in the end the thread at col0 holds dim col0 ^ lbl ^ slot_dim(q) in slot q.
+template <int kLanesPerRow>
+__host__ __device__ constexpr int slot_dim(int q) {
+  for (int k = 0; (1 << k) < kLanesPerRow; ++k) {
+    int const h = kElems / 2 >> k;
+    if (q & h) q ^= h | kElems << k;  // slot bit 5 - k to dim bit 6 + k
+  }
+  return q;
+}
+
 // Shared memory of one CTA: two input blocks (block_size, headdim + 8) elements (the next one loads
-// while this one is transformed), then the fp8 block, (block_size, headdim + 16) bytes or for V^T
+// while this one is transformed), then the fp8 block, (block_size, out_pitch) bytes or for V^T
 // (headdim, block_size + vt_pitch_pad) bytes. The pads keep 16-byte alignment and move consecutive rows
 // to other banks.
 template <class T, int kHeadDim>
 constexpr int in_pitch() { return kHeadDim + 8; }
+// Row-major staging: a thread stores 16-byte runs, its own 64 bytes or with the transform runs spread over
+// the row (slot_dim). For those a pad of 16 bytes per thread of the row puts the stores of a quarter warp
+// (2 or 4 rows) on distinct banks (at head dim 128 with the row parity in lbl).
+template <int kHeadDim>
+__host__ __device__ constexpr int out_pitch(bool hadamard) {
+  return kHeadDim + 16 * (hadamard ? kHeadDim / kElems : 1);
+}
 // V^T staging: dim row d starts kVtSkew * (d / kElems) bytes further in, so that the byte stores of the
 // row's 64-element parts (which are 64 dim rows apart: the same bank for any even pitch) spread over
 // other banks.
@@ -72,8 +111,9 @@ constexpr int vt_pitch_pad() { return 16 + kVtSkew * (kHeadDim / kElems - 1); }
 template <class T, int kHeadDim>
 __host__ __device__ constexpr int in_bytes(int block_size) { return block_size * in_pitch<T, kHeadDim>() * int(sizeof(T)); }
 template <class T, int kHeadDim, bool kTranspose>
-int smem_bytes(int block_size) {
-  int const out = kTranspose ? kHeadDim * (block_size + vt_pitch_pad<kHeadDim>()) : block_size * (kHeadDim + 16);
+int smem_bytes(int block_size, bool hadamard) {
+  int const out = kTranspose ? kHeadDim * (block_size + vt_pitch_pad<kHeadDim>())
+                             : block_size * out_pitch<kHeadDim>(hadamard);
   return 2 * in_bytes<T, kHeadDim>(block_size) + out;
 }
 
@@ -104,6 +144,12 @@ __global__ void __launch_bounds__(kMaxThreads) quantize_fp8_kernel(QuantParams c
   int const blocks_per_head = (p.seqlen + B - 1) / B;
   int const num_work = blocks_per_head * p.nheads * p.batch;
   bool const hadamard = p.signs_ptr != nullptr;
+  // The transform's slot labelling (slot_dim): lane bit k at bit 5 - k; at head dim 128 also the row's
+  // parity at bit 4 (the same in both partners), for the banks of the staging stores (out_pitch).
+  int const lbl = !hadamard ? 0
+                  : kLanesPerRow == 4 ? (part & 1) << 5 | (part & 2) << 3
+                  : kLanesPerRow == 2 ? part << 5 | (row & 1) << 4
+                  : 0;
   auto s_in = [&](int buf) { return reinterpret_cast<T*>(smem + buf * in_bytes<T, kHeadDim>(B)); };
   uint8_t* s_out = smem + 2 * in_bytes<T, kHeadDim>(B);
   if (hadamard) {  // read by all threads after the loop's first barrier
@@ -154,28 +200,39 @@ __global__ void __launch_bounds__(kMaxThreads) quantize_fp8_kernel(QuantParams c
     T const* in_row = s_in(it & 1) + row * kInPitch + col0;
     float v[kElems];
     if (hadamard) {
+      // Vector i ^ swz into v[8 i ..]: slot q holds element q ^ lbl. The threads of a row (128 bytes apart)
+      // read distinct banks so, too.
+      int const swz = lbl / 8;
       uint4 const* flip = reinterpret_cast<uint4 const*>(sign_flip + col0 / 2);
 #pragma unroll
-      for (int i = 0; i < kElems / 8; ++i) load8(in_row + 8 * i, flip[i], v + 8 * i);
-      // Butterflies inside the thread (strides 1 .. 32): y_i = x_i + x_{i+h}, y_{i+h} = x_i - x_{i+h}.
+      for (int i = 0; i < kElems / 8; ++i) load8(in_row + 8 * (i ^ swz), flip[i ^ swz], v + 8 * i);
+      // Butterflies inside the thread (strides 1 .. 32): y_i = x_i + x_{i+h}, y_{i+h} = x_i - x_{i+h},
+      // in the slots of the labelling (slot_dim).
 #pragma unroll
       for (int h = 1; h < kElems; h *= 2) {
+        float const s = h >= 16 && (lbl & h) != 0 ? -1.f : 1.f;  // lbl has bits 4 and 5 only
 #pragma unroll
         for (int j = 0; j < kElems; ++j) {
           if ((j & h) == 0) {
             float const a = v[j], b = v[j + h];
-            v[j] = a + b;
-            v[j + h] = a - b;
+            v[j] = fmaf(s, a, b);
+            v[j + h] = fmaf(-s, b, a);
           }
         }
       }
-      // Across the row's lanes (strides 64, 128): the lower partner keeps the sum, the upper the
-      // difference (other - own, one FFMA with the sign of the own term).
+      // Half exchanges across the row's lanes (strides 64, 128): lane bit k against slot bit 5 - k.
 #pragma unroll
-      for (int lane_h = 1; lane_h < kLanesPerRow; lane_h *= 2) {
-        float const own = (part & lane_h) != 0 ? -1.f : 1.f;
+      for (int k = 0; (1 << k) < kLanesPerRow; ++k) {
+        int const h = kElems / 2 >> k;
+        float const s = (lbl & h) != 0 ? -1.f : 1.f;
 #pragma unroll
-        for (int j = 0; j < kElems; ++j) v[j] = fmaf(own, v[j], __shfl_xor_sync(0xffffffffu, v[j], lane_h));
+        for (int j = 0; j < kElems; ++j) {
+          if ((j & h) == 0) {
+            float const a = v[j], b = __shfl_xor_sync(0xffffffffu, v[j + h], 1 << k);
+            v[j] = fmaf(s, a, b);
+            v[j + h] = fmaf(-s, b, a);
+          }
+        }
       }
     } else {
 #pragma unroll
@@ -206,17 +263,23 @@ __global__ void __launch_bounds__(kMaxThreads) quantize_fp8_kernel(QuantParams c
     float const mul = inv * norm;
 
     uint8_t* out = static_cast<uint8_t*>(p.out_ptr) + cur.batch * p.out_batch_stride + cur.head * p.out_head_stride;
+    // Dim of v[16 u] (v[16 u + 1 .. 16 u + 15] hold the next ones): the thread's own in order, or where
+    // the half exchanges left them.
+    auto run_dim = [&](int u) {
+      return hadamard ? col0 ^ lbl ^ slot_dim<kLanesPerRow>(16 * u) : col0 + 16 * u;
+    };
     if constexpr (!kTranspose) {
       // Stage (B, headdim) bytes, then write whole rows (a warp covers 512 contiguous bytes of them).
-      constexpr int kOutPitch = kHeadDim + 16;
-      uint4* dst = reinterpret_cast<uint4*>(s_out + row * kOutPitch + col0);
+      int const pitch = out_pitch<kHeadDim>(hadamard);
+      uint8_t* dst = s_out + row * pitch;
 #pragma unroll
-      for (int i = 0; i < kElems / 16; ++i) {
-        float const* w = v + 16 * i;
-        dst[i] = make_uint4(to_fp8x4(w[0] * mul, w[1] * mul, w[2] * mul, w[3] * mul),
-                            to_fp8x4(w[4] * mul, w[5] * mul, w[6] * mul, w[7] * mul),
-                            to_fp8x4(w[8] * mul, w[9] * mul, w[10] * mul, w[11] * mul),
-                            to_fp8x4(w[12] * mul, w[13] * mul, w[14] * mul, w[15] * mul));
+      for (int u = 0; u < kElems / 16; ++u) {
+        float const* w = v + 16 * u;
+        *reinterpret_cast<uint4*>(dst + run_dim(u)) =
+            make_uint4(to_fp8x4(w[0] * mul, w[1] * mul, w[2] * mul, w[3] * mul),
+                       to_fp8x4(w[4] * mul, w[5] * mul, w[6] * mul, w[7] * mul),
+                       to_fp8x4(w[8] * mul, w[9] * mul, w[10] * mul, w[11] * mul),
+                       to_fp8x4(w[12] * mul, w[13] * mul, w[14] * mul, w[15] * mul));
       }
       __syncthreads();
       constexpr unsigned kRuns = kHeadDim / 16;
@@ -226,7 +289,7 @@ __global__ void __launch_bounds__(kMaxThreads) quantize_fp8_kernel(QuantParams c
         unsigned const r = i / kRuns, c = i % kRuns;
         if (int(r) < rows) {
           *reinterpret_cast<uint4*>(out_rows + int64_t(r) * p.out_row_stride + c * 16) =
-              *reinterpret_cast<uint4 const*>(s_out + r * kOutPitch + c * 16);
+              *reinterpret_cast<uint4 const*>(s_out + r * pitch + c * 16);
         }
       }
     } else {
@@ -234,15 +297,21 @@ __global__ void __launch_bounds__(kMaxThreads) quantize_fp8_kernel(QuantParams c
       // Lanes of a warp hold consecutive keys, so one byte store covers 32 (or 16 x 2) adjacent bytes.
       uint8_t* smem_vt = s_out;
       int const ld = B + vt_pitch_pad<kHeadDim>();  // row pitch: keeps 16-byte alignment for the reads below
-      uint8_t* dst = smem_vt + col0 * ld + (row & ~15) + vt_position(row & 15) + kVtSkew * part;
+      uint8_t* const key = smem_vt + (row & ~15) + vt_position(row & 15);
 #pragma unroll
-      for (int j = 0; j < kElems; j += 2) {
-        // Padding keys: +0 bytes (the signs of the Hadamard transform may have made their zeros -0).
-        uint16_t const two = valid ? __nv_cvt_float2_to_fp8x2(make_float2(v[j] * mul, v[j + 1] * mul), __NV_SATFINITE,
-                                                              __NV_E4M3)
-                                   : uint16_t(0);
-        dst[j * ld] = uint8_t(two & 0xff);
-        dst[(j + 1) * ld] = uint8_t(two >> 8);
+      for (int u = 0; u < kElems / 16; ++u) {
+        int const dim0 = run_dim(u);  // 16 dims of one 64-dim part
+        uint8_t* dst = key + dim0 * ld + kVtSkew * (dim0 / kElems);
+#pragma unroll
+        for (int j = 0; j < 16; j += 2) {
+          // Padding keys: +0 bytes (the signs of the Hadamard transform may have made their zeros -0).
+          float const* w = v + 16 * u + j;
+          uint16_t const two =
+              valid ? __nv_cvt_float2_to_fp8x2(make_float2(w[0] * mul, w[1] * mul), __NV_SATFINITE, __NV_E4M3)
+                    : uint16_t(0);
+          dst[j * ld] = uint8_t(two & 0xff);
+          dst[(j + 1) * ld] = uint8_t(two >> 8);
+        }
       }
       __syncthreads();
       int const keys = (p.seqlen + 15) / 16 * 16 - token0;  // padded keys left from token0
@@ -267,7 +336,7 @@ void launch_quantize(QuantParams const& p, cudaStream_t stream) {
     constexpr bool kTranspose = decltype(transpose)::value;
     auto kernel = &quantize_fp8_kernel<T, kHeadDim, kTranspose>;
     DeviceInfo const& dev = device_info(p.device);
-    int const smem = smem_bytes<T, kHeadDim, kTranspose>(p.block_size);
+    int const smem = smem_bytes<T, kHeadDim, kTranspose>(p.block_size, p.signs_ptr != nullptr);
     if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     // As many CTAs as fit at once (by registers and shared memory), each looping over blocks.
     int per_sm = 0;

@@ -66,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="seqlens 1024 4096, head dim 128, shorter timing")
     ap.add_argument("--warmup-ms", type=float, default=25)
     ap.add_argument("--rep-ms", type=float, default=100)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time the providers of a shape in turn this many times; report the median")
     ap.add_argument("--out", type=Path, help="JSON path (default bench/results/<device>_<date>.json)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -81,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     modes = ["fwd", "bwd"] if args.mode == "both" else [args.mode]
     causals = {"off": [False], "on": [True], "both": [False, True]}[args.causal]
     shapes = grid({h: args.seqlens for h in args.hdims}, modes, [args.dtype], causals, args.tokens, args.width)
-    rows = run_sweep(shapes, args.providers, timer)
+    rows = run_sweep(shapes, args.providers, timer, rounds=args.rounds)
     notes = skip_reasons(rows)
     print_table(rows, args.providers)
     if notes:

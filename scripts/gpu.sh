@@ -14,7 +14,7 @@
 #   scripts/gpu.sh health           # GEMM ceiling + clocks under load; non-zero exit if throttled
 #   scripts/gpu.sh ablate           # variants built side by side and timed: d128 bf16 with ping-pong /
 #                                   # overlap off, 128x176, 3 K/V stages; backward ones with ABLATE_MODE=bwd
-#                                   # (ABLATE_VARIANTS="full n176" picks some; ABLATE_HDIMS, ABLATE_SEQLENS too;
+#                                   # (ABLATE_VARIANTS="full n176" picks some; ABLATE_HDIMS, ABLATE_SEQLENS, ABLATE_ROUNDS too;
 #                                   #  fp8 tiles: ABLATE_DTYPES=e4m3 ABLATE_PROVIDERS=flashhopper-fp8 ABLATE_VARIANTS="full fp8-n224";
 #                                   #  sm80: FLASHHOPPER_ARCHS=80 ABLATE_PROVIDERS=flashhopper-sm80 ABLATE_VARIANTS="full sm80-d64-n64")
 #   scripts/gpu.sh profile --hdim 256 --seqlen 2048 --causal   # ncu sections of one launch (--mode bwd too)
@@ -98,6 +98,7 @@ do_ablate() {
              "bwd-no-dq-reduce:-DFLASHHOPPER_BWD_NO_DQ_REDUCE" "bwd-m80:-DFLASHHOPPER_BWD_HDIM128_BLOCK_M=80" "bwd-dv-after-ds:-DFLASHHOPPER_BWD_DV_AFTER_DS"
              "bwd-serial-dq:-DFLASHHOPPER_BWD_SERIAL_DQ_CONVERT" "bwd-dq-lag2:-DFLASHHOPPER_BWD_DQ_COUNT_LAG=2"
              "bwd-no-dq-stage:-DFLASHHOPPER_BWD_NO_DQ_REDUCE -DFLASHHOPPER_BWD_NO_DQ_STAGE" "bwd-dq-stage-plain:-DFLASHHOPPER_BWD_DQ_STAGE_PLAIN" "bwd-dq-tma:-DFLASHHOPPER_BWD_DQ_TMA" "bwd-d256-ds2:-DFLASHHOPPER_BWD_HDIM256_DS_STAGES=2" "bwd-dq-atomic-d128:-DFLASHHOPPER_BWD_DQ_ATOMIC_MIN_HDIM=128" "bwd-d256-n64:-DFLASHHOPPER_BWD_HDIM256_BLOCK_N=64" "bwd-d256-n64-dq4:-DFLASHHOPPER_BWD_HDIM256_BLOCK_N=64 -DFLASHHOPPER_BWD_HDIM256_DQ_SLICES=4"
+             "bwd-d128-s:-DFLASHHOPPER_BWD_HDIM128_S_LAYOUT=1" "bwd-d128-s-ds2:-DFLASHHOPPER_BWD_HDIM128_S_LAYOUT=2"
              "bwd-lpt4:-DFLASHHOPPER_BWD_CAUSAL_SECTION_WAVES=4" "bwd-lpt64:-DFLASHHOPPER_BWD_CAUSAL_SECTION_WAVES=64"
              "fp8-n96:-DFLASHHOPPER_FP8_HDIM128_BLOCK_N=96 -DFLASHHOPPER_FP8_HDIM256_BLOCK_N=96"
              "fp8-n160:-DFLASHHOPPER_FP8_HDIM128_BLOCK_N=160" "fp8-n192:-DFLASHHOPPER_FP8_HDIM128_BLOCK_N=192"
@@ -128,7 +129,7 @@ do_ablate() {
     echo "== $name ($flags)" | tee -a "$OUT/ablate.log"
     PYTHONPATH="$ROOT/build/ablate/$name" "$PY" bench/bench_attention.py --providers ${ABLATE_PROVIDERS:-flashhopper} --mode "$mode" \
       --hdims ${ABLATE_HDIMS:-128} --seqlens ${ABLATE_SEQLENS:-512 2048 16384} --causal "${ABLATE_CAUSAL:-both}" \
-      --warmup-ms 10 --rep-ms 40 --out "$OUT/ablate-$name.json" 2>&1 | grep -E "^\*\*|^\| [0-9]" | tee -a "$OUT/ablate.log"
+      --warmup-ms 10 --rep-ms 40 --rounds ${ABLATE_ROUNDS:-1} --out "$OUT/ablate-$name.json" 2>&1 | grep -E "^\*\*|^\| [0-9]" | tee -a "$OUT/ablate.log"
   done
 }
 

@@ -15,7 +15,8 @@ import torch
 
 import flashhopper
 from flashhopper.report import ceilings, cli, io_model, metrics, render, results
-from flashhopper.report.providers import PROVIDERS, Unavailable, find_kernel
+from flashhopper.report import sweep
+from flashhopper.report.providers import PROVIDERS, Prepared, Provider, Unavailable, find_kernel
 from flashhopper.report.sweep import QUICK, grid
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -259,6 +260,27 @@ def test_quick_sweep_shapes() -> None:
     s = next(s for s in shapes if s.headdim == 128 and s.seqlen == 1024)
     assert (s.batch, s.nheads) == (16, 16)  # the FA3 paper's 16k tokens and width 2048
     assert sorted({s.seqlen for s in shapes if s.headdim == 128}) == [1024, 4096, 16384]
+
+
+def test_sweep_rounds_interleave_providers_and_take_the_median(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    fake = {name: Provider(name, lambda mode, q, k, v, causal, name=name: Prepared(lambda: calls.append(name), {}))
+            for name in ("a", "b")}
+    monkeypatch.setattr(sweep, "PROVIDERS", fake)
+    monkeypatch.setattr(sweep, "inputs", lambda shape: (torch.zeros(1),) * 3)
+    times = iter([3.0, 10.0, 1.0, 30.0, 2.0, 20.0])  # a, b, a, b, a, b
+
+    def timer(fn: Any) -> float:
+        fn()
+        return next(times)
+
+    shape = grid({64: (512,)}, ["fwd"], ["bf16"], [False], tokens=512, width=128)
+    monkeypatch.setattr(sweep.torch.cuda, "empty_cache", lambda: None)
+    rows = sweep.run_sweep(shape, ["a", "b"], timer, rounds=3)
+    assert calls == ["a", "b"] * 3
+    assert [r["ms"] for r in rows] == [2.0, 20.0] and rows[0]["ms_rounds"] == [3.0, 1.0, 2.0]
+    with pytest.raises(ValueError, match="rounds"):
+        sweep.run_sweep(shape, ["a"], timer, rounds=0)
 
 
 def test_ours_look_up_the_build(monkeypatch: pytest.MonkeyPatch) -> None:

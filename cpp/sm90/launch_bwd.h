@@ -38,17 +38,14 @@ size_t bwd_workspace_bytes_sm90(BwdParams const& p) {
   return BwdWorkspace::make<Tile::kBlockM, Tile::kBlockN>(p).total;
 }
 
-template <DType kDType, int kHeadDim, bool kCausal>
-void run_bwd_sm90(BwdParams const& p, cudaStream_t stream) {
+// Steps 3 and 4 with one mainloop instantiation.
+template <class Mainloop>
+void launch_bwd_main_sm90(BwdParams const& p, BwdWorkspace const& ws, int num_sms, cudaStream_t stream) {
   using namespace cute;
-  using Element = typename ElementOf<kDType>::type;
-  using Tile = sm90::BwdTileSize<kHeadDim, kCausal>;
-  using Mainloop = sm90::BwdMainloop<Element, kHeadDim, Tile, kCausal>;
+  using Element = typename Mainloop::Element;
   using Epilogue = sm90::BwdEpilogue<Mainloop>;
   using Kernel = sm90::BwdKernel<Mainloop, Epilogue>;
-
-  check_bwd_params(p, kHeadDim);
-  BwdWorkspace const ws = BwdWorkspace::make<Tile::kBlockM, Tile::kBlockN>(p);
+  constexpr bool kCausal = Mainloop::kCausal;
   float* lse_log2 = ws.at<float>(p.workspace, ws.lse_log2);
   float* dpsum = ws.at<float>(p.workspace, ws.dpsum);
   float* dq_accum = ws.at<float>(p.workspace, ws.dq_accum);
@@ -56,10 +53,6 @@ void run_bwd_sm90(BwdParams const& p, cudaStream_t stream) {
   float* dv_accum = ws.gqa ? ws.at<float>(p.workspace, ws.dv_accum) : nullptr;
   int* dq_sem = ws.at<int>(p.workspace, ws.dq_semaphore);
   int* dkv_sem = p.deterministic && ws.gqa ? ws.at<int>(p.workspace, ws.dkv_semaphore) : nullptr;
-  DeviceInfo const& dev = device_info(p.device);
-  int const num_sms = p.num_sms > 0 ? p.num_sms : dev.num_sms;
-
-  launch_bwd_preprocess<Element, kHeadDim>(p, ws, stream);
 
   typename Mainloop::ShapeQKV const shape_q{p.seqlen_q, p.headdim, p.nheads_q, p.batch};
   typename Mainloop::ShapeQKV const shape_k{p.seqlen_k, p.headdim, p.nheads_kv, p.batch};
@@ -77,13 +70,13 @@ void run_bwd_sm90(BwdParams const& p, cudaStream_t stream) {
                             static_cast<Element*>(p.dv_ptr), stride(p.dv_row_stride, p.dv_head_stride, p.dv_batch_stride),
                             typename Mainloop::ShapeQKV{p.seqlen_k, p.headdim, p.nheads_kv, p.batch}, dk_accum, dv_accum,
                             dkv_sem, p.nheads_q / p.nheads_kv, p.nheads_kv),
-      sm90::make_bwd_scheduler_params(ceil_div(p.seqlen_k, Tile::kBlockN), p.batch, p.nheads_q, kCausal,
+      sm90::make_bwd_scheduler_params(ceil_div(p.seqlen_k, Mainloop::kBlockN), p.batch, p.nheads_q, kCausal,
                                       p.deterministic, num_sms, sm90::kBwdCausalSectionWaves)};
 
   auto kernel = &sm90::bwd_kernel<Kernel>;
   int const smem_bytes = int(sizeof(typename Kernel::SharedStorage));
   check_launch(set_max_dynamic_smem_once(kernel, p.device, smem_bytes), "cudaFuncSetAttribute");
-  dim3 const grid(unsigned(int64_t(ceil_div(p.seqlen_k, Tile::kBlockN)) * p.nheads_q * p.batch));
+  dim3 const grid(unsigned(int64_t(ceil_div(p.seqlen_k, Mainloop::kBlockN)) * p.nheads_q * p.batch));
   kernel<<<grid, Kernel::kNumThreads, smem_bytes, stream>>>(kp);
   check_launch(cudaGetLastError(), "backward kernel launch");
 
@@ -99,6 +92,30 @@ void run_bwd_sm90(BwdParams const& p, cudaStream_t stream) {
   launch_convert_dq_when_ready<Element, kFragCols>(p, ws, typename Mainloop::BlockInfo{p.seqlen_q, p.seqlen_k},
                                                    num_sms, stream);
   launch_convert_dkv<Element>(p, ws, num_sms, stream);
+}
+
+template <DType kDType, int kHeadDim, bool kCausal>
+void run_bwd_sm90(BwdParams const& p, cudaStream_t stream) {
+  using Element = typename ElementOf<kDType>::type;
+  using Tile = sm90::BwdTileSize<kHeadDim, kCausal>;
+  using Mainloop = sm90::BwdMainloop<Element, kHeadDim, Tile, kCausal>;
+  check_bwd_params(p, kHeadDim);
+  BwdWorkspace const ws = BwdWorkspace::make<Tile::kBlockM, Tile::kBlockN>(p);
+  DeviceInfo const& dev = device_info(p.device);
+  int const num_sms = p.num_sms > 0 ? p.num_sms : dev.num_sms;
+
+  launch_bwd_preprocess<Element, kHeadDim>(p, ws, stream);
+  // The deterministic mode has its own instantiation where dQ would be added from registers: it
+  // keeps TMA reduce-adds (mainloop_bwd.h).
+  if constexpr (Mainloop::kdQAtomic) {
+    if (p.deterministic) {
+      launch_bwd_main_sm90<sm90::BwdMainloop<Element, kHeadDim, Tile, kCausal, true>>(p, ws, num_sms, stream);
+    } else {
+      launch_bwd_main_sm90<Mainloop>(p, ws, num_sms, stream);
+    }
+  } else {
+    launch_bwd_main_sm90<Mainloop>(p, ws, num_sms, stream);
+  }
 }
 
 }  // namespace flashhopper

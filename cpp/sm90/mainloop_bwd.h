@@ -51,7 +51,9 @@ CUTE_DEVICE auto fragment_ab(ThrMma const& thr, TensorT const& t) {
   }
 }
 
-template <class Element_, int kHeadDim_, class Tile, bool kCausal_>
+// kdQByTma: the instantiation for the deterministic mode, which keeps TMA reduce-adds where dQ would
+// otherwise be added from registers (the ordered reds wait on each other; docs/perf-notes.md).
+template <class Element_, int kHeadDim_, class Tile, bool kCausal_, bool kdQByTma = false>
 struct BwdMainloop {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_, kBlockM = Tile::kBlockM, kBlockN = Tile::kBlockN;
@@ -106,14 +108,17 @@ struct BwdMainloop {
   // Head dim 256: the consumers add dQ from registers with 16-byte `red`s into a buffer laid out as
   // their fragments (common/dq_frag_layout.h), instead of staging it for TMA: the staging round trips (the
   // buffer is refilled only once TMA has read it, four times a step) cost more than the reductions
-  // (docs/perf-notes.md). FLASHHOPPER_BWD_DQ_TMA (ablation) keeps TMA at every head dim.
+  // (docs/perf-notes.md). The deterministic mode's instantiation (kdQByTma) keeps TMA: there the
+  // reds of a block wait on the previous key block's, which TMA's completion counts hide better.
+  // FLASHHOPPER_BWD_DQ_TMA (ablation) keeps TMA at every head dim.
 #ifndef FLASHHOPPER_BWD_DQ_ATOMIC_MIN_HDIM
 #define FLASHHOPPER_BWD_DQ_ATOMIC_MIN_HDIM 256
 #endif
 #ifdef FLASHHOPPER_BWD_DQ_TMA
   static constexpr bool kdQAtomic = false;
 #else
-  static constexpr bool kdQAtomic = kHeadDim >= FLASHHOPPER_BWD_DQ_ATOMIC_MIN_HDIM && !kdQSwapAB && kBlockM == 64;
+  static constexpr bool kdQAtomic =
+      !kdQByTma && kHeadDim >= FLASHHOPPER_BWD_DQ_ATOMIC_MIN_HDIM && !kdQSwapAB && kBlockM == 64;
 #endif
 
   using D = Int<kHeadDim>;

@@ -102,11 +102,11 @@ struct FwdTileSize<256, kCausal, DType::kFloat8E4M3> : FwdTilePolicy {
 //    S = Q K^T split over keys, P and dS go through shared memory, and dV^T = dO^T P,
 //    dK^T = Q^T dS split over the head dim (kdKVSwapAB), 128 head-dim rows per warpgroup.
 // dQ = dS K (kBlockM x headdim) is split over the head dim and summed over the key blocks in a
-// float32 buffer by TMA reduce-adds of each warpgroup's share, staged in shared memory. At head
-// dim 256 it goes in two column slices (kdQSlices), so that the staging fits next to one dO stage.
-// Head dim 128: 80 query rows per step without causal masking (more work per step for the same
-// synchronization, and m64n80 GEMMs ask less of shared memory than m64n64), 64 with it (less
-// work wasted on the diagonal). 80 rows make dQ^T the GEMM (kdQSwapAB): 80 is no WGMMA M.
+// float32 buffer by TMA reduce-adds of each warpgroup's share, staged in shared memory; at head
+// dim 256 in column slices (kdQSlices) added from registers (mainloop_bwd.h).
+// Head dim 128: 64 query rows per step. 80 (FLASHHOPPER_BWD_HDIM128_BLOCK_M=80; dQ^T is then the
+// GEMM, kdQSwapAB, as 80 is no WGMMA M) asks ~8% less of shared memory per FLOP but ran 10% slower
+// at 2k, short of registers (docs/perf-notes.md).
 #ifndef FLASHHOPPER_BWD_HDIM128_BLOCK_M
 #define FLASHHOPPER_BWD_HDIM128_BLOCK_M 64
 #endif
@@ -131,12 +131,22 @@ struct BwdTileSize<64, kCausal> {
   static constexpr bool kSdPSwapAB = true, kdKVSwapAB = false, kdQSwapAB = false;
 };
 
+// Ablation FLASHHOPPER_BWD_HDIM128_S_LAYOUT: head dim 256's layout (S, P/dS through shared memory,
+// dK^T/dV^T), FA3's choice for causal head dim 128.
+#ifdef FLASHHOPPER_BWD_HDIM128_S_LAYOUT
+template <bool kCausal>
+struct BwdTileSize<128, kCausal> {
+  static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2, kStagesdO = 2, kStagesdS = FLASHHOPPER_BWD_HDIM128_S_LAYOUT, kdQSlices = 1;
+  static constexpr bool kSdPSwapAB = false, kdKVSwapAB = true, kdQSwapAB = false;
+};
+#else
 template <bool kCausal>
 struct BwdTileSize<128, kCausal> {
   static constexpr int kBlockM = kCausal ? FLASHHOPPER_BWD_HDIM128_CAUSAL_BLOCK_M : FLASHHOPPER_BWD_HDIM128_BLOCK_M;
   static constexpr int kBlockN = 128, kStages = 2, kStagesdO = 2, kStagesdS = 2, kdQSlices = 1;
   static constexpr bool kSdPSwapAB = true, kdKVSwapAB = false, kdQSwapAB = kBlockM % 64 != 0;
 };
+#endif
 
 #ifndef FLASHHOPPER_BWD_HDIM256_BLOCK_N
 #define FLASHHOPPER_BWD_HDIM256_BLOCK_N 80

@@ -6,6 +6,7 @@ Shapes follow the FlashAttention-3 paper: batch x seqlen = ``tokens`` (16384), n
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -79,13 +80,20 @@ def inputs(shape: Shape, device: str = "cuda") -> tuple[torch.Tensor, torch.Tens
 
 
 def run_sweep(shapes: Sequence[Shape], providers: Sequence[str], timer: Timer,
-              progress: Progress | None = None) -> list[dict[str, Any]]:
+              progress: Progress | None = None, rounds: int = 1) -> list[dict[str, Any]]:
     """Time every provider on every shape: one row each, with the shape, the provider and either
-    ms + tflops (ours also: backend, tile sizes, error against SDPA) or why it was skipped."""
+    ms + tflops (ours also: backend, tile sizes, error against SDPA) or why it was skipped.
+
+    With ``rounds`` > 1 the providers of a shape are timed in turn that many times (A B A B ...) and
+    ms is the median of the rounds (each round's ms in ``ms_rounds``): under the power cap the clock
+    drifts by several percent within a minute, and interleaving exposes every provider to it alike."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
     rows: list[dict[str, Any]] = []
     total, done = len(shapes) * len(providers), 0
     for shape in shapes:
         q, k, v = inputs(shape)
+        timed = []
         for name in providers:
             provider = PROVIDERS[name]
             row: dict[str, Any] = {**dataclasses.asdict(shape), "provider": name}
@@ -95,19 +103,30 @@ def run_sweep(shapes: Sequence[Shape], providers: Sequence[str], timer: Timer,
                     prepared = provider.prepare(shape.mode, q, k, v, shape.causal)
             except Unavailable as e:
                 row["skipped"] = str(e)
-            else:
-                row.update(prepared.meta)
-                if is_ours(name) and shape.mode == "fwd":
-                    row["rel_err_vs_sdpa"] = err = check_against_sdpa(prepared.fn, q, k, v, shape.causal)
-                    if err is not None and not err < provider.rel_err_tolerance:  # fp8: its own rounding
-                        print(f"WARNING: {name} differs from SDPA by {err:.2e} at {row}", file=sys.stderr)
+                done += 1
+                if progress is not None:
+                    progress(done, total, f"{shape.label()} {name}")
+                continue
+            row.update(prepared.meta)
+            if is_ours(name) and shape.mode == "fwd":
+                row["rel_err_vs_sdpa"] = err = check_against_sdpa(prepared.fn, q, k, v, shape.causal)
+                if err is not None and not err < provider.rel_err_tolerance:  # fp8: its own rounding
+                    print(f"WARNING: {name} differs from SDPA by {err:.2e} at {row}", file=sys.stderr)
+            timed.append((row, provider, prepared, []))
+        for r in range(rounds):
+            for row, provider, prepared, samples in timed:
                 with provider.context():
-                    ms = timer(prepared.fn)
-                row.update(ms=ms, tflops=tflops(shape.flops(), ms))
-            done += 1
-            if progress is not None:
-                progress(done, total, f"{shape.label()} {name}")
-        del q, k, v
+                    samples.append(timer(prepared.fn))
+                if r == rounds - 1:
+                    done += 1
+                    if progress is not None:
+                        progress(done, total, f"{shape.label()} {row['provider']}")
+        for row, _, _, samples in timed:
+            ms = statistics.median(samples)
+            row.update(ms=ms, tflops=tflops(shape.flops(), ms))
+            if rounds > 1:
+                row["ms_rounds"] = samples
+        del q, k, v, timed
         torch.cuda.empty_cache()
     return rows
 

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "registry.h"
+#include "sm90/tile_size.h"
 
 namespace py = pybind11;
 using namespace flashhopper;
@@ -183,6 +184,12 @@ PYBIND11_MODULE(_C, m) {
 #endif
   m.def("bwd_workspace_bytes", &bwd_workspace_bytes, py::arg("params"), py::arg("arch"),
         "Bytes of device workspace the backward needs for these params (sizes, causal, deterministic).");
+
+  m.def("fp8_v_transposed_in_kernel", [](int headdim) { return sm90::fp8_v_transposed_in_kernel(headdim); },
+        py::arg("headdim"),
+        "True when this build's fp8 forward kernel for `headdim` takes V row-major (batch, seqlen, heads, headdim) "
+        "and transposes it itself (built with FLASHHOPPER_FP8_V_TRANSPOSE_IN_KERNEL: head dims 64 and 128); "
+        "False: it takes V^T with keys permuted (docs/fp8.md).");
 
   m.def("kernels", [] {
     py::list out;

@@ -441,7 +441,9 @@ def test_inference_path(headdim: int, causal: bool) -> None:
     q, k, v = randn_qkv(2, 300, 1000, 8, 2, headdim, torch.bfloat16, DEV)
     kv = fp8.quantize_kv(k, v, causal=causal)
     assert kv.k.block_size == block_n and kv.v.block_size == block_n, (kv.k.block_size, kv.v.block_size, block_n)
-    assert kv.v.transposed and not kv.k.transposed and kv.k.hadamard_seed == 0 and kv.v.hadamard_seed is None
+    # V^T, or row-major for a build whose kernels transpose V (FLASHHOPPER_FP8_V_TRANSPOSE_IN_KERNEL)
+    assert kv.v.transposed == fp8.kernel_v_transposed(headdim)
+    assert not kv.k.transposed and kv.k.hadamard_seed == 0 and kv.v.hadamard_seed is None
     out = kv.attend(q, causal=causal)
     q8 = fp8.quantize_fp8(q, block_size=Q_BLOCK, hadamard=True, seed=0)
     into, lse = poisoned(2, 300, 8, headdim)
@@ -493,6 +495,74 @@ def test_prequantized_v_not_transposed(headdim: int, causal: bool) -> None:
     out, lse = poisoned(1, 500, 4, headdim)
     fp8.fwd_fp8_into(q8, k8, fp8.to_vt(v8), out, lse, 1 / math.sqrt(headdim), causal)
     check_attention(out, lse, q, k, v, q8, k8, vt8, 1 / math.sqrt(headdim), causal)
+
+
+# The layout the kernel reads V in: V^T (the default), or row-major like K for the kernels of a build with
+# FLASHHOPPER_FP8_V_TRANSPOSE_IN_KERNEL (head dims 64 and 128), which transpose it in shared memory. The
+# tests above go through that path in such a build (fwd_fp8_into and flash_attn_fp8_func bring V to the
+# kernel's layout); these check what is particular to it.
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("headdim", HDIMS)
+def test_from_vt_inverts_the_quantized_vt(headdim: int) -> None:
+    # from_vt of the quantization kernel's V^T is its row-major output, bit for bit (padding dropped).
+    require_quant_kernel()
+    v = quant_input(2, 1000, 3, headdim, torch.bfloat16, "packed")
+    v8 = fp8.quantize_fp8(v, block_size=128, hadamard=False, kernel=True)
+    vt8 = fp8.quantize_fp8(v, block_size=128, hadamard=False, transpose=True, kernel=True)
+    back = fp8.from_vt(vt8)
+    assert not back.transposed and back.seqlen == 1000 and back.data.is_contiguous()
+    assert torch.equal(fp8_bytes(back.data), fp8_bytes(v8.data)), "from_vt(V^T) is not the row-major V"
+    assert torch.equal(fp8_bytes(fp8.to_vt(back).data), fp8_bytes(vt8.data))
+    assert fp8.from_vt(v8) is v8
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("headdim", HDIMS)
+def test_kernel_v_layout(headdim: int) -> None:
+    # Head dim 256 reads V^T in every build (no shared memory left for row-major stages); quantize_kv writes
+    # the layout the kernel reads; a V in the other layout handed straight to the launch is refused by the
+    # launcher (the stride that layout does not use is 1), not read as garbage.
+    require_fp8_kernel(headdim, False)
+    want_vt = fp8.kernel_v_transposed(headdim)
+    assert want_vt or headdim != 256
+    q, k, v = randn_qkv(1, 200, 300, 2, 2, headdim, torch.bfloat16, DEV)
+    kv = fp8.quantize_kv(k, v, causal=False)
+    assert kv.v.transposed == want_vt
+    q8 = fp8.quantize_fp8(q, block_size=Q_BLOCK, hadamard=True, seed=0)
+    scale = 1 / math.sqrt(headdim)
+    out, lse = poisoned(1, 200, 2, headdim)
+    with pytest.raises(ValueError, match="this fp8 kernel"):
+        fp8._launch_fp8(q8, kv.k, fp8.to_kernel_layout(kv.v, not want_vt), out, lse, scale, False)
+    assert torch.isnan(out).all(), "a refused launch wrote to out"
+    fp8._launch_fp8(q8, kv.k, kv.v, out, lse, scale, False)
+    check_attention(out, lse, q, k, v, q8, kv.k, kv.v, scale, False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("headdim", HDIMS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_v_view_with_nan_around(headdim: int, causal: bool) -> None:
+    # A row-major fp8 V that is a view into a larger buffer of NaN bytes: its rows 2 x heads x headdim apart
+    # and more rows past seqlen_k. A kernel that reads V row-major takes the strides and the seqlen_k bound
+    # from it (TMA zero-fills the last block past seqlen_k; the padded bound of the V^T path would read NaN
+    # rows); the V^T path copies the view (to_vt). Either way: the output of a contiguous V, bit for bit.
+    block_n = require_fp8_kernel(headdim, causal)
+    b, sq, sk, hq, hkv = 2, 300, 777, 4, 2
+    q, k, v = randn_qkv(b, sq, sk, hq, hkv, headdim, torch.bfloat16, DEV)
+    q8, k8, _ = quantize_qkv(q, k, v, block_n)
+    v8 = fp8.quantize_fp8(v, block_size=block_n, hadamard=False)
+    buf = torch.full((b, sk + 2 * block_n, 2, hkv, headdim), 0x7F, dtype=torch.uint8, device=DEV)  # e4m3 NaN
+    buf[:, :sk, 0] = fp8_bytes(v8.data)
+    view = v8._replace(data=buf[:, :sk, 0].view(torch.float8_e4m3fn))
+    assert not view.data.is_contiguous()
+    scale = 1 / math.sqrt(headdim)
+    want, want_lse = poisoned(b, sq, hq, headdim)
+    fp8.fwd_fp8_into(q8, k8, v8, want, want_lse, scale, causal)
+    got, got_lse = poisoned(b, sq, hq, headdim)
+    fp8.fwd_fp8_into(q8, k8, view, got, got_lse, scale, causal)
+    assert torch.equal(got, want) and torch.equal(got_lse, want_lse), "a strided V view changed the result"
+    check_attention(got, got_lse, q, k, v, q8, k8, v8, scale, causal)
 
 
 def head_scaled_qkv(batch: int, seqlen_q: int, seqlen_k: int, hq: int, hkv: int, d: int

@@ -67,9 +67,22 @@ void run_fwd_sm90(FwdParams const& p, cudaStream_t stream) {
                {p.k_scale_ptr, p.k_scale_batch_stride, p.k_scale_head_stride, p.k_scale_block_stride, p.k_scale_block},
                {p.v_scale_ptr, p.v_scale_batch_stride, p.v_scale_head_stride, p.v_scale_block_stride, p.v_scale_block}};
   }
-  // V^T for FP8: (headdim, keys), head-dim rows v_dim_stride apart.
-  auto const stride_v = kFp8 ? stride(p.v_dim_stride, p.v_head_stride, p.v_batch_stride)
-                             : stride(p.v_row_stride, p.v_head_stride, p.v_batch_stride);
+  // V^T for FP8: (headdim, keys), head-dim rows v_dim_stride apart; row-major V (like K) where the kernel
+  // transposes it (FLASHHOPPER_FP8_V_TRANSPOSE_IN_KERNEL, tile_size.h). The stride that layout does not use
+  // is 1 from Python (fp8.fill_fp8_params), which fails this check: V in the other layout is refused.
+  constexpr bool kVtInMemory = kFp8 && !Mainloop::kVTransposeInKernel;
+  if constexpr (kFp8) {
+    int64_t const used = kVtInMemory ? p.v_dim_stride : p.v_row_stride;
+    if (used <= 0 || used % 16 != 0) {
+      throw std::invalid_argument(
+          kVtInMemory ? "flashhopper: this fp8 kernel takes V as V^T (batch, heads, headdim, seqlen_pad): "
+                        "v_dim_stride must be a positive multiple of 16"
+                      : "flashhopper: this fp8 kernel (built with FLASHHOPPER_FP8_V_TRANSPOSE_IN_KERNEL) takes V "
+                        "row-major (batch, seqlen, heads, headdim): v_row_stride must be a positive multiple of 16");
+    }
+  }
+  auto const stride_v = kVtInMemory ? stride(p.v_dim_stride, p.v_head_stride, p.v_batch_stride)
+                                    : stride(p.v_row_stride, p.v_head_stride, p.v_batch_stride);
 
   DeviceInfo const& dev = device_info(p.device);
   int const num_sms = p.num_sms > 0 ? p.num_sms : dev.num_sms;

@@ -92,6 +92,21 @@ struct FwdTileSize<256, kCausal, DType::kFloat8E4M3> : FwdTilePolicy {
   static constexpr int kBlockM = 128, kBlockN = FLASHHOPPER_FP8_HDIM256_BLOCK_N, kStages = 2, kQStages = 1;
 };
 
+// Where V gets transposed for the FP8 PV GEMM (issue #7). Default: the quantization pass writes V^T
+// (docs/fp8.md). Ablation build FLASHHOPPER_FP8_V_TRANSPOSE_IN_KERNEL: the kernels at head dims 64 and 128
+// take V row-major (batch, seqlen, heads, headdim) like K; TMA loads it into stages of its own and producer
+// warps transpose it into the V^T stages (mainloop_fwd.h, VTranspose): +2 x 24 KB of shared memory at
+// d128 (128x192: 161 -> 209 KB), +3 x 8 KB at d64 (192x128: 97 -> 121 KB). Head dim 256 keeps V^T: its
+// 128x128 two-stage tile already takes 225 of the 227 KB, and two row-major V stages would need 64 KB more.
+#ifdef FLASHHOPPER_FP8_V_TRANSPOSE_IN_KERNEL
+inline constexpr bool kFp8VTransposeInKernel = true;
+#else
+inline constexpr bool kFp8VTransposeInKernel = false;
+#endif
+// True when the FP8 forward kernel of this head dim takes row-major V and transposes it itself
+// (the extension reports it to Python: _C.fp8_v_transposed_in_kernel).
+constexpr bool fp8_v_transposed_in_kernel(int headdim) { return kFp8VTransposeInKernel && headdim <= 128; }
+
 // ---------------------------------------------------------------------------------------------
 // Backward. A CTA owns kBlockN keys (dK and dV stay in registers, split over two consumer
 // warpgroups) and walks kBlockM-row query blocks. Two ways to lay the GEMMs out:

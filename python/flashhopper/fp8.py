@@ -7,7 +7,8 @@
 
 The contract with the CUDA side is docs/fp8.md: descales ``x ~ float(x_fp8) * scale`` per (batch, head,
 block of tokens), optional random-sign Hadamard transform of Q and K rows (incoherent processing), V
-given to the kernel transposed with its keys permuted. CPU tensors (and "head"/"tensor" scales, which
+given to the kernel transposed with its keys permuted (or row-major, like K, to the kernels of a build that
+transposes V in the kernel: ``kernel_v_transposed``). CPU tensors (and "head"/"tensor" scales, which
 the quantization kernel does not produce) go through the torch math of ``reference_fp8``; on a GPU the
 attention itself never falls back to the emulation: no compiled fp8 kernel is an error.
 Forward only: nothing here is differentiable.
@@ -119,7 +120,7 @@ class QuantizedKV(NamedTuple):
     """K and V quantized once (``quantize_kv``), for attention with bf16/fp16 queries."""
 
     k: FP8Tensor
-    v: FP8Tensor  # transposed (V^T)
+    v: FP8Tensor  # in the layout the kernel reads: V^T, or row-major where it transposes V (kernel_v_transposed)
 
     def attend(self, q: torch.Tensor | FP8Tensor, softmax_scale: float | None = None,
                causal: bool = False) -> torch.Tensor:
@@ -253,16 +254,22 @@ def _check_same_device(q: torch.Tensor | FP8Tensor, k: torch.Tensor | FP8Tensor,
             raise ValueError(f"{name} is on {x.device} but q is on {q.device}; q, k and v must share one device")
 
 
-def check_fp8_inputs(q8: Any, k8: Any, v8: Any, tiles: tuple[int, int] | None = None) -> Shapes:
-    """Checks of quantized q, k, v (v in the V^T layout) for attention; ``tiles`` (block_m, block_n) of
-    the kernel that will run adds its block alignment."""
+def check_fp8_inputs(q8: Any, k8: Any, v8: Any, tiles: tuple[int, int] | None = None,
+                     v_transposed: bool = True) -> Shapes:
+    """Checks of quantized q, k, v for attention, v in the V^T layout (``v_transposed``, what the reference
+    and the default kernels read) or else row-major (``kernel_v_transposed`` says which one a kernel takes);
+    ``tiles`` (block_m, block_n) of the kernel that will run adds its block alignment."""
     for name, t in (("q", q8), ("k", k8), ("v", v8)):
         check_fp8_tensor(name, t)
     for name, t in (("q", q8), ("k", k8)):
         if t.transposed:
             raise ValueError(f"{name} must be in the (batch, seqlen, nheads, headdim) layout; only v is transposed")
-    if not v8.transposed:
+    if v_transposed and not v8.transposed:
         raise ValueError("v must be in the V^T layout (transposed=True); fp8.to_vt converts")
+    if not v_transposed and v8.transposed:
+        raise ValueError(f"v must be in the (batch, seqlen, nheads, headdim) layout (transposed=False): this build's "
+                         f"fp8 kernel for head dim {v8.headdim} transposes V itself "
+                         "(FLASHHOPPER_FP8_V_TRANSPOSE_IN_KERNEL); fp8.from_vt converts")
     _check_same_device(q8, k8, v8)
     shapes = _check_shapes(q8, k8, v8)
     if q8.hadamard_seed != k8.hadamard_seed:
@@ -297,6 +304,34 @@ def to_vt(v: FP8Tensor) -> FP8Tensor:
     padded[:, :s] = raw
     vt = padded[:, vt_key_index(sp, raw.device)].permute(0, 2, 3, 1).contiguous()
     return v._replace(data=vt.view(FP8_DTYPE), transposed=True)
+
+
+def from_vt(v: FP8Tensor) -> FP8Tensor:
+    """The inverse of ``to_vt``: fp8 V^T (permuted keys, padding) -> (batch, seqlen, nheads, headdim),
+    contiguous; scales unchanged. Not transposed: returned as is."""
+    check_fp8_tensor("v", v)
+    if not v.transposed:
+        return v
+    b, h, d, sp = v.data.shape
+    raw = v.data.view(torch.uint8)
+    x = raw.new_empty((b, sp, h, d))
+    x[:, vt_key_index(sp, raw.device)] = raw.permute(0, 3, 1, 2)
+    return v._replace(data=x[:, : v.seqlen].contiguous().view(FP8_DTYPE), transposed=False)
+
+
+def kernel_v_transposed(headdim: int) -> bool:
+    """Whether this build's fp8 forward kernel for ``headdim`` reads V as V^T (docs/fp8.md; the default, and
+    always without the extension) or row-major like K, transposing it in the kernel (a build with
+    FLASHHOPPER_FP8_V_TRANSPOSE_IN_KERNEL: head dims 64 and 128; ``_C.fp8_v_transposed_in_kernel``)."""
+    if not _ext.has_extension():
+        return True
+    in_kernel = getattr(_ext.extension(), "fp8_v_transposed_in_kernel", None)  # absent from older builds
+    return in_kernel is None or not in_kernel(headdim)
+
+
+def to_kernel_layout(v: FP8Tensor, transposed: bool) -> FP8Tensor:
+    """v in the V^T layout (``transposed``) or row-major: ``to_vt`` / ``from_vt`` (a copy) when it is not."""
+    return to_vt(v) if transposed else from_vt(v)
 
 
 def _vt_strides(vt: torch.Tensor) -> tuple[int, int, int]:
@@ -438,7 +473,8 @@ def quantize_fp8(x: torch.Tensor, block_size: int | None = 128, hadamard: bool =
 
 def quantize_kv(k: torch.Tensor, v: torch.Tensor, block_size: int | None = None, hadamard: bool = True,
                 seed: int = 0, *, causal: bool | None = None) -> QuantizedKV:
-    """Quantize K (Hadamard signs of ``seed`` when ``hadamard``) and V (as V^T) once, e.g. a KV cache.
+    """Quantize K (Hadamard signs of ``seed`` when ``hadamard``) and V (as V^T, or row-major for a kernel
+    that transposes V itself: ``kernel_v_transposed``) once, e.g. a KV cache.
 
     block_size None: the fp8 kernel's block_n for this head dim (``default_kv_block_size``; pass
     ``causal`` when the causal and non-causal kernels' block_n have no common block that the
@@ -452,8 +488,9 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, block_size: int | None = None,
         validation.check_flag("causal", causal)
     if block_size is None:
         block_size = default_kv_block_size(k.shape[-1], causal)
+    transpose = not k.is_cuda or kernel_v_transposed(k.shape[-1])  # the layout the fp8 kernel reads V in
     return QuantizedKV(quantize_fp8(k, block_size, hadamard, seed),
-                       quantize_fp8(v, block_size, hadamard=False, transpose=True))
+                       quantize_fp8(v, block_size, hadamard=False, transpose=transpose))
 
 
 # --- attention ---
@@ -484,13 +521,19 @@ def _kernel_tiles(device: torch.device, headdim: int, causal: bool) -> tuple[int
 def fill_fp8_params(p: Any, fp8_dtype: Any, q8: FP8Tensor, k8: FP8Tensor, v8: FP8Tensor, out: torch.Tensor,
                     lse: torch.Tensor, softmax_scale: float, causal: bool, counter: int = 0) -> Any:
     """Write pointers, strides (in elements) and sizes into a ``_C.FwdParams`` for the fp8 forward
-    (docs/fp8.md); ``counter`` is the address of the tile counter (causal kernels need one)."""
+    (docs/fp8.md); ``counter`` is the address of the tile counter (causal kernels need one). V^T or
+    row-major V as v8 is; the stride its layout does not use is set to 1, which the launcher refuses if
+    the kernel reads the other layout."""
     b, sq, hq, d = q8.data.shape
     p.q_ptr, p.k_ptr, p.v_ptr = q8.data.data_ptr(), k8.data.data_ptr(), v8.data.data_ptr()
     p.o_ptr, p.lse_ptr, p.tile_counter = out.data_ptr(), lse.data_ptr(), counter
     ops._fill_strides(p, q=q8.data, k=k8.data, o=out)
-    p.v_batch_stride, p.v_head_stride, p.v_dim_stride = _vt_strides(v8.data)
-    p.v_row_stride = 1  # unused by the fp8 kernels (docs/fp8.md): V^T's keys are contiguous
+    if v8.transposed:
+        p.v_batch_stride, p.v_head_stride, p.v_dim_stride = _vt_strides(v8.data)
+        p.v_row_stride = 1  # unused by V^T kernels (docs/fp8.md): V^T's keys are contiguous
+    else:
+        ops._fill_strides(p, v=v8.data)
+        p.v_dim_stride = 1  # unused by the kernels that transpose V themselves
     p.batch, p.seqlen_q, p.seqlen_k = b, q8.seqlen, k8.seqlen
     p.nheads_q, p.nheads_kv, p.headdim = hq, k8.nheads, d
     p.softmax_scale = softmax_scale
@@ -519,7 +562,10 @@ def _launch_fp8(q8: FP8Tensor, k8: FP8Tensor, v8: FP8Tensor, out: torch.Tensor, 
         return
     for name, x in (("q", q8.data), ("k", k8.data), ("out", out)):
         validation.check_kernel_layout(name, x)
-    _check_vt_layout("v", v8.data)
+    if v8.transposed:
+        _check_vt_layout("v", v8.data)
+    else:
+        validation.check_kernel_layout("v", v8.data)
     C = _ext.extension()
     p = getattr(_local, "fwd_params", None)
     if p is None:
@@ -538,14 +584,19 @@ def _softmax_scale(softmax_scale: Any, headdim: int) -> float:
 def fwd_fp8_into(q8: FP8Tensor, k8: FP8Tensor, v8: FP8Tensor, out: torch.Tensor, lse: torch.Tensor,
                  softmax_scale: float | None, causal: bool) -> None:
     """Run the fp8 forward kernel, writing into caller-provided ``out`` (bfloat16 (batch, seqlen_q,
-    nheads_q, headdim)) and ``lse`` (float32, contiguous (batch, nheads_q, seqlen_q)); v8 in the V^T
-    layout. Checks everything first; tests use it to poison the outputs before a run."""
+    nheads_q, headdim)) and ``lse`` (float32, contiguous (batch, nheads_q, seqlen_q)); v8 in either layout,
+    brought by a copy to the one this build's kernel reads (``kernel_v_transposed``: V^T unless the build
+    transposes V in the kernel) when it is not in it. Checks everything first; tests use it to poison the
+    outputs before a run."""
     validation.check_flag("causal", causal)
     check_fp8_tensor("q", q8)
     if q8.device.type != "cuda":
         raise ValueError(f"q is on {q8.device}; the fp8 kernels need CUDA tensors")
     tiles = _require_fp8_kernel(q8.device, q8.headdim, causal)
-    shapes = check_fp8_inputs(q8, k8, v8, tiles)
+    v_transposed = kernel_v_transposed(q8.headdim)
+    if isinstance(v8, FP8Tensor) and isinstance(v8.transposed, bool) and v8.transposed != v_transposed:
+        v8 = to_kernel_layout(v8, v_transposed)
+    shapes = check_fp8_inputs(q8, k8, v8, tiles, v_transposed)
     scale = _softmax_scale(softmax_scale, shapes.headdim)
     validation.check_tensor("out", out)
     want = (shapes.batch, shapes.seqlen_q, shapes.nheads_q, shapes.headdim)
@@ -578,7 +629,8 @@ def flash_attn_fp8_func(q: torch.Tensor | FP8Tensor, k: torch.Tensor | FP8Tensor
     """Softmax attention with fp8 (e4m3) Q, K, V; flash-attn layout, forward only.
 
     Each of q (batch, seqlen_q, nheads_q, headdim), k, v (batch, seqlen_k, nheads_kv, headdim) is a
-    bf16/fp16 tensor, quantized here, or an FP8Tensor (``quantize_fp8``; v may be in either layout).
+    bf16/fp16 tensor, quantized here, or an FP8Tensor (``quantize_fp8``; v may be in either layout: it is
+    copied to the one the kernel reads, ``kernel_v_transposed``, when it is not in it).
     Quantized here: Q in blocks of ``q_block_size`` (default 64) tokens, K and V of ``kv_block_size``
     (default the kernel's block_n); Q and K with the Hadamard signs of ``seed`` when ``hadamard``. When
     k (or q) is an FP8Tensor, the other is quantized with its hadamard_seed instead, so that bf16
@@ -641,10 +693,12 @@ def flash_attn_fp8_func(q: torch.Tensor | FP8Tensor, k: torch.Tensor | FP8Tensor
             return x
         return quantize_fp8(x, block, seed_ is not None, 0 if seed_ is None else seed_, transpose=transpose)
 
+    # V^T for the reference (CPU) and the default kernels; row-major for a kernel that transposes V itself.
+    v_transposed = tiles is None or kernel_v_transposed(shapes.headdim)
     q8 = quantize(q, q_bs, qk_seed)
     k8 = quantize(k, kv_bs, qk_seed)
-    v8 = to_vt(v) if isinstance(v, FP8Tensor) else quantize(v, kv_bs, None, transpose=True)
-    check_fp8_inputs(q8, k8, v8, tiles)
+    v8 = to_kernel_layout(v, v_transposed) if isinstance(v, FP8Tensor) else quantize(v, kv_bs, None, v_transposed)
+    check_fp8_inputs(q8, k8, v8, tiles, v_transposed)
 
     if tiles is not None:
         out = torch.empty((shapes.batch, shapes.seqlen_q, shapes.nheads_q, shapes.headdim), dtype=torch.bfloat16,

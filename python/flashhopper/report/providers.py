@@ -119,7 +119,8 @@ def _sdpa(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: 
 def _fp8(quantize_in_call: bool, mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
          causal: bool) -> Prepared:
     """The sm90 fp8 (e4m3) forward on bf16/fp16 (or raw e4m3) inputs, as flash_attn_fp8_func quantizes
-    them: Q per 64 rows, K and V per block_n keys, Q and K with the Hadamard transform, V as V^T.
+    them: Q per 64 rows, K and V per block_n keys, Q and K with the Hadamard transform, V in the layout
+    the kernel reads (V^T, or row-major where the build transposes V in the kernel).
     ``quantize_in_call`` False: quantized once, untimed (the kernel); True: the timed call quantizes
     all three (end to end). TFLOPS count the same FLOPs as the bf16 forward."""
     if mode != "fwd":
@@ -144,7 +145,10 @@ def _fp8(quantize_in_call: bool, mode: str, q: torch.Tensor, k: torch.Tensor, v:
         else:
             q8 = fp8.quantize_fp8(q, block_size=64, hadamard=True)
             k8 = fp8.quantize_fp8(k, block_size=kernel["block_n"], hadamard=True)
-            v8 = fp8.quantize_fp8(v, block_size=kernel["block_n"], hadamard=False, transpose=True)
+            # V^T, or row-major for kernels that transpose V themselves (FLASHHOPPER_FP8_V_TRANSPOSE_IN_KERNEL):
+            # the layout the kernel reads, so that the timed call does not convert it.
+            v8 = fp8.quantize_fp8(v, block_size=kernel["block_n"], hadamard=False,
+                                  transpose=fp8.kernel_v_transposed(headdim))
 
             def fn() -> Any:
                 return fp8.flash_attn_fp8_func(q8, k8, v8, causal=causal)

@@ -9,8 +9,7 @@
 // lanes) are shuffles: half exchanges of 32 values (slot_dim). Global memory is only touched in
 // coalesced 16-byte runs: the block comes into shared memory by the whole CTA (eight 16-byte copies a
 // thread), and the fp8 result leaves the same way, row-major or as (headdim, keys) bytes for V^T.
-// Memory-bound: 2 bytes read and 1 written per element, once; at head dim 256 with the transform the
-// instruction count shows (docs/perf-notes.md).
+// Memory-bound: 2 bytes read and 1 written per element, once (docs/perf-notes.md).
 #pragma once
 
 #include <cuda_fp8.h>

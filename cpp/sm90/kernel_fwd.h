@@ -1,7 +1,7 @@
 // The Hopper forward kernel: composes the mainloop (producer loads, consumer GEMMs + softmax),
 // the epilogue and the persistent tile scheduler into one warp-specialized, persistent CTA.
 //   warpgroup 0      producer: lowers its registers (setmaxnreg) and one thread issues all TMA; with the
-//                    FP8 in-kernel V transpose (ablation), warps 1..3 of it transpose the V tiles
+//                    FP8 in-kernel V transpose (ablation), warps 1..3 (d64: 1..2) of it transpose the V tiles
 //   warpgroups 1..W  consumers: raise their registers; each owns 64 query rows of the tile
 #pragma once
 

@@ -14,7 +14,8 @@
 // its share in shared memory, kdQSlices column slices per query block, and the writer TMA-reduce-
 // adds each into a float32 buffer. At head dim 256 (kdQAtomic) the consumers add it themselves
 // with 16-byte reductions into a fragment-ordered buffer (dq_frag_layout.h): its four slices a step
-// made the staging round trips cost more than the reductions.
+// made the staging round trips cost more than the reductions. The deterministic mode, whose ordered
+// additions wait on each other, runs an instantiation with TMA there too (kdQByTma).
 // softmax_scale is applied once: to dK here, to dQ by the postprocess kernel.
 #pragma once
 
@@ -570,10 +571,6 @@ struct BwdMainloop {
       } else {
         wgmma<true, -1>(mma_sdp, tdPrdO(_, _, _, stage_do), tdPrV, tdPrdP);
       }
-      // Deterministic dQ atomics: the previous block's additions are counted here, where the fence
-      // waiting for them overlaps the S and dP GEMMs (right after them it stalled every step).
-      if (kdQAtomic && p.deterministic && m_block + 1 < m_end) count_dq_atomics(m_block + 1, m_block + 2);
-
       // P from S while dP is on the tensor cores.
       auto const lse = stat(ts.smem_lse.data() + stage_q * kBlockM);
       warpgroup_wait<1>();
@@ -645,10 +642,6 @@ struct BwdMainloop {
         if constexpr (kdQAtomic) {
           using FragLayout = DqFragLayout<DQCols::value>;
           int const t = thread_idx % cutlass::NumThreadsPerWarpGroup;
-          if (p.deterministic && slice == 0) {  // the key blocks before this one have added theirs
-            if (thread_idx == 0) wait_at_least(sem_bh + m_block, later_key_blocks(p, m_block, n_block));
-            cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBwddQAtomic);
-          }
           CUTE_UNROLL
           for (int i = 0; i < size(frag); i += 4) {
             red_add_v4(dq_block + FragLayout::offset(slice * kNumMmaWG + wg, t, i), frag(i), frag(i + 1), frag(i + 2),
@@ -703,9 +696,9 @@ struct BwdMainloop {
     CUTE_NO_UNROLL
     for (int m_block = m_end - 1; m_block >= m_begin; --m_block) step(m_block);
 
-    // dQ atomics: not deterministic, this CTA's additions to every block it walked are counted at
-    // once (one fence per thread, not one per step); deterministic, those to the last block.
-    if constexpr (kdQAtomic) count_dq_atomics(m_begin, p.deterministic ? m_begin + 1 : m_end);
+    // dQ atomics (never deterministic: that mode runs the kdQByTma instantiation): this CTA's
+    // additions to every block it walked are counted at once (one fence per thread, not one per step).
+    if constexpr (kdQAtomic) count_dq_atomics(m_begin, m_end);
 
     CUTE_UNROLL
     for (int i = 0; i < size(tdKrdK); ++i) tdKrdK(i) *= p.softmax_scale;

@@ -19,7 +19,7 @@ enum BwdNamedBarriers : uint32_t {
   kBwddQEmpty0 = 3,   // 3, 4: the dQ writer has sent that half; the buffer may be refilled
   kBwdAtomicWG0 = 5,  // 5, 6: one warpgroup around its deterministic atomics
   kBwdEpilogue = 7,   // both consumer warpgroups: done with K/V smem, then dK/dV staged there
-  kBwddQAtomic = 8,   // both consumer warpgroups around their dQ atomics' ordering and counts
+  kBwddQAtomic = 8,   // both consumer warpgroups before counting their dQ atomics
 };
 // The dQ hand-offs pair one consumer warpgroup with the dQ-writer warp.
 inline constexpr uint32_t kdQHandoffThreads = cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp;

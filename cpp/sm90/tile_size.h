@@ -118,7 +118,8 @@ constexpr bool fp8_v_transposed_in_kernel(int headdim) { return kFp8VTransposeIn
 //    dK^T = Q^T dS split over the head dim (kdKVSwapAB), 128 head-dim rows per warpgroup.
 // dQ = dS K (kBlockM x headdim) is split over the head dim and summed over the key blocks in a
 // float32 buffer by TMA reduce-adds of each warpgroup's share, staged in shared memory; at head
-// dim 256 in column slices (kdQSlices) added from registers (mainloop_bwd.h).
+// dim 256 in column slices (kdQSlices) added from registers, except in the deterministic mode
+// (mainloop_bwd.h).
 // Head dim 128: 64 query rows per step. 80 (FLASHHOPPER_BWD_HDIM128_BLOCK_M=80; dQ^T is then the
 // GEMM, kdQSwapAB, as 80 is no WGMMA M) asks ~8% less of shared memory per FLOP but ran 10% slower
 // at 2k, short of registers (docs/perf-notes.md).
@@ -173,8 +174,8 @@ struct BwdTileSize<128, kCausal> {
 #define FLASHHOPPER_BWD_HDIM256_DS_STAGES 1
 #endif
 // Head dim 256: 80 keys per CTA (20% less Q/dO traffic per FLOP than 64; dK^T/dV^T take 160
-// registers), dQ in four 32-column slices to fit the registers (and, with FLASHHOPPER_BWD_DQ_TMA, the
-// staging); one P/dS buffer (a second measured +0-1%).
+// registers), dQ in four 32-column slices to fit the registers (and, where dQ goes through TMA: the
+// deterministic mode and FLASHHOPPER_BWD_DQ_TMA, the staging); one P/dS buffer (a second: +0-1%).
 template <bool kCausal>
 struct BwdTileSize<256, kCausal> {
   // One dO stage: it is released mid-iteration (after dV), so the next one loads under the dQ/dK GEMMs.

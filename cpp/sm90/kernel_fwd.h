@@ -136,6 +136,14 @@ struct FwdKernel {
     __syncthreads();  // barrier initialization is visible to every thread
 
     TileSchedulerParams const& sched = params.scheduler;
+    // A reader of the tile pipeline (consumer warpgroups, transposing warps): the next tile index, -1 when done.
+    auto next_tile = [&](typename TilePipeline::PipelineState& read_tile) {
+      tile_pipeline.consumer_wait(read_tile);
+      int const tile = ss.tile_index[read_tile.index()];
+      tile_pipeline.consumer_release(read_tile);
+      ++read_tile;
+      return tile;
+    };
     if (is_producer) {
       cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
       if constexpr (kVTranspose) {
@@ -145,12 +153,9 @@ struct FwdKernel {
           typename TilePipeline::PipelineState read_tile;
           int const warp = warp_idx_in_wg - 1, lane = cutlass::canonical_lane_idx();
           while (true) {
-            tile_pipeline.consumer_wait(read_tile);
             // (Read by every lane: a __shfl_sync here made ptxas put a convergence barrier around the whole
             // kernel, and the TMA thread's code and the consumers spilled.)
-            int const tile = ss.tile_index[read_tile.index()];
-            tile_pipeline.consumer_release(read_tile);
-            ++read_tile;
+            int const tile = next_tile(read_tile);
             if (tile < 0) break;
             WorkTile const w = Scheduler::decode(sched, tile);
             if (has_keys(params, w.m_block)) {
@@ -212,10 +217,7 @@ struct FwdKernel {
       };
 
       while (true) {
-        tile_pipeline.consumer_wait(read_tile);
-        int const tile = ss.tile_index[read_tile.index()];
-        tile_pipeline.consumer_release(read_tile);
-        ++read_tile;
+        int const tile = next_tile(read_tile);
         if (tile < 0) break;
         WorkTile const w = Scheduler::decode(sched, tile);
         if (!has_keys(params, w.m_block)) {

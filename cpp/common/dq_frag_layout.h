@@ -1,8 +1,8 @@
-// The float32 dQ accumulator in fragment order (sm90 backward, head dim 256): a query block's
-// kBlockM x headdim sums are stored as the consumer threads hold them, so that each thread adds 4
-// of its accumulator values with one 16-byte `red` and a warp's reductions cover 512 contiguous
-// bytes. Both directions live here: the main kernel writes with `offset`, the dQ postprocess reads
-// with `coord`.
+// The float32 dQ accumulator in fragment order (sm90 backward, 64-row query blocks): a query block's
+// kBlockM x headdim sums are stored as the consumer threads hold them, so that 4 of a thread's
+// accumulator values are one 16-byte `red` (or shared-memory store, staged for a bulk reduce-add)
+// and a warp's 32 of them cover 512 contiguous bytes. Both directions live here: the main kernel
+// writes with `offset`, the dQ postprocess reads with `coord`.
 //
 // The main kernel computes dQ (64 rows x headdim) in column groups of kCols per warpgroup (a group
 // per slice and warpgroup). In a warpgroup's m64 x kCols WGMMA accumulator, thread t (0..127) holds

@@ -1,9 +1,9 @@
-// Float32 reductions into global memory from WGMMA accumulator fragments, as fire-and-forget
-// `red` instructions (an unused atomicAdd result still compiles to ATOMG, which waits for L2's
-// answer: `red` measured 1.4x faster). Used by the GQA dK/dV epilogue, once per CTA, and for the
-// head-dim-256 dQ (mainloop_bwd.h). No "memory" clobber: nothing in the issuing thread reads
-// these addresses; code that must order them (the deterministic semaphores) uses __threadfence()
-// and a barrier after them.
+// Float32 reductions into global memory. From WGMMA accumulator fragments: fire-and-forget `red`
+// instructions (an unused atomicAdd result still compiles to ATOMG, which waits for L2's answer:
+// `red` measured 1.4x faster), used by the GQA dK/dV epilogue, once per CTA, and for the
+// head-dim-256 dQ (mainloop_bwd.h). No "memory" clobber: nothing in the issuing thread reads these
+// addresses; code that must order them (the deterministic semaphores) uses __threadfence() and a
+// barrier after them. From shared memory: the bulk reduce-add of the staged dQ (bulk_reduce_add).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -20,6 +20,16 @@ CUTE_DEVICE void red_add(float* p, float v) {
 
 CUTE_DEVICE void red_add_v4(float* p, float a, float b, float c, float d) {
   asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(a), "f"(b), "f"(c), "f"(d));
+}
+
+// One bulk asynchronous reduce-add of `bytes` contiguous float32 values from shared to global memory
+// (both 16-byte aligned, bytes a multiple of 16), committed with the caller's bulk group
+// (tma_store_arrive / tma_store_wait). CuTe has the tensor-map form only (SM90_TMA_REDUCE_ADD); this
+// one needs no tensor map, for sums laid out in fragment order (common/dq_frag_layout.h).
+CUTE_DEVICE void bulk_reduce_add(float* gmem, float const* smem, uint32_t bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(gmem),
+               "r"(cast_smem_ptr_to_uint(smem)), "r"(bytes)
+               : "memory");
 }
 
 // acc: one thread's WGMMA accumulator ((2,2,V), MMA_M, MMA_N) - flat elements i, i+1 are two

@@ -1,6 +1,6 @@
 // The Hopper backward kernel: one CTA per (key block, query head, batch), warp-specialized.
 //   warpgroup 0      producer: lowers its registers (setmaxnreg); warp 0 (one thread) issues the
-//                    TMA loads, warp 1 is the dQ writer (TMA reduce-add)
+//                    TMA loads, warp 1 is the dQ writer (bulk reduce-adds)
 //   warpgroups 1, 2  consumers: raise their registers; the five GEMMs, the softmax gradient and
 //                    the dK/dV epilogue
 // One CTA per key block, not persistent: the hardware launches CTAs in block-index order, and

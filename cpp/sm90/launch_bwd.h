@@ -80,8 +80,8 @@ void launch_bwd_main_sm90(BwdParams const& p, BwdWorkspace const& ws, int num_sm
   kernel<<<grid, Kernel::kNumThreads, smem_bytes, stream>>>(kp);
   check_launch(cudaGetLastError(), "backward kernel launch");
 
-  // Fragment-ordered dQ sums (head dim 256) are always converted block by block as they complete.
-  constexpr int kFragCols = Mainloop::kdQAtomic ? int(Mainloop::DQCols::value) : 0;
+  // Fragment-ordered dQ sums (every 64-row tile) are always converted block by block as they complete.
+  constexpr int kFragCols = Mainloop::kdQFragOrder ? int(Mainloop::DQCols::value) : 0;
 #ifdef FLASHHOPPER_BWD_SERIAL_DQ_CONVERT  // ablation: one pass over dQ after the main kernel
   if constexpr (kFragCols == 0) {
     launch_bwd_postprocess<Element>(p, ws, num_sms, stream);

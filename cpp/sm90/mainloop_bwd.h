@@ -10,12 +10,13 @@
 // BwdTileSize picks one of two layouts (see tile_size.h): S^T with P^T/dS^T as register operands
 // (kSdPSwapAB), or S with P/dS through shared memory and dV^T/dK^T split over the head dim.
 // The producer warp loads K and V once, then Q (+ its LSE row statistics) and dO (+ D) per query
-// block through PipelineTmaAsync stages. dQ leaves through a dQ-writer warp: each warpgroup stages
-// its share in shared memory, kdQSlices column slices per query block, and the writer TMA-reduce-
-// adds each into a float32 buffer. At head dim 256 (kdQAtomic) the consumers add it themselves
-// with 16-byte reductions into a fragment-ordered buffer (dq_frag_layout.h): its four slices a step
-// made the staging round trips cost more than the reductions. The deterministic mode, whose ordered
-// additions wait on each other, runs an instantiation with TMA there too (kdQByTma).
+// block through PipelineTmaAsync stages. dQ is summed in a float32 buffer laid out as the consumers'
+// fragments (dq_frag_layout.h). It leaves through a dQ-writer warp: each warpgroup stages its share
+// in shared memory, kdQSlices column slices per query block, and the writer bulk-reduce-adds each
+// into the buffer. At head dim 256 (kdQAtomic) the consumers add it themselves with 16-byte
+// reductions: its four slices a step made the staging round trips cost more than the reductions.
+// The deterministic mode, whose ordered additions wait on each other, runs an instantiation with
+// the writer there too (kdQByTma).
 // softmax_scale is applied once: to dK here, to dQ by the postprocess kernel.
 #pragma once
 
@@ -76,19 +77,13 @@ struct BwdMainloop {
 #else
   static constexpr bool kAblateNoDqReduce = false;
 #endif
-  // The bank-conflict swap of the dQ staging stores (store_shared): +3-7% at head dim 256 with TMA
-  // (four slices a step), none at 128 (one slice), where it costs the causal kernel an 8-byte spill.
-  // FLASHHOPPER_BWD_DQ_STAGE_PLAIN (ablation) turns it off.
+  // The bank-conflict swap of the row-major dQ staging stores (store_shared, the tensor-map path):
+  // +3-7% at head dim 256 (four slices a step), none at 128 (one slice), where it cost the causal
+  // kernel an 8-byte spill. FLASHHOPPER_BWD_DQ_STAGE_PLAIN (ablation) turns it off.
 #ifdef FLASHHOPPER_BWD_DQ_STAGE_PLAIN
   static constexpr bool kdQStageSwap = false;
 #else
   static constexpr bool kdQStageSwap = kdQSlices > 1;
-#endif
-  // Ablation, timing only: the consumers skip the dQ staging stores too (hand-offs kept).
-#ifdef FLASHHOPPER_BWD_NO_DQ_STAGE
-  static constexpr bool kAblateNoDqStage = true;
-#else
-  static constexpr bool kAblateNoDqStage = false;
 #endif
   // A query block's dQ additions are counted this many query blocks after they were issued (not
   // deterministic). 0, an ablation: not counted, and dQ is converted after the kernel.
@@ -120,6 +115,26 @@ struct BwdMainloop {
 #else
   static constexpr bool kdQAtomic =
       !kdQByTma && kHeadDim >= FLASHHOPPER_BWD_DQ_ATOMIC_MIN_HDIM && !kdQSwapAB && kBlockM == 64;
+#endif
+
+  // Where dQ goes through TMA, each warpgroup stages its share in fragment order (dq_frag_layout.h):
+  // conflict-free 16-byte stores of 4 accumulator values, and one bulk reduce-add of the contiguous
+  // buffer into the fragment-ordered accumulator. The swizzled row-major staging for a tensor-map
+  // reduce-add needed twice the store instructions at 2x their wavefronts (ncu: 6.8 per STS.64 at
+  // head dim 128). dQ^T (kdQSwapAB) and FLASHHOPPER_BWD_DQ_TENSOR_TMA (ablation) keep the latter.
+#ifdef FLASHHOPPER_BWD_DQ_TENSOR_TMA
+  static constexpr bool kdQFragOrder = kdQAtomic;
+#else
+  static constexpr bool kdQFragOrder = !kdQSwapAB && kBlockM == 64;
+#endif
+  // The per-query statistics (LSE, D) are read from shared memory where they are used. Ablation
+  // FLASHHOPPER_BWD_STATS_IN_REGS loads them into registers as soon as their stage has landed (ncu's
+  // top stall of the loop is the exp waiting on those loads): 2-8% slower at head dim 128, from the
+  // 32 registers it takes (an 8-byte spill; docs/perf-notes.md).
+#ifdef FLASHHOPPER_BWD_STATS_IN_REGS
+  static constexpr bool kStatsInRegs = kBlockM == 64;
+#else
+  static constexpr bool kStatsInRegs = false;
 #endif
 
   using D = Int<kHeadDim>;
@@ -160,6 +175,9 @@ struct BwdMainloop {
   using TiledMmadQ = decltype(make_tiled_mma(MmaAtomdQ{}, AtomLayoutdQ{}));
   // One warpgroup's share of a dQ slice: the same per-thread fragment, addressed in its own buffer.
   using TiledMmadQHalf = decltype(make_tiled_mma(MmaAtomdQ{}));
+  // Fragment order of a dQ slice's sums (kdQFragOrder, kdQAtomic): group slice * 2 + warpgroup.
+  using FragLayout = DqFragLayout<DQCols::value>;
+  static constexpr int kdQHalfFloats = kBlockM * DQCols::value;  // one warpgroup's share of a slice
 
   // ---- Shared memory --------------------------------------------------------------------------
   using SmemAtomQ = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, BM, D>());
@@ -419,6 +437,7 @@ struct BwdMainloop {
     Tensor tdQgdQ = get<0>(parts);  // (TMA, m, column tile)
     Tensor tdQsdQ = get<1>(parts);  // (TMA, warpgroup)
     int* const sem_bh = p.dq_semaphore + first_m_block(p, head, batch);
+    float* const dq_bh = p.dq_accum + first_m_block(p, head, batch) * int64_t(kBlockM * kHeadDim);  // fragment order
     bool const lane0 = cute::elect_one_sync();
     constexpr int kGroupsPerBlock = kdQSlices * kNumMmaWG;  // bulk async-groups the writer commits per block
     // Count blocks [m_first, m_last] once at most kPending bulk groups (the newest) are in flight.
@@ -445,7 +464,14 @@ struct BwdMainloop {
           cutlass::arch::NamedBarrier::sync(kdQHandoffThreads, kBwddQFull0 + wg);
           if (lane0) {
             // Warpgroup wg holds columns [(slice * 2 + wg) * DQCols, +DQCols) of dQ_m.
-            if constexpr (!kAblateNoDqReduce) copy(p.tma_dq, tdQsdQ(_, wg), tdQgdQ(_, m_block, slice * kNumMmaWG + wg));
+            int const group = slice * kNumMmaWG + wg;
+            if constexpr (kAblateNoDqReduce) {
+            } else if constexpr (kdQFragOrder) {
+              bulk_reduce_add(dq_bh + m_block * int64_t(kBlockM * kHeadDim) + FragLayout::offset(group, 0, 0),
+                              ts.smem_dq.data() + wg * kdQHalfFloats, kdQHalfFloats * sizeof(float));
+            } else {
+              copy(p.tma_dq, tdQsdQ(_, wg), tdQgdQ(_, m_block, group));
+            }
             tma_store_arrive();
           }
         }
@@ -519,11 +545,29 @@ struct BwdMainloop {
     // (row, col) of each score in the S / S^T tile, and the query row of each.
     Tensor tScS = thr_sdp.partition_C(make_identity_tensor(ShapeSdP{}));
     Tensor tScS_rc = rowcol(tScS);
-    // The per-query statistics (LSE, D) of an element are read from shared memory where they are
-    // used: held in registers they cost 2 * kBlockM / 4 of them with S^T (spills at kBlockM 80).
-    auto stat = [&](float const* s_stat) {
-      return [&tScS_rc, s_stat](int mi, int ni) {
-        return s_stat[kSdPSwapAB ? int(get<1>(tScS_rc(0, ni))) : int(get<0>(tScS_rc(mi, 0)))];
+    // The per-query statistics (LSE, D) of this thread's scores: its columns with S^T, its rows with
+    // S. kStatsInRegs: loaded into registers once their stage has landed; otherwise read from shared
+    // memory where used.
+    constexpr int kStats = decltype(size<kSdPSwapAB ? 1 : 0>(tScS_rc))::value;
+    auto stat_index = [&tScS_rc](int i) {
+      return kSdPSwapAB ? int(get<1>(tScS_rc(0, i))) : int(get<0>(tScS_rc(i, 0)));
+    };
+    using StatRegs = cute::array<float, kStatsInRegs ? kStats : 1>;
+    auto load_stats = [&](float const* s_stat) {
+      StatRegs r;
+      if constexpr (kStatsInRegs) {
+        CUTE_UNROLL
+        for (int i = 0; i < kStats; ++i) r[i] = s_stat[stat_index(i)];
+      }
+      return r;
+    };
+    auto stat = [&](float const* s_stat, StatRegs const& regs) {
+      return [&stat_index, &regs, s_stat](int mi, int ni) {
+        if constexpr (kStatsInRegs) {
+          return regs[kSdPSwapAB ? ni : mi];
+        } else {
+          return s_stat[stat_index(kSdPSwapAB ? ni : mi)];
+        }
       };
     };
 
@@ -565,14 +609,18 @@ struct BwdMainloop {
       } else {
         wgmma<true, -1>(mma_sdp, tSrQ(_, _, _, stage_q), tSrK, tSrS);
       }
+      float const* const s_lse = ts.smem_lse.data() + stage_q * kBlockM;
+      StatRegs const lse_regs = load_stats(s_lse);
       pipeline_do.consumer_wait(read_do);
       if constexpr (kSdPSwapAB) {
         wgmma<true, -1>(mma_sdp, tdPrV, tdPrdO(_, _, _, stage_do), tdPrdP);
       } else {
         wgmma<true, -1>(mma_sdp, tdPrdO(_, _, _, stage_do), tdPrV, tdPrdP);
       }
+      float const* const s_dpsum = ts.smem_dpsum.data() + stage_do * kBlockM;
+      StatRegs const dpsum_regs = load_stats(s_dpsum);
       // P from S while dP is on the tensor cores.
-      auto const lse = stat(ts.smem_lse.data() + stage_q * kBlockM);
+      auto const lse = stat(s_lse, lse_regs);
       warpgroup_wait<1>();
       warpgroup_fence_operand(tSrS);
       apply_mask(tSrS, m_block);
@@ -585,7 +633,7 @@ struct BwdMainloop {
         wgmma<false, -1>(mma_dkv, tdVrP, tdVrdO(_, _, _, stage_do), tdVrdV);
       }
 
-      auto const dpsum = stat(ts.smem_dpsum.data() + stage_do * kBlockM);
+      auto const dpsum = stat(s_dpsum, dpsum_regs);
       warpgroup_wait<(kdKVRegsA && !kAblateDvAfterDs) ? 1 : 0>();  // dP done
       warpgroup_fence_operand(tdPrdP);
       Tensor dscores = rowcol(tdPrdP);
@@ -640,7 +688,6 @@ struct BwdMainloop {
       auto stage_dq = [&](auto& frag, int slice) {
         warpgroup_fence_operand(frag);
         if constexpr (kdQAtomic) {
-          using FragLayout = DqFragLayout<DQCols::value>;
           int const t = thread_idx % cutlass::NumThreadsPerWarpGroup;
           CUTE_UNROLL
           for (int i = 0; i < size(frag); i += 4) {
@@ -649,7 +696,20 @@ struct BwdMainloop {
           }
         } else {
           cutlass::arch::NamedBarrier::sync(kdQHandoffThreads, kBwddQEmpty0 + wg);
-          if constexpr (!kAblateNoDqStage) store_shared(frag, tdQsdQ);
+          if constexpr (kdQFragOrder) {
+            // Thread t's values i..i+3 at float ((i / 4) * 128 + t) * 4 of the buffer: a warp's
+            // 16-byte stores cover 512 contiguous bytes.
+            int const t = thread_idx % cutlass::NumThreadsPerWarpGroup;
+            uint32_t const base = cast_smem_ptr_to_uint(ts.smem_dq.data() + wg * kdQHalfFloats);
+            CUTE_UNROLL
+            for (int i = 0; i < size(frag); i += 4) {
+              asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(
+                               base + uint32_t(FragLayout::offset(0, t, i) * sizeof(float))),
+                           "f"(frag(i)), "f"(frag(i + 1)), "f"(frag(i + 2)), "f"(frag(i + 3)));
+            }
+          } else {
+            store_shared(frag, tdQsdQ);
+          }
           cutlass::arch::fence_view_async_shared();
           cutlass::arch::NamedBarrier::arrive(kdQHandoffThreads, kBwddQFull0 + wg);
         }

@@ -1,4 +1,5 @@
-// Named-barrier ids of the Hopper kernels (offset past CUTLASS's reserved ids by NamedBarrier).
+// Named-barrier ids of the Hopper kernels (offset past CUTLASS's reserved ids by NamedBarrier: the
+// hardware has 16 and CUTLASS keeps 8, so ids 0..7).
 // Ping-pong: consumer warpgroup w waits on barrier kSched + w before issuing its GEMMs and, once
 // they are issued, arrives on the next warpgroup's, so warpgroups issue in round robin.
 #pragma once
@@ -19,8 +20,11 @@ enum BwdNamedBarriers : uint32_t {
   kBwddQEmpty0 = 3,   // 3, 4: the dQ writer has sent that half; the buffer may be refilled
   kBwdAtomicWG0 = 5,  // 5, 6: one warpgroup around its deterministic atomics
   kBwdEpilogue = 7,   // both consumer warpgroups: done with K/V smem, then dK/dV staged there
-  kBwddQAtomic = 8,   // both consumer warpgroups before counting their dQ atomics
+  // Both consumer warpgroups before counting their dQ atomics. That path has no dQ writer, so it
+  // takes a hand-off id (8 was hardware barrier 16, which wrapped to barrier 0, __syncthreads').
+  kBwddQAtomic = kBwddQFull0,
 };
+static_assert(kBwdEpilogue < 8 && kEpilogueBarrier0 + 4 <= 8, "CUTLASS leaves 8 named barriers to the kernel");
 // The dQ hand-offs pair one consumer warpgroup with the dQ-writer warp.
 inline constexpr uint32_t kdQHandoffThreads = cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp;
 

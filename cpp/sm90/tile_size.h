@@ -117,7 +117,7 @@ constexpr bool fp8_v_transposed_in_kernel(int headdim) { return kFp8VTransposeIn
 //    S = Q K^T split over keys, P and dS go through shared memory, and dV^T = dO^T P,
 //    dK^T = Q^T dS split over the head dim (kdKVSwapAB), 128 head-dim rows per warpgroup.
 // dQ = dS K (kBlockM x headdim) is split over the head dim and summed over the key blocks in a
-// float32 buffer by TMA reduce-adds of each warpgroup's share, staged in shared memory; at head
+// float32 buffer by bulk reduce-adds of each warpgroup's share, staged in shared memory; at head
 // dim 256 in column slices (kdQSlices) added from registers, except in the deterministic mode
 // (mainloop_bwd.h).
 // Head dim 128: 64 query rows per step. 80 (FLASHHOPPER_BWD_HDIM128_BLOCK_M=80; dQ^T is then the

@@ -120,23 +120,14 @@ struct BwdMainloop {
   // Where dQ goes through TMA, each warpgroup stages its share in fragment order (dq_frag_layout.h):
   // conflict-free 16-byte stores of 4 accumulator values, and one bulk reduce-add of the contiguous
   // buffer into the fragment-ordered accumulator. The swizzled row-major staging for a tensor-map
-  // reduce-add needed twice the store instructions at 2x their wavefronts (ncu: 6.8 per STS.64 at
-  // head dim 128). dQ^T (kdQSwapAB) and FLASHHOPPER_BWD_DQ_TENSOR_TMA (ablation) keep the latter.
+  // reduce-add took twice the store instructions at twice the wavefronts each (ncu: 4 per STS.64 at
+  // head dim 128, half of them bank conflicts). dQ^T (kdQSwapAB) and FLASHHOPPER_BWD_DQ_TENSOR_TMA
+  // (ablation) keep the latter.
 #ifdef FLASHHOPPER_BWD_DQ_TENSOR_TMA
   static constexpr bool kdQFragOrder = kdQAtomic;
 #else
   static constexpr bool kdQFragOrder = !kdQSwapAB && kBlockM == 64;
 #endif
-  // The per-query statistics (LSE, D) are read from shared memory where they are used. Ablation
-  // FLASHHOPPER_BWD_STATS_IN_REGS loads them into registers as soon as their stage has landed (ncu's
-  // top stall of the loop is the exp waiting on those loads): 2-8% slower at head dim 128, from the
-  // 32 registers it takes (an 8-byte spill; docs/perf-notes.md).
-#ifdef FLASHHOPPER_BWD_STATS_IN_REGS
-  static constexpr bool kStatsInRegs = kBlockM == 64;
-#else
-  static constexpr bool kStatsInRegs = false;
-#endif
-
   using D = Int<kHeadDim>;
   using BM = Int<kBlockM>;
   using BN = Int<kBlockN>;
@@ -545,29 +536,12 @@ struct BwdMainloop {
     // (row, col) of each score in the S / S^T tile, and the query row of each.
     Tensor tScS = thr_sdp.partition_C(make_identity_tensor(ShapeSdP{}));
     Tensor tScS_rc = rowcol(tScS);
-    // The per-query statistics (LSE, D) of this thread's scores: its columns with S^T, its rows with
-    // S. kStatsInRegs: loaded into registers once their stage has landed; otherwise read from shared
-    // memory where used.
-    constexpr int kStats = decltype(size<kSdPSwapAB ? 1 : 0>(tScS_rc))::value;
-    auto stat_index = [&tScS_rc](int i) {
-      return kSdPSwapAB ? int(get<1>(tScS_rc(0, i))) : int(get<0>(tScS_rc(i, 0)));
-    };
-    using StatRegs = cute::array<float, kStatsInRegs ? kStats : 1>;
-    auto load_stats = [&](float const* s_stat) {
-      StatRegs r;
-      if constexpr (kStatsInRegs) {
-        CUTE_UNROLL
-        for (int i = 0; i < kStats; ++i) r[i] = s_stat[stat_index(i)];
-      }
-      return r;
-    };
-    auto stat = [&](float const* s_stat, StatRegs const& regs) {
-      return [&stat_index, &regs, s_stat](int mi, int ni) {
-        if constexpr (kStatsInRegs) {
-          return regs[kSdPSwapAB ? ni : mi];
-        } else {
-          return s_stat[stat_index(kSdPSwapAB ? ni : mi)];
-        }
+    // The per-query statistics (LSE, D) of an element are read from shared memory where they are
+    // used: held in registers they cost 2 * kBlockM / 4 of them with S^T (spills at kBlockM 80;
+    // 2-8% slower at 64, docs/perf-notes.md v7).
+    auto stat = [&](float const* s_stat) {
+      return [&tScS_rc, s_stat](int mi, int ni) {
+        return s_stat[kSdPSwapAB ? int(get<1>(tScS_rc(0, ni))) : int(get<0>(tScS_rc(mi, 0)))];
       };
     };
 
@@ -609,18 +583,14 @@ struct BwdMainloop {
       } else {
         wgmma<true, -1>(mma_sdp, tSrQ(_, _, _, stage_q), tSrK, tSrS);
       }
-      float const* const s_lse = ts.smem_lse.data() + stage_q * kBlockM;
-      StatRegs const lse_regs = load_stats(s_lse);
       pipeline_do.consumer_wait(read_do);
       if constexpr (kSdPSwapAB) {
         wgmma<true, -1>(mma_sdp, tdPrV, tdPrdO(_, _, _, stage_do), tdPrdP);
       } else {
         wgmma<true, -1>(mma_sdp, tdPrdO(_, _, _, stage_do), tdPrV, tdPrdP);
       }
-      float const* const s_dpsum = ts.smem_dpsum.data() + stage_do * kBlockM;
-      StatRegs const dpsum_regs = load_stats(s_dpsum);
       // P from S while dP is on the tensor cores.
-      auto const lse = stat(s_lse, lse_regs);
+      auto const lse = stat(ts.smem_lse.data() + stage_q * kBlockM);
       warpgroup_wait<1>();
       warpgroup_fence_operand(tSrS);
       apply_mask(tSrS, m_block);
@@ -633,7 +603,7 @@ struct BwdMainloop {
         wgmma<false, -1>(mma_dkv, tdVrP, tdVrdO(_, _, _, stage_do), tdVrdV);
       }
 
-      auto const dpsum = stat(s_dpsum, dpsum_regs);
+      auto const dpsum = stat(ts.smem_dpsum.data() + stage_do * kBlockM);
       warpgroup_wait<(kdKVRegsA && !kAblateDvAfterDs) ? 1 : 0>();  // dP done
       warpgroup_fence_operand(tdPrdP);
       Tensor dscores = rowcol(tdPrdP);

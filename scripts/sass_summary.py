@@ -10,7 +10,7 @@ import re
 import sys
 from collections import Counter
 
-OPS = ["HGMMA", "QGMMA", "UTMALDG", "UTMASTG", "UTMAREDG", "UBLKCP", "SYNCS", "USETMAXREG", "HMMA", "LDGSTS", "LDSM",
+OPS = ["HGMMA", "QGMMA", "UTMALDG", "UTMASTG", "UTMAREDG", "UBLKCP", "UBLKRED", "SYNCS", "USETMAXREG", "HMMA", "LDGSTS", "LDSM",
        "STSM", "MUFU.EX2", "BAR.SYNC", "BAR.ARV", "ATOMG", "LDL", "STL"]
 
 

@@ -1,5 +1,7 @@
 // pybind11 module flashhopper._C. It takes raw device pointers, strides and a stream handle as
-// plain integers: Python owns tensors, allocation, validation and the choice of kernel family.
+// plain integers: Python owns tensors, allocation, validation and the choice of kernel, which it
+// makes among the entries of kernels() by their KernelKey (python/flashhopper/kernel_key.py) and names
+// by the entry's index. Every params field is exposed from its struct's field list (common/params.h).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -7,33 +9,15 @@
 
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
+#include "common/block_info.h"
 #include "registry.h"
-#include "sm90/tile_size.h"
 
 namespace py = pybind11;
 using namespace flashhopper;
 
 namespace {
-
-template <class Kernel>
-Kernel const* find(std::vector<Kernel> const& table, int arch, DType dtype, int headdim, bool causal) {
-  for (auto const& k : table) {
-    if (k.arch == arch && k.dtype == dtype && k.headdim == headdim && k.causal == causal) return &k;
-  }
-  return nullptr;
-}
-
-template <class Kernel, class Params>
-Kernel const& require(std::vector<Kernel> const& table, char const* what, Params const& p, int arch) {
-  Kernel const* k = find(table, arch, p.dtype, p.headdim, p.causal);
-  if (k == nullptr) {
-    throw std::invalid_argument("flashhopper: this build has no sm" + std::to_string(arch) + " " + what +
-                                " kernel for " + dtype_name(p.dtype) + " headdim " + std::to_string(p.headdim) +
-                                (p.causal ? " causal" : " non-causal"));
-  }
-  return *k;
-}
 
 void check_cuda(cudaError_t err, char const* what) {
   if (err != cudaSuccess) {
@@ -43,7 +27,7 @@ void check_cuda(cudaError_t err, char const* what) {
 
 // Launch on the tensors' device and leave the caller's current device as it was.
 template <class Fn>
-void on_device(int device, char const* what, Fn&& launch) {
+auto on_device(int device, char const* what, Fn&& launch) {
   int current = -1;
   check_cuda(cudaGetDevice(&current), "cudaGetDevice");
   if (current != device) check_cuda(cudaSetDevice(device), "cudaSetDevice");
@@ -54,45 +38,105 @@ void on_device(int device, char const* what, Fn&& launch) {
       if (needed) cudaSetDevice(device);
     }
   } restore{current, current != device};
-  launch();
+  auto const ctas = launch();
   check_cuda(cudaGetLastError(), what);
+  return ctas;
 }
 
-void fwd(FwdParams const& params, int arch, uintptr_t stream) {
-  FwdKernel const& k = require(fwd_kernels(), "forward", params, arch);
-  on_device(params.device, "forward kernel launch", [&] { k.launch(params, reinterpret_cast<cudaStream_t>(stream)); });
-}
-
-size_t bwd_workspace_bytes(BwdParams const& params, int arch) {
-  return require(bwd_kernels(), "backward", params, arch).workspace_bytes(params);
-}
-
-void bwd(BwdParams const& params, int arch, uintptr_t stream) {
-  BwdKernel const& k = require(bwd_kernels(), "backward", params, arch);
-  if (params.workspace == nullptr && k.workspace_bytes(params) > 0) {
-    throw std::invalid_argument("flashhopper: the backward needs a workspace (BwdParams.workspace)");
+template <class Entry>
+Entry const& entry(std::vector<Entry> const& table, int index, char const* what) {
+  if (index < 0 || index >= int(table.size())) {
+    throw std::invalid_argument(std::string("flashhopper: no ") + what + " kernel with index " + std::to_string(index));
   }
-  on_device(params.device, "backward kernel launch", [&] { k.launch(params, reinterpret_cast<cudaStream_t>(stream)); });
+  return table[size_t(index)];
 }
 
+// Pointers cross as integers (Python passes tensor.data_ptr()); everything else as itself.
 template <class P, class T>
-void def_ptr(py::class_<P>& c, char const* name, T P::*member) {
-  c.def_property(
-      name, [member](P const& p) { return reinterpret_cast<uintptr_t>(p.*member); },
-      [member](P& p, uintptr_t v) { p.*member = reinterpret_cast<T>(v); });
+void bind_field(py::class_<P>& c, char const* name, T P::*member) {
+  if constexpr (std::is_pointer_v<T>) {
+    c.def_property(
+        name, [member](P const& p) { return reinterpret_cast<uintptr_t>(p.*member); },
+        [member](P& p, uintptr_t v) { p.*member = reinterpret_cast<T>(v); });
+  } else {
+    c.def_readwrite(name, member);
+  }
 }
 
-template <class Kernel>
-py::dict describe(Kernel const& k, char const* mode) {
+#define FLASHHOPPER_BIND(type, name, init) bind_field(cls, #name, &Struct::name);
+template <class Struct>
+void bind_fwd_params(py::class_<Struct>& cls) { FLASHHOPPER_FWD_PARAMS(FLASHHOPPER_BIND) }
+template <class Struct>
+void bind_bwd_params(py::class_<Struct>& cls) { FLASHHOPPER_BWD_PARAMS(FLASHHOPPER_BIND) }
+template <class Struct>
+void bind_quant_params(py::class_<Struct>& cls) { FLASHHOPPER_QUANT_PARAMS(FLASHHOPPER_BIND) }
+#undef FLASHHOPPER_BIND
+
+// A key field as Python sees it: enums by name, the rest as themselves.
+py::object key_value(DType d) { return py::str(dtype_name(d)); }
+py::object key_value(MaskKind m) { return py::str(mask_name(m)); }
+template <class T>
+py::object key_value(T const& v) {
+  return py::cast(v);
+}
+
+template <class Entry>
+py::dict describe(Entry const& e, char const* mode, int index) {
   py::dict d;
   d["mode"] = mode;
-  d["arch"] = k.arch;
-  d["dtype"] = dtype_name(k.dtype);
-  d["headdim"] = k.headdim;
-  d["causal"] = k.causal;
-  d["block_m"] = k.block_m;
-  d["block_n"] = k.block_n;
+  d["index"] = index;
+#define FLASHHOPPER_KEY_ITEM(type, name) d[#name] = key_value(e.key.name);
+  FLASHHOPPER_KERNEL_KEY_FIELDS(FLASHHOPPER_KEY_ITEM)
+#undef FLASHHOPPER_KEY_ITEM
+  d["block_m"] = e.tiles.block_m;
+  d["block_n"] = e.tiles.block_n;
   return d;
+}
+
+py::list key_fields() {
+  py::list out;
+#define FLASHHOPPER_KEY_NAME(type, name) out.append(#name);
+  FLASHHOPPER_KERNEL_KEY_FIELDS(FLASHHOPPER_KEY_NAME)
+#undef FLASHHOPPER_KEY_NAME
+  return out;
+}
+
+// The block ranges of block_info.h for every query block (forward) and key block (backward), for the
+// tests that check them against a brute-force walk of the visibility rule.
+template <int kBlockM, int kBlockN, MaskKind kMask>
+py::dict block_ranges_of(int seqlen_q, int seqlen_k, int window_left, int window_right) {
+  BlockInfo<kBlockM, kBlockN, kMask> const bi{UniformSeqlens{seqlen_q, seqlen_k}(0), window_left, window_right};
+  py::list fwd, bwd;
+  for (int m = 0; m < bi.num_m_blocks(); ++m) {
+    fwd.append(py::make_tuple(bi.n_block_min(m), bi.n_block_max(m), bi.n_block_right_masked_begin(m),
+                              bi.n_block_left_masked_end(m), bi.num_n_blocks_of(m)));
+  }
+  for (int n = 0; n < bi.num_n_blocks(); ++n) {
+    bwd.append(py::make_tuple(bi.m_block_min(n), bi.m_block_max(n), bi.m_block_right_masked_end(n),
+                              bi.m_block_left_masked_begin(n)));
+  }
+  py::dict d;
+  d["fwd"] = fwd;
+  d["bwd"] = bwd;
+  return d;
+}
+
+template <MaskKind kMask>
+py::dict block_ranges_mask(int block_m, int block_n, int sq, int sk, int wl, int wr) {
+#define FLASHHOPPER_TILE(bm, bn) \
+  if (block_m == bm && block_n == bn) return block_ranges_of<bm, bn, kMask>(sq, sk, wl, wr);
+  FLASHHOPPER_TILE(64, 64) FLASHHOPPER_TILE(64, 80) FLASHHOPPER_TILE(64, 128) FLASHHOPPER_TILE(128, 64)
+  FLASHHOPPER_TILE(128, 80) FLASHHOPPER_TILE(128, 128) FLASHHOPPER_TILE(128, 192) FLASHHOPPER_TILE(192, 128)
+#undef FLASHHOPPER_TILE
+  throw std::invalid_argument("block_ranges: no instantiation for these block sizes");
+}
+
+py::dict block_ranges(int block_m, int block_n, std::string const& mask, int seqlen_q, int seqlen_k, int window_left,
+                      int window_right) {
+  if (mask == "none") return block_ranges_mask<MaskKind::kNone>(block_m, block_n, seqlen_q, seqlen_k, window_left, window_right);
+  if (mask == "causal") return block_ranges_mask<MaskKind::kCausal>(block_m, block_n, seqlen_q, seqlen_k, window_left, window_right);
+  if (mask == "window") return block_ranges_mask<MaskKind::kWindow>(block_m, block_n, seqlen_q, seqlen_k, window_left, window_right);
+  throw std::invalid_argument("block_ranges: mask must be none, causal or window");
 }
 
 }  // namespace
@@ -105,105 +149,69 @@ PYBIND11_MODULE(_C, m) {
       .value("bfloat16", DType::kBFloat16)
       .value("float8_e4m3fn", DType::kFloat8E4M3);
 
-  py::class_<FwdParams> p(m, "FwdParams");
-  p.def(py::init<>());
-  def_ptr(p, "q_ptr", &FwdParams::q_ptr);
-  def_ptr(p, "k_ptr", &FwdParams::k_ptr);
-  def_ptr(p, "v_ptr", &FwdParams::v_ptr);
-  def_ptr(p, "o_ptr", &FwdParams::o_ptr);
-  def_ptr(p, "lse_ptr", &FwdParams::lse_ptr);
-  def_ptr(p, "tile_counter", &FwdParams::tile_counter);
-#define FH_RW(field) p.def_readwrite(#field, &FwdParams::field)
-  FH_RW(q_batch_stride); FH_RW(q_row_stride); FH_RW(q_head_stride);
-  FH_RW(k_batch_stride); FH_RW(k_row_stride); FH_RW(k_head_stride);
-  FH_RW(v_batch_stride); FH_RW(v_row_stride); FH_RW(v_head_stride);
-  FH_RW(o_batch_stride); FH_RW(o_row_stride); FH_RW(o_head_stride);
-  FH_RW(batch); FH_RW(seqlen_q); FH_RW(seqlen_k); FH_RW(nheads_q); FH_RW(nheads_kv); FH_RW(headdim);
-  FH_RW(softmax_scale); FH_RW(causal); FH_RW(dtype); FH_RW(device); FH_RW(num_sms); FH_RW(max_smem_bytes);
-  // FP8 (docs/fp8.md)
-  def_ptr(p, "q_scale_ptr", &FwdParams::q_scale_ptr);
-  def_ptr(p, "k_scale_ptr", &FwdParams::k_scale_ptr);
-  def_ptr(p, "v_scale_ptr", &FwdParams::v_scale_ptr);
-  FH_RW(v_dim_stride);
-  FH_RW(q_scale_batch_stride); FH_RW(q_scale_head_stride); FH_RW(q_scale_block_stride); FH_RW(q_scale_block);
-  FH_RW(k_scale_batch_stride); FH_RW(k_scale_head_stride); FH_RW(k_scale_block_stride); FH_RW(k_scale_block);
-  FH_RW(v_scale_batch_stride); FH_RW(v_scale_head_stride); FH_RW(v_scale_block_stride); FH_RW(v_scale_block);
-#undef FH_RW
+  py::class_<FwdParams> fwd_params(m, "FwdParams");
+  fwd_params.def(py::init<>());
+  bind_fwd_params(fwd_params);
+  py::class_<BwdParams> bwd_params(m, "BwdParams");
+  bwd_params.def(py::init<>());
+  bind_bwd_params(bwd_params);
+  py::class_<QuantParams> quant_params(m, "QuantParams");
+  quant_params.def(py::init<>());
+  bind_quant_params(quant_params);
 
-  py::class_<QuantParams> qp(m, "QuantParams");
-  qp.def(py::init<>());
-  def_ptr(qp, "x_ptr", &QuantParams::x_ptr);
-  def_ptr(qp, "out_ptr", &QuantParams::out_ptr);
-  def_ptr(qp, "scale_ptr", &QuantParams::scale_ptr);
-  def_ptr(qp, "signs_ptr", &QuantParams::signs_ptr);
-#define FH_RW(field) qp.def_readwrite(#field, &QuantParams::field)
-  FH_RW(x_batch_stride); FH_RW(x_row_stride); FH_RW(x_head_stride);
-  FH_RW(out_batch_stride); FH_RW(out_row_stride); FH_RW(out_head_stride); FH_RW(out_dim_stride);
-  FH_RW(scale_batch_stride); FH_RW(scale_head_stride); FH_RW(scale_block_stride);
-  FH_RW(batch); FH_RW(seqlen); FH_RW(nheads); FH_RW(headdim); FH_RW(block_size); FH_RW(transpose);
-  FH_RW(dtype); FH_RW(device);
-#undef FH_RW
-
-  py::class_<BwdParams> b(m, "BwdParams");
-  b.def(py::init<>());
-  def_ptr(b, "q_ptr", &BwdParams::q_ptr);
-  def_ptr(b, "k_ptr", &BwdParams::k_ptr);
-  def_ptr(b, "v_ptr", &BwdParams::v_ptr);
-  def_ptr(b, "o_ptr", &BwdParams::o_ptr);
-  def_ptr(b, "do_ptr", &BwdParams::do_ptr);
-  def_ptr(b, "lse_ptr", &BwdParams::lse_ptr);
-  def_ptr(b, "dlse_ptr", &BwdParams::dlse_ptr);
-  def_ptr(b, "dq_ptr", &BwdParams::dq_ptr);
-  def_ptr(b, "dk_ptr", &BwdParams::dk_ptr);
-  def_ptr(b, "dv_ptr", &BwdParams::dv_ptr);
-  def_ptr(b, "workspace", &BwdParams::workspace);
-#define FH_RW(field) b.def_readwrite(#field, &BwdParams::field)
-  FH_RW(q_batch_stride); FH_RW(q_row_stride); FH_RW(q_head_stride);
-  FH_RW(k_batch_stride); FH_RW(k_row_stride); FH_RW(k_head_stride);
-  FH_RW(v_batch_stride); FH_RW(v_row_stride); FH_RW(v_head_stride);
-  FH_RW(o_batch_stride); FH_RW(o_row_stride); FH_RW(o_head_stride);
-  FH_RW(do_batch_stride); FH_RW(do_row_stride); FH_RW(do_head_stride);
-  FH_RW(dq_batch_stride); FH_RW(dq_row_stride); FH_RW(dq_head_stride);
-  FH_RW(dk_batch_stride); FH_RW(dk_row_stride); FH_RW(dk_head_stride);
-  FH_RW(dv_batch_stride); FH_RW(dv_row_stride); FH_RW(dv_head_stride);
-  FH_RW(batch); FH_RW(seqlen_q); FH_RW(seqlen_k); FH_RW(nheads_q); FH_RW(nheads_kv); FH_RW(headdim);
-  FH_RW(softmax_scale); FH_RW(causal); FH_RW(deterministic); FH_RW(dtype); FH_RW(device); FH_RW(num_sms);
-  FH_RW(max_smem_bytes);
-#undef FH_RW
-
-  m.def("fwd", &fwd, py::arg("params"), py::arg("arch"), py::arg("stream"),
-        "Launch the forward kernel of family `arch` (90 or 80) on `stream` (a cudaStream_t as int).");
-  m.def("bwd", &bwd, py::arg("params"), py::arg("arch"), py::arg("stream"),
-        "Launch the backward (preprocess, main kernel, postprocess) of family `arch` on `stream`.");
+  m.def("fwd", [](FwdParams const& params, int index, uintptr_t stream) {
+    FwdEntry const& e = entry(fwd_kernels(), index, "forward");
+    return on_device(params.device, "forward kernel launch",
+                     [&] { return e.launch(params, reinterpret_cast<cudaStream_t>(stream)); });
+  }, py::arg("params"), py::arg("index"), py::arg("stream"),
+        "Launch forward kernel `index` (an entry of kernels()) on `stream` (a cudaStream_t as int). "
+        "Returns the CTAs launched (0: empty grid, nothing to compute).");
+  m.def("bwd", [](BwdParams const& params, int index, uintptr_t stream) {
+    BwdEntry const& e = entry(bwd_kernels(), index, "backward");
+    if (params.workspace == nullptr) throw std::invalid_argument("flashhopper: the backward needs a workspace");
+    return on_device(params.device, "backward kernel launch",
+                     [&] { return e.launch(params, reinterpret_cast<cudaStream_t>(stream)); });
+  }, py::arg("params"), py::arg("index"), py::arg("stream"),
+        "Launch backward `index` (preprocess, main kernel, postprocess) on `stream`. Returns the main kernel's CTAs.");
+  m.def("bwd_workspace_bytes", [](BwdParams const& params, int index) {
+    return entry(bwd_kernels(), index, "backward").workspace_bytes(params);
+  }, py::arg("params"), py::arg("index"),
+        "Bytes of device workspace backward `index` needs for these params (sizes, deterministic).");
 #ifdef FLASHHOPPER_HAS_QUANTIZE
   m.def("quantize_fp8", [](QuantParams const& params, uintptr_t stream) {
-    on_device(params.device, "quantize_fp8 launch",
-              [&] { launch_quantize_fp8(params, reinterpret_cast<cudaStream_t>(stream)); });
+    return on_device(params.device, "quantize_fp8 launch",
+                     [&] { return launch_quantize_fp8(params, reinterpret_cast<cudaStream_t>(stream)); });
   }, py::arg("params"), py::arg("stream"),
-        "Quantize to e4m3 with per-block descales, optionally Hadamard-transformed / transposed (docs/fp8.md).");
+        "Quantize to e4m3 with per-block descales, optionally Hadamard-transformed / transposed (docs/fp8.md). "
+        "Returns the CTAs launched.");
 #endif
-  m.def("bwd_workspace_bytes", &bwd_workspace_bytes, py::arg("params"), py::arg("arch"),
-        "Bytes of device workspace the backward needs for these params (sizes, causal, deterministic).");
-
-  m.def("fp8_v_transposed_in_kernel", [](int headdim) { return sm90::fp8_v_transposed_in_kernel(headdim); },
-        py::arg("headdim"),
-        "True when this build's fp8 forward kernel for `headdim` takes V row-major (batch, seqlen, heads, headdim) "
-        "and transposes it itself (built with FLASHHOPPER_FP8_V_TRANSPOSE_IN_KERNEL: head dims 64 and 128); "
-        "False: it takes V^T with keys permuted (docs/fp8.md).");
 
   m.def("kernels", [] {
     py::list out;
-    for (auto const& k : fwd_kernels()) out.append(describe(k, "fwd"));
-    for (auto const& k : bwd_kernels()) out.append(describe(k, "bwd"));
+    for (size_t i = 0; i < fwd_kernels().size(); ++i) out.append(describe(fwd_kernels()[i], "fwd", int(i)));
+    for (size_t i = 0; i < bwd_kernels().size(); ++i) out.append(describe(bwd_kernels()[i], "bwd", int(i)));
     return out;
-  }, "The kernel configurations compiled into this build (mode 'fwd' or 'bwd').");
+  }, "The kernels of this build: mode, index, the KernelKey's fields and the tile sizes.");
+  m.def("kernel_key_fields", &key_fields, "The KernelKey's fields, in order (cpp/common/kernel_key.h).");
 
   m.def("build_info", [] {
+    BuildConfig const& c = build_config();
     py::dict d;
     d["cuda_runtime"] = CUDART_VERSION;
 #ifdef FLASHHOPPER_CUTLASS_VERSION
     d["cutlass"] = FLASHHOPPER_CUTLASS_VERSION;
 #endif
+    d["archs"] = c.archs;
+    d["modes"] = c.modes;
+    d["dtypes"] = c.dtypes;
+    d["headdims"] = c.headdims;
+    d["masks"] = c.masks;
+    d["variants"] = c.variants;
     return d;
-  });
+  }, "What this build was configured with (FLASHHOPPER_ARCHS, _MODES, _DTYPES, _HDIMS, _MASKS, _VARIANTS).");
+
+  m.def("block_ranges", &block_ranges, py::arg("block_m"), py::arg("block_n"), py::arg("mask"), py::arg("seqlen_q"),
+        py::arg("seqlen_k"), py::arg("window_left") = -1, py::arg("window_right") = -1,
+        "The kernels' block ranges (common/block_info.h), for tests: fwd[m] = (n_min, n_max, n_right_masked_begin, "
+        "n_left_masked_end, n_blocks_adding_to_dq), bwd[n] = (m_min, m_max, m_right_masked_end, m_left_masked_begin).");
 }

@@ -1,48 +1,73 @@
 #!/usr/bin/env python3
-"""Write one translation unit per kernel configuration, plus the registry that lists them.
+"""Write one translation unit per kernel configuration (a KernelKey and a mode), plus the registry that
+lists them and the build's configuration.
 
 Run by CMake at configure time into the build tree; nothing generated is committed. A file is
-rewritten only when its text changes, so reconfiguring does not trigger rebuilds.
+rewritten only when its text changes, so reconfiguring does not trigger rebuilds. The key is
+python/flashhopper/kernel_key.py's KernelKey (loaded by path: the build has no torch), mirrored by
+cpp/common/kernel_key.h.
 
-    python cpp/generate_kernels.py --out build/gen --archs 90 80 --modes fwd bwd --dtypes bf16 fp16 --hdims 64 128 256
+    python cpp/generate_kernels.py --out build/gen --archs 90 80 --modes fwd bwd --dtypes bf16 fp16 \\
+        --hdims 64 128 256 --masks none causal --variants no-pingpong
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import itertools
+import sys
 from pathlib import Path
 from typing import NamedTuple
 
-DTYPES = {"fp16": "kFloat16", "bf16": "kBFloat16", "e4m3": "kFloat8E4M3"}
-MODES = ("fwd", "bwd")
+CPP_DIR = Path(__file__).resolve().parent
+_spec = importlib.util.spec_from_file_location("kernel_key", CPP_DIR.parent / "python" / "flashhopper" / "kernel_key.py")
+kk = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
+sys.modules["kernel_key"] = kk  # dataclasses resolve the module of the class
+_spec.loader.exec_module(kk)  # type: ignore[union-attr]
+
+HDIMS = (64, 128, 256)
+CPP_DTYPES = {"float16": "kFloat16", "bfloat16": "kBFloat16", "float8_e4m3fn": "kFloat8E4M3"}
+CPP_MASKS = {"none": "kNone", "causal": "kCausal", "window": "kWindow"}
 
 
 class Family(NamedTuple):
     """What one (arch, mode) family's translation units include and instantiate."""
     header: str  # the launcher, relative to cpp/
-    launcher: str  # its template name
-    tile_header: str
-    tile: str  # tile-size table: tile<hdim, causal[, DType]>::kBlockM / kBlockN
+    launcher: str  # its template name; <launcher>'s tiles: <tiles>
+    tiles: str
     workspace: str | None = None  # backward: the workspace-size function, instantiated alongside
     dtypes: tuple[str, ...] = ("fp16", "bf16")  # element types the family has kernels for
-    tile_takes_dtype: bool = False  # the tile table's third parameter is the DType
 
 
 FAMILIES = {
-    (90, "fwd"): Family("sm90/launch_fwd.h", "run_fwd_sm90", "sm90/tile_size.h", "sm90::FwdTileSize",
-                        dtypes=("fp16", "bf16", "e4m3"), tile_takes_dtype=True),
-    (90, "bwd"): Family("sm90/launch_bwd.h", "run_bwd_sm90", "sm90/tile_size.h", "sm90::BwdTileSize",
-                        "bwd_workspace_bytes_sm90"),
-    (80, "fwd"): Family("sm80/launch_fwd.h", "run_fwd_sm80", "sm80/tile_size.h", "sm80::FwdTileSize"),
-    (80, "bwd"): Family("sm80/launch_bwd.h", "run_bwd_sm80", "sm80/tile_size.h", "sm80::BwdTileSize",
-                        "bwd_workspace_bytes_sm80"),
+    (90, "fwd"): Family("sm90/launch_fwd.h", "run_fwd_sm90", "fwd_tiles_sm90", dtypes=("fp16", "bf16", "e4m3")),
+    (90, "bwd"): Family("sm90/launch_bwd.h", "run_bwd_sm90", "bwd_tiles_sm90", "bwd_workspace_bytes_sm90"),
+    (80, "fwd"): Family("sm80/launch_fwd.h", "run_fwd_sm80", "fwd_tiles_sm80"),
+    (80, "bwd"): Family("sm80/launch_bwd.h", "run_bwd_sm80", "bwd_tiles_sm80", "bwd_workspace_bytes_sm80"),
 }
-CPP_DIR = Path(__file__).resolve().parent
-HDIMS = (64, 128, 256)
 
 
-def kernel_name(arch: int, mode: str, dtype: str, hdim: int, causal: bool) -> str:
-    return f"{mode}_sm{arch}_{dtype}_hdim{hdim}{'_causal' if causal else ''}"
+class Variant(NamedTuple):
+    """A named ablation worth keeping (cpp/sm90/variants.h): its policy type and where it applies; it is
+    built beside the production kernels of those families, dtypes and masks (the build's head dims)."""
+    cpp: str
+    families: tuple[tuple[int, str], ...]
+    dtypes: tuple[str, ...]
+    masks: tuple[str, ...]
+
+
+VARIANTS = {
+    # The FA3 paper's ablation of the forward's warpgroup ping-pong.
+    "no-pingpong": Variant("sm90::variant::NoPingPong", ((90, "fwd"),), ("bf16",), ("none", "causal")),
+}
+
+
+def cpp_config(key: kk.KernelKey) -> str:
+    args = [str(key.arch), f"DType::{CPP_DTYPES[key.dtype]}", str(key.headdim), str(key.headdim_v),
+            f"MaskKind::{CPP_MASKS[key.mask]}"]
+    if key.variant:
+        args.append(VARIANTS[key.variant].cpp)
+    return f"KernelConfig<{', '.join(args)}>"
 
 
 def write_if_changed(path: Path, text: str) -> None:
@@ -53,57 +78,69 @@ def write_if_changed(path: Path, text: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--archs", type=int, nargs="*", default=sorted({a for a, _ in FAMILIES}, reverse=True))
-    ap.add_argument("--modes", nargs="*", default=list(MODES))
-    ap.add_argument("--dtypes", nargs="*", default=list(DTYPES))
+    ap.add_argument("--archs", type=int, nargs="*", default=list(kk.ARCHS))
+    ap.add_argument("--modes", nargs="*", default=list(kk.MODES))
+    ap.add_argument("--dtypes", nargs="*", default=list(kk.BUILD_DTYPES))
     ap.add_argument("--hdims", type=int, nargs="*", default=list(HDIMS))
+    ap.add_argument("--masks", nargs="*", default=["none", "causal"])
+    ap.add_argument("--variants", nargs="*", default=[])
     args = ap.parse_args()
     for m in args.modes:
-        if m not in MODES:
-            ap.error(f"unknown mode {m}; known: {list(MODES)}")
+        if m not in kk.MODES:
+            ap.error(f"unknown mode {m}; known: {list(kk.MODES)}")
     families = []
     for a in args.archs:
-        if a not in {arch for arch, _ in FAMILIES}:
-            ap.error(f"unknown arch {a}; known: {sorted({arch for arch, _ in FAMILIES})}")
+        if a not in kk.ARCHS:
+            ap.error(f"unknown arch {a}; known: {list(kk.ARCHS)}")
         for m in args.modes:
             fam = FAMILIES.get((a, m))
             if fam is None or not (CPP_DIR / fam.header).exists():
-                ap.error(f"the sm{a} {m} kernel family is not implemented yet (no cpp/"
-                         f"{fam.header if fam else f'sm{a}/launch_{m}.h'}); build without it "
+                ap.error(f"the sm{a} {m} kernel family is not implemented yet; build without it "
                          "(FLASHHOPPER_ARCHS / FLASHHOPPER_MODES)")
             families.append((a, m, fam))
     for d in args.dtypes:
-        if d not in DTYPES:
-            ap.error(f"unknown dtype {d}; known: {list(DTYPES)}")
+        if d not in kk.BUILD_DTYPES:
+            ap.error(f"unknown dtype {d}; known: {list(kk.BUILD_DTYPES)}")
     for h in args.hdims:
         if h not in HDIMS:
             ap.error(f"unsupported head dim {h}; supported: {list(HDIMS)}")
+    for m in args.masks:
+        if m not in kk.MASKS:
+            ap.error(f"unknown mask {m}; known: {list(kk.MASKS)}")
+    for v in args.variants:
+        if v not in VARIANTS:
+            ap.error(f"unknown variant {v}; known: {list(VARIANTS)}")
 
     args.out.mkdir(parents=True, exist_ok=True)
-    entries: dict[str, list[str]] = {m: [] for m in MODES}
+    entries: dict[str, list[str]] = {m: [] for m in kk.MODES}
+    aliases: list[str] = []  # the registry's name for each configuration
     sources = []
-    for (arch, mode, fam), dtype, hdim, causal in itertools.product(families, args.dtypes, args.hdims, (False, True)):
+    for (arch, mode, fam), dtype, hdim, mask, variant in itertools.product(
+            families, args.dtypes, args.hdims, args.masks, [""] + args.variants):
         if dtype not in fam.dtypes:  # e.g. e4m3 has a forward only
             continue
-        targs = f"DType::{DTYPES[dtype]}, {hdim}, {'true' if causal else 'false'}"
+        if variant and ((arch, mode) not in VARIANTS[variant].families or dtype not in VARIANTS[variant].dtypes
+                        or mask not in VARIANTS[variant].masks):
+            continue
+        key = kk.KernelKey(arch, kk.BUILD_DTYPES[dtype], hdim, hdim, mask, variant)
+        config = cpp_config(key)
         params = "FwdParams" if mode == "fwd" else "BwdParams"
-        lines = [f"template void {fam.launcher}<{targs}>({params} const&, cudaStream_t);"]
+        lines = [f"using Config = {config};",
+                 f"template int64_t {fam.launcher}<Config>({params} const&, cudaStream_t);",
+                 f"template TileInfo {fam.tiles}<Config>();"]
         if fam.workspace:
-            lines.append(f"template size_t {fam.workspace}<{targs}>({params} const&);")
-        name = kernel_name(arch, mode, dtype, hdim, causal)
+            lines.append(f"template size_t {fam.workspace}<Config>({params} const&);")
+        name = key.file_name(mode)
         src = args.out / f"{name}.cu"
         write_if_changed(src, (
             "// Generated by cpp/generate_kernels.py; do not edit.\n"
             f'#include "{fam.header}"\n\n'
             "namespace flashhopper {\n" + "\n".join(lines) + "\n}  // namespace flashhopper\n"))
         sources.append(src.name)
-        c = "true" if causal else "false"
-        tile = f"{fam.tile}<{hdim}, {c}{f', DType::{DTYPES[dtype]}' if fam.tile_takes_dtype else ''}>"
-        extra = f"&{fam.workspace}<{targs}>, " if fam.workspace else ""
-        entries[mode].append(f"      {{{arch}, DType::{DTYPES[dtype]}, {hdim}, {c}, &{fam.launcher}<{targs}>, "
-                             f"{extra}{tile}::kBlockM, {tile}::kBlockN}},")
-
-    tile_headers = "".join(f'#include "{h}"\n' for h in sorted({fam.tile_header for _, _, fam in families}))
+        alias = f"K{len(aliases)}"
+        aliases.append(f"using {alias} = {config};  // {mode}")
+        extra = f"&{fam.workspace}<{alias}>, " if fam.workspace else ""
+        entries[mode].append(f"      {{{alias}::key(), &{fam.launcher}<{alias}>, {extra}{fam.tiles}<{alias}>()}},")
 
     def table(mode: str, kind: str) -> str:
         rows = entries[mode]
@@ -111,10 +148,23 @@ def main() -> None:
                 f"  static std::vector<{kind}> const kernels = {{\n"
                 + "\n".join(rows) + ("\n" if rows else "") + "  };\n  return kernels;\n}\n")
 
+    def strings(xs: list[str]) -> str:
+        return "{" + ", ".join(f'"{x}"' for x in xs) + "}"
+
+    build_config = (
+        "BuildConfig const& build_config() {\n"
+        "  static BuildConfig const config{"
+        f"{{{', '.join(map(str, args.archs))}}}, {strings(args.modes)}, {strings(args.dtypes)}, "
+        f"{strings(args.masks)}, {strings(args.variants)}, {{{', '.join(map(str, args.hdims))}}}}};\n"
+        "  return config;\n}\n")
     registry = (
         "// Generated by cpp/generate_kernels.py; do not edit.\n"
-        '#include "registry.h"\n' + tile_headers + "\n"
-        "namespace flashhopper {\n\n" + table("fwd", "FwdKernel") + "\n" + table("bwd", "BwdKernel")
+        '#include "registry.h"\n'
+        + ('#include "sm90/variants.h"\n' if args.variants else "") + "\n"
+        "namespace flashhopper {\n\n"
+        # Launcher and tile functions are declared in registry.h and instantiated by the units above.
+        + "".join(f"{a}\n" for a in aliases) + "\n"
+        + table("fwd", "FwdEntry") + "\n" + table("bwd", "BwdEntry") + "\n" + build_config
         + "\n}  // namespace flashhopper\n")
     write_if_changed(args.out / "registry.cpp", registry)
     # The list CMake reads back: one source per line; CMake picks each one's flags from its name.

@@ -4,6 +4,6 @@
 
 namespace flashhopper {
 
-void launch_quantize_fp8(QuantParams const& params, cudaStream_t stream) { quantize_fp8(params, stream); }
+int64_t launch_quantize_fp8(QuantParams const& params, cudaStream_t stream) { return quantize_fp8(params, stream); }
 
 }  // namespace flashhopper

@@ -1,59 +1,80 @@
-// The kernels this build contains. Each generated translation unit instantiates one launcher;
-// the generated registry lists them so that dispatch is a table lookup, not a template switch.
+// The kernels this build contains. Each generated translation unit instantiates one launcher for one
+// KernelConfig (common/kernel_key.h); the generated registry lists them by KernelKey, so that dispatch
+// is a table lookup, not a template switch, and the build's configuration (families, dtypes, head dims,
+// masks, variants) is reported as the generator saw it.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <cstdint>
+#include <string>
 #include <vector>
 
+#include "common/kernel_key.h"
 #include "common/params.h"
 
 namespace flashhopper {
 
-using FwdLaunchFn = void (*)(FwdParams const&, cudaStream_t);
-using BwdLaunchFn = void (*)(BwdParams const&, cudaStream_t);
+// A launcher returns the number of CTAs its main kernel was launched with (0: an empty grid, nothing
+// to compute, nothing launched).
+using FwdLaunchFn = int64_t (*)(FwdParams const&, cudaStream_t);
+using BwdLaunchFn = int64_t (*)(BwdParams const&, cudaStream_t);
 using BwdWorkspaceFn = size_t (*)(BwdParams const&);
 
-struct FwdKernel {
-  int arch;  // 90: Hopper path (sm_90a), 80: Ampere path (sm_80, also runs on sm_86..sm_90)
-  DType dtype;
-  int headdim;
-  bool causal;
+struct TileInfo {
+  int block_m, block_n;  // forward: query rows and keys per tile; backward: query rows per step, keys per CTA
+};
+
+struct FwdEntry {
+  KernelKey key;
   FwdLaunchFn launch;
-  int block_m, block_n;  // query rows and keys per tile (the report's IO model uses them)
+  TileInfo tiles;  // the report's IO model and the fp8 scale blocks use them
 };
 
 // Backward: preprocess, main kernel and postprocess behind one launcher.
-struct BwdKernel {
-  int arch;
-  DType dtype;
-  int headdim;
-  bool causal;
+struct BwdEntry {
+  KernelKey key;
   BwdLaunchFn launch;
   BwdWorkspaceFn workspace_bytes;  // device scratch the launcher needs for these params
-  int block_m, block_n;  // query rows per inner step, keys per CTA
+  TileInfo tiles;
+};
+
+// What the build was asked for (CMake's FLASHHOPPER_* options, as the generator read them).
+struct BuildConfig {
+  std::vector<int> archs;
+  std::vector<std::string> modes, dtypes, masks, variants;
+  std::vector<int> headdims;
 };
 
 // Defined in the generated registry.cpp.
-std::vector<FwdKernel> const& fwd_kernels();
-std::vector<BwdKernel> const& bwd_kernels();
+std::vector<FwdEntry> const& fwd_kernels();
+std::vector<BwdEntry> const& bwd_kernels();
+BuildConfig const& build_config();
 
-// Launchers, explicitly instantiated by the generated translation units.
-template <DType kDType, int kHeadDim, bool kCausal>
-void run_fwd_sm90(FwdParams const& params, cudaStream_t stream);
-template <DType kDType, int kHeadDim, bool kCausal>
-void run_fwd_sm80(FwdParams const& params, cudaStream_t stream);
-template <DType kDType, int kHeadDim, bool kCausal>
-void run_bwd_sm90(BwdParams const& params, cudaStream_t stream);
-template <DType kDType, int kHeadDim, bool kCausal>
+// Launchers, explicitly instantiated by the generated translation units (Config: a KernelConfig).
+template <class Config>
+int64_t run_fwd_sm90(FwdParams const& params, cudaStream_t stream);
+template <class Config>
+TileInfo fwd_tiles_sm90();
+template <class Config>
+int64_t run_fwd_sm80(FwdParams const& params, cudaStream_t stream);
+template <class Config>
+TileInfo fwd_tiles_sm80();
+template <class Config>
+int64_t run_bwd_sm90(BwdParams const& params, cudaStream_t stream);
+template <class Config>
 size_t bwd_workspace_bytes_sm90(BwdParams const& params);
-template <DType kDType, int kHeadDim, bool kCausal>
-void run_bwd_sm80(BwdParams const& params, cudaStream_t stream);
-template <DType kDType, int kHeadDim, bool kCausal>
+template <class Config>
+TileInfo bwd_tiles_sm90();
+template <class Config>
+int64_t run_bwd_sm80(BwdParams const& params, cudaStream_t stream);
+template <class Config>
 size_t bwd_workspace_bytes_sm80(BwdParams const& params);
+template <class Config>
+TileInfo bwd_tiles_sm80();
 
-// FP8 quantization pass (cpp/quantize_fp8.cu; built with the sm90 family).
-void launch_quantize_fp8(QuantParams const& params, cudaStream_t stream);
+// FP8 quantization pass (cpp/quantize_fp8.cu; built with the sm90 family). Returns the CTAs launched.
+int64_t launch_quantize_fp8(QuantParams const& params, cudaStream_t stream);
 
 }  // namespace flashhopper

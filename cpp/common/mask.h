@@ -1,53 +1,66 @@
-// The attention mask, applied to a score tile in (row, col) view: keys past seqlen_k and, for
-// causal, keys after the query (bottom-right aligned) become -inf. Shared by sm80 and sm90;
-// `coords` holds the (row, col) of each score inside the tile, from the MMA's own partitioning;
-// row_offset is the global index of the tile's row 0. The backward's tiles may be transposed
-// (rows = keys), so it has its own entry point.
+// The mask policy: score tiles in (row, col) view get -inf where a row must not see a key (keys past
+// seqlen_k, past a row's right edge, before its left edge; block_info.h has the rule). Shared by sm80
+// and sm90, forward and backward. `coords` holds the (row, col) of each score inside the tile, from
+// the MMA's own partitioning. Each edge is a template switch, so an iteration pays only for the edges
+// that can cross it (the block ranges say which, block_info.h), and a mask kind without an edge
+// compiles it out. A per-query-block list of key blocks (block-sparse attention) would be another
+// BlockInfo / Mask pair with the same interface.
 #pragma once
 
 #include <cute/tensor.hpp>
 #include <cmath>
 
+#include "block_info.h"
+
 namespace flashhopper {
 
-template <int kBlockN, bool kCausal>
-struct Mask {
-  int seqlen_q, seqlen_k;
+template <int kBlockN, MaskKind kMask>
+struct Mask : Visibility<kMask> {
+  using Base = Visibility<kMask>;
+  using Base::diag, Base::kHasLeft, Base::kHasRight, Base::left, Base::right, Base::seqlen_k;
+  using Base::Base;
 
-  template <bool kSeqlenMask, bool kCausalMask, class TensorS, class TensorC>
+  // Forward: row_offset is the global index of the tile's row 0, n_block the key block.
+  template <bool kSeqlenMask, bool kRightMask, bool kLeftMask = false, class TensorS, class TensorC>
   CUTE_DEVICE void apply(TensorS& s, TensorC const& coords, int row_offset, int n_block) const {
     static_assert(decltype(rank(s))::value == 2 && decltype(rank(coords))::value == 2);
-    if constexpr (!kSeqlenMask && !(kCausal && kCausalMask)) return;
+    constexpr bool kRight = kHasRight && kRightMask, kLeft = kHasLeft && kLeftMask;
+    if constexpr (!kSeqlenMask && !kRight && !kLeft) return;
     int const col_offset = n_block * kBlockN;
     int const seqlen_limit = seqlen_k - col_offset;
     CUTE_UNROLL
     for (int mi = 0; mi < size<0>(s); ++mi) {
+      int const row = row_offset + int(get<0>(coords(mi, 0)));
+      // Local columns in [col_begin, col_limit) stay.
       int col_limit = seqlen_limit;
-      if constexpr (kCausal && kCausalMask) {
-        int const row = row_offset + int(get<0>(coords(mi, 0)));
-        int const causal_limit = row + 1 + seqlen_k - seqlen_q - col_offset;
-        col_limit = kSeqlenMask ? cute::min(col_limit, causal_limit) : causal_limit;
+      if constexpr (kRight) {
+        int const right_limit = row + 1 + diag() + right() - col_offset;
+        col_limit = kSeqlenMask ? cute::min(col_limit, right_limit) : right_limit;
       }
+      int const col_begin = kLeft ? row + diag() - left() - col_offset : 0;
       CUTE_UNROLL
       for (int ni = 0; ni < size<1>(s); ++ni) {
-        if (int(get<1>(coords(mi, ni))) >= col_limit) s(mi, ni) = -INFINITY;
+        int const col = int(get<1>(coords(mi, ni)));
+        if (col >= col_limit || (kLeft && col < col_begin)) s(mi, ni) = -INFINITY;
       }
     }
   }
 
   // Backward: one (query block, key block) tile whose first query is q0 and first key k0. With
   // kTransposed the tile is S^T, i.e. coords are (key, query).
-  template <bool kSeqlenMask, bool kCausalMask, bool kTransposed, class TensorS, class TensorC>
+  template <bool kSeqlenMask, bool kRightMask, bool kLeftMask, bool kTransposed, class TensorS, class TensorC>
   CUTE_DEVICE void apply_bwd(TensorS& s, TensorC const& coords, int q0, int k0) const {
-    if constexpr (!kSeqlenMask && !(kCausal && kCausalMask)) return;
-    int const key_limit = seqlen_k - k0;           // local keys at or past this are padding
-    int const diagonal = seqlen_k - seqlen_q + q0 - k0;  // local key c is visible to local row r iff c <= r + diagonal
+    constexpr bool kRight = kHasRight && kRightMask, kLeft = kHasLeft && kLeftMask;
+    if constexpr (!kSeqlenMask && !kRight && !kLeft) return;
+    int const key_limit = seqlen_k - k0;       // local keys at or past this are padding
+    int const diagonal = diag() + q0 - k0;     // local key c is on local row r's diagonal iff c == r + diagonal
     CUTE_UNROLL
     for (int i = 0; i < size(s); ++i) {
       int const q = int(get<kTransposed ? 1 : 0>(coords(i)));
       int const k = int(get<kTransposed ? 0 : 1>(coords(i)));
       bool masked = kSeqlenMask && k >= key_limit;
-      if constexpr (kCausal && kCausalMask) masked = masked || k > q + diagonal;
+      if constexpr (kRight) masked = masked || k > q + diagonal + right();
+      if constexpr (kLeft) masked = masked || k < q + diagonal - left();
       if (masked) s(i) = -INFINITY;
     }
   }

@@ -100,12 +100,12 @@ CUTE_DEVICE void convert_frag_block(float const* src, Element* dst, int rows, Co
 }
 
 // dQ one query block at a time, each once the main kernel has counted all the key blocks that add
-// to it (BlockInfo::n_block_end; zero for rows that see no key, whose dQ is the zeroed accumulator).
+// to it (BlockInfo::num_n_blocks_of; zero for rows that see no key, whose dQ is the zeroed accumulator).
 // Launched as a programmatic dependent of the main kernel, so its CTAs fill the SMs that the main
 // kernel's tail leaves idle. Blocks are handed out in the order the main kernel finishes them:
 // (batch, head) ascending, as its CTAs start, and within a head the last query block first, as
-// every key block walks them. kFragCols > 0: the sums are in fragment order (dq_frag_layout.h,
-// 64-row blocks), else row-major (batch, nheads, seqlen, headdim).
+// every key block walks them. The sums are in fragment order (dq_frag_layout.h, 64-row blocks of
+// kFragCols-column groups).
 struct ConvertDqReadyParams {
   ConvertAccumParams accum;
   int const* ready;  // (batch, nheads, m_blocks): key blocks whose additions have landed
@@ -120,7 +120,6 @@ __global__ void __launch_bounds__(256) convert_dq_when_ready_kernel(ConvertDqRea
 #endif
   __shared__ int next;
   int const total = p.accum.batch * p.accum.nheads * p.num_m_blocks;
-  int const vecs_per_row = p.accum.headdim / 8;
   for (;;) {
     if (threadIdx.x == 0) {
       int const t = atomicAdd(p.ticket, 1);
@@ -128,7 +127,7 @@ __global__ void __launch_bounds__(256) convert_dq_when_ready_kernel(ConvertDqRea
       if (t < total) {
         int const bh = t / p.num_m_blocks, m_block = p.num_m_blocks - 1 - (t - bh * p.num_m_blocks);
         work = bh * p.num_m_blocks + m_block;
-        int const need = bi.n_block_end(m_block);
+        int const need = bi.num_n_blocks_of(m_block);
         cuda::atomic_ref<int const, cuda::thread_scope_device> ready(p.ready[work]);
         while (ready.load(cuda::memory_order_acquire) < need) __nanosleep(256);  // spare L2 the polling
         __threadfence();  // the block's sums, before the barrier publishes them to the CTA
@@ -144,30 +143,8 @@ __global__ void __launch_bounds__(256) convert_dq_when_ready_kernel(ConvertDqRea
     int const row_begin = m_block * p.block_m, rows = min(p.block_m, p.accum.seqlen - row_begin);
     Element* dst = static_cast<Element*>(p.accum.out) + batch * p.accum.batch_stride + head * p.accum.head_stride +
                    row_begin * p.accum.row_stride;
-    if constexpr (kFragCols > 0) {
-      convert_frag_block<Element, kFragCols>(p.accum.accum + int64_t(work) * p.block_m * p.accum.headdim, dst, rows,
-                                             p.accum);
-      continue;
-    }
-    float const* src = p.accum.accum + (int64_t(bh) * p.accum.seqlen + row_begin) * p.accum.headdim;
-    // kBatch loads in flight before the first store (the compiler cannot move loads past stores).
-    constexpr int kBatch = 4;
-    for (int i0 = threadIdx.x; i0 < rows * vecs_per_row; i0 += kBatch * blockDim.x) {
-      Accum8 a[kBatch];
-#pragma unroll
-      for (int j = 0; j < kBatch; ++j) {
-        int const i = i0 + j * blockDim.x;
-        if (i < rows * vecs_per_row) a[j] = load_accum8(src + int64_t(i) * 8);
-      }
-#pragma unroll
-      for (int j = 0; j < kBatch; ++j) {
-        int const i = i0 + j * blockDim.x;
-        if (i < rows * vecs_per_row) {
-          int const row = i / vecs_per_row, col = (i - row * vecs_per_row) * 8;
-          store_scaled8(dst + row * p.accum.row_stride + col, a[j], p.accum.scale);
-        }
-      }
-    }
+    convert_frag_block<Element, kFragCols>(p.accum.accum + int64_t(work) * p.block_m * p.accum.headdim, dst, rows,
+                                           p.accum);
   }
   // This grid ends only after the main kernel has ended and its writes (dK, dV) are visible, so
   // work ordered after it on the stream sees them.
@@ -201,24 +178,15 @@ void launch_convert_dkv(BwdParams const& p, BwdWorkspace const& ws, int num_sms,
   check_launch(cudaGetLastError(), "backward dK/dV postprocess launch");
 }
 
-// dQ = softmax_scale * dQ_accum (row-major (batch, nheads_q, seqlen_q, headdim)) in the input dtype;
-// under GQA also dK and dV.
-template <class Element>
-void launch_bwd_postprocess(BwdParams const& p, BwdWorkspace const& ws, int num_sms, cudaStream_t stream) {
-  launch_convert_accum<Element>(dq_convert_params(p, ws), num_sms, stream);
-  check_launch(cudaGetLastError(), "backward dQ postprocess launch");
-  launch_convert_dkv<Element>(p, ws, num_sms, stream);
-}
-
 // dQ as the main kernel completes its query blocks (the main kernel counts them in
-// ws.dq_semaphore and starts dependents early); kBlockM of BlockInfo is the counters' block.
-template <class Element, int kFragCols, int kBlockM, int kBlockN, bool kCausal>
+// ws.dq_semaphore and starts dependents early); BlockInfo's kBlockM is the counters' block.
+template <class Element, int kFragCols, int kBlockM, int kBlockN, MaskKind kMask>
 void launch_convert_dq_when_ready(BwdParams const& p, BwdWorkspace const& ws,
-                                  BwdBlockInfo<kBlockM, kBlockN, kCausal> const& bi, int num_sms, cudaStream_t stream) {
+                                  BlockInfo<kBlockM, kBlockN, kMask> const& bi, int num_sms, cudaStream_t stream) {
   ConvertDqReadyParams const rp{dq_convert_params(p, ws), ws.at<int>(p.workspace, ws.dq_semaphore),
                                 ws.at<int>(p.workspace, ws.dq_ticket), kBlockM, ceil_div(p.seqlen_q, kBlockM)};
-  static_assert(kFragCols == 0 || kBlockM == DqFragLayout<8>::kBlockM, "fragment order is in 64-row blocks");
-  auto kernel = &convert_dq_when_ready_kernel<Element, BwdBlockInfo<kBlockM, kBlockN, kCausal>, kFragCols>;
+  static_assert(kBlockM == DqFragLayout<8>::kBlockM, "fragment order is in 64-row blocks");
+  auto kernel = &convert_dq_when_ready_kernel<Element, BlockInfo<kBlockM, kBlockN, kMask>, kFragCols>;
   int per_sm = 0;
   check_launch(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, 256, 0), "occupancy query");
   int64_t const blocks = int64_t(p.batch) * p.nheads_q * rp.num_m_blocks;

@@ -92,6 +92,7 @@ void launch_bwd_preprocess(BwdParams const& p, BwdWorkspace const& ws, cudaStrea
                           p.do_batch_stride, p.do_row_stride, p.do_head_stride,
                           p.seqlen_q, ws.seqlen_q_rounded, p.nheads_q};
   using Pre = BwdPreprocess<Element, kHeadDim>;
+  if (p.seqlen_q == 0) return;  // no query rows: no statistics (an empty grid)
   bwd_preprocess_kernel<Element, kHeadDim><<<Pre::grid(pre, p.batch), Pre::kThreads, 0, stream>>>(pre);
   check_launch(cudaGetLastError(), "backward preprocess launch");
 }

@@ -23,6 +23,7 @@
 
 #include "device_info.h"
 #include "element_type.h"
+#include "hadamard_signs.h"
 #include "params.h"
 
 namespace flashhopper {
@@ -142,7 +143,7 @@ __global__ void __launch_bounds__(kMaxThreads) quantize_fp8_kernel(QuantParams c
   int const col0 = part * kElems;
   int const blocks_per_head = (p.seqlen + B - 1) / B;
   int const num_work = blocks_per_head * p.nheads * p.batch;
-  bool const hadamard = p.signs_ptr != nullptr;
+  bool const hadamard = p.hadamard;
   // The transform's slot labelling (slot_dim): lane bit k at bit 5 - k; at head dim 128 also the row's
   // parity at bit 4 (the same in both partners), for the banks of the staging stores (out_pitch).
   int const lbl = !hadamard ? 0
@@ -152,8 +153,10 @@ __global__ void __launch_bounds__(kMaxThreads) quantize_fp8_kernel(QuantParams c
   auto s_in = [&](int buf) { return reinterpret_cast<T*>(smem + buf * in_bytes<T, kHeadDim>(B)); };
   uint8_t* s_out = smem + 2 * in_bytes<T, kHeadDim>(B);
   if (hadamard) {  // read by all threads after the loop's first barrier
+    uint32_t const key = hadamard_sign_key(uint64_t(p.hadamard_seed));
     for (int i = tid; i < kHeadDim / 2; i += nthreads) {
-      sign_flip[i] = (p.signs_ptr[2 * i] < 0.f ? 0x8000u : 0u) | (p.signs_ptr[2 * i + 1] < 0.f ? 0x80000000u : 0u);
+      sign_flip[i] = (hadamard_sign_negative(key, 2 * i) ? 0x8000u : 0u) |
+                     (hadamard_sign_negative(key, 2 * i + 1) ? 0x80000000u : 0u);
     }
   }
 
@@ -327,7 +330,7 @@ __global__ void __launch_bounds__(kMaxThreads) quantize_fp8_kernel(QuantParams c
 }
 
 template <class T, int kHeadDim>
-void launch_quantize(QuantParams const& p, cudaStream_t stream) {
+int64_t launch_quantize(QuantParams const& p, cudaStream_t stream) {
   int const threads = p.block_size * (kHeadDim / kElems);  // one row (part) per thread
   int64_t const work = int64_t((p.seqlen + p.block_size - 1) / p.block_size) * p.nheads * p.batch;
   if (work > INT32_MAX) throw std::invalid_argument("flashhopper.quantize_fp8: more than 2^31 blocks");
@@ -335,25 +338,23 @@ void launch_quantize(QuantParams const& p, cudaStream_t stream) {
     constexpr bool kTranspose = decltype(transpose)::value;
     auto kernel = &quantize_fp8_kernel<T, kHeadDim, kTranspose>;
     DeviceInfo const& dev = device_info(p.device);
-    int const smem = smem_bytes<T, kHeadDim, kTranspose>(p.block_size, p.signs_ptr != nullptr);
+    int const smem = smem_bytes<T, kHeadDim, kTranspose>(p.block_size, p.hadamard);
     if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     // As many CTAs as fit at once (by registers and shared memory), each looping over blocks.
     int per_sm = 0;
     cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem);
     int64_t const grid = std::min<int64_t>(work, int64_t(std::max(per_sm, 1)) * dev.num_sms);
     kernel<<<unsigned(grid), threads, smem, stream>>>(p);
+    return grid;
   };
-  if (p.transpose) {
-    launch(std::true_type{});
-  } else {
-    launch(std::false_type{});
-  }
+  return p.transpose ? launch(std::true_type{}) : launch(std::false_type{});
 }
 
 }  // namespace quant
 
-// Host entry: checks what the kernel assumes, then dispatches on (input type, head dim).
-inline void quantize_fp8(QuantParams const& p, cudaStream_t stream) {
+// Host entry: checks what the kernel assumes, then dispatches on (input type, head dim). Returns the
+// CTAs launched (0: nothing to quantize).
+inline int64_t quantize_fp8(QuantParams const& p, cudaStream_t stream) {
   auto fail = [](std::string const& why) { throw std::invalid_argument("flashhopper.quantize_fp8: " + why); };
   if (p.headdim != 64 && p.headdim != 128 && p.headdim != 256) fail("headdim must be 64, 128 or 256");
   // Whole warps (one thread per 64 elements of a row): at headdim 64 the block is a multiple of 32.
@@ -361,22 +362,17 @@ inline void quantize_fp8(QuantParams const& p, cudaStream_t stream) {
       p.block_size * p.headdim > quant::kElems * quant::kMaxThreads) {
     fail("block_size must be a multiple of 16 (of 32 at headdim 64) with block_size * headdim <= 32768");
   }
-  if (p.seqlen <= 0 || p.batch <= 0 || p.nheads <= 0) return;
-  auto by_dim = [&](auto tag) {
+  if (p.dtype != DType::kFloat16 && p.dtype != DType::kBFloat16) fail("x must be float16 or bfloat16");
+  if (p.seqlen <= 0 || p.batch <= 0 || p.nheads <= 0) return 0;  // an empty grid: nothing to launch
+  auto by_dim = [&](auto tag) -> int64_t {
     using T = decltype(tag);
     switch (p.headdim) {
-      case 64: quant::launch_quantize<T, 64>(p, stream); break;
-      case 128: quant::launch_quantize<T, 128>(p, stream); break;
-      default: quant::launch_quantize<T, 256>(p, stream); break;
+      case 64: return quant::launch_quantize<T, 64>(p, stream);
+      case 128: return quant::launch_quantize<T, 128>(p, stream);
+      default: return quant::launch_quantize<T, 256>(p, stream);
     }
   };
-  if (p.dtype == DType::kFloat16) {
-    by_dim(__half{});
-  } else if (p.dtype == DType::kBFloat16) {
-    by_dim(__nv_bfloat16{});
-  } else {
-    fail("x must be float16 or bfloat16");
-  }
+  return p.dtype == DType::kFloat16 ? by_dim(__half{}) : by_dim(__nv_bfloat16{});
 }
 
 }  // namespace flashhopper

@@ -70,10 +70,12 @@ struct BwdWorkspace {
 // What every backward launcher needs of its parameters (the Python layer checks them first).
 inline void check_bwd_params(BwdParams const& p, int head_dim) {
   if (p.headdim != head_dim) throw std::invalid_argument("flashhopper: head dim does not match the kernel");
-  if (p.batch <= 0 || p.seqlen_q <= 0 || p.seqlen_k <= 0 || p.nheads_q <= 0 || p.nheads_kv <= 0) {
-    throw std::invalid_argument("flashhopper: the backward launcher needs non-empty inputs (the caller handles empty ones)");
+  if (p.batch < 0 || p.seqlen_q < 0 || p.seqlen_k < 0 || p.nheads_q < 0 || p.nheads_kv < 0) {
+    throw std::invalid_argument("flashhopper: negative sizes");
   }
-  if (p.nheads_q % p.nheads_kv != 0) throw std::invalid_argument("flashhopper: nheads_q must be a multiple of nheads_kv");
+  if (p.nheads_q > 0 && (p.nheads_kv == 0 || p.nheads_q % p.nheads_kv != 0)) {
+    throw std::invalid_argument("flashhopper: nheads_q must be a multiple of nheads_kv");
+  }
   if (p.workspace == nullptr || reinterpret_cast<uintptr_t>(p.workspace) % BwdWorkspace::kAlign != 0) {
     throw std::invalid_argument("flashhopper: the backward workspace must be a 256-byte aligned device buffer");
   }

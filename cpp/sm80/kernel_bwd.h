@@ -7,6 +7,7 @@
 
 #include "../common/block_info.h"
 #include "../common/semaphore.h"
+#include "../common/seqlen.h"
 #include "epilogue_bwd.h"
 #include "mainloop_bwd.h"
 
@@ -35,8 +36,11 @@ struct BwdKernel {
     int64_t do_batch_stride, do_row_stride, do_head_stride;
     int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
     int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
-    int seqlen_q, seqlen_k, seqlen_q_rounded, nheads_q, nheads_kv;
+    UniformSeqlens seqlens;
+    int seqlen_q_rounded, nheads_q, nheads_kv;
+    int window_left, window_right;
     float scale_log2, softmax_scale;
+    typename Mainloop::ScoreMod score_mod;
   };
 
   CUTE_DEVICE static void run(Params const& p, char* smem) {
@@ -46,17 +50,19 @@ struct BwdKernel {
     int const head = blockIdx.y, batch = blockIdx.z;
     int const kv_head = head / (p.nheads_q / p.nheads_kv);
     int64_t const bh = int64_t(batch) * p.nheads_q + head;
-    typename Mainloop::Args const args{p.q + batch * p.q_batch_stride + head * p.q_head_stride,
-                                       p.k + batch * p.k_batch_stride + kv_head * p.k_head_stride,
-                                       p.v + batch * p.v_batch_stride + kv_head * p.v_head_stride,
-                                       p.dout + batch * p.do_batch_stride + head * p.do_head_stride,
+    SeqlenInfo const seq = p.seqlens(batch);
+    int64_t const b = seq.batch_coord;
+    typename Mainloop::Args const args{p.q + b * p.q_batch_stride + head * p.q_head_stride + seq.offset_q * p.q_row_stride,
+                                       p.k + b * p.k_batch_stride + kv_head * p.k_head_stride + seq.offset_k * p.k_row_stride,
+                                       p.v + b * p.v_batch_stride + kv_head * p.v_head_stride + seq.offset_k * p.v_row_stride,
+                                       p.dout + b * p.do_batch_stride + head * p.do_head_stride + seq.offset_q * p.do_row_stride,
                                        p.q_row_stride, p.k_row_stride, p.v_row_stride, p.do_row_stride,
                                        p.lse_log2 + bh * p.seqlen_q_rounded, p.dpsum + bh * p.seqlen_q_rounded,
                                        p.dq_accum + bh * p.seqlen_q_rounded * Mainloop::kHeadDim,
                                        p.dq_semaphore == nullptr
                                            ? nullptr
                                            : p.dq_semaphore + bh * (p.seqlen_q_rounded / Mainloop::kBlockM),
-                                       p.seqlen_q, p.seqlen_k, p.scale_log2};
+                                       seq, p.window_left, p.window_right, p.scale_log2, p.score_mod};
 
     typename Mainloop::TiledMmadKV mma_dkv;
     Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<Mainloop::kBlockN>, Int<Mainloop::kHeadDim>>{});
@@ -70,14 +76,14 @@ struct BwdKernel {
       int64_t const kv = int64_t(batch) * p.nheads_kv + kv_head;
       // Deterministic: the group's heads take turns in head order, also those with nothing to add.
       int* sem = p.dkv_semaphore == nullptr ? nullptr
-                                            : p.dkv_semaphore + kv * ceil_div(p.seqlen_k, Mainloop::kBlockN) + n_block;
+                                            : p.dkv_semaphore + kv * ceil_div(p.seqlens.seqlen_k, Mainloop::kBlockN) + n_block;
       if (sem != nullptr) {
         if (threadIdx.x == 0) wait_at_least(sem, head % (p.nheads_q / p.nheads_kv));
         __syncthreads();
       }
       if (any) {
-        int64_t const offset = kv * p.seqlen_k * Mainloop::kHeadDim;
-        Epilogue::reduce(acc_dk, acc_dv, p.dk_accum + offset, p.dv_accum + offset, p.seqlen_k, n_block);
+        int64_t const offset = (kv * p.seqlens.seqlen_k + seq.offset_k) * Mainloop::kHeadDim;
+        Epilogue::reduce(acc_dk, acc_dv, p.dk_accum + offset, p.dv_accum + offset, seq.seqlen_k, n_block);
       }
       if (sem != nullptr) {
         __threadfence();
@@ -86,8 +92,11 @@ struct BwdKernel {
       }
       return;
     }
-    Epilogue::store(ts, acc_dk, acc_dv, p.dk + batch * p.dk_batch_stride + head * p.dk_head_stride, p.dk_row_stride,
-                    p.dv + batch * p.dv_batch_stride + head * p.dv_head_stride, p.dv_row_stride, p.seqlen_k, n_block);
+    Epilogue::store(ts, acc_dk, acc_dv,
+                    p.dk + b * p.dk_batch_stride + head * p.dk_head_stride + seq.offset_k * p.dk_row_stride,
+                    p.dk_row_stride,
+                    p.dv + b * p.dv_batch_stride + head * p.dv_head_stride + seq.offset_k * p.dv_row_stride,
+                    p.dv_row_stride, seq.seqlen_k, n_block);
   }
 };
 

@@ -2,7 +2,7 @@
 // shared preprocess (memset, D and LSE per row), the main kernel (grid: key blocks x query heads x
 // batch) and the postprocess (dQ from its fragment-ordered tiles; under GQA the shared dK, dV one).
 // The tiles follow the shared memory the device allows (sm80::BwdTileSize: 99 KB on sm_86/sm_89).
-// Included by the generated translation units, one per (dtype, head dim, causal); compiled for
+// Included by the generated translation units, one per KernelConfig (kernel_key.h); compiled for
 // sm_80 and sm_90.
 #pragma once
 
@@ -17,6 +17,8 @@
 #include "../common/block_info.h"
 #include "../common/device_info.h"
 #include "../common/element_type.h"
+#include "../common/kernel_key.h"
+#include "../common/score_mod.h"
 #include "../common/params.h"
 #include "../common/postprocess_bwd.h"
 #include "../common/preprocess_bwd.h"
@@ -31,91 +33,108 @@ namespace flashhopper {
 
 namespace sm80 {
 
-template <DType kDType, int kHeadDim, bool kCausal, int kSmemKB>
+template <class Config, int kSmemKB>
 struct BwdConfig {
-  using Element = typename ElementOf<kDType>::type;
-  using Tile = typename BwdTileSize<kHeadDim, kCausal, kSmemKB>::type;
-  using Mainloop = BwdMainloop<Element, kHeadDim, Tile, kCausal>;
+  static_assert(Config::kHeadDimV == Config::kHeadDim, "a V head dim of its own is not built yet");
+  using Element = typename ElementOf<Config::kDType>::type;
+  using Tile = typename BwdTileSize<Config::kHeadDim, Config::kMask != MaskKind::kNone, kSmemKB>::type;
+  using Mainloop = BwdMainloop<Element, Config::kHeadDim, Tile, Config::kMask>;
   using Kernel = BwdKernel<Mainloop>;
   static_assert(Kernel::kSmemBytes <= kSmemKB * 1024, "the tiles must fit their shared-memory class");
 };
 
-template <DType kDType, int kHeadDim, bool kCausal, int kSmemKB>
+template <class Config, int kSmemKB>
 size_t bwd_workspace_bytes(BwdParams const& p) {
-  using Tile = typename BwdConfig<kDType, kHeadDim, kCausal, kSmemKB>::Tile;
+  using Tile = typename BwdConfig<Config, kSmemKB>::Tile;
   return BwdWorkspace::make<Tile::kBlockM, Tile::kBlockN>(p).total;
 }
 
-template <DType kDType, int kHeadDim, bool kCausal, int kSmemKB>
-void run_bwd(BwdParams const& p, cudaStream_t stream) {
-  using Config = BwdConfig<kDType, kHeadDim, kCausal, kSmemKB>;
-  using Element = typename Config::Element;
-  using Tile = typename Config::Tile;
-  using Kernel = typename Config::Kernel;
-  check_bwd_params(p, kHeadDim);
+template <class Config, int kSmemKB>
+int64_t run_bwd(BwdParams const& p, cudaStream_t stream) {
+  using C = BwdConfig<Config, kSmemKB>;
+  using Element = typename C::Element;
+  using Tile = typename C::Tile;
+  using Kernel = typename C::Kernel;
+  check_bwd_params(p, Config::kHeadDim);
+  if (int64_t(p.batch) * p.nheads_q == 0) return 0;  // no heads: every gradient is empty
   // Offsets inside a query block are 32-bit (sm80::block_rows).
   if (std::max(p.q_row_stride, p.do_row_stride) > INT32_MAX / Tile::kBlockM)
     throw std::invalid_argument("flashhopper: Q/dO row stride too large for the sm80 kernels");
   BwdWorkspace const ws = BwdWorkspace::make<Tile::kBlockM, Tile::kBlockN>(p);
   int const num_sms = p.num_sms > 0 ? p.num_sms : device_info(p.device).num_sms;
 
-  launch_bwd_preprocess<Element, kHeadDim>(p, ws, stream);
+  launch_bwd_preprocess<Element, Config::kHeadDim>(p, ws, stream);
 
-  typename Kernel::Params const kp{
-      static_cast<Element const*>(p.q_ptr), static_cast<Element const*>(p.k_ptr),
-      static_cast<Element const*>(p.v_ptr), static_cast<Element const*>(p.do_ptr),
-      static_cast<Element*>(p.dk_ptr), static_cast<Element*>(p.dv_ptr),
-      ws.at<float>(p.workspace, ws.lse_log2), ws.at<float>(p.workspace, ws.dpsum),
-      ws.at<float>(p.workspace, ws.dq_accum),
-      ws.gqa ? ws.at<float>(p.workspace, ws.dk_accum) : nullptr,
-      ws.gqa ? ws.at<float>(p.workspace, ws.dv_accum) : nullptr,
-      p.deterministic ? ws.at<int>(p.workspace, ws.dq_semaphore) : nullptr,
-      p.deterministic && ws.gqa ? ws.at<int>(p.workspace, ws.dkv_semaphore) : nullptr,
-      p.q_batch_stride, p.q_row_stride, p.q_head_stride,
-      p.k_batch_stride, p.k_row_stride, p.k_head_stride,
-      p.v_batch_stride, p.v_row_stride, p.v_head_stride,
-      p.do_batch_stride, p.do_row_stride, p.do_head_stride,
-      p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride,
-      p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride,
-      p.seqlen_q, p.seqlen_k, ws.seqlen_q_rounded, p.nheads_q, p.nheads_kv,
-      float(p.softmax_scale * M_LOG2E), p.softmax_scale};
-  auto kernel = &bwd_kernel<Kernel>;
-  check_launch(set_max_dynamic_smem_once(kernel, p.device, Kernel::kSmemBytes), "cudaFuncSetAttribute");
   dim3 const grid(ceil_div(p.seqlen_k, Tile::kBlockN), p.nheads_q, p.batch);
-  kernel<<<grid, Kernel::kNumThreads, Kernel::kSmemBytes, stream>>>(kp);
-  check_launch(cudaGetLastError(), "backward kernel launch");
+  int64_t const ctas = int64_t(grid.x) * grid.y * grid.z;
+  if (ctas > 0) {
+    typename Kernel::Params const kp{
+        static_cast<Element const*>(p.q_ptr), static_cast<Element const*>(p.k_ptr),
+        static_cast<Element const*>(p.v_ptr), static_cast<Element const*>(p.do_ptr),
+        static_cast<Element*>(p.dk_ptr), static_cast<Element*>(p.dv_ptr),
+        ws.at<float>(p.workspace, ws.lse_log2), ws.at<float>(p.workspace, ws.dpsum),
+        ws.at<float>(p.workspace, ws.dq_accum),
+        ws.gqa ? ws.at<float>(p.workspace, ws.dk_accum) : nullptr,
+        ws.gqa ? ws.at<float>(p.workspace, ws.dv_accum) : nullptr,
+        p.deterministic ? ws.at<int>(p.workspace, ws.dq_semaphore) : nullptr,
+        p.deterministic && ws.gqa ? ws.at<int>(p.workspace, ws.dkv_semaphore) : nullptr,
+        p.q_batch_stride, p.q_row_stride, p.q_head_stride,
+        p.k_batch_stride, p.k_row_stride, p.k_head_stride,
+        p.v_batch_stride, p.v_row_stride, p.v_head_stride,
+        p.do_batch_stride, p.do_row_stride, p.do_head_stride,
+        p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride,
+        p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride,
+        UniformSeqlens{p.seqlen_q, p.seqlen_k}, ws.seqlen_q_rounded, p.nheads_q, p.nheads_kv,
+        p.window_left, p.window_right,
+        ScoreModIdentity{}.softmax_scale_log2(float(p.softmax_scale * M_LOG2E)), p.softmax_scale, {}};
+    auto kernel = &bwd_kernel<Kernel>;
+    check_launch(set_max_dynamic_smem_once(kernel, p.device, Kernel::kSmemBytes), "cudaFuncSetAttribute");
+    kernel<<<grid, Kernel::kNumThreads, Kernel::kSmemBytes, stream>>>(kp);
+    check_launch(cudaGetLastError(), "backward kernel launch");
+  }
 
-  // dQ from its fragment-ordered tiles; dK, dV (GQA) as on sm90.
-  using Convert = ConvertdQ<typename Config::Mainloop>;
-  typename Convert::Params const cp{ws.at<float>(p.workspace, ws.dq_accum), static_cast<Element*>(p.dq_ptr),
-                                    p.dq_batch_stride, p.dq_row_stride, p.dq_head_stride,
-                                    p.seqlen_q, ws.seqlen_q_rounded, p.nheads_q, p.softmax_scale};
-  auto convert = &convert_dq_kernel<typename Config::Mainloop>;
-  check_launch(set_max_dynamic_smem_once(convert, p.device, Convert::kSmemBytes), "cudaFuncSetAttribute");
-  convert<<<dim3(ws.seqlen_q_rounded / Tile::kBlockM, p.nheads_q, p.batch), Kernel::kNumThreads, Convert::kSmemBytes,
-            stream>>>(cp);
-  check_launch(cudaGetLastError(), "backward dQ postprocess launch");
+  // dQ from its fragment-ordered tiles (zero without keys: the accumulator stays zeroed); dK, dV
+  // (GQA) as on sm90.
+  if (ws.seqlen_q_rounded > 0) {
+    using Convert = ConvertdQ<typename C::Mainloop>;
+    typename Convert::Params const cp{ws.at<float>(p.workspace, ws.dq_accum), static_cast<Element*>(p.dq_ptr),
+                                      p.dq_batch_stride, p.dq_row_stride, p.dq_head_stride,
+                                      p.seqlen_q, ws.seqlen_q_rounded, p.nheads_q, p.softmax_scale};
+    auto convert = &convert_dq_kernel<typename C::Mainloop>;
+    check_launch(set_max_dynamic_smem_once(convert, p.device, Convert::kSmemBytes), "cudaFuncSetAttribute");
+    convert<<<dim3(ws.seqlen_q_rounded / Tile::kBlockM, p.nheads_q, p.batch), Kernel::kNumThreads,
+              Convert::kSmemBytes, stream>>>(cp);
+    check_launch(cudaGetLastError(), "backward dQ postprocess launch");
+  }
   launch_convert_dkv<Element>(p, ws, num_sms, stream);
+  return ctas;
 }
 
 }  // namespace sm80
 
-template <DType kDType, int kHeadDim, bool kCausal>
+template <class Config>
 size_t bwd_workspace_bytes_sm80(BwdParams const& p) {
-  switch (sm80::smem_class<sm80::BwdConfig, kDType, kHeadDim, kCausal>(p)) {
-    case 227: return sm80::bwd_workspace_bytes<kDType, kHeadDim, kCausal, 227>(p);
-    case 163: return sm80::bwd_workspace_bytes<kDType, kHeadDim, kCausal, 163>(p);
-    default: return sm80::bwd_workspace_bytes<kDType, kHeadDim, kCausal, 99>(p);
+  switch (sm80::smem_class<sm80::BwdConfig, Config>(p)) {
+    case 227: return sm80::bwd_workspace_bytes<Config, 227>(p);
+    case 163: return sm80::bwd_workspace_bytes<Config, 163>(p);
+    default: return sm80::bwd_workspace_bytes<Config, 99>(p);
   }
 }
 
-template <DType kDType, int kHeadDim, bool kCausal>
-void run_bwd_sm80(BwdParams const& p, cudaStream_t stream) {
-  switch (sm80::smem_class<sm80::BwdConfig, kDType, kHeadDim, kCausal>(p)) {
-    case 227: return sm80::run_bwd<kDType, kHeadDim, kCausal, 227>(p, stream);
-    case 163: return sm80::run_bwd<kDType, kHeadDim, kCausal, 163>(p, stream);
-    default: return sm80::run_bwd<kDType, kHeadDim, kCausal, 99>(p, stream);
+template <class Config>
+int64_t run_bwd_sm80(BwdParams const& p, cudaStream_t stream) {
+  switch (sm80::smem_class<sm80::BwdConfig, Config>(p)) {
+    case 227: return sm80::run_bwd<Config, 227>(p, stream);
+    case 163: return sm80::run_bwd<Config, 163>(p, stream);
+    default: return sm80::run_bwd<Config, 99>(p, stream);
   }
+}
+
+// The tiles of the largest shared-memory class (what a Hopper or A100 runs).
+template <class Config>
+TileInfo bwd_tiles_sm80() {
+  using Tile = typename sm80::BwdConfig<Config, 227>::Tile;
+  return {Tile::kBlockM, Tile::kBlockN};
 }
 
 }  // namespace flashhopper

@@ -1,6 +1,6 @@
 // Host launcher of the Ampere forward kernel: one CTA per (query block, head, batch). The tiles follow
 // the shared memory the device allows (sm80::FwdTileSize, as the backward). Included by the generated
-// translation units, one per (dtype, head dim, causal); compiled for sm_80 and sm_90.
+// translation units, one per KernelConfig (kernel_key.h); compiled for sm_80 and sm_90.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -14,6 +14,8 @@
 #include "../common/block_info.h"
 #include "../common/device_info.h"
 #include "../common/element_type.h"
+#include "../common/kernel_key.h"
+#include "../common/score_mod.h"
 #include "../common/params.h"
 #include "../registry.h"
 #include "kernel_fwd.h"
@@ -24,23 +26,26 @@ namespace flashhopper {
 
 namespace sm80 {
 
-template <DType kDType, int kHeadDim, bool kCausal, int kSmemKB>
+template <class Config, int kSmemKB>
 struct FwdConfig {
-  using Element = typename ElementOf<kDType>::type;
-  using Tile = typename FwdTileSize<kHeadDim, kCausal, kSmemKB>::type;
-  using Kernel = FwdKernel<FwdMainloop<Element, kHeadDim, Tile, kCausal>>;
+  static_assert(Config::kHeadDimV == Config::kHeadDim, "a V head dim of its own is not built yet");
+  using Element = typename ElementOf<Config::kDType>::type;
+  using Tile = typename FwdTileSize<Config::kHeadDim, Config::kMask != MaskKind::kNone, kSmemKB>::type;
+  using Kernel = FwdKernel<FwdMainloop<Element, Config::kHeadDim, Tile, Config::kMask>>;
   static_assert(Kernel::kSmemBytes <= kSmemKB * 1024, "the tiles must fit their shared-memory class");
 };
 
-template <DType kDType, int kHeadDim, bool kCausal, int kSmemKB>
-void run_fwd(FwdParams const& p, cudaStream_t stream) {
-  using Config = FwdConfig<kDType, kHeadDim, kCausal, kSmemKB>;
-  using Element = typename Config::Element;
-  using Tile = typename Config::Tile;
-  using Kernel = typename Config::Kernel;
+template <class Config, int kSmemKB>
+int64_t run_fwd(FwdParams const& p, cudaStream_t stream) {
+  using C = FwdConfig<Config, kSmemKB>;
+  using Element = typename C::Element;
+  using Tile = typename C::Tile;
+  using Kernel = typename C::Kernel;
   // Offsets inside a key block are 32-bit (sm80::block_rows).
   if (std::max(p.k_row_stride, p.v_row_stride) > INT32_MAX / Tile::kBlockN)
     throw std::invalid_argument("flashhopper: K/V row stride too large for the sm80 kernels");
+  dim3 const grid(ceil_div(p.seqlen_q, Tile::kBlockM), p.nheads_q, p.batch);
+  if (int64_t(grid.x) * grid.y * grid.z == 0) return 0;  // no query rows: an empty grid
 
   typename Kernel::Params const kp{static_cast<Element const*>(p.q_ptr), static_cast<Element const*>(p.k_ptr),
                                    static_cast<Element const*>(p.v_ptr), static_cast<Element*>(p.o_ptr), p.lse_ptr,
@@ -48,25 +53,33 @@ void run_fwd(FwdParams const& p, cudaStream_t stream) {
                                    p.k_batch_stride, p.k_row_stride, p.k_head_stride,
                                    p.v_batch_stride, p.v_row_stride, p.v_head_stride,
                                    p.o_batch_stride, p.o_row_stride, p.o_head_stride,
-                                   p.seqlen_q, p.seqlen_k, p.nheads_q, p.nheads_q / p.nheads_kv,
-                                   float(p.softmax_scale * M_LOG2E)};
+                                   UniformSeqlens{p.seqlen_q, p.seqlen_k}, p.nheads_q, p.nheads_q / p.nheads_kv,
+                                   p.window_left, p.window_right,
+                                   ScoreModIdentity{}.softmax_scale_log2(float(p.softmax_scale * M_LOG2E)), {}};
   auto kernel = &fwd_kernel<Kernel>;
   cudaError_t err = set_max_dynamic_smem_once(kernel, p.device, Kernel::kSmemBytes);
   if (err != cudaSuccess) throw std::runtime_error(std::string("flashhopper: cudaFuncSetAttribute: ") + cudaGetErrorString(err));
-  dim3 const grid(ceil_div(p.seqlen_q, Tile::kBlockM), p.nheads_q, p.batch);
   kernel<<<grid, Kernel::kNumThreads, Kernel::kSmemBytes, stream>>>(kp);
+  return int64_t(grid.x) * grid.y * grid.z;
 }
 
 }  // namespace sm80
 
-template <DType kDType, int kHeadDim, bool kCausal>
-void run_fwd_sm80(FwdParams const& p, cudaStream_t stream) {
-  if (p.headdim != kHeadDim) throw std::invalid_argument("flashhopper: head dim does not match the kernel");
-  switch (sm80::smem_class<sm80::FwdConfig, kDType, kHeadDim, kCausal>(p)) {
-    case 227: return sm80::run_fwd<kDType, kHeadDim, kCausal, 227>(p, stream);
-    case 163: return sm80::run_fwd<kDType, kHeadDim, kCausal, 163>(p, stream);
-    default: return sm80::run_fwd<kDType, kHeadDim, kCausal, 99>(p, stream);
+template <class Config>
+int64_t run_fwd_sm80(FwdParams const& p, cudaStream_t stream) {
+  if (p.headdim != Config::kHeadDim) throw std::invalid_argument("flashhopper: head dim does not match the kernel");
+  switch (sm80::smem_class<sm80::FwdConfig, Config>(p)) {
+    case 227: return sm80::run_fwd<Config, 227>(p, stream);
+    case 163: return sm80::run_fwd<Config, 163>(p, stream);
+    default: return sm80::run_fwd<Config, 99>(p, stream);
   }
+}
+
+// The tiles of the largest shared-memory class (what a Hopper or A100 runs; the report's IO model).
+template <class Config>
+TileInfo fwd_tiles_sm80() {
+  using Tile = typename sm80::FwdConfig<Config, 227>::Tile;
+  return {Tile::kBlockM, Tile::kBlockN};
 }
 
 }  // namespace flashhopper

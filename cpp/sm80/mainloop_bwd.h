@@ -8,15 +8,17 @@
 //   dQ  = dS K      added into the float32 dQ accumulator with fire-and-forget reductions
 //                   (in fragment order: red_add_fragment_order), issued during dK's GEMM:
 //   dK += dS^T Q;   then the next Q loads (single-buffered Q; double-buffered it loaded at the top).
-// dK and dV stay in registers for the whole walk. Masks, block ranges and the P / dS math are the
-// ones the sm90 path uses (common/).
+// dK and dV stay in registers for the whole walk. The mask policy, block ranges, score mod and the
+// P / dS math are the ones the sm90 path uses (common/).
 #pragma once
 
 #include <cute/tensor.hpp>
 
 #include "../common/block_info.h"
 #include "../common/mask.h"
+#include "../common/score_mod.h"
 #include "../common/semaphore.h"
+#include "../common/seqlen.h"
 #include "../common/softmax.h"
 #include "../common/utils.h"
 #include "gemm.h"
@@ -60,13 +62,15 @@ CUTE_DEVICE void red_add_fragment_order(Frag const& acc, float* tile, int part =
   }
 }
 
-template <class Element_, int kHeadDim_, class TileSize, bool kCausal_>
+template <class Element_, int kHeadDim_, class TileSize, MaskKind kMask_, class ScoreMod_ = ScoreModIdentity>
 struct BwdMainloop {
   using Element = Element_;
+  using ScoreMod = ScoreMod_;
   static constexpr int kHeadDim = kHeadDim_, kBlockM = TileSize::kBlockM, kBlockN = TileSize::kBlockN;
   static constexpr int kNumWarps = TileSize::kNumWarps, kNumThreads = kNumWarps * 32;
   static constexpr int kStagesQ = TileSize::kStagesQ;
-  static constexpr bool kCausal = kCausal_;
+  static constexpr MaskKind kMask = kMask_;
+  using BlockInfoT = BlockInfo<kBlockM, kBlockN, kMask>;
   static_assert(kStagesQ == 1 || kStagesQ == 2);
 
   using D = Int<kHeadDim>;
@@ -91,7 +95,7 @@ struct BwdMainloop {
     cute::array_aligned<Element, cosize_v<SmemLayoutP>, 128> smem_ds;
   };
 
-  // One (batch, head)'s inputs and statistics.
+  // One (batch entry, head)'s inputs (from the entry's first row) and statistics.
   struct Args {
     Element const *q, *k, *v, *dout;
     int64_t q_row_stride, k_row_stride, v_row_stride, do_row_stride;
@@ -99,8 +103,10 @@ struct BwdMainloop {
     float const* dpsum;     // D, same rows (padding rows: 0)
     float* dq_accum;        // seqlen_q_rounded / kBlockM tiles in fragment order (red_add_fragment_order)
     int* dq_semaphore;      // deterministic: one zeroed counter per query block; else nullptr
-    int seqlen_q, seqlen_k;
+    SeqlenInfo seq;
+    int window_left, window_right;
     float scale_log2;
+    ScoreMod score_mod;
   };
 
   // Accumulates this key block's dK (unscaled: dS^T Q) and dV into the zeroed acc_dk, acc_dv and adds
@@ -108,18 +114,22 @@ struct BwdMainloop {
   // the block (dK = dV = 0).
   template <class FragdKV>
   CUTE_DEVICE static bool mma(TensorStorage& ts, Args const& args, int n_block, FragdKV& acc_dk, FragdKV& acc_dv) {
-    BwdBlockInfo<kBlockM, kBlockN, kCausal> const info{args.seqlen_q, args.seqlen_k};
+    BlockInfoT const info{args.seq, args.window_left, args.window_right};
     int const m_block_min = info.m_block_min(n_block);
-    int const m_block_max = info.m_block_max();
+    int const m_block_max = info.m_block_max(n_block);
     if (m_block_min >= m_block_max) return false;
-    int const m_causal_end = info.m_block_causal_end(n_block);
+    // Query blocks below m_right_end have a row whose right edge cuts the key block; from m_left_begin
+    // on, one whose left edge does.
+    int const m_right_end = info.m_block_right_masked_end(n_block);
+    int const m_left_begin = info.m_block_left_masked_begin(n_block);
+    int const seqlen_q = args.seq.seqlen_q, seqlen_k = args.seq.seqlen_k;
     // Only the last key block has keys past seqlen_k.
-    bool const seqlen_mask = (n_block + 1) * kBlockN > args.seqlen_k;
+    bool const seqlen_mask = (n_block + 1) * kBlockN > seqlen_k;
     int const tid = threadIdx.x;
 
-    Tensor gK = local_tile(gmem_rows<kHeadDim>(args.k, args.seqlen_k, args.k_row_stride), Shape<BN, D>{},
+    Tensor gK = local_tile(gmem_rows<kHeadDim>(args.k, seqlen_k, args.k_row_stride), Shape<BN, D>{},
                            make_coord(n_block, 0));
-    Tensor gV = local_tile(gmem_rows<kHeadDim>(args.v, args.seqlen_k, args.v_row_stride), Shape<BN, D>{},
+    Tensor gV = local_tile(gmem_rows<kHeadDim>(args.v, seqlen_k, args.v_row_stride), Shape<BN, D>{},
                            make_coord(n_block, 0));
     auto sQ = [&](int stage) {
       return make_tensor(make_smem_ptr(ts.smem_q.data() + stage * cosize_v<SmemLayoutQ>), SmemLayoutQ{});
@@ -140,11 +150,11 @@ struct BwdMainloop {
     Tensor tdOsdO = gthr.partition_D(sdO);
     Tensor tQcQ = gthr.partition_S(make_identity_tensor(Shape<BM, D>{}));
     Tensor tKcK = gthr.partition_S(make_identity_tensor(Shape<BN, D>{}));
-    int const k_rows = args.seqlen_k - n_block * kBlockN;
+    int const k_rows = seqlen_k - n_block * kBlockN;
     // Only the last query block can hold the sequence end; the others load without row checks.
     auto load_rows = [&](Element const* ptr, int64_t row_stride, auto&& dst, int m) {
       Tensor src = gthr.partition_S(block_rows<kBlockM, kHeadDim>(ptr, row_stride, m));
-      int const valid = args.seqlen_q - m * kBlockM;
+      int const valid = seqlen_q - m * kBlockM;
       if (valid < kBlockM) {
         copy_rows(gmem_copy, src, dst, tQcQ, valid);
       } else {
@@ -164,7 +174,7 @@ struct BwdMainloop {
     Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<BM, BN>{}));
     Tensor tScS_rc = rowcol(tScS);
     constexpr int kRows = decltype(size<0>(rowcol(acc_s)))::value;
-    Mask<kBlockN, kCausal> const mask{args.seqlen_q, args.seqlen_k};
+    Mask<kBlockN, kMask> const mask{args.seq, args.window_left, args.window_right};
 
     // Prologue: K, V, the first Q and dO in flight together.
     copy_rows(gmem_copy, gthr.partition_S(gK), gthr.partition_D(sK), tKcK, k_rows);
@@ -194,8 +204,9 @@ struct BwdMainloop {
 
       clear(acc_s);
       gemm_ss<LdsmN, LdsmN>(mma_sdp, acc_s, sQ(stage), sK);  // S = Q K^T
-      if (seqlen_mask || m_block < m_causal_end) {
-        mask.template apply_bwd<true, true, false>(acc_s, tScS, m_block * kBlockM, n_block * kBlockN);
+      auto const score_grad = args.score_mod.apply_with_grad(acc_s);
+      if (seqlen_mask || m_block < m_right_end || (BlockInfoT::kHasLeft && m_block >= m_left_begin)) {
+        mask.template apply_bwd<true, true, true, false>(acc_s, tScS, m_block * kBlockM, n_block * kBlockN);
       }
       Tensor scores = rowcol(acc_s);
       probs_from_lse(scores, [&](int mi, int) { return lse[mi]; }, args.scale_log2);
@@ -203,6 +214,7 @@ struct BwdMainloop {
       gemm_ss<LdsmN, LdsmN>(mma_sdp, acc_dp, sdO, sV);  // dP = dO V^T
       Tensor dp = rowcol(acc_dp);
       grad_scores(scores, dp, [&](int mi, int) { return dsum[mi]; });  // dS = P (dP - D)
+      args.score_mod.chain(dp, score_grad);
       store_fragment(mma_sdp, convert_type<Element>(acc_s), sP);
       store_fragment(mma_sdp, convert_type<Element>(acc_dp), sdS);
       __syncthreads();  // P, dS complete
@@ -215,12 +227,12 @@ struct BwdMainloop {
       }
       clear(acc_dq);
       gemm_ss<LdsmN, LdsmT>(mma_dq, acc_dq, sdS, sKt);  // dQ = dS K
-      // Deterministic: key blocks 0 .. n_block_end(m_block) - 1 all add into this query block; they
+      // Deterministic: key blocks n_block_min .. n_block_max - 1 all add into this query block; they
       // take turns from the last down: a higher key block starts its walk at a higher query block,
       // so it gets here first (ascending turns measured 0.41-0.50x of the default causal). The
       // kernel launches key blocks in that order, so a CTA only waits on ones started before it.
       if (args.dq_semaphore != nullptr) {
-        if (tid == 0) wait_at_least(args.dq_semaphore + m_block, info.n_block_end(m_block) - 1 - n_block);
+        if (tid == 0) wait_at_least(args.dq_semaphore + m_block, info.n_block_max(m_block) - 1 - n_block);
         __syncthreads();
       }
       // dQ's reductions are handed to dK's GEMM in slices (ptxas still pulls most of them to its

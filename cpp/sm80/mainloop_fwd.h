@@ -3,13 +3,16 @@
 // Q, K and V come in with cp.async into one swizzled shared-memory tile each and reach the
 // tensor cores through ldmatrix (V transposed on the way, as the B operand of O += P V);
 // mma.sync m16n8k16 with float accumulators. The next block's K loads while P V runs, and V while
-// S = Q K^T runs. The online softmax, masks and block ranges are the ones the sm90 path uses.
+// S = Q K^T runs. The online softmax, the mask policy (kMask), the block ranges and the score mod are
+// the ones the sm90 path uses (common/).
 #pragma once
 
 #include <cute/tensor.hpp>
 
 #include "../common/block_info.h"
 #include "../common/mask.h"
+#include "../common/score_mod.h"
+#include "../common/seqlen.h"
 #include "../common/softmax.h"
 #include "../common/utils.h"
 #include "gemm.h"
@@ -18,11 +21,13 @@ namespace flashhopper::sm80 {
 
 using namespace cute;
 
-template <class Element_, int kHeadDim_, class TileSize, bool kCausal_>
+template <class Element_, int kHeadDim_, class TileSize, MaskKind kMask_, class ScoreMod_ = ScoreModIdentity>
 struct FwdMainloop {
   using Element = Element_;
+  using ScoreMod = ScoreMod_;
   static constexpr int kHeadDim = kHeadDim_, kBlockM = TileSize::kBlockM, kBlockN = TileSize::kBlockN;
-  static constexpr bool kCausal = kCausal_;
+  static constexpr MaskKind kMask = kMask_;
+  using BlockInfoT = BlockInfo<kBlockM, kBlockN, kMask>;
   static constexpr int kNumThreads = TileSize::kNumWarps * 32;
   static_assert(kHeadDim % 64 == 0 && kBlockM % (16 * TileSize::kNumWarps) == 0);
 
@@ -49,15 +54,18 @@ struct FwdMainloop {
 
   // Accumulates the unnormalized O of this CTA's rows into acc_o (zeroed here) and the softmax state;
   // returns false when no row sees a key (the caller writes O = 0, LSE = -inf).
+  // q, k, v: the batch entry's first row of this head (seq: its bounds).
   template <class FragO, class Softmax>
   CUTE_DEVICE static bool mma(TensorStorage& ts, Element const* q, int64_t q_row_stride, Element const* k,
-                              int64_t k_row_stride, Element const* v, int64_t v_row_stride, int seqlen_q,
-                              int seqlen_k, int m_block, FragO& acc_o, Softmax& softmax) {
-    BlockInfo<kBlockM, kBlockN, kCausal> const info{seqlen_q, seqlen_k};
+                              int64_t k_row_stride, Element const* v, int64_t v_row_stride, SeqlenInfo const& seq,
+                              int window_left, int window_right, ScoreMod const& score_mod, int m_block, FragO& acc_o,
+                              Softmax& softmax) {
+    BlockInfoT const info{seq, window_left, window_right};
     int const n_block_max = info.n_block_max(m_block);
     int const n_block_min = info.n_block_min(m_block);
     if (n_block_max <= n_block_min) return false;
     int const tid = threadIdx.x;
+    int const seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
 
     Tensor gQ = local_tile(rows(q, seqlen_q, q_row_stride), Shape<BM, D>{}, make_coord(m_block, 0));  // (BM, D)
     Tensor sQ = make_tensor(make_smem_ptr(ts.smem_q.data()), SmemLayoutQ{});
@@ -92,9 +100,8 @@ struct FwdMainloop {
     Tensor acc_s = partition_fragment_C(tiled_mma, Shape<BM, BN>{});
     Tensor scores = rowcol(acc_s);
     Tensor tScS = rowcol(thr_mma.partition_C(make_identity_tensor(Shape<BM, BN>{})));
-    Mask<kBlockN, kCausal> const mask{seqlen_q, seqlen_k};
+    Mask<kBlockN, kMask> const mask{seq, window_left, window_right};
     int const row_offset = m_block * kBlockM;
-    int const n_causal = kCausal ? cute::max(info.n_block_causal_start(m_block), n_block_min) : n_block_max;
 
     // Prologue: Q and the last K block in flight together.
     int n_block = n_block_max - 1;
@@ -108,17 +115,20 @@ struct FwdMainloop {
       softmax.row_max[mi] = -INFINITY;
       softmax.row_sum[mi] = 0.f;
     }
-    // One iteration; kMasked: the block holds the sequence end or (causal) the diagonal, and a row
-    // may have seen no visible key yet.
-    auto step = [&](auto masked) {
-      constexpr bool kMasked = decltype(masked)::value;
+    // One iteration; kTop: the block holds the sequence end or a key past some row's right edge (the
+    // top of the range; it applies every edge), kBottom: a key before some row's left edge; in both a
+    // row may have seen no visible key yet.
+    auto step = [&](auto top, auto bottom) {
+      constexpr bool kTop = decltype(top)::value, kBottom = decltype(bottom)::value;
+      constexpr bool kMasked = kTop || kBottom;
       clear(acc_s);
       cp_async_wait<0>();
       __syncthreads();  // K_n (and Q) landed; every warp is done with V_{n+1}
-      load_v(n_block, masked);  // the unmasked blocks are all below the highest
+      load_v(n_block, top);  // the other blocks are all below the highest
       cp_async_fence();
       gemm_ss<LdsmN, LdsmN>(tiled_mma, acc_s, sQ, sK);  // S = Q K_n^T
-      if constexpr (kMasked) mask.template apply<true, true>(scores, tScS, row_offset, n_block);
+      score_mod.apply(scores);
+      if constexpr (kMasked) mask.template apply<kTop, kTop, true>(scores, tScS, row_offset, n_block);
       cp_async_wait<0>();
       __syncthreads();  // V_n landed; every warp is done with K_n
       if (n_block > n_block_min) {
@@ -132,10 +142,19 @@ struct FwdMainloop {
       Tensor tOrP = make_tensor(p16.data(), acc_layout_as_a_operand(p16.layout()));
       gemm_rs<LdsmT>(tiled_mma, acc_o, tOrP, sVt);  // O += P V_n
     };
-    // The highest block holds the sequence end; causal blocks from n_causal on hold the diagonal.
-    int const n_masked_end = cute::min(n_causal, n_block_max - 1);
-    for (; n_block >= n_masked_end; --n_block) step(cute::true_type{});
-    for (; n_block >= n_block_min; --n_block) step(cute::false_type{});
+    // The highest block holds the sequence end; from n_right on, blocks cross a row's right edge;
+    // below n_left, a row's left edge (block_info.h).
+    int const n_right = BlockInfoT::kHasRight ? cute::max(info.n_block_right_masked_begin(m_block), n_block_min)
+                                              : n_block_max;
+    int const n_top_end = cute::min(n_right, n_block_max - 1);
+    int const n_left =
+        BlockInfoT::kHasLeft ? cute::min(cute::max(info.n_block_left_masked_end(m_block), n_block_min), n_top_end)
+                             : n_block_min;
+    for (; n_block >= n_top_end; --n_block) step(cute::true_type{}, cute::false_type{});
+    for (; n_block >= n_left; --n_block) step(cute::false_type{}, cute::false_type{});
+    if constexpr (BlockInfoT::kHasLeft) {
+      for (; n_block >= n_block_min; --n_block) step(cute::false_type{}, cute::true_type{});
+    }
     return true;
   }
 };

@@ -12,15 +12,16 @@
 namespace flashhopper::sm80 {
 
 // The largest shared-memory class whose tiles fit the device (or the caller's limit, p.max_smem_bytes):
-// 227, 163 or 99. Config<..., kSmemKB>::Kernel::kSmemBytes is what that class's kernel asks for.
-template <template <DType, int, bool, int> class Config, DType kDType, int kHeadDim, bool kCausal, class Params>
+// 227, 163 or 99. Cfg<Config, kSmemKB>::Kernel::kSmemBytes is what that class's kernel asks for.
+template <template <class, int> class Cfg, class Config, class Params>
 int smem_class(Params const& p) {
   int const limit = p.max_smem_bytes > 0 ? p.max_smem_bytes : device_info(p.device).max_smem_optin;
-  if (Config<kDType, kHeadDim, kCausal, 227>::Kernel::kSmemBytes <= limit) return 227;
-  if (Config<kDType, kHeadDim, kCausal, 163>::Kernel::kSmemBytes <= limit) return 163;
+  if (Cfg<Config, 227>::Kernel::kSmemBytes <= limit) return 227;
+  if (Cfg<Config, 163>::Kernel::kSmemBytes <= limit) return 163;
   return 99;
 }
 
+// kCausal: the tiles of the masks with a right edge (causal, window), whose tiles cost unevenly.
 template <int kHeadDim, bool kCausal, int kSmemKB = 227>
 struct FwdTileSize;
 
@@ -31,18 +32,11 @@ struct FwdTileSize<kHeadDim, kCausal, 163> : FwdTileSize<kHeadDim, kCausal, 99> 
 
 // Head dim 64: 128 x 64 measured 1.04x FA2 non-causal where 128 x 128 gave 0.93x, but 0.91-0.94x
 // causal where 128 x 128 gave 0.95x (H100, 2026-11-22, before the row-check-free K/V loads, which
-// took the kept tiles to 1.08-1.15x; docs/perf-notes.md). Build-time overrides for ablations
-// (scripts/gpu.sh ablate).
-#ifndef FLASHHOPPER_SM80_HDIM64_BLOCK_M
-#define FLASHHOPPER_SM80_HDIM64_BLOCK_M 128
-#endif
-#ifndef FLASHHOPPER_SM80_HDIM64_BLOCK_N
-#define FLASHHOPPER_SM80_HDIM64_BLOCK_N (kCausal ? 128 : 64)
-#endif
+// took the kept tiles to 1.08-1.15x; docs/perf-notes.md).
 template <bool kCausal>
 struct FwdTileSize<64, kCausal, 99> {  // 48 KB
   using type = FwdTileSize;
-  static constexpr int kBlockM = FLASHHOPPER_SM80_HDIM64_BLOCK_M, kBlockN = FLASHHOPPER_SM80_HDIM64_BLOCK_N;
+  static constexpr int kBlockM = 128, kBlockN = kCausal ? 128 : 64;
   static constexpr int kNumWarps = 4;
 };
 template <bool kCausal>
@@ -58,13 +52,11 @@ struct FwdTileSize<256, kCausal, 99> {  // 96 KB
 // Head dim 256 with more than 99 KB, non-causal: 128 query rows on 8 warps share each K/V tile
 // (FA2's choice): 1.02-1.06x FA2 where 64 x 64 gave 0.99-1.02x. Causal keeps 64 x 64 (1.03-1.14x;
 // 128 x 64 gave 0.98x at 1k). H100, 2026-11-22, docs/perf-notes.md.
-#ifndef FLASHHOPPER_SM80_HDIM256_FWD_SMALL
 template <>
 struct FwdTileSize<256, false, 163> {  // 128 KB
   using type = FwdTileSize;
   static constexpr int kBlockM = 128, kBlockN = 64, kNumWarps = 8;
 };
-#endif
 
 // Backward: a CTA owns kBlockN keys and walks the query blocks of kBlockM rows. Warp tilings of
 // the three GEMM shapes: kWarpsMSdP warps along the queries of S / dP (kBlockM x kBlockN),

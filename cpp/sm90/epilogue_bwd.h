@@ -1,7 +1,7 @@
 // Hopper backward epilogue: dK (already scaled) and dV of one key block leave the registers.
 //  - one query head per kv head: converted, staged in the K and V buffers (both consumer
-//    warpgroups are done with them), and written by one thread with TMA stores (rows past
-//    seqlen_k are clipped by TMA);
+//    warpgroups are done with them), and written by one thread with TMA stores (rows past the batch
+//    entry's keys are clipped by TMA: Seqlens kTmaClipsRows);
 //  - GQA: every query head of the group adds its share into float32 accumulators with atomics
 //    (deterministic mode: in query-head order), converted by the postprocess kernel.
 #pragma once
@@ -21,6 +21,7 @@ using namespace cute;
 
 template <class Mainloop>
 struct BwdEpilogue {
+  static_assert(Mainloop::Seqlens::kTmaClipsRows, "entries sharing the row mode need a row-predicated dK/dV store");
   using Element = typename Mainloop::Element;
   static constexpr int kHeadDim = Mainloop::kHeadDim, kBlockN = Mainloop::kBlockN;
   static constexpr bool kdKVSwapAB = Mainloop::kdKVSwapAB;
@@ -66,17 +67,17 @@ struct BwdEpilogue {
 
   template <class FragdKV, class TensorStorage>
   CUTE_DEVICE static void store(Params const& p, FragdKV const& tdKrdK, FragdKV const& tdVrdV, TensorStorage& ts,
-                                int thread_idx, int n_block, int head, int batch) {
+                                int thread_idx, SeqlenInfo const& seq, int n_block, int head, int batch) {
     if (p.heads_ratio == 1) {
-      store_tma(p, tdKrdK, tdVrdV, ts, thread_idx, n_block, head, batch);
+      store_tma(p, tdKrdK, tdVrdV, ts, thread_idx, seq, n_block, head);
     } else {
-      store_atomic(p, tdKrdK, tdVrdV, thread_idx, n_block, head, batch);
+      store_atomic(p, tdKrdK, tdVrdV, thread_idx, seq, n_block, head, batch);
     }
   }
 
   template <class FragdKV, class TensorStorage>
   CUTE_DEVICE static void store_tma(Params const& p, FragdKV const& tdKrdK, FragdKV const& tdVrdV, TensorStorage& ts,
-                                    int thread_idx, int n_block, int head, int batch) {
+                                    int thread_idx, SeqlenInfo const& seq, int n_block, int head) {
     Tensor sdK = make_tensor(make_smem_ptr(ts.smem_k.data()), SmemLayoutK{});
     Tensor sdV = make_tensor(make_smem_ptr(ts.smem_v.data()), SmemLayoutK{});
     // Both warpgroups' last GEMMs (which read K and V) have completed before anyone overwrites them.
@@ -101,8 +102,12 @@ struct BwdEpilogue {
     if (thread_idx == 0) {
       Tensor sdK1 = make_tensor(make_smem_ptr(ts.smem_k.data()), typename Mainloop::SmemLayoutKStaged{});
       Tensor sdV1 = make_tensor(make_smem_ptr(ts.smem_v.data()), typename Mainloop::SmemLayoutKStaged{});
-      Tensor gdK = local_tile(p.tma_dk.get_tma_tensor(p.shape_dkv)(_, _, head, batch), Shape<BN, D>{}, make_coord(_, _0{}));
-      Tensor gdV = local_tile(p.tma_dv.get_tma_tensor(p.shape_dkv)(_, _, head, batch), Shape<BN, D>{}, make_coord(_, _0{}));
+      auto rows = [&](auto const& tma) {
+        return local_tile(entry_rows(tma.get_tma_tensor(p.shape_dkv), seq.offset_k, head, seq.batch_coord),
+                          Shape<BN, D>{}, make_coord(_, _0{}));
+      };
+      Tensor gdK = rows(p.tma_dk);
+      Tensor gdV = rows(p.tma_dv);
       auto k_parts = tma_partition(p.tma_dk, _0{}, Layout<_1>{}, group_modes<0, 2>(sdK1), group_modes<0, 2>(gdK));
       auto v_parts = tma_partition(p.tma_dv, _0{}, Layout<_1>{}, group_modes<0, 2>(sdV1), group_modes<0, 2>(gdV));
       copy(p.tma_dk, get<1>(k_parts)(_, 0), get<0>(k_parts)(_, n_block));
@@ -114,7 +119,7 @@ struct BwdEpilogue {
 
   template <class FragdKV>
   CUTE_DEVICE static void store_atomic(Params const& p, FragdKV const& tdKrdK, FragdKV const& tdVrdV, int thread_idx,
-                                       int n_block, int head, int batch) {
+                                       SeqlenInfo const& seq, int n_block, int head, int batch) {
     int const kv_head = head / p.heads_ratio;
     int const wg = thread_idx / cutlass::NumThreadsPerWarpGroup;
     int64_t const offset = (int64_t(batch) * p.nheads_kv + kv_head) * int64_t(p.seqlen_k) * kHeadDim;
@@ -131,7 +136,7 @@ struct BwdEpilogue {
       cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup, barrier);
     }
     Tensor tdKVc = TiledMmadKV{}.get_thread_slice(thread_idx).partition_C(make_identity_tensor(ShapedKV{}));
-    int const keys = p.seqlen_k - n_block * kBlockN;  // valid rows of this key block
+    int const keys = seq.seqlen_k - n_block * kBlockN;  // valid rows of this key block
     float* dk_n = dk_bh + int64_t(n_block) * kBlockN * kHeadDim;
     float* dv_n = dv_bh + int64_t(n_block) * kBlockN * kHeadDim;
     if constexpr (!kdKVSwapAB) {  // rows are keys: 16-byte reductions along the head dim

@@ -1,15 +1,20 @@
 // Hopper forward epilogue, per consumer warpgroup: O (already normalized, fp32) is converted in
 // registers, written with stmatrix into this warpgroup's 64-row slice of the Q stage it just used,
-// and stored by one thread with a TMA store (which clips rows past seqlen_q); the kernel releases
-// that Q stage once TMA has read it. FP8 (kOwnBuffer): O is bfloat16, twice Q's bytes, so it has a
-// buffer of its own, reused once the previous tile's store has been read. LSE goes straight to global memory from the threads that own
-// column 0 of each row. (Storing O from registers instead measured 5-16% slower: docs/perf-notes.md.)
+// and stored by one thread with a TMA store (which clips rows past the batch entry's end: Seqlens
+// kTmaClipsRows); the kernel releases that Q stage once TMA has read it. FP8 (kOwnBuffer): O is
+// bfloat16, twice Q's bytes, so it has a buffer of its own, reused once the previous tile's store has
+// been read. LSE goes straight to global memory from the threads that own column 0 of each row.
+// (Storing O from registers instead measured 5-16% slower: docs/perf-notes.md.)
+// A Seqlens policy whose entries share the tensors' row mode (packed batches) cannot let TMA clip a
+// tile at an entry's end: its last tile of an entry needs a row-predicated store from the staged O
+// (store_empty's loop, reading shared memory); the static_assert below marks that place.
 #pragma once
 
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/cutlass.h>
 
+#include "../common/seqlen.h"
 #include "../common/utils.h"
 #include "named_barriers.h"
 
@@ -18,8 +23,10 @@ namespace flashhopper::sm90 {
 using namespace cute;
 
 // SmemLayoutO: (64, headdim, warpgroup, stage): Q's stages, or O's own buffer (kOwnBuffer, one stage).
-template <class Element, int kHeadDim, int kNumMmaWG, class SmemLayoutO, class TiledMmaPV, bool kOwnBuffer = false>
+template <class Element, int kHeadDim, int kNumMmaWG, class SmemLayoutO, class TiledMmaPV, bool kOwnBuffer,
+          class Seqlens>
 struct FwdEpilogue {
+  static_assert(Seqlens::kTmaClipsRows, "entries sharing the row mode need a row-predicated O store here");
   using D = Int<kHeadDim>;
   using ShapeO = Shape<int32_t, int32_t, int32_t, int32_t>;  // (seqlen_q, headdim, head, batch)
   using StrideO = Stride<int64_t, _1, int64_t, int64_t>;
@@ -33,6 +40,12 @@ struct FwdEpilogue {
     StrideO stride_o;
     float* lse_ptr;  // (batch, head, seqlen_q) contiguous
   };
+
+  // The entry's (rows, headdim) slice of O for this head.
+  template <class Tensor4>
+  CUTE_DEVICE static auto rows_of(Tensor4 const& m, SeqlenInfo const& seq, int head) {
+    return entry_rows(m, seq.offset_q, head, seq.batch_coord);
+  }
 
   static Params make_params(Element* o, ShapeO shape_o, StrideO stride_o, float* lse) {
     auto mO = make_tensor(make_gmem_ptr(o), shape_o, stride_o);
@@ -50,7 +63,7 @@ struct FwdEpilogue {
 
   template <class FragO, class LSE>
   CUTE_DEVICE static void store(Params const& p, FragO const& tOrO, LSE const& lse, Element* smem_o, int stage,
-                                int m_block, int head, int batch, int wg, int thread_idx) {
+                                SeqlenInfo const& seq, int m_block, int head, int batch, int wg, int thread_idx) {
     Tensor sO = make_tensor(make_smem_ptr(smem_o), SmemLayoutO{});  // (64, D, wg, stage)
     Tensor tOrO_out = convert_type<Element>(tOrO);
     if constexpr (kOwnBuffer) {
@@ -67,23 +80,23 @@ struct FwdEpilogue {
     cutlass::arch::fence_view_async_shared();  // make the generic-proxy writes visible to TMA
     epilogue_barrier_sync(wg);
     if (thread_idx == 0) {
-      Tensor mO = p.tma_o.get_tma_tensor(p.shape_o)(_, _, head, batch);
+      Tensor mO = rows_of(p.tma_o.get_tma_tensor(p.shape_o), seq, head);
       Tensor gO = local_tile(mO, Shape<_64, D>{}, make_coord(_, _0{}));  // (64, D, m64)
       auto parts = tma_partition(p.tma_o, _0{}, Layout<_1>{}, group_modes<0, 2>(sO), group_modes<0, 2>(gO));
       copy(p.tma_o, get<1>(parts)(_, wg, stage), get<0>(parts)(_, m_block * kNumMmaWG + wg));
       tma_store_arrive();
     }
-    store_lse(p, lse, m_block, head, batch, wg, thread_idx);
+    store_lse(p, lse, seq, m_block, head, batch, wg, thread_idx);
   }
 
   template <class LSE>
-  CUTE_DEVICE static void store_lse(Params const& p, LSE const& lse, int m_block, int head, int batch, int wg,
-                                    int thread_idx) {
+  CUTE_DEVICE static void store_lse(Params const& p, LSE const& lse, SeqlenInfo const& seq, int m_block, int head,
+                                    int batch, int wg, int thread_idx) {
     auto thr_mma = TiledMmaPV{}.get_thread_slice(thread_idx);
     Tensor tOcO = rowcol(thr_mma.partition_C(make_identity_tensor(Shape<_64, D>{})));
     if (get<1>(tOcO(_0{}, _0{})) != 0) return;  // one thread of each quad owns the row
-    int const seqlen_q = get<0>(p.shape_o);
-    float* lse_bh = p.lse_ptr + lse_offset(p, head, batch);
+    int const seqlen_q = seq.seqlen_q;
+    float* lse_bh = p.lse_ptr + lse_offset(p, head, batch) + seq.offset_q;
     CUTE_UNROLL
     for (int mi = 0; mi < size<0>(tOcO); ++mi) {
       int const row = (m_block * kNumMmaWG + wg) * 64 + int(get<0>(tOcO(mi, _0{})));
@@ -93,12 +106,14 @@ struct FwdEpilogue {
 
   // A tile whose rows see no key (causal with seqlen_q > seqlen_k): O = 0, LSE = -inf, written
   // directly (16-byte stores) so that it never touches shared memory the producer may be filling.
-  CUTE_DEVICE static void store_empty(Params const& p, int m_block, int head, int batch, int wg, int thread_idx) {
+  CUTE_DEVICE static void store_empty(Params const& p, SeqlenInfo const& seq, int m_block, int head, int batch,
+                                      int wg, int thread_idx) {
     constexpr int kVec = 16 / sizeof(Element);
     constexpr int kVecsPerRow = kHeadDim / kVec;
-    int const seqlen_q = get<0>(p.shape_o);
+    int const seqlen_q = seq.seqlen_q;
     int const row0 = (m_block * kNumMmaWG + wg) * 64;
-    Element* o_bh = p.o_ptr + int64_t(batch) * get<3>(p.stride_o) + int64_t(head) * get<2>(p.stride_o);
+    Element* o_bh = p.o_ptr + int64_t(seq.batch_coord) * get<3>(p.stride_o) + int64_t(head) * get<2>(p.stride_o) +
+                    int64_t(seq.offset_q) * get<0>(p.stride_o);
     for (int i = thread_idx; i < 64 * kVecsPerRow; i += cutlass::NumThreadsPerWarpGroup) {
       int const row = row0 + i / kVecsPerRow;
       if (row < seqlen_q) {
@@ -106,7 +121,7 @@ struct FwdEpilogue {
             make_uint4(0, 0, 0, 0);
       }
     }
-    float* lse_bh = p.lse_ptr + lse_offset(p, head, batch);
+    float* lse_bh = p.lse_ptr + lse_offset(p, head, batch) + seq.offset_q;
     for (int r = thread_idx; r < 64; r += cutlass::NumThreadsPerWarpGroup) {
       if (row0 + r < seqlen_q) lse_bh[row0 + r] = -INFINITY;
     }

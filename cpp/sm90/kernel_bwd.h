@@ -1,6 +1,6 @@
 // The Hopper backward kernel: one CTA per (key block, query head, batch), warp-specialized.
 //   warpgroup 0      producer: lowers its registers (setmaxnreg); warp 0 (one thread) issues the
-//                    TMA loads, warp 1 is the dQ writer (bulk reduce-adds)
+//                    TMA loads, warp 1 is the dQ writer (bulk reduce-adds, mainloop_bwd.h: DqPath)
 //   warpgroups 1, 2  consumers: raise their registers; the five GEMMs, the softmax gradient and
 //                    the dK/dV epilogue
 // One CTA per key block, not persistent: the hardware launches CTAs in block-index order, and
@@ -79,12 +79,16 @@ struct BwdKernel {
 
     BwdTile const tile = decode_bwd_tile(params.scheduler, int(blockIdx.x));
     int const n_block = tile.n_block, head = tile.head, batch = tile.batch;
+    SeqlenInfo const seq = Mainloop::seqlen_info(params.mainloop, batch);
+    auto const bi = Mainloop::block_info(params.mainloop, seq);
     if (is_producer) {
       cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
       if (warp_idx_in_wg == 0) {
-        if (is_loader) Mainloop::load(params.mainloop, pipeline_kv, pipeline_q, pipeline_do, ss, n_block, head, batch);
+        if (is_loader) {
+          Mainloop::load(params.mainloop, pipeline_kv, pipeline_q, pipeline_do, ss, seq, bi, n_block, head, batch);
+        }
       } else if (warp_idx_in_wg == 1) {
-        Mainloop::store_dq(params.mainloop, ss, n_block, head, batch);
+        Mainloop::store_dq(params.mainloop, ss, bi, n_block, head, batch);
       }
     } else {
       cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
@@ -93,9 +97,9 @@ struct BwdKernel {
       Tensor tdVrdV = partition_fragment_C(typename Mainloop::TiledMmadKV{}, typename Mainloop::ShapedKV{});
       clear(tdKrdK);
       clear(tdVrdV);
-      Mainloop::mma(params.mainloop, pipeline_kv, pipeline_q, pipeline_do, ss, tdKrdK, tdVrdV, thread_idx,
+      Mainloop::mma(params.mainloop, pipeline_kv, pipeline_q, pipeline_do, ss, tdKrdK, tdVrdV, thread_idx, seq, bi,
                     n_block, head, batch);
-      Epilogue::store(params.epilogue, tdKrdK, tdVrdV, ss, thread_idx, n_block, head, batch);
+      Epilogue::store(params.epilogue, tdKrdK, tdVrdV, ss, thread_idx, seq, n_block, head, batch);
     }
   }
 };

@@ -1,8 +1,9 @@
 // The Hopper forward kernel: composes the mainloop (producer loads, consumer GEMMs + softmax),
 // the epilogue and the persistent tile scheduler into one warp-specialized, persistent CTA.
-//   warpgroup 0      producer: lowers its registers (setmaxnreg) and one thread issues all TMA; with the
-//                    FP8 in-kernel V transpose (ablation), warps 1..3 (d64: 1..2) of it transpose the V tiles
+//   warpgroup 0      producer: lowers its registers (setmaxnreg) and one thread issues all TMA
 //   warpgroups 1..W  consumers: raise their registers; each owns 64 query rows of the tile
+// Each tile's batch entry has its own bounds (the mainloop's seqlen_info and block_info): a tile past
+// the entry's last row is skipped, one whose rows see no key gets O = 0 and LSE = -inf.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -25,21 +26,16 @@ struct FwdKernel {
   using Element = typename Mainloop::Element;
   static constexpr int kNumMmaWG = Mainloop::kNumMmaWG;
   static constexpr int kNumThreads = (kNumMmaWG + 1) * cutlass::NumThreadsPerWarpGroup;
-  // FP8 in-kernel V transpose (ablation build): producer warps 1.. that transpose V (mainloop_fwd.h).
-  static constexpr bool kVTranspose = Mainloop::kVTransposeInKernel;
-  static constexpr int kTransposeThreads = Mainloop::v_transpose_threads();
-  static constexpr int kTransposeWarps = kTransposeThreads / cutlass::NumThreadsPerWarp;
   // Register split (producer / consumer) that fills the 64K-register file.
   static constexpr int kProducerRegs = kNumMmaWG == 2 ? 24 : 32;
   static constexpr int kConsumerRegs = kNumMmaWG == 2 ? 240 : 160;
   static_assert(kNumMmaWG == 2 || kNumMmaWG == 3);
   // setmaxnreg only moves registers inside the CTA's launch allocation: kNumThreads x kLaunchRegs (ptxas gives
   // one CTA of kNumThreads at most 64K / kNumThreads, in steps of 8): 64512 at 384 threads, which 24 + 2 x 240
-  // per warpgroup use up, so the V transpose has to fit in 24 registers there; 65536 at 512 threads (32 + 3 x 160).
+  // per warpgroup use up; 65536 at 512 threads (32 + 3 x 160).
   static constexpr int kLaunchRegs = 64 * 1024 / kNumThreads / 8 * 8;
   static_assert(cutlass::NumThreadsPerWarpGroup * (kProducerRegs + kNumMmaWG * kConsumerRegs) <=
                 kNumThreads * kLaunchRegs);
-  static_assert(kTransposeWarps <= cutlass::NumWarpsPerWarpGroup - 1);
 
   // The producer publishes each tile index (or -1: no more) to the consumers through this.
   using TilePipeline = cutlass::PipelineAsync<2>;
@@ -59,14 +55,19 @@ struct FwdKernel {
     TileSchedulerParams scheduler;
   };
 
-  template <bool kFirst, class A, class B>
-  CUTE_DEVICE static auto& select(A& a, B& b) {
-    if constexpr (kFirst) return a;
-    else return b;
-  }
-
-  CUTE_DEVICE static bool has_keys(Params const& params, int m_block) {
-    return params.mainloop.block_info.n_block_max(m_block) > params.mainloop.block_info.n_block_min(m_block);
+  // What a tile holds: rows of its batch entry (not past the entry's end) and, for those, visible keys.
+  struct TileWork {
+    WorkTile tile;
+    SeqlenInfo seq;
+    typename Mainloop::BlockInfoT block_info;
+    bool has_rows, has_keys;
+  };
+  CUTE_DEVICE static TileWork tile_work(Params const& params, int tile) {
+    WorkTile const w = Scheduler::decode(params.scheduler, tile);
+    SeqlenInfo const seq = Mainloop::seqlen_info(params.mainloop, w.batch);
+    auto const bi = Mainloop::block_info(params.mainloop, seq);
+    return {w, seq, bi, w.m_block * Mainloop::kBlockM < seq.seqlen_q,
+            bi.n_block_max(w.m_block) > bi.n_block_min(w.m_block)};
   }
 
   CUTE_DEVICE static void run(Params const& params, char* smem) {
@@ -77,8 +78,6 @@ struct FwdKernel {
     int const warp_idx_in_wg = cutlass::canonical_warp_idx_sync() % cutlass::NumWarpsPerWarpGroup;
     int const thread_idx = threadIdx.x % cutlass::NumThreadsPerWarpGroup;
     bool const is_producer = warp_group_idx == 0;
-    bool const is_transposer =
-        kVTranspose && is_producer && warp_idx_in_wg >= 1 && warp_idx_in_wg <= kTransposeWarps;
     bool const lane_predicate = cute::elect_one_sync();
 
     if (is_producer && warp_idx_in_wg == 0 && lane_predicate) {
@@ -93,32 +92,7 @@ struct FwdKernel {
     kv_params.is_leader = is_producer && thread_idx == 0;
     kv_params.num_consumers = Mainloop::kNumMmaThreads;
     Pipeline pipeline_k(ss.barriers.pipeline_k, kv_params, Shape<_1, _1, _1>{});
-    // In-kernel transpose: pipeline_v's consumers are the transposing warps, which hand V^T to the
-    // consumer warpgroups through pipeline_vt (each transposing thread arrives on its full barrier).
-    typename Pipeline::Params v_params = kv_params;
-    if constexpr (kVTranspose) {
-      v_params.role = is_transposer ? Pipeline::ThreadCategory::Consumer
-                                    : (is_producer ? Pipeline::ThreadCategory::Producer
-                                                   : Pipeline::ThreadCategory::NonParticipant);
-      v_params.num_consumers = kTransposeThreads;
-    }
-    Pipeline pipeline_v(ss.barriers.pipeline_v, v_params, Shape<_1, _1, _1>{});
-    auto pipeline_vt = [&] {
-      if constexpr (kVTranspose) {
-        using PipelineVt = typename Mainloop::PipelineVt;
-        typename PipelineVt::Params vt_params;
-        vt_params.role = is_transposer ? PipelineVt::ThreadCategory::Producer
-                                       : (is_producer ? PipelineVt::ThreadCategory::NonParticipant
-                                                      : PipelineVt::ThreadCategory::Consumer);
-        vt_params.producer_arv_count = kTransposeThreads;
-        vt_params.consumer_arv_count = Mainloop::kNumMmaThreads;
-        return PipelineVt(ss.barriers.pipeline_vt, vt_params);
-      } else {
-        return 0;  // unused
-      }
-    }();
-    // The pipeline the consumer warpgroups read V (V^T for FP8) through.
-    auto& pipeline_v_mma = select<kVTranspose>(pipeline_vt, pipeline_v);
+    Pipeline pipeline_v(ss.barriers.pipeline_v, kv_params, Shape<_1, _1, _1>{});
 
     typename PipelineQ::Params q_params;
     q_params.transaction_bytes = Mainloop::kQStageBytes;
@@ -128,15 +102,14 @@ struct FwdKernel {
     PipelineQ pipeline_q(ss.barriers.pipeline_q, q_params, Shape<_1, _1, _1>{});
 
     typename TilePipeline::Params tile_params;
-    tile_params.role = is_producer && !is_transposer ? TilePipeline::ThreadCategory::Producer
-                                                     : TilePipeline::ThreadCategory::Consumer;
+    tile_params.role = is_producer ? TilePipeline::ThreadCategory::Producer : TilePipeline::ThreadCategory::Consumer;
     tile_params.producer_arv_count = 1;
-    tile_params.consumer_arv_count = Mainloop::kNumMmaThreads + kTransposeThreads;  // transposers follow the tiles
+    tile_params.consumer_arv_count = Mainloop::kNumMmaThreads;
     TilePipeline tile_pipeline(ss.tile_pipeline, tile_params);
     __syncthreads();  // barrier initialization is visible to every thread
 
     TileSchedulerParams const& sched = params.scheduler;
-    // A reader of the tile pipeline (consumer warpgroups, transposing warps): the next tile index, -1 when done.
+    // A reader of the tile pipeline (the consumer warpgroups): the next tile index, -1 when done.
     auto next_tile = [&](typename TilePipeline::PipelineState& read_tile) {
       tile_pipeline.consumer_wait(read_tile);
       int const tile = ss.tile_index[read_tile.index()];
@@ -146,26 +119,6 @@ struct FwdKernel {
     };
     if (is_producer) {
       cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
-      if constexpr (kVTranspose) {
-        // Transposing warps: the same tile sequence; per tile, every V block the TMA thread loads.
-        if (is_transposer) {
-          uint32_t v_blocks = 0;  // V blocks transposed so far: the position in pipeline_v and pipeline_vt
-          typename TilePipeline::PipelineState read_tile;
-          int const warp = warp_idx_in_wg - 1, lane = cutlass::canonical_lane_idx();
-          while (true) {
-            // (Read by every lane: a __shfl_sync here made ptxas put a convergence barrier around the whole
-            // kernel, and the TMA thread's code and the consumers spilled.)
-            int const tile = next_tile(read_tile);
-            if (tile < 0) break;
-            WorkTile const w = Scheduler::decode(sched, tile);
-            if (has_keys(params, w.m_block)) {
-              Mainloop::template transpose_v<kProducerRegs>(params.mainloop, pipeline_v, pipeline_vt, v_blocks,
-                                                            ss.tensors, w.m_block, warp, lane);
-            }
-          }
-          return;
-        }
-      }
       if (warp_idx_in_wg == 0 && lane_predicate) {
         auto write_q = cutlass::make_producer_start_state<PipelineQ>();
         auto write_k = cutlass::make_producer_start_state<Pipeline>();
@@ -180,10 +133,10 @@ struct FwdKernel {
           ++write_tile;
           if (!valid) break;
           int const next = Scheduler::next(sched, tile);  // in flight while this tile's loads go out
-          WorkTile const w = Scheduler::decode(sched, tile);
-          if (has_keys(params, w.m_block)) {  // otherwise the consumers write zeros, without Q
+          TileWork const t = tile_work(params, tile);
+          if (t.has_rows && t.has_keys) {  // otherwise the consumers write zeros (or nothing), without Q
             Mainloop::load(params.mainloop, pipeline_q, pipeline_k, pipeline_v, write_q, write_k, write_v,
-                           ss.tensors, w.m_block, w.head, w.batch);
+                           ss.tensors, t.seq, t.block_info, t.tile.m_block, t.tile.head, t.tile.batch);
           }
           tile = next;
         }
@@ -219,9 +172,11 @@ struct FwdKernel {
       while (true) {
         int const tile = next_tile(read_tile);
         if (tile < 0) break;
-        WorkTile const w = Scheduler::decode(sched, tile);
-        if (!has_keys(params, w.m_block)) {
-          Epilogue::store_empty(params.epilogue, w.m_block, w.head, w.batch, wg, thread_idx);
+        TileWork const t = tile_work(params, tile);
+        WorkTile const& w = t.tile;
+        if (!t.has_rows) continue;
+        if (!t.has_keys) {
+          Epilogue::store_empty(params.epilogue, t.seq, w.m_block, w.head, w.batch, wg, thread_idx);
           continue;
         }
         Tensor tOrO = partition_fragment_C(typename Mainloop::TiledMmaPV{}, Shape<_64, Int<Mainloop::kHeadDim>>{});
@@ -229,9 +184,9 @@ struct FwdKernel {
         typename Mainloop::Softmax softmax(params.mainloop.scale_log2);
 
         pipeline_q.consumer_wait(read_q);
-        float const o_descale = Mainloop::mma(params.mainloop, pipeline_k, pipeline_v_mma, read_k, read_v,
-                                              ss.tensors, read_q.index(), tOrO, softmax, w.m_block, w.head, w.batch,
-                                              wg, thread_idx, on_first_issue);
+        float const o_descale = Mainloop::mma(params.mainloop, pipeline_k, pipeline_v, read_k, read_v, ss.tensors,
+                                              read_q.index(), tOrO, softmax, t.seq, t.block_info, w.m_block, w.head,
+                                              w.batch, wg, thread_idx, on_first_issue);
         if constexpr (!kOInQ) {
           if (thread_idx == 0) pipeline_q.consumer_release(read_q);  // every S GEMM has completed
         }
@@ -245,11 +200,11 @@ struct FwdKernel {
         Tensor o = rowcol(tOrO);
         Mainloop::Softmax::rescale(o, inv_sum);
         if constexpr (kOInQ) {
-          Epilogue::store(params.epilogue, tOrO, lse, ss.tensors.smem_q.data(), read_q.index(), w.m_block, w.head,
-                          w.batch, wg, thread_idx);
+          Epilogue::store(params.epilogue, tOrO, lse, ss.tensors.smem_q.data(), read_q.index(), t.seq, w.m_block,
+                          w.head, w.batch, wg, thread_idx);
         } else {
-          Epilogue::store(params.epilogue, tOrO, lse, ss.tensors.smem_o.data(), 0, w.m_block, w.head, w.batch, wg,
-                          thread_idx);
+          Epilogue::store(params.epilogue, tOrO, lse, ss.tensors.smem_o.data(), 0, t.seq, w.m_block, w.head, w.batch,
+                          wg, thread_idx);
         }
         if constexpr (kDeferRelease) {
           pending_q = read_q;

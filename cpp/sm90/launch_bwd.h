@@ -5,13 +5,14 @@
 //   4. postprocess: dQ = softmax_scale * dQ_accum in the input dtype, each query block once the main
 //      kernel has counted all its key blocks' additions, launched to run beside the main kernel's
 //      tail; under GQA then dK, dV.
-// Included by the generated translation units, one per (dtype, head dim, causal).
+// Included by the generated translation units, one per KernelConfig (kernel_key.h).
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cutlass/numeric_types.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -19,6 +20,7 @@
 #include "../common/block_info.h"
 #include "../common/device_info.h"
 #include "../common/element_type.h"
+#include "../common/kernel_key.h"
 #include "../common/params.h"
 #include "../common/postprocess_bwd.h"
 #include "../common/preprocess_bwd.h"
@@ -28,24 +30,38 @@
 #include "kernel_bwd.h"
 #include "mainloop_bwd.h"
 #include "tile_scheduler.h"
-#include "tile_size.h"
+#include "variants.h"
 
 namespace flashhopper {
 
-template <DType kDType, int kHeadDim, bool kCausal>
-size_t bwd_workspace_bytes_sm90(BwdParams const& p) {
-  using Tile = sm90::BwdTileSize<kHeadDim, kCausal>;
-  return BwdWorkspace::make<Tile::kBlockM, Tile::kBlockN>(p).total;
-}
+namespace sm90 {
+
+template <class Config>
+struct BwdConfig {
+  static_assert(Config::kHeadDimV == Config::kHeadDim, "a V head dim of its own is not built yet");
+  using Element = typename ElementOf<Config::kDType>::type;
+  using Tile = typename BwdTileOf<typename Config::Variant, Config::kHeadDim>::type;
+  template <bool kDeterministic>
+  using Mainloop = BwdMainloop<Element, Config::kHeadDim, Tile, Config::kMask, kDeterministic>;
+};
 
 // Steps 3 and 4 with one mainloop instantiation.
 template <class Mainloop>
-void launch_bwd_main_sm90(BwdParams const& p, BwdWorkspace const& ws, int num_sms, cudaStream_t stream) {
+int64_t launch_bwd_main(BwdParams const& params, BwdWorkspace const& ws, int num_sms, cudaStream_t stream) {
   using namespace cute;
   using Element = typename Mainloop::Element;
-  using Epilogue = sm90::BwdEpilogue<Mainloop>;
-  using Kernel = sm90::BwdKernel<Mainloop, Epilogue>;
-  constexpr bool kCausal = Mainloop::kCausal;
+  using Epilogue = BwdEpilogue<Mainloop>;
+  using Kernel = BwdKernel<Mainloop, Epilogue>;
+  // With no query rows the kernel loads no Q or dO (every key block's range is empty: dK = dV = 0),
+  // but their tensor maps must be valid: extents >= 1 and 16-byte strides over real memory, which
+  // empty tensors need not have. K's serve.
+  BwdParams p = params;
+  if (p.seqlen_q == 0) {
+    p.q_ptr = p.do_ptr = p.k_ptr;
+    p.q_row_stride = p.do_row_stride = p.k_row_stride;
+    p.q_head_stride = p.do_head_stride = p.k_head_stride;
+    p.q_batch_stride = p.do_batch_stride = p.k_batch_stride;
+  }
   float* lse_log2 = ws.at<float>(p.workspace, ws.lse_log2);
   float* dpsum = ws.at<float>(p.workspace, ws.dpsum);
   float* dq_accum = ws.at<float>(p.workspace, ws.dq_accum);
@@ -54,68 +70,75 @@ void launch_bwd_main_sm90(BwdParams const& p, BwdWorkspace const& ws, int num_sm
   int* dq_sem = ws.at<int>(p.workspace, ws.dq_semaphore);
   int* dkv_sem = p.deterministic && ws.gqa ? ws.at<int>(p.workspace, ws.dkv_semaphore) : nullptr;
 
-  typename Mainloop::ShapeQKV const shape_q{p.seqlen_q, p.headdim, p.nheads_q, p.batch};
-  typename Mainloop::ShapeQKV const shape_k{p.seqlen_k, p.headdim, p.nheads_kv, p.batch};
-  auto stride = [](int64_t row, int64_t head, int64_t batch) { return make_stride(row, _1{}, head, batch); };
-  typename Kernel::Params const kp{
-      Mainloop::make_params(static_cast<Element const*>(p.q_ptr), stride(p.q_row_stride, p.q_head_stride, p.q_batch_stride),
-                            static_cast<Element const*>(p.do_ptr), stride(p.do_row_stride, p.do_head_stride, p.do_batch_stride),
-                            shape_q, static_cast<Element const*>(p.k_ptr),
-                            stride(p.k_row_stride, p.k_head_stride, p.k_batch_stride),
-                            static_cast<Element const*>(p.v_ptr), stride(p.v_row_stride, p.v_head_stride, p.v_batch_stride),
-                            shape_k, lse_log2, dpsum, dq_accum, dq_sem, p.deterministic, ws.seqlen_q_rounded,
-                            p.softmax_scale),
-      // Without GQA, dK/dV go straight to the outputs, one per query head.
-      Epilogue::make_params(static_cast<Element*>(p.dk_ptr), stride(p.dk_row_stride, p.dk_head_stride, p.dk_batch_stride),
-                            static_cast<Element*>(p.dv_ptr), stride(p.dv_row_stride, p.dv_head_stride, p.dv_batch_stride),
-                            typename Mainloop::ShapeQKV{p.seqlen_k, p.headdim, p.nheads_kv, p.batch}, dk_accum, dv_accum,
-                            dkv_sem, p.nheads_q / p.nheads_kv, p.nheads_kv),
-      sm90::make_bwd_scheduler_params(ceil_div(p.seqlen_k, Mainloop::kBlockN), p.batch, p.nheads_q, kCausal,
-                                      p.deterministic, num_sms, sm90::kBwdCausalSectionWaves)};
+  int const num_n_blocks = ceil_div(p.seqlen_k, Mainloop::kBlockN);
+  int64_t const ctas = int64_t(num_n_blocks) * p.nheads_q * p.batch;
+  if (ctas > 0) {
+    typename Mainloop::ShapeQKV const shape_q{std::max(p.seqlen_q, 1), p.headdim, p.nheads_q, p.batch};
+    typename Mainloop::ShapeQKV const shape_k{p.seqlen_k, p.headdim, p.nheads_kv, p.batch};
+    auto stride = [](int64_t row, int64_t head, int64_t batch) { return make_stride(row, _1{}, head, batch); };
+    typename Kernel::Params const kp{
+        Mainloop::make_params(static_cast<Element const*>(p.q_ptr), stride(p.q_row_stride, p.q_head_stride, p.q_batch_stride),
+                              static_cast<Element const*>(p.do_ptr), stride(p.do_row_stride, p.do_head_stride, p.do_batch_stride),
+                              shape_q, static_cast<Element const*>(p.k_ptr),
+                              stride(p.k_row_stride, p.k_head_stride, p.k_batch_stride),
+                              static_cast<Element const*>(p.v_ptr), stride(p.v_row_stride, p.v_head_stride, p.v_batch_stride),
+                              shape_k, lse_log2, dpsum, dq_accum, dq_sem, p.deterministic, ws.seqlen_q_rounded,
+                              p.softmax_scale, UniformSeqlens{p.seqlen_q, p.seqlen_k}, p.window_left, p.window_right),
+        // Without GQA, dK/dV go straight to the outputs, one per query head.
+        Epilogue::make_params(static_cast<Element*>(p.dk_ptr), stride(p.dk_row_stride, p.dk_head_stride, p.dk_batch_stride),
+                              static_cast<Element*>(p.dv_ptr), stride(p.dv_row_stride, p.dv_head_stride, p.dv_batch_stride),
+                              typename Mainloop::ShapeQKV{p.seqlen_k, p.headdim, p.nheads_kv, p.batch}, dk_accum,
+                              dv_accum, dkv_sem, p.nheads_q / p.nheads_kv, p.nheads_kv),
+        make_bwd_scheduler_params(num_n_blocks, p.batch, p.nheads_q, p.deterministic)};
 
-  auto kernel = &sm90::bwd_kernel<Kernel>;
-  int const smem_bytes = int(sizeof(typename Kernel::SharedStorage));
-  check_launch(set_max_dynamic_smem_once(kernel, p.device, smem_bytes), "cudaFuncSetAttribute");
-  dim3 const grid(unsigned(int64_t(ceil_div(p.seqlen_k, Mainloop::kBlockN)) * p.nheads_q * p.batch));
-  kernel<<<grid, Kernel::kNumThreads, smem_bytes, stream>>>(kp);
-  check_launch(cudaGetLastError(), "backward kernel launch");
-
-  // Fragment-ordered dQ sums (every 64-row tile) are always converted block by block as they complete.
-  constexpr int kFragCols = Mainloop::kdQFragOrder ? int(Mainloop::DQCols::value) : 0;
-#ifdef FLASHHOPPER_BWD_SERIAL_DQ_CONVERT  // ablation: one pass over dQ after the main kernel
-  if constexpr (kFragCols == 0) {
-    launch_bwd_postprocess<Element>(p, ws, num_sms, stream);
-    return;
+    auto kernel = &bwd_kernel<Kernel>;
+    int const smem_bytes = int(sizeof(typename Kernel::SharedStorage));
+    check_launch(set_max_dynamic_smem_once(kernel, p.device, smem_bytes), "cudaFuncSetAttribute");
+    kernel<<<dim3(unsigned(ctas)), Kernel::kNumThreads, smem_bytes, stream>>>(kp);
+    check_launch(cudaGetLastError(), "backward kernel launch");
   }
-#endif
-  // dQ block by block as the main kernel completes them (a programmatic dependent launch).
-  launch_convert_dq_when_ready<Element, kFragCols>(p, ws, typename Mainloop::BlockInfo{p.seqlen_q, p.seqlen_k},
-                                                   num_sms, stream);
+
+  // dQ block by block as the main kernel completes them (a programmatic dependent launch); with no
+  // keys it converts the zeroed sums right away (every block's count is 0).
+  typename Mainloop::BlockInfoT const bi{UniformSeqlens{p.seqlen_q, p.seqlen_k}(0), p.window_left, p.window_right};
+  launch_convert_dq_when_ready<Element, int(Mainloop::DQCols::value)>(p, ws, bi, num_sms, stream);
   launch_convert_dkv<Element>(p, ws, num_sms, stream);
+  return ctas;
 }
 
-template <DType kDType, int kHeadDim, bool kCausal>
-void run_bwd_sm90(BwdParams const& p, cudaStream_t stream) {
-  using Element = typename ElementOf<kDType>::type;
-  using Tile = sm90::BwdTileSize<kHeadDim, kCausal>;
-  using Mainloop = sm90::BwdMainloop<Element, kHeadDim, Tile, kCausal>;
-  check_bwd_params(p, kHeadDim);
+}  // namespace sm90
+
+template <class Config>
+size_t bwd_workspace_bytes_sm90(BwdParams const& p) {
+  using Tile = typename sm90::BwdConfig<Config>::Tile;
+  return BwdWorkspace::make<Tile::kBlockM, Tile::kBlockN>(p).total;
+}
+
+template <class Config>
+TileInfo bwd_tiles_sm90() {
+  using Tile = typename sm90::BwdConfig<Config>::Tile;
+  return {Tile::kBlockM, Tile::kBlockN};
+}
+
+template <class Config>
+int64_t run_bwd_sm90(BwdParams const& p, cudaStream_t stream) {
+  using C = sm90::BwdConfig<Config>;
+  using Element = typename C::Element;
+  using Tile = typename C::Tile;
+  check_bwd_params(p, Config::kHeadDim);
+  if (int64_t(p.batch) * p.nheads_q == 0) return 0;  // no heads: every gradient is empty
   BwdWorkspace const ws = BwdWorkspace::make<Tile::kBlockM, Tile::kBlockN>(p);
   DeviceInfo const& dev = device_info(p.device);
   int const num_sms = p.num_sms > 0 ? p.num_sms : dev.num_sms;
 
-  launch_bwd_preprocess<Element, kHeadDim>(p, ws, stream);
+  launch_bwd_preprocess<Element, Config::kHeadDim>(p, ws, stream);
   // The deterministic mode has its own instantiation where dQ would be added from registers: it
-  // keeps TMA reduce-adds (mainloop_bwd.h).
+  // keeps the dQ writer (mainloop_bwd.h).
+  using Mainloop = typename C::template Mainloop<false>;
   if constexpr (Mainloop::kdQAtomic) {
-    if (p.deterministic) {
-      launch_bwd_main_sm90<sm90::BwdMainloop<Element, kHeadDim, Tile, kCausal, true>>(p, ws, num_sms, stream);
-    } else {
-      launch_bwd_main_sm90<Mainloop>(p, ws, num_sms, stream);
-    }
-  } else {
-    launch_bwd_main_sm90<Mainloop>(p, ws, num_sms, stream);
+    if (p.deterministic) return sm90::launch_bwd_main<typename C::template Mainloop<true>>(p, ws, num_sms, stream);
   }
+  return sm90::launch_bwd_main<Mainloop>(p, ws, num_sms, stream);
 }
 
 }  // namespace flashhopper

@@ -9,14 +9,18 @@
 //
 // BwdTileSize picks one of two layouts (see tile_size.h): S^T with P^T/dS^T as register operands
 // (kSdPSwapAB), or S with P/dS through shared memory and dV^T/dK^T split over the head dim.
-// The producer warp loads K and V once, then Q (+ its LSE row statistics) and dO (+ D) per query
-// block through PipelineTmaAsync stages. dQ is summed in a float32 buffer laid out as the consumers'
-// fragments (dq_frag_layout.h). It leaves through a dQ-writer warp: each warpgroup stages its share
-// in shared memory, kdQSlices column slices per query block, and the writer bulk-reduce-adds each
-// into the buffer. At head dim 256 (kdQAtomic) the consumers add it themselves with 16-byte
-// reductions: its four slices a step made the staging round trips cost more than the reductions.
-// The deterministic mode, whose ordered additions wait on each other, runs an instantiation with
-// the writer there too (kdQByTma).
+// The producer warp loads K and V once (through the KVBlocks hook, kv_blocks.h), then Q (+ its LSE row
+// statistics) and dO (+ D) per query block through PipelineTmaAsync stages. The query blocks, and
+// which of them are masked (at the bottom of the walk for the right edge, at the top for a left edge),
+// come from BlockInfo for the batch entry's bounds (Seqlens); the score mod's gradient from ScoreMod.
+//
+// dQ is summed in a float32 buffer laid out as the consumers' fragments (dq_frag_layout.h), by one of
+// two paths (DqPath):
+//  - kWriterBulk: each warpgroup stages its share of a slice in shared memory and a dQ-writer warp adds
+//    the buffer with one bulk reduce-add (head dims 64/128, and the deterministic mode at every head
+//    dim: there the ordered additions wait on each other, which TMA's completion counts hide better);
+//  - kConsumerRed: the consumers add it themselves with 16-byte `red`s (head dim 256: its four slices a
+//    step made the staging round trips cost more than the reductions).
 // softmax_scale is applied once: to dK here, to dQ by the postprocess kernel.
 #pragma once
 
@@ -31,12 +35,15 @@
 
 #include "../common/block_info.h"
 #include "../common/dq_frag_layout.h"
-#include "../common/semaphore.h"
 #include "../common/mask.h"
+#include "../common/score_mod.h"
+#include "../common/semaphore.h"
+#include "../common/seqlen.h"
 #include "../common/softmax.h"
 #include "../common/utils.h"
 #include "gemm.h"
 #include "global_reduce.h"
+#include "kv_blocks.h"
 #include "named_barriers.h"
 
 namespace flashhopper::sm90 {
@@ -53,81 +60,37 @@ CUTE_DEVICE auto fragment_ab(ThrMma const& thr, TensorT const& t) {
   }
 }
 
-// kdQByTma: the instantiation for the deterministic mode, which keeps TMA reduce-adds where dQ would
-// otherwise be added from registers (the ordered reds wait on each other; docs/perf-notes.md).
-template <class Element_, int kHeadDim_, class Tile, bool kCausal_, bool kdQByTma = false>
+enum class DqPath { kWriterBulk, kConsumerRed };
+
+// kDeterministic: the instantiation the deterministic mode runs (the writer path at every head dim).
+template <class Element_, int kHeadDim_, class Tile, MaskKind kMask_, bool kDeterministic = false,
+          class ScoreMod_ = ScoreModIdentity, class KVBlocks_ = ContiguousKVBlocks, class Seqlens_ = UniformSeqlens>
 struct BwdMainloop {
   using Element = Element_;
+  using ScoreMod = ScoreMod_;
+  using KVBlocks = KVBlocks_;
+  using Seqlens = Seqlens_;
   static constexpr int kHeadDim = kHeadDim_, kBlockM = Tile::kBlockM, kBlockN = Tile::kBlockN;
   static constexpr int kStages = Tile::kStages, kStagesdO = Tile::kStagesdO, kStagesdS = Tile::kStagesdS;
-  static constexpr bool kCausal = kCausal_;
+  static constexpr MaskKind kMask = kMask_;
   static constexpr bool kSdPSwapAB = Tile::kSdPSwapAB, kdKVSwapAB = Tile::kdKVSwapAB;
   static constexpr int kdQSlices = Tile::kdQSlices;
-  static constexpr bool kdQSwapAB = Tile::kdQSwapAB;
   // P^T and dS^T as register A operands of the dV/dK GEMMs: their accumulator rows are keys.
   static constexpr bool kdKVRegsA = kSdPSwapAB && !kdKVSwapAB;
   static_assert(kSdPSwapAB != kdKVSwapAB, "supported layouts: S^T with dK/dV, or S with dK^T/dV^T");
-  static_assert(kdQSwapAB ? kBlockM % 16 == 0 : kBlockM == 64,
-                "dQ (kBlockM x headdim) is one 64-row atom per warpgroup, or computed as dQ^T");
+  static_assert(kBlockM == 64, "dQ (kBlockM x headdim) is one 64-row WGMMA atom per warpgroup");
   static_assert(kStagesdS == 1 || kStagesdS == kStages, "dS stages follow the Q stages");
   static constexpr int kNumMmaWG = 2;
-  // Ablation build (docs/perf-notes.md), timing only: the dQ reduce-adds are skipped (wrong dQ).
-#ifdef FLASHHOPPER_BWD_NO_DQ_REDUCE
-  static constexpr bool kAblateNoDqReduce = true;
-#else
-  static constexpr bool kAblateNoDqReduce = false;
-#endif
-  // The bank-conflict swap of the row-major dQ staging stores (store_shared, the tensor-map path):
-  // +3-7% at head dim 256 (four slices a step), none at 128 (one slice), where it cost the causal
-  // kernel an 8-byte spill. FLASHHOPPER_BWD_DQ_STAGE_PLAIN (ablation) turns it off.
-#ifdef FLASHHOPPER_BWD_DQ_STAGE_PLAIN
-  static constexpr bool kdQStageSwap = false;
-#else
-  static constexpr bool kdQStageSwap = kdQSlices > 1;
-#endif
-  // A query block's dQ additions are counted this many query blocks after they were issued (not
-  // deterministic). 0, an ablation: not counted, and dQ is converted after the kernel.
-#ifdef FLASHHOPPER_BWD_SERIAL_DQ_CONVERT
-  static constexpr int kdQCountLag = 0;
-#elif defined(FLASHHOPPER_BWD_DQ_COUNT_LAG)
-  static constexpr int kdQCountLag = FLASHHOPPER_BWD_DQ_COUNT_LAG;
-#else
-  static constexpr int kdQCountLag = 1;  // 1 and 2 measured alike (docs/perf-notes.md)
-#endif
-  // Ablation: dV issued after dS is stored (FA3's order) instead of before the dS math.
-#ifdef FLASHHOPPER_BWD_DV_AFTER_DS
-  static constexpr bool kAblateDvAfterDs = true;
-#else
-  static constexpr bool kAblateDvAfterDs = false;
-#endif
   static constexpr int kNumMmaThreads = kNumMmaWG * cutlass::NumThreadsPerWarpGroup;
-  // Head dim 256: the consumers add dQ from registers with 16-byte `red`s into a buffer laid out as
-  // their fragments (common/dq_frag_layout.h), instead of staging it for TMA: the staging round trips (the
-  // buffer is refilled only once TMA has read it, four times a step) cost more than the reductions
-  // (docs/perf-notes.md). The deterministic mode's instantiation (kdQByTma) keeps TMA: there the
-  // reds of a block wait on the previous key block's, which TMA's completion counts hide better.
-  // FLASHHOPPER_BWD_DQ_TMA (ablation) keeps TMA at every head dim.
-#ifndef FLASHHOPPER_BWD_DQ_ATOMIC_MIN_HDIM
-#define FLASHHOPPER_BWD_DQ_ATOMIC_MIN_HDIM 256
-#endif
-#ifdef FLASHHOPPER_BWD_DQ_TMA
-  static constexpr bool kdQAtomic = false;
-#else
-  static constexpr bool kdQAtomic =
-      !kdQByTma && kHeadDim >= FLASHHOPPER_BWD_DQ_ATOMIC_MIN_HDIM && !kdQSwapAB && kBlockM == 64;
-#endif
+  static constexpr DqPath kDqPath = kHeadDim >= 256 && !kDeterministic ? DqPath::kConsumerRed : DqPath::kWriterBulk;
+  static constexpr bool kdQAtomic = kDqPath == DqPath::kConsumerRed;
+  // Without determinism the writer counts a query block's additions this many blocks after issuing
+  // them, when they have long completed, so that waiting for them does not hold up the hand-offs
+  // (1 and 2 measured alike).
+  static constexpr int kdQCountLag = 1;
+  using BlockInfoT = BlockInfo<kBlockM, kBlockN, kMask>;
+  using MaskT = Mask<kBlockN, kMask>;
 
-  // Where dQ goes through TMA, each warpgroup stages its share in fragment order (dq_frag_layout.h):
-  // conflict-free 16-byte stores of 4 accumulator values, and one bulk reduce-add of the contiguous
-  // buffer into the fragment-ordered accumulator. The swizzled row-major staging for a tensor-map
-  // reduce-add took twice the store instructions at twice the wavefronts each (ncu: 4 per STS.64 at
-  // head dim 128, half of them bank conflicts). dQ^T (kdQSwapAB) and FLASHHOPPER_BWD_DQ_TENSOR_TMA
-  // (ablation) keep the latter.
-#ifdef FLASHHOPPER_BWD_DQ_TENSOR_TMA
-  static constexpr bool kdQFragOrder = kdQAtomic;
-#else
-  static constexpr bool kdQFragOrder = !kdQSwapAB && kBlockM == 64;
-#endif
   using D = Int<kHeadDim>;
   using BM = Int<kBlockM>;
   using BN = Int<kBlockN>;
@@ -152,21 +115,15 @@ struct BwdMainloop {
           decltype(GMMA::rs_op_selector<Element, Element, float, AtomShapedKV, GMMA::Major::K, GMMA::Major::MN>()),
           decltype(GMMA::ss_op_selector<Element, Element, float, AtomShapedKV, GMMA::Major::MN, GMMA::Major::MN>())>{},
       Layout<Shape<_2, _1, _1>>{}));
-  // dQ = dS K (kBlockM x headdim), one slice of DSlice columns at a time, split over the head dim;
-  // or, when kBlockM is no multiple of 64 (kdQSwapAB), dQ^T = K^T dS^T, split over its rows.
+  // dQ = dS K (kBlockM x headdim), one slice of DSlice columns at a time, split over the head dim.
   // dS is stored the way the S accumulator holds it (adjacent pairs contiguous), so as dQ's A
-  // operand it is MN-major when S was S^T (and as dQ^T's B operand, MN-major likewise).
+  // operand it is MN-major when S was S^T.
   static constexpr GMMA::Major kMajordS = kSdPSwapAB ? GMMA::Major::MN : GMMA::Major::K;
-  using ShapedQ = std::conditional_t<kdQSwapAB, Shape<DSlice, BM>, Shape<BM, DSlice>>;  // accumulator tile
-  using AtomShapedQ = std::conditional_t<kdQSwapAB, Shape<DQCols, BM, BN>, Shape<BM, DQCols, BN>>;
-  using AtomLayoutdQ = std::conditional_t<kdQSwapAB, Layout<Shape<_2, _1, _1>>, Layout<Shape<_1, _2, _1>>>;
-  using MmaAtomdQ = std::conditional_t<
-      kdQSwapAB, decltype(GMMA::ss_op_selector<Element, Element, float, AtomShapedQ, GMMA::Major::MN, kMajordS>()),
-      decltype(GMMA::ss_op_selector<Element, Element, float, AtomShapedQ, kMajordS, GMMA::Major::MN>())>;
-  using TiledMmadQ = decltype(make_tiled_mma(MmaAtomdQ{}, AtomLayoutdQ{}));
-  // One warpgroup's share of a dQ slice: the same per-thread fragment, addressed in its own buffer.
-  using TiledMmadQHalf = decltype(make_tiled_mma(MmaAtomdQ{}));
-  // Fragment order of a dQ slice's sums (kdQFragOrder, kdQAtomic): group slice * 2 + warpgroup.
+  using ShapedQ = Shape<BM, DSlice>;  // accumulator tile
+  using AtomShapedQ = Shape<BM, DQCols, BN>;
+  using MmaAtomdQ = decltype(GMMA::ss_op_selector<Element, Element, float, AtomShapedQ, kMajordS, GMMA::Major::MN>());
+  using TiledMmadQ = decltype(make_tiled_mma(MmaAtomdQ{}, Layout<Shape<_1, _2, _1>>{}));
+  // Fragment order of a dQ slice's sums: group slice * 2 + warpgroup.
   using FragLayout = DqFragLayout<DQCols::value>;
   static constexpr int kdQHalfFloats = kBlockM * DQCols::value;  // one warpgroup's share of a slice
 
@@ -200,13 +157,6 @@ struct BwdMainloop {
   using SmemLayoutPdSt = decltype(composition(
       SmemLayoutPdS{}, make_ordered_layout(Shape<Int<kSdPCols>, Int<kSdPRows>, Int<kStagesdS>>{}, Step<_2, _1, _3>{})));
   using SmemLayoutdSq = std::conditional_t<kSdPSwapAB, SmemLayoutPdSt, SmemLayoutPdS>;  // (kBlockM, kBlockN, stage)
-  // dQ staging for the TMA reduce-add: each warpgroup's (kBlockM, DQCols) float32 share of a slice.
-  using SmemLayoutdQHalf = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<float>{}, Shape<BM, DQCols>{}));
-  // The same buffer as a warpgroup's dQ^T accumulator sees it.
-  using SmemLayoutdQHalfAcc = std::conditional_t<
-      kdQSwapAB, decltype(composition(SmemLayoutdQHalf{}, make_ordered_layout(Shape<DQCols, BM>{}, Step<_2, _1>{}))),
-      SmemLayoutdQHalf>;
-  using SmemLayoutdQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<float>{}, Shape<BM, DQCols, _2>{}));
   // stmatrix of P/dS: four 8x8 matrices per instruction when each thread's share allows it.
   using SmemCopyAtomPdS = Copy_Atom<std::conditional_t<(kBlockM * kBlockN / kNumMmaThreads) % 8 == 0,
                                                        SM90_U32x4_STSM_N, SM90_U32x2_STSM_N>, Element>;
@@ -215,11 +165,8 @@ struct BwdMainloop {
   using ShapeQKV = Shape<int32_t, int32_t, int32_t, int32_t>;  // (seqlen, headdim, head, batch)
   using StrideQKV = Stride<int64_t, _1, int64_t, int64_t>;
   using GmemTensor = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{}, StrideQKV{}));
-  using GmemTensorAccum = decltype(make_tensor(make_gmem_ptr(static_cast<float*>(nullptr)), ShapeQKV{}, StrideQKV{}));
   using TMA_QdO = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutQ{}), Shape<BM, D>{}, _1{}));
   using TMA_KV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutK{}, Shape<BN, D>{}, _1{}));
-  using TMA_dQ = decltype(make_tma_copy(SM90_TMA_REDUCE_ADD{}, GmemTensorAccum{}, SmemLayoutdQHalf{},
-                                        Shape<BM, DQCols>{}, _1{}));
 
   static constexpr uint32_t kKVBytes = uint32_t(2 * size(SmemLayoutK{}) * sizeof(Element));
   static constexpr uint32_t kRowStatBytes = uint32_t(kBlockM * sizeof(float));  // LSE or D of one query block
@@ -237,8 +184,8 @@ struct BwdMainloop {
     typename PipelinedO::SharedStorage pipeline_do;
   };
   // All of the CTA's shared memory. The small pieces come first and the 1 KB-aligned tiles after, so
-  // that alignment costs at most one padding gap (the head-dim-128, 80-row tile is within 2 KB of
-  // the 227 KB limit); P exists only when it goes through shared memory (an empty base otherwise).
+  // that alignment costs at most one padding gap; P exists only when it goes through shared memory
+  // (an empty base otherwise).
   template <class T, int N>
   using Tile1K = cute::array_aligned<T, N, 1024>;
   struct PStorage {
@@ -254,43 +201,47 @@ struct BwdMainloop {
     Tile1K<Element, cosize_v<SmemLayoutQ>> smem_q;
     Tile1K<Element, cosize_v<SmemLayoutdO>> smem_do;
     Tile1K<Element, cosize_v<SmemLayoutPdS>> smem_ds;
-    Tile1K<float, kdQAtomic ? 256 : cosize_v<SmemLayoutdQ>> smem_dq;  // unused with dQ atomics
+    // kWriterBulk: each warpgroup's staged share of a dQ slice, in fragment order (unused otherwise).
+    Tile1K<float, kdQAtomic ? 256 : kNumMmaWG * kdQHalfFloats> smem_dq;
   };
-
-  using BlockInfo = BwdBlockInfo<kBlockM, kBlockN, kCausal>;
 
   struct Params {
     TMA_QdO tma_q, tma_do;
     TMA_KV tma_k, tma_v;
-    TMA_dQ tma_dq;
     ShapeQKV shape_q, shape_k;
     float const* lse_log2;  // (batch, head, seqlen_q_rounded): LSE * log2(e), +inf where P must be 0
     float const* dpsum;     // (batch, head, seqlen_q_rounded): rowsum(dO * O) - dLSE, 0 on padding rows
-    float* dq_accum;        // (batch, head, seqlen_q, headdim) float32, zeroed
+    float* dq_accum;        // (batch, head, m_blocks, kBlockM x headdim) float32 in fragment order, zeroed
     int* dq_semaphore;      // (batch, head, m_blocks) zeroed: key blocks whose dQ additions have landed
     bool deterministic;     // key blocks add in a fixed order (they wait on dq_semaphore)
     int seqlen_q_rounded;
     int heads_ratio;
     float softmax_scale, scale_log2;
-    BlockInfo block_info;
+    Seqlens seqlens;
+    int window_left, window_right;
+    ScoreMod score_mod;
+    typename KVBlocks::Params kv_blocks;
   };
+
+  CUTE_DEVICE static SeqlenInfo seqlen_info(Params const& p, int batch) { return p.seqlens(batch); }
+  CUTE_HOST_DEVICE static BlockInfoT block_info(Params const& p, SeqlenInfo const& s) {
+    return {s, p.window_left, p.window_right};
+  }
 
   static Params make_params(Element const* q, StrideQKV stride_q, Element const* dout, StrideQKV stride_do,
                             ShapeQKV shape_q, Element const* k, StrideQKV stride_k, Element const* v,
                             StrideQKV stride_v, ShapeQKV shape_k, float const* lse_log2, float const* dpsum,
                             float* dq_accum, int* dq_semaphore, bool deterministic, int seqlen_q_rounded,
-                            float softmax_scale) {
+                            float softmax_scale, Seqlens seqlens, int window_left, int window_right,
+                            ScoreMod score_mod = {}, typename KVBlocks::Params kv_blocks = {}) {
     auto mQ = make_tensor(make_gmem_ptr(q), shape_q, stride_q);
     auto mdO = make_tensor(make_gmem_ptr(dout), shape_q, stride_do);
     auto mK = make_tensor(make_gmem_ptr(k), shape_k, stride_k);
     auto mV = make_tensor(make_gmem_ptr(v), shape_k, stride_v);
-    int64_t const sq = get<0>(shape_q), d = get<1>(shape_q), h = get<2>(shape_q);
-    auto mdQ = make_tensor(make_gmem_ptr(dq_accum), shape_q, make_stride(d, _1{}, sq * d, h * sq * d));
     return {make_tma_copy(SM90_TMA_LOAD{}, mQ, take<0, 2>(SmemLayoutQ{}), Shape<BM, D>{}, _1{}),
             make_tma_copy(SM90_TMA_LOAD{}, mdO, take<0, 2>(SmemLayoutdO{}), Shape<BM, D>{}, _1{}),
             make_tma_copy(SM90_TMA_LOAD{}, mK, SmemLayoutK{}, Shape<BN, D>{}, _1{}),
             make_tma_copy(SM90_TMA_LOAD{}, mV, SmemLayoutV{}, Shape<BN, D>{}, _1{}),
-            make_tma_copy(SM90_TMA_REDUCE_ADD{}, mdQ, SmemLayoutdQHalf{}, Shape<BM, DQCols>{}, _1{}),
             shape_q,
             shape_k,
             lse_log2,
@@ -301,8 +252,12 @@ struct BwdMainloop {
             seqlen_q_rounded,
             get<2>(shape_q) / get<2>(shape_k),
             softmax_scale,
-            float(softmax_scale * M_LOG2E),
-            {get<0>(shape_q), get<0>(shape_k)}};
+            score_mod.softmax_scale_log2(float(softmax_scale * M_LOG2E)),
+            seqlens,
+            window_left,
+            window_right,
+            score_mod,
+            kv_blocks};
   }
 
   CUTE_DEVICE static void prefetch_descriptors(Params const& p) {
@@ -310,47 +265,17 @@ struct BwdMainloop {
     cute::prefetch_tma_descriptor(p.tma_do.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(p.tma_dq.get_tma_descriptor());
-  }
-
-  // Accumulator fragment -> its place in a swizzled float32 shared-memory tile, with st.shared: a
-  // plain copy through CuTe's swizzled pointer compiles to generic 4-byte stores (the address space
-  // is lost in the swizzle arithmetic). Adjacent accumulator columns stay adjacent under the 16-byte
-  // swizzle, so unless the tile is transposed each pair goes as one 8-byte store.
-  // Bank conflicts: a warp's 8-byte stores are served a half-warp (4 accumulator rows x 32 bytes) at
-  // a time, and under the 128-byte swizzle rows r and r^1 put the same column group on the same
-  // banks (2 wavefronts per half-warp; ncu: 4 per store instead of 2). So the lanes of odd rows
-  // store their column groups j and j^2 swapped: fragment index i = pair element + 2 * row half +
-  // 4 * column group, so group j^2 is index i^8, and each half-warp then covers all 32 banks once.
-  template <class Frag, class TensorS>
-  CUTE_DEVICE static void store_shared(Frag const& frag, TensorS const& dst) {
-    if constexpr (kdQSwapAB) {
-      CUTE_UNROLL
-      for (int i = 0; i < size(frag); ++i) {
-        asm volatile("st.shared.f32 [%0], %1;" ::"r"(cast_smem_ptr_to_uint(&dst(i))), "f"(frag(i)));
-      }
-    } else {
-      static_assert(size(Frag{}) % 16 == 0, "at least four 8-column groups per thread");
-      bool const odd_row = kdQStageSwap && (threadIdx.x / 4) % 2;
-      CUTE_UNROLL
-      for (int i = 0; i < size(frag); i += 2) {
-        int const k = i ^ 8;
-        uint32_t const addr = odd_row ? cast_smem_ptr_to_uint(&dst(k)) : cast_smem_ptr_to_uint(&dst(i));
-        float const v0 = odd_row ? frag(k) : frag(i), v1 = odd_row ? frag(k + 1) : frag(i + 1);
-        asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(v0), "f"(v1));
-      }
-    }
   }
 
   // Deterministic: the key blocks that add to a query block's dQ do so from the highest to the
   // lowest (so that in causal attention every CTA starts at once: all walk the query blocks from the
   // last one down). This many of them come before n_block.
-  CUTE_DEVICE static int later_key_blocks(Params const& p, int m_block, int n_block) {
-    return p.block_info.n_block_end(m_block) - 1 - n_block;
+  CUTE_DEVICE static int later_key_blocks(BlockInfoT const& bi, int m_block, int n_block) {
+    return bi.n_block_max(m_block) - 1 - n_block;
   }
 
-  // Index of (batch, head)'s first query block among all of them: its dq_semaphore entries (and, with
-  // dQ atomics, its fragment-ordered dQ blocks) start there.
+  // Index of (batch, head)'s first query block among all of them: its dq_semaphore entries and its
+  // fragment-ordered dQ blocks start there.
   CUTE_DEVICE static int64_t first_m_block(Params const& p, int head, int batch) {
     return (int64_t(batch) * get<2>(p.shape_q) + head) * ceil_div(get<0>(p.shape_q), kBlockM);
   }
@@ -362,20 +287,30 @@ struct BwdMainloop {
   // ---------------------------------------------------------------------------------------------
   // Producer: one thread. K and V once, then per query block Q with its LSE and dO with its D.
   CUTE_DEVICE static void load(Params const& p, PipelineKV& pipeline_kv, Pipeline& pipeline_q, PipelinedO& pipeline_do,
-                               TensorStorage& ts, int n_block, int head, int batch) {
-    int const m_begin = p.block_info.m_block_min(n_block), m_end = p.block_info.m_block_max();
+                               TensorStorage& ts, SeqlenInfo const& seq, BlockInfoT const& bi, int n_block, int head,
+                               int batch) {
+    int const m_begin = bi.m_block_min(n_block), m_end = bi.m_block_max(n_block);
     if (m_end <= m_begin) return;
     int const kv_head = head / p.heads_ratio;
+    KVBlocks const kv_blocks(p.kv_blocks, batch);
 
     Tensor sQ = make_tensor(make_smem_ptr(ts.smem_q.data()), SmemLayoutQ{});
     Tensor sdO = make_tensor(make_smem_ptr(ts.smem_do.data()), SmemLayoutdO{});
     // K and V have no stage mode; the same layout with one of size 1, for the TMA partitioning.
     Tensor sK = make_tensor(make_smem_ptr(ts.smem_k.data()), SmemLayoutKStaged{});
     Tensor sV = make_tensor(make_smem_ptr(ts.smem_v.data()), SmemLayoutKStaged{});
-    Tensor gQ = local_tile(p.tma_q.get_tma_tensor(p.shape_q)(_, _, head, batch), Shape<BM, D>{}, make_coord(_, _0{}));
-    Tensor gdO = local_tile(p.tma_do.get_tma_tensor(p.shape_q)(_, _, head, batch), Shape<BM, D>{}, make_coord(_, _0{}));
-    Tensor gK = local_tile(p.tma_k.get_tma_tensor(p.shape_k)(_, _, kv_head, batch), Shape<BN, D>{}, make_coord(_, _0{}));
-    Tensor gV = local_tile(p.tma_v.get_tma_tensor(p.shape_k)(_, _, kv_head, batch), Shape<BN, D>{}, make_coord(_, _0{}));
+    auto q_rows = [&](auto const& tma) {
+      return local_tile(entry_rows(tma.get_tma_tensor(p.shape_q), seq.offset_q, head, seq.batch_coord),
+                        Shape<BM, D>{}, make_coord(_, _0{}));
+    };
+    auto kv_rows = [&](auto const& tma) {
+      return local_tile(entry_rows(tma.get_tma_tensor(p.shape_k), seq.offset_k, kv_head, seq.batch_coord),
+                        Shape<BN, D>{}, make_coord(_, _0{}));
+    };
+    Tensor gQ = q_rows(p.tma_q);
+    Tensor gdO = q_rows(p.tma_do);
+    Tensor gK = kv_rows(p.tma_k);
+    Tensor gV = kv_rows(p.tma_v);
     auto q_parts = tma_partition(p.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
     auto do_parts = tma_partition(p.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
     auto k_parts = tma_partition(p.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
@@ -386,8 +321,8 @@ struct BwdMainloop {
     auto write_kv = cutlass::make_producer_start_state<PipelineKV>();
     pipeline_kv.producer_acquire(write_kv);
     auto* kv_bar = pipeline_kv.producer_get_barrier(write_kv);
-    copy(p.tma_k.with(*kv_bar, 0, TMA::CacheHintSm90::EVICT_FIRST), get<0>(k_parts)(_, n_block), get<1>(k_parts)(_, 0));
-    copy(p.tma_v.with(*kv_bar, 0, TMA::CacheHintSm90::EVICT_FIRST), get<0>(v_parts)(_, n_block), get<1>(v_parts)(_, 0));
+    kv_blocks.load(p.tma_k, *kv_bar, get<0>(k_parts), n_block, get<1>(k_parts)(_, 0), TMA::CacheHintSm90::EVICT_FIRST);
+    kv_blocks.load(p.tma_v, *kv_bar, get<0>(v_parts), n_block, get<1>(v_parts)(_, 0), TMA::CacheHintSm90::EVICT_FIRST);
 
     // Every key block of this head reads the same Q and dO: keep them in L2.
     auto write_q = cutlass::make_producer_start_state<Pipeline>();
@@ -411,22 +346,17 @@ struct BwdMainloop {
   }
 
   // ---------------------------------------------------------------------------------------------
-  // dQ writer: one warp. As each consumer warpgroup fills its buffer with its share of a dQ slice,
-  // one lane TMA-reduce-adds it into dq_accum and hands the buffer back once TMA has read it.
+  // dQ writer (kWriterBulk): one warp. As each consumer warpgroup fills its buffer with its share of a
+  // dQ slice, one lane bulk-reduce-adds it into dq_accum and hands the buffer back once it has been read.
   // Once a query block's additions have landed in global memory, its dq_semaphore counts them: the
   // postprocess converts a block as soon as every key block has counted (it runs beside this
   // kernel's tail). Deterministic: key blocks add one at a time, in later_key_blocks order, and
-  // count at once; otherwise a block is counted kdQCountLag query blocks later, when its
-  // reduce-adds have long completed, so that waiting for them does not hold up the hand-offs.
-  CUTE_DEVICE static void store_dq(Params const& p, TensorStorage& ts, int n_block, int head, int batch) {
+  // count at once; otherwise a block is counted kdQCountLag query blocks later.
+  CUTE_DEVICE static void store_dq(Params const& p, TensorStorage& ts, BlockInfoT const& bi, int n_block, int head,
+                                   int batch) {
     if constexpr (kdQAtomic) return;  // the consumers add and count dQ themselves
-    int const m_begin = p.block_info.m_block_min(n_block), m_end = p.block_info.m_block_max();
-    Tensor sdQ = make_tensor(make_smem_ptr(ts.smem_dq.data()), SmemLayoutdQ{});  // (BM, DQCols, warpgroup)
-    Tensor gdQ = local_tile(p.tma_dq.get_tma_tensor(p.shape_q)(_, _, head, batch), Shape<BM, DQCols>{},
-                            make_coord(_, _));  // (BM, DQCols, m, column tile)
-    auto parts = tma_partition(p.tma_dq, _0{}, Layout<_1>{}, group_modes<0, 2>(sdQ), group_modes<0, 2>(gdQ));
-    Tensor tdQgdQ = get<0>(parts);  // (TMA, m, column tile)
-    Tensor tdQsdQ = get<1>(parts);  // (TMA, warpgroup)
+    int const m_begin = bi.m_block_min(n_block), m_end = bi.m_block_max(n_block);
+    if (m_end <= m_begin) return;  // no query sees the block: the consumers hand nothing over
     int* const sem_bh = p.dq_semaphore + first_m_block(p, head, batch);
     float* const dq_bh = p.dq_accum + first_m_block(p, head, batch) * int64_t(kBlockM * kHeadDim);  // fragment order
     bool const lane0 = cute::elect_one_sync();
@@ -446,7 +376,7 @@ struct BwdMainloop {
     CUTE_UNROLL
     for (int wg = 0; wg < kNumMmaWG; ++wg) cutlass::arch::NamedBarrier::arrive(kdQHandoffThreads, kBwddQEmpty0 + wg);
     for (int m_block = m_end - 1; m_block >= m_begin; --m_block) {
-      if (p.deterministic && lane0) wait_at_least(sem_bh + m_block, later_key_blocks(p, m_block, n_block));
+      if (p.deterministic && lane0) wait_at_least(sem_bh + m_block, later_key_blocks(bi, m_block, n_block));
       __syncwarp();
       CUTE_UNROLL
       for (int slice = 0; slice < kdQSlices; ++slice) {
@@ -456,13 +386,8 @@ struct BwdMainloop {
           if (lane0) {
             // Warpgroup wg holds columns [(slice * 2 + wg) * DQCols, +DQCols) of dQ_m.
             int const group = slice * kNumMmaWG + wg;
-            if constexpr (kAblateNoDqReduce) {
-            } else if constexpr (kdQFragOrder) {
-              bulk_reduce_add(dq_bh + m_block * int64_t(kBlockM * kHeadDim) + FragLayout::offset(group, 0, 0),
-                              ts.smem_dq.data() + wg * kdQHalfFloats, kdQHalfFloats * sizeof(float));
-            } else {
-              copy(p.tma_dq, tdQsdQ(_, wg), tdQgdQ(_, m_block, group));
-            }
+            bulk_reduce_add(dq_bh + m_block * int64_t(kBlockM * kHeadDim) + FragLayout::offset(group, 0, 0),
+                            ts.smem_dq.data() + wg * kdQHalfFloats, kdQHalfFloats * sizeof(float));
             tma_store_arrive();
           }
         }
@@ -475,11 +400,11 @@ struct BwdMainloop {
       }
       if (p.deterministic) {
         count(m_block, m_block, Int<0>{});
-      } else if (kdQCountLag > 0 && m_block + kdQCountLag < m_end) {
+      } else if (m_block + kdQCountLag < m_end) {
         count(m_block + kdQCountLag, m_block + kdQCountLag, Int<kdQCountLag * kGroupsPerBlock>{});
       }
     }
-    if (!p.deterministic && kdQCountLag > 0) count(m_begin, imin(m_end, m_begin + kdQCountLag) - 1, Int<0>{});
+    if (!p.deterministic) count(m_begin, imin(m_end, m_begin + kdQCountLag) - 1, Int<0>{});
   }
 
   // ---------------------------------------------------------------------------------------------
@@ -487,10 +412,9 @@ struct BwdMainloop {
   // into the caller's zeroed fragments. Returns false if no query block sees this key block.
   template <class FragdKV>
   CUTE_DEVICE static bool mma(Params const& p, PipelineKV& pipeline_kv, Pipeline& pipeline_q, PipelinedO& pipeline_do,
-                              TensorStorage& ts, FragdKV& tdKrdK, FragdKV& tdVrdV, int thread_idx, int n_block,
-                              int head, int batch) {
-    auto const& bi = p.block_info;
-    int const m_begin = bi.m_block_min(n_block), m_end = bi.m_block_max();
+                              TensorStorage& ts, FragdKV& tdKrdK, FragdKV& tdVrdV, int thread_idx,
+                              SeqlenInfo const& seq, BlockInfoT const& bi, int n_block, int head, int batch) {
+    int const m_begin = bi.m_block_min(n_block), m_end = bi.m_block_max(n_block);
     if (m_end <= m_begin) return false;
     int const wg = thread_idx / cutlass::NumThreadsPerWarpGroup;
     int64_t const m_block0 = first_m_block(p, head, batch);
@@ -527,7 +451,7 @@ struct BwdMainloop {
     Tensor tdPrV = fragment_ab<kSdPSwapAB>(thr_sdp, sV);
     Tensor tdVrdO = fragment_ab<kdKVSwapAB>(thr_dkv, sdOt);
     Tensor tdKrQ = fragment_ab<kdKVSwapAB>(thr_dkv, sQt);
-    Tensor tdQrdS = fragment_ab<!kdQSwapAB>(thr_dq, sdSq);
+    Tensor tdQrdS = thr_dq.partition_fragment_A(sdSq);
 
     auto smem_copy_pds = make_tiled_copy_C(SmemCopyAtomPdS{}, mma_sdp);
     auto thr_copy_pds = smem_copy_pds.get_thread_slice(thread_idx);
@@ -537,16 +461,16 @@ struct BwdMainloop {
     Tensor tScS = thr_sdp.partition_C(make_identity_tensor(ShapeSdP{}));
     Tensor tScS_rc = rowcol(tScS);
     // The per-query statistics (LSE, D) of an element are read from shared memory where they are
-    // used: held in registers they cost 2 * kBlockM / 4 of them with S^T (spills at kBlockM 80;
-    // 2-8% slower at 64, docs/perf-notes.md v7).
+    // used: held in registers they cost 2 * kBlockM / 4 of them with S^T (2-8% slower at 64,
+    // docs/perf-notes.md v7).
     auto stat = [&](float const* s_stat) {
       return [&tScS_rc, s_stat](int mi, int ni) {
         return s_stat[kSdPSwapAB ? int(get<1>(tScS_rc(0, ni))) : int(get<0>(tScS_rc(mi, 0)))];
       };
     };
 
-    Mask<kBlockN, kCausal> const mask{bi.seqlen_q, bi.seqlen_k};
-    bool const seqlen_mask = (n_block + 1) * kBlockN > bi.seqlen_k;  // the last key block has padding
+    MaskT const mask{seq, p.window_left, p.window_right};
+    bool const seqlen_mask = (n_block + 1) * kBlockN > seq.seqlen_k;  // the last key block has padding
 
     PipelineState read_q;
     PipelineStatedO read_do;
@@ -555,19 +479,26 @@ struct BwdMainloop {
       pipeline_kv.consumer_wait(read_kv);
     }
 
-    int const m_causal_end = bi.m_block_causal_end(n_block);
+    // Query blocks below m_right_end have a row whose right edge cuts the key block; from m_left_begin
+    // on, a row whose left edge does.
+    int const m_right_end = bi.m_block_right_masked_end(n_block);
+    int const m_left_begin = bi.m_block_left_masked_begin(n_block);
     // One loop body for masked and unmasked blocks: two instances of it made the compiler shuffle
     // (and spill) the dK/dV accumulators between them. Only the mask is behind a uniform branch.
     auto apply_mask = [&](auto& tSrS, int m_block) {
       int const q0 = m_block * kBlockM, k0 = n_block * kBlockN;
-      if (m_block < m_causal_end) {
+      if constexpr (BlockInfoT::kHasLeft) {
+        if (m_block < m_right_end || m_block >= m_left_begin || seqlen_mask) {
+          mask.template apply_bwd<true, true, true, kSdPSwapAB>(tSrS, tScS, q0, k0);
+        }
+      } else if (m_block < m_right_end) {
         if (seqlen_mask) {
-          mask.template apply_bwd<true, true, kSdPSwapAB>(tSrS, tScS, q0, k0);
+          mask.template apply_bwd<true, true, false, kSdPSwapAB>(tSrS, tScS, q0, k0);
         } else {
-          mask.template apply_bwd<false, true, kSdPSwapAB>(tSrS, tScS, q0, k0);
+          mask.template apply_bwd<false, true, false, kSdPSwapAB>(tSrS, tScS, q0, k0);
         }
       } else if (seqlen_mask) {
-        mask.template apply_bwd<true, false, kSdPSwapAB>(tSrS, tScS, q0, k0);
+        mask.template apply_bwd<true, false, false, kSdPSwapAB>(tSrS, tScS, q0, k0);
       }
     };
 
@@ -593,23 +524,25 @@ struct BwdMainloop {
       auto const lse = stat(ts.smem_lse.data() + stage_q * kBlockM);
       warpgroup_wait<1>();
       warpgroup_fence_operand(tSrS);
+      auto const score_grad = p.score_mod.apply_with_grad(tSrS);
       apply_mask(tSrS, m_block);
       Tensor scores = rowcol(tSrS);
       probs_from_lse(scores, lse, p.scale_log2);
       Tensor rP = convert_type<Element>(tSrS);
       // dV += P^T dO needs only P: with P^T in registers it goes out now and runs under the dS math.
-      if constexpr (kdKVRegsA && !kAblateDvAfterDs) {
+      if constexpr (kdKVRegsA) {
         Tensor tdVrP = make_tensor(rP.data(), acc_layout_as_a_operand(rP.layout()));
         wgmma<false, -1>(mma_dkv, tdVrP, tdVrdO(_, _, _, stage_do), tdVrdV);
       }
 
       auto const dpsum = stat(ts.smem_dpsum.data() + stage_do * kBlockM);
-      warpgroup_wait<(kdKVRegsA && !kAblateDvAfterDs) ? 1 : 0>();  // dP done
+      warpgroup_wait<kdKVRegsA ? 1 : 0>();  // dP done
       warpgroup_fence_operand(tdPrdP);
       Tensor dscores = rowcol(tdPrdP);
       // dS from the 16-bit P (the dV operand, as PyTorch's own 16-bit backward has it): the float32
-      // P is dead by now, which keeps the 80-row tile within the register budget.
+      // P is dead by now, which keeps the register budget.
       grad_scores(rowcol(rP), dscores, dpsum);
+      p.score_mod.chain(dscores, score_grad);
       Tensor rdS = convert_type<Element>(tdPrdP);
       // With one dS (and P) buffer, both warpgroups must be done with the previous block's GEMMs.
       if constexpr (kStagesdS == 1) cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBwdPdS);
@@ -618,10 +551,6 @@ struct BwdMainloop {
         copy(smem_copy_pds, thr_copy_pds.retile_S(rP), thr_copy_pds.partition_D(sP)(_, _, _, stage_ds));
       }
       copy(smem_copy_pds, thr_copy_pds.retile_S(rdS), tdSsdS(_, _, _, stage_ds));
-      if constexpr (kdKVRegsA && kAblateDvAfterDs) {
-        Tensor tdVrP = make_tensor(rP.data(), acc_layout_as_a_operand(rP.layout()));
-        wgmma<false, -1>(mma_dkv, tdVrP, tdVrdO(_, _, _, stage_do), tdVrdV);
-      }
       // dS (and P) written by both warpgroups, visible to the tensor cores.
       cutlass::arch::fence_view_async_shared();
       cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBwdPdS);
@@ -632,12 +561,8 @@ struct BwdMainloop {
       }
       // dQ slices, with dK issued after the first: dQ_0, dK, dQ_1, ...
       auto issue_dq = [&](auto& tdQrdQ, int slice) {
-        Tensor tdQrK = fragment_ab<kdQSwapAB>(thr_dq, local_tile(sKt, Shape<DSlice, BN>{}, make_coord(slice, _0{})));
-        if constexpr (kdQSwapAB) {
-          wgmma<true, -1>(mma_dq, tdQrK, tdQrdS(_, _, _, stage_ds), tdQrdQ);
-        } else {
-          wgmma<true, -1>(mma_dq, tdQrdS(_, _, _, stage_ds), tdQrK, tdQrdQ);
-        }
+        Tensor tdQrK = thr_dq.partition_fragment_B(local_tile(sKt, Shape<DSlice, BN>{}, make_coord(slice, _0{})));
+        wgmma<true, -1>(mma_dq, tdQrdS(_, _, _, stage_ds), tdQrK, tdQrdQ);
       };
       auto issue_dk = [&]() {
         if constexpr (kdKVRegsA) {
@@ -649,16 +574,13 @@ struct BwdMainloop {
         }
       };
 
-      // Hand each slice to the dQ writer once it has emptied this warpgroup's buffer.
-      // This warpgroup's buffer is the wg-th (kBlockM, DQCols) block of SmemLayoutdQ (1 KB aligned).
-      Tensor sdQ = make_tensor(make_smem_ptr(ts.smem_dq.data() + wg * cosize_v<SmemLayoutdQHalf>), SmemLayoutdQHalfAcc{});
-      Tensor tdQsdQ = TiledMmadQHalf{}.get_thread_slice(thread_idx % cutlass::NumThreadsPerWarpGroup).partition_C(sdQ);
-      // With dQ atomics, the slice is added to this block's fragment-ordered sums instead.
+      // A slice's sums, in fragment order: added by the consumers (kConsumerRed) or staged for the
+      // dQ writer once it has emptied this warpgroup's buffer (kWriterBulk).
       float* const dq_block = p.dq_accum + (m_block0 + m_block) * int64_t(kBlockM * kHeadDim);
       auto stage_dq = [&](auto& frag, int slice) {
         warpgroup_fence_operand(frag);
+        int const t = thread_idx % cutlass::NumThreadsPerWarpGroup;
         if constexpr (kdQAtomic) {
-          int const t = thread_idx % cutlass::NumThreadsPerWarpGroup;
           CUTE_UNROLL
           for (int i = 0; i < size(frag); i += 4) {
             red_add_v4(dq_block + FragLayout::offset(slice * kNumMmaWG + wg, t, i), frag(i), frag(i + 1), frag(i + 2),
@@ -666,19 +588,14 @@ struct BwdMainloop {
           }
         } else {
           cutlass::arch::NamedBarrier::sync(kdQHandoffThreads, kBwddQEmpty0 + wg);
-          if constexpr (kdQFragOrder) {
-            // Thread t's values i..i+3 at float ((i / 4) * 128 + t) * 4 of the buffer: a warp's
-            // 16-byte stores cover 512 contiguous bytes.
-            int const t = thread_idx % cutlass::NumThreadsPerWarpGroup;
-            uint32_t const base = cast_smem_ptr_to_uint(ts.smem_dq.data() + wg * kdQHalfFloats);
-            CUTE_UNROLL
-            for (int i = 0; i < size(frag); i += 4) {
-              asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(
-                               base + uint32_t(FragLayout::offset(0, t, i) * sizeof(float))),
-                           "f"(frag(i)), "f"(frag(i + 1)), "f"(frag(i + 2)), "f"(frag(i + 3)));
-            }
-          } else {
-            store_shared(frag, tdQsdQ);
+          // Thread t's values i..i+3 at float ((i / 4) * 128 + t) * 4 of the buffer: a warp's
+          // 16-byte stores cover 512 contiguous bytes, conflict-free.
+          uint32_t const base = cast_smem_ptr_to_uint(ts.smem_dq.data() + wg * kdQHalfFloats);
+          CUTE_UNROLL
+          for (int i = 0; i < size(frag); i += 4) {
+            asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(
+                             base + uint32_t(FragLayout::offset(0, t, i) * sizeof(float))),
+                         "f"(frag(i)), "f"(frag(i + 1)), "f"(frag(i + 2)), "f"(frag(i + 3)));
           }
           cutlass::arch::fence_view_async_shared();
           cutlass::arch::NamedBarrier::arrive(kdQHandoffThreads, kBwddQFull0 + wg);
@@ -726,8 +643,8 @@ struct BwdMainloop {
     CUTE_NO_UNROLL
     for (int m_block = m_end - 1; m_block >= m_begin; --m_block) step(m_block);
 
-    // dQ atomics (never deterministic: that mode runs the kdQByTma instantiation): this CTA's
-    // additions to every block it walked are counted at once (one fence per thread, not one per step).
+    // dQ atomics (never deterministic: that mode runs the writer path): this CTA's additions to every
+    // block it walked are counted at once (one fence per thread, not one per step).
     if constexpr (kdQAtomic) count_dq_atomics(m_begin, m_end);
 
     CUTE_UNROLL

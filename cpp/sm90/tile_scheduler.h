@@ -88,46 +88,28 @@ struct DynamicTileScheduler {
 
 // ---------------------------------------------------------------------------------------------
 // Backward: one CTA per (key block, query head, batch), launched as a 1-D grid that the hardware
-// starts in index order. In causal attention key block n has ~(num_n_blocks - n) query blocks of
-// work, so the order is heaviest first (n ascending) across a section of heads_per_section heads,
-// then the next section: with one head per section the last head's heaviest CTA starts when little
-// other work is left, and it alone sets the end of the kernel. Deterministic runs reverse n (the
-// semaphores make a CTA wait on higher key blocks, which must have lower indices, i.e. have started).
+// starts in index order, the key blocks of one head after another, heaviest first: in causal
+// attention key block n has ~(num_n_blocks - n) query blocks of work, so n ascending, head by head
+// (sections of several heads, ordered heaviest first across them, were within noise or worse:
+// docs/perf-notes.md, "Causal CTA order"). Deterministic runs reverse n (the semaphores make a CTA
+// wait on higher key blocks, which must have lower indices, i.e. have started).
 struct BwdTile {
   int n_block, head, batch;
 };
 
 struct BwdSchedulerParams {
   int num_n_blocks = 0;
-  int num_bh = 0;  // batch * query heads
   int nheads = 0;
-  int heads_per_section = 1;
   bool reverse_n = false;
 };
 
-// Causal: sections big enough that one holds section_waves waves of CTAs (0: one head each).
-inline BwdSchedulerParams make_bwd_scheduler_params(int num_n_blocks, int batch, int nheads, bool causal,
-                                                    bool deterministic, int num_sms, int section_waves) {
-  BwdSchedulerParams p;
-  p.num_n_blocks = num_n_blocks;
-  p.num_bh = batch * nheads;
-  p.nheads = nheads;
-  p.reverse_n = deterministic;
-  if (causal && !deterministic && section_waves > 0) {
-    int64_t const want = (int64_t(section_waves) * num_sms + num_n_blocks - 1) / num_n_blocks;
-    p.heads_per_section = int(std::max<int64_t>(1, std::min<int64_t>(p.num_bh, want)));
-  }
-  return p;
+inline BwdSchedulerParams make_bwd_scheduler_params(int num_n_blocks, int /*batch*/, int nheads, bool deterministic) {
+  return {num_n_blocks, nheads, deterministic};
 }
 
 CUTE_DEVICE BwdTile decode_bwd_tile(BwdSchedulerParams const& p, int linear) {
-  int const per_section = p.num_n_blocks * p.heads_per_section;
-  int const section = linear / per_section;
-  int const r = linear - section * per_section;
-  int const bh0 = section * p.heads_per_section;
-  int const heads_here = min(p.heads_per_section, p.num_bh - bh0);  // the last section may be short
-  int const n = r / heads_here;
-  int const bh = bh0 + (r - n * heads_here);
+  int const bh = linear / p.num_n_blocks;
+  int const n = linear - bh * p.num_n_blocks;
   return {p.reverse_n ? p.num_n_blocks - 1 - n : n, bh % p.nheads, bh / p.nheads};
 }
 

@@ -1,0 +1,74 @@
+// The feature key: what a compiled kernel computes, from the generator (cpp/generate_kernels.py) through
+// the registry and the bindings to Python's dispatch (python/flashhopper/kernel_key.py mirrors the
+// fields; tests/test_kernel_key.py checks that the two agree). A new feature that needs its own
+// instantiation adds one field here, one there, and a loop in the generator.
+#pragma once
+
+#include <cstring>
+#include <string>
+
+#include "params.h"
+
+namespace flashhopper {
+
+// Which (query row, key) pairs take part (common/mask.h): none, causal (bottom-right), or a local
+// window (window_left / window_right of the params, flash-attn's convention; causal is the window
+// (unbounded, 0) with the right edge known at compile time).
+enum class MaskKind : int { kNone = 0, kCausal = 1, kWindow = 2 };
+
+inline char const* mask_name(MaskKind m) {
+  switch (m) {
+    case MaskKind::kNone: return "none";
+    case MaskKind::kCausal: return "causal";
+    case MaskKind::kWindow: return "window";
+  }
+  return "unknown";
+}
+
+// X(type, name): every field of the key, in order. The bindings expose them by this list.
+#define FLASHHOPPER_KERNEL_KEY_FIELDS(X) \
+  X(int, arch)              /* 90: Hopper path (sm_90a); 80: Ampere path (sm_80, also runs on sm_86..sm_90) */ \
+  X(DType, dtype)           /* element type of Q, K, V */ \
+  X(int, headdim)           /* of Q and K */ \
+  X(int, headdim_v)         /* of V and O */ \
+  X(MaskKind, mask)                                                                                              \
+  X(std::string, variant)   /* "" = production; else a named ablation variant (generate_kernels.py) */
+
+struct KernelKey {
+#define FLASHHOPPER_KEY_MEMBER(type, name) type name{};
+  FLASHHOPPER_KERNEL_KEY_FIELDS(FLASHHOPPER_KEY_MEMBER)
+#undef FLASHHOPPER_KEY_MEMBER
+
+  bool operator==(KernelKey const& o) const {
+    bool same = true;
+#define FLASHHOPPER_KEY_EQ(type, name) same = same && name == o.name;
+    FLASHHOPPER_KERNEL_KEY_FIELDS(FLASHHOPPER_KEY_EQ)
+#undef FLASHHOPPER_KEY_EQ
+    return same;
+  }
+
+  std::string describe() const {
+    return "sm" + std::to_string(arch) + " " + dtype_name(dtype) + " headdim " + std::to_string(headdim) +
+           (headdim_v != headdim ? "/" + std::to_string(headdim_v) : std::string()) + " mask " + mask_name(mask) +
+           (variant.empty() ? std::string() : " variant " + variant);
+  }
+};
+
+// A production configuration has no variant.
+struct DefaultVariant {
+  static constexpr char const* kName = "";
+};
+
+// The compile-time image of a KernelKey: what the generated translation units instantiate the
+// launchers with. Variant: a family's policy type (e.g. sm90/variants.h), DefaultVariant in production.
+template <int kArch_, DType kDType_, int kHeadDim_, int kHeadDimV_, MaskKind kMask_, class Variant_ = DefaultVariant>
+struct KernelConfig {
+  static constexpr int kArch = kArch_;
+  static constexpr DType kDType = kDType_;
+  static constexpr int kHeadDim = kHeadDim_, kHeadDimV = kHeadDimV_;
+  static constexpr MaskKind kMask = kMask_;
+  using Variant = Variant_;
+  static KernelKey key() { return {kArch, kDType, kHeadDim, kHeadDimV, kMask, Variant::kName}; }
+};
+
+}  // namespace flashhopper

@@ -1,0 +1,64 @@
+"""The feature key: what a compiled kernel computes, one definition from the build to the call.
+
+``cpp/generate_kernels.py`` enumerates KernelKeys to instantiate (it loads this file by path, so it
+imports nothing but the standard library: no torch at build time), the extension lists its kernels
+with the same fields (``_C.kernels()``, from ``cpp/common/kernel_key.h``, whose field list
+``tests/test_kernel_key.py`` compares with FIELDS), and dispatch builds the key of a call and looks it
+up. A feature that needs its own instantiation adds a field here and in kernel_key.h.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+MASKS: tuple[str, ...] = ("none", "causal", "window")
+# Build-option spelling (FLASHHOPPER_DTYPES) -> the dtype names the key carries (torch's, without "torch.").
+BUILD_DTYPES: dict[str, str] = {"fp16": "float16", "bf16": "bfloat16", "e4m3": "float8_e4m3fn"}
+ARCHS: tuple[int, ...] = (90, 80)
+MODES: tuple[str, ...] = ("fwd", "bwd")
+
+
+@dataclass(frozen=True)
+class KernelKey:
+    arch: int        # 90: Hopper (sm_90a); 80: Ampere (sm_80, also runs on 8.6-9.0)
+    dtype: str       # "float16", "bfloat16", "float8_e4m3fn" (of Q, K, V)
+    headdim: int     # of Q and K
+    headdim_v: int   # of V and O
+    mask: str        # "none", "causal", "window" (flash-attn's window_size; causal is its (-1, 0) fast case)
+    variant: str = ""  # "" in production; else a named ablation variant (cpp/sm90/variants.h)
+
+    def __post_init__(self) -> None:
+        if self.mask not in MASKS:
+            raise ValueError(f"mask must be one of {MASKS}, got {self.mask!r}")
+        if self.dtype not in BUILD_DTYPES.values():
+            raise ValueError(f"dtype must be one of {tuple(BUILD_DTYPES.values())}, got {self.dtype!r}")
+
+    def short_dtype(self) -> str:
+        return next(k for k, v in BUILD_DTYPES.items() if v == self.dtype)
+
+    def describe(self) -> str:
+        hd = f"{self.headdim}" if self.headdim_v == self.headdim else f"{self.headdim}/{self.headdim_v}"
+        return (f"sm{self.arch} {self.dtype} headdim {hd} mask {self.mask}"
+                + (f" variant {self.variant}" if self.variant else ""))
+
+    def file_name(self, mode: str) -> str:
+        """The generated translation unit's stem, e.g. fwd_sm90_bf16_hdim128_causal."""
+        hd = f"hdim{self.headdim}" + ("" if self.headdim_v == self.headdim else f"v{self.headdim_v}")
+        mask = "" if self.mask == "none" else f"_{self.mask}"
+        variant = f"_v-{self.variant}" if self.variant else ""
+        return f"{mode}_sm{self.arch}_{self.short_dtype()}_{hd}{mask}{variant}"
+
+
+FIELDS: tuple[str, ...] = tuple(f.name for f in fields(KernelKey))
+
+
+def mask_of(causal: bool, window: tuple[int, int] | None = None) -> str:
+    """The mask kind of a call: a window (other than the unbounded (-1, -1)) -> "window" (causal narrows
+    its right edge to 0), else "causal" or "none"."""
+    if window is not None and tuple(window) != (-1, -1):
+        return "window"
+    return "causal" if causal else "none"
+
+
+def from_dict(d: dict[str, object]) -> KernelKey:
+    """The key of an entry of ``_C.kernels()`` (a dict with the key's fields and more)."""
+    return KernelKey(**{f: d[f] for f in FIELDS})  # type: ignore[arg-type]

@@ -1,11 +1,13 @@
-"""Error measures and the assertions every kernel result goes through (forward and backward)."""
+"""Error measures, the assertions every kernel result goes through (forward and backward), and the GPU
+tests' gate (require_backend: skip what cannot run here or was not built by choice, fail what is missing)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from flashhopper import dispatch
-from flashhopper.reference import attention_bwd_lowp, attention_bwd_ref, attention_lowp, attention_ref
+from flashhopper import _device, _ext, dispatch
+from flashhopper.kernel_key import KernelKey
+from flashhopper.reference import attention_bwd_lowp, attention_bwd_ref, attention_lowp, attention_ref, visible
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -31,14 +33,16 @@ def randn_qkv(batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nheads_kv
 
 def assert_matches_reference(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                              v: torch.Tensor, softmax_scale: float | None, causal: bool,
-                             atol: float = 1e-4, rtol: float = 1e-4, lse_atol: float = 1e-4) -> None:
+                             atol: float = 1e-4, rtol: float = 1e-4, lse_atol: float = 1e-4, *,
+                             window: tuple[int, int] | None = None) -> None:
     """A low-precision result passes iff it is at most twice as far from exact (float64) attention
     as PyTorch's own attention in the input precision is, plus a small slack: in max-abs error
     and in relative norm error, for out and for the finite lse rows. Rows that see no key must be
-    exactly 0 with lse exactly -inf. NaN never passes."""
-    ref, ref_lse = attention_ref(q, k, v, softmax_scale, causal, dtype=torch.float64)
-    lowp, lowp_lse = attention_lowp(q, k, v, softmax_scale, causal)
-    where = f"shape q {tuple(q.shape)} k {tuple(k.shape)} {q.dtype} causal={causal}"
+    exactly 0 with lse exactly -inf. NaN never passes. ``window``: the local window the result was
+    computed with (flash-attn's (left, right), -1 unbounded)."""
+    ref, ref_lse = attention_ref(q, k, v, softmax_scale, causal, window=window, dtype=torch.float64)
+    lowp, lowp_lse = attention_lowp(q, k, v, softmax_scale, causal, window=window)
+    where = f"shape q {tuple(q.shape)} k {tuple(k.shape)} {q.dtype} causal={causal} window={window}"
 
     assert not torch.isnan(out).any(), f"out has NaN (rows left unwritten?): {where}"
     assert not torch.isnan(lse).any(), f"lse has NaN (rows left unwritten?): {where}"
@@ -58,7 +62,8 @@ def assert_matches_reference(out: torch.Tensor, lse: torch.Tensor, q: torch.Tens
 
 
 def one_key_noise_bound(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        softmax_scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                        softmax_scale: float, causal: bool, window: tuple[int, int] | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """Elementwise bounds on |dq| and |dk| when seqlen_k is 1 (and there is no dlse).
 
     With one key the softmax is constant (P = 1 on the rows that see the key), so dq and dk are 0 in
@@ -78,8 +83,9 @@ def one_key_noise_bound(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     k32 = k.float().repeat_interleave(group, dim=2)  # (b, 1, hq, d)
     v32 = v.float().repeat_interleave(group, dim=2)
     ds = 4 * d * 2.0 ** -24 * (dout.float().abs() * v32.abs()).sum(-1)  # (b, sq, hq)
-    if causal:  # bottom-right: only the last row sees the key; the others have P = 0, dS = 0
-        ds[:, : sq - 1] = 0
+    sees = visible(sq, 1, causal, ds.device, window=window)  # rows that do not see the key: P = 0, dS = 0
+    if sees is not None:
+        ds = ds * sees[:, 0, None]
     dq = softmax_scale * ds[..., None] * k32.abs()
     sq_terms = (softmax_scale * ds[..., None] * q.float()).square().sum(1, keepdim=True)  # (b, 1, hq, d)
     dk = 6 * sq_terms.view(b, 1, hkv, group, d).sum(3).sqrt()
@@ -89,7 +95,7 @@ def one_key_noise_bound(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
 def assert_grads_match(grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor], dout: torch.Tensor,
                        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None,
                        causal: bool, dlse: torch.Tensor | None = None, ref_dtype: torch.dtype | None = None,
-                       atol: float = 1e-4, rtol: float = 1e-4) -> None:
+                       atol: float = 1e-4, rtol: float = 1e-4, *, window: tuple[int, int] | None = None) -> None:
     """Backward counterpart of assert_matches_reference. Low-precision gradients (dq, dk, dv) pass
     iff each is at most twice as far from the reference gradients as PyTorch's own backward in the
     input precision is (reference.attention_bwd_lowp, i.e. autograd through attention_lowp), plus a
@@ -105,15 +111,15 @@ def assert_grads_match(grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor], d
     scale = 1 / q.shape[-1] ** 0.5 if softmax_scale is None else softmax_scale
     if ref_dtype is None:
         ref_dtype = torch.float32 if q.is_cuda else torch.float64
-    ref_out, ref_lse = attention_ref(q, k, v, scale, causal, dtype=ref_dtype)
-    ref = attention_bwd_ref(dout, q, k, v, ref_out, ref_lse, scale, causal, dlse, dtype=ref_dtype)
+    ref_out, ref_lse = attention_ref(q, k, v, scale, causal, window=window, dtype=ref_dtype)
+    ref = attention_bwd_ref(dout, q, k, v, ref_out, ref_lse, scale, causal, dlse, window=window, dtype=ref_dtype)
     del ref_out
-    lowp = attention_bwd_lowp(dout, q, k, v, scale, causal, dlse)
-    where = (f"shape q {tuple(q.shape)} k {tuple(k.shape)} {q.dtype} causal={causal} "
+    lowp = attention_bwd_lowp(dout, q, k, v, scale, causal, dlse, window=window)
+    where = (f"shape q {tuple(q.shape)} k {tuple(k.shape)} {q.dtype} causal={causal} window={window} "
              f"dlse={'yes' if dlse is not None else 'no'}")
     vanishing: dict[str, torch.Tensor] = {}
     if k.shape[1] == 1 and dlse is None:
-        vanishing = dict(zip(("dq", "dk"), one_key_noise_bound(dout, q, k, v, scale, causal)))
+        vanishing = dict(zip(("dq", "dk"), one_key_noise_bound(dout, q, k, v, scale, causal, window)))
 
     for name, g, r, lo in zip(("dq", "dk", "dv"), grads, ref, lowp):
         assert g.shape == r.shape, f"{name} shape {tuple(g.shape)} != {tuple(r.shape)}: {where}"
@@ -131,16 +137,44 @@ def assert_grads_match(grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor], d
     assert (grads[0][no_key] == 0).all(), f"dq rows that see no key are not exactly 0: {where}"
 
 
+def unconfigured(mode: str, key: KernelKey) -> str:
+    """Which build option lacks what ``key`` needs, as a skip reason ("" when the build was asked for
+    it, or has no extension to say)."""
+    info = _ext.build_info()
+    if not info:
+        return ""
+    wanted = [("FLASHHOPPER_ARCHS", info["archs"], key.arch), ("FLASHHOPPER_MODES", info["modes"], mode),
+              ("FLASHHOPPER_DTYPES", info["dtypes"], key.short_dtype()),
+              ("FLASHHOPPER_HDIMS", info["headdims"], key.headdim), ("FLASHHOPPER_MASKS", info["masks"], key.mask)]
+    return "; ".join(f"configure {option} with {value}" for option, have, value in wanted if value not in have)
+
+
 def require_backend(backend: str, dtype: torch.dtype, headdim: int, causal: bool,
-                    device: str | torch.device = "cuda", mode: str = "fwd") -> None:
-    """Skip (not fail) when ``backend`` cannot run this configuration here: wrong GPU, not compiled.
-    mode "bwd": the forward and the backward kernel must both be there. Call it before making
-    inputs, so that a skip costs nothing."""
+                    device: str | torch.device = "cuda", mode: str = "fwd",
+                    window: tuple[int, int] | None = None) -> None:
+    """Skip when ``backend`` cannot run here (another GPU family) or the build was not configured with
+    the kernel (mode "bwd": the forward's and the backward's). Fail when the build was configured with
+    it and it is missing, or when dispatch refuses a kernel the build has: a broken build or a dispatch
+    bug must not look like a skip. Call it before making inputs, so that a skip costs nothing."""
+    dev = torch.device(device)
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    info = _device.device_info(index)
+    if not dispatch.runs_on(backend, info.capability):
+        pytest.skip(f"{backend} kernels do not run on {info.name} (compute capability "
+                    f"{info.capability[0]}.{info.capability[1]})")
+    key = dispatch.kernel_key(backend, dtype, headdim, causal, window)
+    for m in ("fwd",) if mode == "fwd" else ("fwd", "bwd"):
+        if _ext.kernel(m, key) is not None:
+            continue
+        if _ext.configured(m, key):
+            pytest.fail(f"the build was configured with the {m} kernel {key.describe()}, but does not have it "
+                        f"(kernels(): {len(_ext.compiled_kernels())} entries; build_info(): {_ext.build_info()})")
+        reason = unconfigured(m, key)
+        if not reason:
+            reason = (f"not in this build's configuration {_ext.build_info()}" if _ext.has_extension()
+                      else f"no compiled extension ({_ext.extension_error()})")
+        pytest.skip(f"no {m} kernel {key.describe()}: {reason}")
     try:
-        dispatch.select_backend(torch.empty(0, device=device), headdim, dtype, causal, backend)
+        dispatch.select_backend(torch.empty(0, device=dev), headdim, dtype, causal, backend, window=window)
     except ValueError as e:
-        pytest.skip(str(e))
-    if mode == "bwd":
-        missing = dispatch.missing_bwd_kernel(backend, dtype, headdim, causal, dispatch._CompiledKernels("bwd"))
-        if missing:
-            pytest.skip(missing)
+        pytest.fail(f"dispatch refuses {backend} for {key.describe()}, which the build has: {e}")

@@ -5,9 +5,9 @@ dims x causal, with the GQA ratio, batch and dtype rotating through the cases. E
 forward kernel (fwd_into), then the backward kernel (bwd_into) with a random dout into dq, dk, dv
 poisoned with NaN, and helpers.assert_grads_match judges the gradients: within twice the error of
 PyTorch's own backward in the input precision (max-abs and relative norm), against reference gradients
-computed in float32 on the GPU from exact out and lse. Each test runs once per kernel family; a family
-(or a configuration) whose forward or backward is not compiled, or cannot run on this GPU, is skipped
-with the reason.
+computed in float32 on the GPU from exact out and lse. The window grid is the forward's too. Each test
+runs once per kernel family; a family that cannot run on this GPU, or a configuration the build was not
+configured with, is skipped with the reason; one it was configured with but lacks fails.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 from helpers import assert_grads_match, randn_qkv, require_backend
-from test_fwd_gpu import BACKENDS, NHEADS_Q, case_id, grid, native
+from test_fwd_gpu import BACKENDS, NHEADS_Q, WindowCase, case_id, grid, native, window_case_id, window_grid
 
 from flashhopper import flash_attn_func
 from flashhopper.dispatch import ARCH
@@ -30,19 +30,20 @@ def nan_like(x: torch.Tensor) -> torch.Tensor:
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
-            backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+            backend: str, window: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     b, sq, h, _ = q.shape
     out, lse = nan_like(q), torch.full((b, h, sq), math.nan, device=q.device)
-    fwd_into(q, k, v, out, lse, scale, causal, ARCH[backend])
+    fwd_into(q, k, v, out, lse, scale, causal, ARCH[backend], window=window)
     return out, lse
 
 
 def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
              lse: torch.Tensor, scale: float, causal: bool, backend: str, deterministic: bool = False,
-             dlse: torch.Tensor | None = None) -> Grads:
+             dlse: torch.Tensor | None = None, window: tuple[int, int] | None = None) -> Grads:
     """bwd_into NaN-poisoned gradients, so that an element the kernel forgets to write fails."""
     dq, dk, dv = nan_like(q), nan_like(k), nan_like(v)
-    bwd_into(dout, q, k, v, out, lse, dq, dk, dv, scale, causal, deterministic, ARCH[backend], dlse=dlse)
+    bwd_into(dout, q, k, v, out, lse, dq, dk, dv, scale, causal, deterministic, ARCH[backend], dlse=dlse,
+             window=window)
     return dq, dk, dv
 
 
@@ -58,6 +59,37 @@ def test_bwd(case: tuple[int, int, int, bool, int, int, torch.dtype], backend: s
     dout = torch.randn_like(q)
     grads = backward(dout, q, k, v, out, lse, scale, causal, backend)
     assert_grads_match(grads, dout, q, k, v, scale, causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", window_grid(), ids=window_case_id)
+def test_bwd_window(case: WindowCase, backend: str) -> None:
+    sq, sk, window, causal, d, gqa, batch, dtype = case
+    require_backend(backend, dtype, d, causal, mode="bwd", window=window)  # "configure FLASHHOPPER_MASKS with window"
+    q, k, v = randn_qkv(batch, sq, sk, NHEADS_Q, NHEADS_Q // gqa, d, dtype, "cuda")
+    scale = 1 / math.sqrt(d)
+    out, lse = forward(q, k, v, scale, causal, backend, window)
+    dout, dlse = torch.randn_like(q), torch.randn_like(lse)
+    grads = backward(dout, q, k, v, out, lse, scale, causal, backend, dlse=dlse, window=window)
+    assert_grads_match(grads, dout, q, k, v, scale, causal, dlse, window=window)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("window", [(0, 0), (64, 64)])
+def test_bwd_window_deterministic(window: tuple[int, int], backend: str) -> None:
+    # Windows leave key blocks without some query blocks (and the reverse): the dQ counters must
+    # wait for exactly the key blocks that add to a query block, in a fixed order.
+    require_backend(backend, torch.bfloat16, 128, False, mode="bwd", window=window)
+    q, k, v = randn_qkv(2, 1500, 1300, 8, 2, 128, torch.bfloat16, "cuda")
+    out, lse = forward(q, k, v, 0.1, False, backend, window)
+    dout = torch.randn_like(q)
+    runs = [backward(dout, q, k, v, out, lse, 0.1, False, backend, deterministic=True, window=window)
+            for _ in range(3)]
+    for other in runs[1:]:
+        assert all(torch.equal(a, c) for a, c in zip(runs[0], other)), "gradients differ between deterministic runs"
+    assert_grads_match(runs[0], dout, q, k, v, 0.1, False, window=window)
 
 
 @pytest.mark.gpu
@@ -223,26 +255,59 @@ def test_gqa_packed_heads(backend: str) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
-def test_no_keys_and_no_queries(causal: bool) -> None:
-    backend = native()
+def test_no_keys(causal: bool, deterministic: bool, backend: str) -> None:
+    # seqlen_k 0: no key block, so the main kernel launches no CTA, but the dQ postprocess still runs
+    # and writes dq = 0 (every sum is empty) over the NaN poison.
     require_backend(backend, torch.bfloat16, 128, causal, mode="bwd")
+    q, k, v = randn_qkv(2, 300, 0, 8, 2, 128, torch.bfloat16, "cuda")
+    out, lse = forward(q, k, v, 0.1, causal, backend)
+    dq, dk, dv = nan_like(q), nan_like(k), nan_like(v)
+    ctas = bwd_into(torch.randn_like(q), q, k, v, out, lse, dq, dk, dv, 0.1, causal, deterministic, ARCH[backend])
+    assert ctas == 0 and (dq == 0).all() and dk.numel() == dv.numel() == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+def test_no_queries(causal: bool, deterministic: bool, backend: str) -> None:
+    # seqlen_q 0: every key block's query range is empty; the kernel runs (CTAs launched) and writes
+    # dk = dv = 0 over the NaN poison (GQA: through the fp32 accumulators and their conversion).
+    require_backend(backend, torch.bfloat16, 128, causal, mode="bwd")
+    q, k, v = randn_qkv(2, 0, 300, 8, 2, 128, torch.bfloat16, "cuda")
+    out, lse = forward(q, k, v, 0.1, causal, backend)
+    dq, dk, dv = nan_like(q), nan_like(k), nan_like(v)
+    ctas = bwd_into(torch.randn_like(q), q, k, v, out, lse, dq, dk, dv, 0.1, causal, deterministic, ARCH[backend])
+    assert ctas > 0 and (dk == 0).all() and (dv == 0).all() and dq.numel() == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_no_keys_and_no_queries_through_autograd(causal: bool) -> None:
+    require_backend(native(), torch.bfloat16, 128, causal, mode="bwd")
     for sq, sk in ((64, 0), (0, 64), (0, 0)):
-        q, k, v = randn_qkv(2, sq, sk, 8, 2, 128, torch.bfloat16, "cuda")
-        out, lse = forward(q, k, v, 0.1, causal, backend)
-        dq, dk, dv = backward(torch.randn_like(q), q, k, v, out, lse, 0.1, causal, backend)
-        assert (dq == 0).all() and (dk == 0).all() and (dv == 0).all()  # written, not left NaN
-        leaves = [x.requires_grad_() for x in (q, k, v)]
+        leaves = [x.requires_grad_() for x in randn_qkv(2, sq, sk, 8, 2, 128, torch.bfloat16, "cuda")]
         flash_attn_func(*leaves, causal=causal).sum().backward()
         assert all(x.grad is not None and (x.grad == 0).all() for x in leaves)
 
 
 @pytest.mark.gpu
-def test_empty_batch() -> None:
-    require_backend(native(), torch.bfloat16, 128, False, mode="bwd")
-    q, k, v = (x.requires_grad_() for x in randn_qkv(0, 128, 64, 8, 8, 128, torch.bfloat16, "cuda"))
-    flash_attn_func(q, k, v).sum().backward()
-    assert q.grad is not None and q.grad.shape == q.shape
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shape", [(0, 128, 64, 8, 8), (2, 128, 64, 0, 0)])
+def test_empty_grid(shape: tuple[int, int, int, int, int], backend: str) -> None:
+    # Batch or nheads 0: every gradient has no element, and the launcher launches nothing (an empty
+    # grid; its return says so).
+    require_backend(backend, torch.bfloat16, 128, False, mode="bwd")
+    q, k, v = randn_qkv(*shape, 128, torch.bfloat16, "cuda")
+    out, lse = forward(q, k, v, 0.1, False, backend)
+    dq, dk, dv = nan_like(q), nan_like(k), nan_like(v)
+    assert bwd_into(torch.randn_like(q), q, k, v, out, lse, dq, dk, dv, 0.1, False, False, ARCH[backend]) == 0
+    leaves = [x.requires_grad_() for x in (q, k, v)]
+    flash_attn_func(*leaves, backend=backend).sum().backward()
+    assert all(x.grad is not None and x.grad.shape == x.shape for x in leaves)
 
 
 @pytest.mark.gpu

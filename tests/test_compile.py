@@ -1,20 +1,21 @@
 """torch.compile traces flash_attn_func as one op, through its fake implementation; forward + backward
-as the two ops fwd and bwd."""
+as the two ops fwd and bwd. Compiled results are compared with eager ones and with the reference."""
 from __future__ import annotations
 
 import pytest
 import torch
-from helpers import randn_qkv
+from helpers import assert_matches_reference, randn_qkv, rel_err
 
 import flashhopper  # noqa: F401  (registers the op)
 from flashhopper import flash_attn_func
+from flashhopper.reference import attention_ref
 
 pytestmark = pytest.mark.skipif(not torch._dynamo.is_dynamo_supported(),
                                 reason="torch.compile (dynamo) is not supported on this Python/torch")
 
 
-def block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    out, lse = flash_attn_func(q * 2, k, v, causal=True, return_lse=True)
+def block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention=flash_attn_func) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    out, lse = attention(q * 2, k, v, causal=True, return_lse=True)
     return out.sum(-1) + lse.transpose(1, 2)
 
 
@@ -23,7 +24,7 @@ def test_fake_impl_shapes() -> None:
 
     with FakeTensorMode():
         q, k, v = randn_qkv(2, 33, 17, 8, 2, 64, dtype=torch.bfloat16)
-        out, lse = torch.ops.flashhopper.fwd.default(q, k, v, 0.125, True, False, "sm90")
+        out, lse = torch.ops.flashhopper.fwd.default(q, k, v, 0.125, True, -1, -1, False, "sm90")
     assert out.shape == q.shape and out.dtype == torch.bfloat16 and out.is_contiguous()
     assert lse.shape == (2, 8, 33) and lse.dtype == torch.float32 and lse.is_contiguous()
 
@@ -35,28 +36,34 @@ def test_fake_impl_shapes_bwd() -> None:
         qkv = torch.randn(2, 33, 3, 8, 64, dtype=torch.bfloat16)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1, :2], qkv[:, :, 2, :2]  # strided, GQA
         out, lse = torch.empty_like(q), torch.empty(2, 8, 33)
-        grads = torch.ops.flashhopper.bwd.default(out, q, k, v, out, lse, None, 0.125, True, False, "sm90")
+        grads = torch.ops.flashhopper.bwd.default(out, q, k, v, out, lse, None, 0.125, True, 16, -1, False, "sm90")
     for g, x in zip(grads, (q, k, v)):
         assert g.shape == x.shape and g.dtype == torch.bfloat16 and g.is_contiguous()
 
 
-def test_opcheck() -> None:
+@pytest.mark.parametrize("window", [(-1, -1), (3, 2)])
+def test_opcheck(window: tuple[int, int]) -> None:
     # torch's own consistency checks of a custom op: schema, fake vs real, dispatch under tracing, and
     # (fwd) that its autograd formula is registered the way torch expects.
     q, k, v = (x.requires_grad_() for x in randn_qkv(2, 9, 11, 4, 2, 16))
-    torch.library.opcheck(torch.ops.flashhopper.fwd.default, (q, k, v, 0.3, True, False, "reference"),
+    torch.library.opcheck(torch.ops.flashhopper.fwd.default, (q, k, v, 0.3, True, *window, False, "reference"),
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static",
                                       "test_autograd_registration", "test_aot_dispatch_dynamic"))
 
 
+@pytest.mark.parametrize("window", [(-1, -1), (3, 2)])
 @pytest.mark.parametrize("with_dlse", [False, True])
-def test_opcheck_bwd(with_dlse: bool) -> None:
+def test_opcheck_bwd(with_dlse: bool, window: tuple[int, int]) -> None:
     q, k, v = randn_qkv(2, 9, 11, 4, 2, 16)
-    out, lse = torch.ops.flashhopper.fwd.default(q, k, v, 0.3, True, False, "reference")
+    out, lse = torch.ops.flashhopper.fwd.default(q, k, v, 0.3, True, *window, False, "reference")
     dlse = torch.randn_like(lse) if with_dlse else None
     torch.library.opcheck(torch.ops.flashhopper.bwd.default,
-                          (torch.randn_like(out), q, k, v, out, lse, dlse, 0.3, True, False, "reference"),
+                          (torch.randn_like(out), q, k, v, out, lse, dlse, 0.3, True, *window, False, "reference"),
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+
+
+def attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return flash_attn_func(q * 2, k, v, causal=True, return_lse=True)
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
@@ -65,32 +72,49 @@ def test_compile_fullgraph(backend: str) -> None:
     q, k, v = randn_qkv(2, 24, 40, 4, 2, 32)
     compiled = torch.compile(block, fullgraph=True, backend=backend)  # fullgraph: a graph break raises
     torch.testing.assert_close(compiled(q, k, v), block(q, k, v))
+    torch._dynamo.reset()
+    out, lse = torch.compile(attn, fullgraph=True, backend=backend)(q, k, v)
+    assert_matches_reference(out, lse, q * 2, k, v, None, causal=True)  # not only what eager gives
 
 
 def grads_of(fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):  # type: ignore[no-untyped-def]
     leaves = [x.detach().requires_grad_() for x in (q, k, v)]
     y = fn(*leaves)
-    return (y, *torch.autograd.grad(y.square().sum(), leaves))
+    return (y, *torch.autograd.grad(y.square().sum(), leaves, materialize_grads=True))  # lse: v unused
 
 
-def block_lse_only(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    return flash_attn_func(q, k, v, return_lse=True, deterministic=True)[1] * 3
+def block_lse_only(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention=flash_attn_func) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    return attention(q, k, v, return_lse=True, deterministic=True)[1] * 3
 
 
-def block_out_only(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    return flash_attn_func(q, k, v, causal=True)
+def block_out_only(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention=flash_attn_func) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    return attention(q, k, v, causal=True)
+
+
+def exact(fn):  # type: ignore[no-untyped-def]
+    """``fn`` with flash_attn_func replaced by autograd through the float64 reference."""
+    def ref_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
+                 causal: bool = False, return_lse: bool = False, deterministic: bool = False):  # type: ignore[no-untyped-def]
+        out, lse = attention_ref(q, k, v, softmax_scale, causal)
+        return (out, lse) if return_lse else out
+
+    return lambda q, k, v: fn(q, k, v, attention=ref_attn)
 
 
 @pytest.mark.parametrize("fn", [block, block_lse_only, block_out_only])
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_compile_fullgraph_backward(backend: str, fn) -> None:  # type: ignore[no-untyped-def]
     # Forward and backward compiled (the backward through the op's autograd formula, with dlse None or
-    # a tensor as the loss uses lse or not), against eager.
+    # a tensor as the loss uses lse or not), against eager and against autograd through the exact
+    # float64 reference (float32 inputs: the float32 lse is what separates them).
     torch._dynamo.reset()
     q, k, v = randn_qkv(2, 24, 40, 4, 2, 32)
     compiled = torch.compile(fn, fullgraph=True, backend=backend)
-    for got, want in zip(grads_of(compiled, q, k, v), grads_of(fn, q, k, v)):
-        torch.testing.assert_close(got, want)
+    got = grads_of(compiled, q, k, v)
+    for g, want in zip(got, grads_of(fn, q, k, v)):
+        torch.testing.assert_close(g, want)
+    for name, g, want in zip(("y", "dq", "dk", "dv"), got, grads_of(exact(fn), q.double(), k.double(), v.double())):
+        assert rel_err(g, want) < 1e-5, name
 
 
 def test_backward_graph_holds_the_bwd_op() -> None:
@@ -139,11 +163,11 @@ def test_cuda_dispatch_is_traced_as_a_constant(monkeypatch: pytest.MonkeyPatch) 
     from flashhopper import _device, _ext, dispatch
 
     monkeypatch.setattr(_device, "device_info", lambda index: _device.DeviceInfo("H100", (9, 0), 132))
-    monkeypatch.setattr(_ext, "has_fwd_kernel", lambda arch, dtype, headdim, causal: arch == 80)
+    monkeypatch.setattr(_ext, "has_kernel", lambda mode, key: key.arch == 80)
     torch._dynamo.reset()
 
     def f(x: torch.Tensor) -> torch.Tensor:
-        name = dispatch._select_cuda(0, torch.bfloat16, 128, True, None)
+        name = dispatch._select_cuda(0, torch.bfloat16, 128, "window", None)
         return x + (1.0 if name == "sm80" else -1.0)
 
     x = torch.zeros(3)
@@ -156,11 +180,11 @@ def test_bwd_kernel_check_is_traced_as_a_constant(monkeypatch: pytest.MonkeyPatc
     from flashhopper import _ext, dispatch
 
     built = {"bwd": True}
-    monkeypatch.setattr(_ext, "has_bwd_kernel", lambda arch, dtype, headdim, causal: built["bwd"])
+    monkeypatch.setattr(_ext, "has_kernel", lambda mode, key: mode == "bwd" and built["bwd"])
     q, k, v = (x.requires_grad_() for x in randn_qkv(1, 4, 4, 2, 2, 128, dtype=torch.bfloat16))
 
     def f(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        dispatch.require_bwd_kernel("sm90", q, k, v, 128, True)
+        dispatch.require_bwd_kernel("sm90", q, k, v, 128, True, window=(8, -1))
         return q * 2
 
     torch._dynamo.reset()

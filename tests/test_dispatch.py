@@ -1,12 +1,17 @@
 """Backend choice, as a pure function of the device, the build and the call (no GPU needed)."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import Any
+
+import helpers
 import pytest
 import torch
 
-from flashhopper import available_backends, dispatch
+from flashhopper import _device, _ext, available_backends, dispatch
 from flashhopper._device import DeviceInfo
-from flashhopper.dispatch import choose_kernel, runs_on, select_backend
+from flashhopper.dispatch import choose_kernel, kernel_key, runs_on, select_backend
+from flashhopper.kernel_key import KernelKey
 
 H100 = DeviceInfo("NVIDIA H100 80GB HBM3", (9, 0), 132)
 A100 = DeviceInfo("NVIDIA A100-SXM4-80GB", (8, 0), 108)
@@ -16,13 +21,28 @@ T4 = DeviceInfo("Tesla T4", (7, 5), 40)
 BF16 = torch.bfloat16
 
 
-def build(*archs: int, dtype: torch.dtype = BF16, headdim: int = 128) -> set[dispatch.KernelKey]:
-    return {(a, dtype, headdim, c) for a in archs for c in (False, True)}
+def build(*archs: int, dtype: str = "bfloat16", headdim: int = 128,
+          masks: tuple[str, ...] = ("none", "causal")) -> set[KernelKey]:
+    return {KernelKey(a, dtype, headdim, headdim, m) for a in archs for m in masks}
 
 
-def choose(info: DeviceInfo, kernels: set[dispatch.KernelKey], backend: str | None = None,
-           dtype: torch.dtype = BF16, headdim: int = 128, causal: bool = False) -> str:
-    return choose_kernel(info, 0, dtype, headdim, causal, backend, kernels)
+def choose(info: DeviceInfo, kernels: set[KernelKey], backend: str | None = None, dtype: torch.dtype = BF16,
+           headdim: int = 128, mask: str = "none") -> str:
+    return choose_kernel(info, 0, dtype, headdim, mask, backend, kernels)
+
+
+def test_kernel_key() -> None:
+    assert kernel_key("sm90", BF16, 128, False) == KernelKey(90, "bfloat16", 128, 128, "none")
+    assert kernel_key("sm80", torch.float16, 64, True) == KernelKey(80, "float16", 64, 64, "causal")
+    # A window makes the mask "window", causal or not; (-1, -1) is no window at all.
+    assert kernel_key("sm90", BF16, 128, True, (128, -1)).mask == "window"
+    assert kernel_key("sm90", BF16, 128, False, (-1, 0)).mask == "window"
+    assert kernel_key("sm90", BF16, 128, True, (-1, -1)).mask == "causal"
+    assert kernel_key("sm90", BF16, 128, False, (-1, -1)).mask == "none"
+    assert kernel_key("sm90", BF16, 128, False, variant="no-pingpong").variant == "no-pingpong"
+    assert kernel_key("sm90", torch.float8_e4m3fn, 128, True).dtype == "float8_e4m3fn"  # the fp8 forward's
+    with pytest.raises(ValueError, match=r"^backend must be one of 'sm90', 'sm80'"):
+        kernel_key("reference", BF16, 128, False)
 
 
 def test_runs_on() -> None:
@@ -40,9 +60,11 @@ def test_auto_prefers_sm90_on_hopper() -> None:
 
 def test_auto_per_configuration() -> None:
     # sm90 has only non-causal compiled: a causal call falls to sm80, a non-causal one stays.
-    kernels = {(90, BF16, 128, False)} | build(80)
-    assert choose(H100, kernels, causal=False) == "sm90"
-    assert choose(H100, kernels, causal=True) == "sm80"
+    kernels = build(90, masks=("none",)) | build(80)
+    assert choose(H100, kernels, mask="none") == "sm90"
+    assert choose(H100, kernels, mask="causal") == "sm80"
+    # The window kernels are their own keys: a build with causal only has none.
+    assert choose(H100, kernels | build(80, masks=("window",)), mask="window") == "sm80"
 
 
 def test_auto_on_ampere_and_ada() -> None:
@@ -54,11 +76,19 @@ def test_auto_on_ampere_and_ada() -> None:
 
 def test_auto_missing_kernel_says_what_to_build() -> None:
     with pytest.raises(ValueError) as e:
-        choose(H100, build(90, 80, headdim=64), dtype=torch.float16, headdim=256, causal=True)
+        choose(H100, build(90, 80, headdim=64), dtype=torch.float16, headdim=256, mask="causal")
     msg = str(e.value)
     assert msg.startswith("q: this build has no sm90 or sm80 kernel for float16 headdim 256 causal")
-    assert "FLASHHOPPER_ARCHS=90;80 FLASHHOPPER_DTYPES=fp16 FLASHHOPPER_HDIMS=256" in msg
+    assert "FLASHHOPPER_ARCHS=90;80 FLASHHOPPER_DTYPES=fp16 FLASHHOPPER_HDIMS=256 (or a superset)" in msg
     assert "backend='reference'" in msg
+
+
+def test_missing_window_kernel_says_to_configure_the_mask() -> None:
+    with pytest.raises(ValueError) as e:
+        choose(H100, build(90), mask="window")
+    msg = str(e.value)
+    assert msg.startswith("q: this build has no sm90 or sm80 kernel for bfloat16 headdim 128 windowed")
+    assert "FLASHHOPPER_HDIMS=128 FLASHHOPPER_MASKS=none;causal;window" in msg
 
 
 def test_unsupported_gpus() -> None:
@@ -77,6 +107,13 @@ def test_forced_backends() -> None:
         choose(H100, build(90), backend="sm80")
 
 
+def test_variants_are_never_chosen() -> None:
+    # An ablation variant is a kernel of its own key: a build with only the variant has no production kernel.
+    variant_only = {KernelKey(90, "bfloat16", 128, 128, "none", "no-pingpong")}
+    with pytest.raises(ValueError, match=r"^q: this build has no sm90"):
+        choose(H100, variant_only)
+
+
 def test_kernel_inputs_checked_first() -> None:
     with pytest.raises(TypeError, match=r"^q has dtype torch.float32"):
         choose(H100, build(90), dtype=torch.float32)
@@ -88,11 +125,25 @@ def test_select_backend_on_cpu() -> None:
     q = torch.randn(1, 4, 2, 64)
     assert select_backend(q, 64, q.dtype, False) == "reference"
     assert select_backend(q, 64, q.dtype, False, "reference") == "reference"
+    assert select_backend(q, 64, q.dtype, True, window=(3, 0)) == "reference"
     for backend in ("sm90", "sm80"):
         with pytest.raises(ValueError, match=rf"^backend='{backend}' needs CUDA tensors"):
             select_backend(q, 64, q.dtype, False, backend)
     with pytest.raises(ValueError, match=r"^backend must be one of"):
         select_backend(q, 64, q.dtype, False, "triton")
+    with pytest.raises(ValueError, match=r"^window"):
+        select_backend(q, 64, q.dtype, False, window=(-2, 0))
+
+
+def test_select_backend_on_cuda_passes_the_mask(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A pretend H100 whose build has only sm80 window kernels: the window reaches the key.
+    monkeypatch.setattr(_device, "device_info", lambda index: H100)
+    kernels = build(90) | build(80, masks=("window",))
+    monkeypatch.setattr(_ext, "has_kernel", lambda mode, key: mode == "fwd" and key in kernels)
+    q: Any = SimpleNamespace(device=torch.device("cuda", 0))  # all select_backend reads of q
+    assert select_backend(q, 128, BF16, True) == "sm90"
+    assert select_backend(q, 128, BF16, True, window=(64, -1)) == "sm80"
+    assert select_backend(q, 128, BF16, False, window=(-1, -1)) == "sm90"
 
 
 def test_available_backends() -> None:
@@ -103,25 +154,30 @@ def test_available_backends() -> None:
 
 
 def test_missing_bwd_kernel() -> None:
-    kernels = build(90)  # bf16 headdim 128, causal and not
+    kernels = build(90)  # bf16 headdim 128, masks none and causal
     assert dispatch.missing_bwd_kernel("sm90", BF16, 128, True, kernels) == ""
+    assert dispatch.missing_bwd_kernel("sm90", BF16, 128, True, kernels, window=(-1, -1)) == ""
     assert dispatch.missing_bwd_kernel("reference", torch.float32, 96, True, set()) == ""  # needs no kernel
     msg = dispatch.missing_bwd_kernel("sm90", torch.float16, 256, False, kernels)
     assert msg.startswith("this build has no sm90 backward kernel for float16 headdim 256 non-causal; ")
     assert "FLASHHOPPER_ARCHS=90 FLASHHOPPER_MODES=fwd;bwd FLASHHOPPER_DTYPES=fp16 FLASHHOPPER_HDIMS=256" in msg
     msg = dispatch.missing_bwd_kernel("sm80", BF16, 128, True, kernels)
     assert "no sm80 backward kernel" in msg and "FLASHHOPPER_ARCHS=80 FLASHHOPPER_MODES=fwd;bwd" in msg
+    msg = dispatch.missing_bwd_kernel("sm90", BF16, 128, True, kernels, window=(32, 0))
+    assert "windowed" in msg and "FLASHHOPPER_MASKS=none;causal;window" in msg
 
 
 def test_require_bwd_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    built: set[dispatch.KernelKey] = {(90, BF16, 128, True)}
-    monkeypatch.setattr(dispatch._ext, "has_bwd_kernel", lambda *key: key in built)
+    built = {KernelKey(90, "bfloat16", 128, 128, "causal")}
+    monkeypatch.setattr(dispatch._ext, "has_kernel", lambda mode, key: mode == "bwd" and key in built)
     q, k, v = (torch.randn(1, 4, 2, 128, dtype=BF16) for _ in range(3))
     dispatch.require_bwd_kernel("sm90", q, k, v, 128, False)  # nothing requires grad
     v.requires_grad_()
     dispatch.require_bwd_kernel("sm90", q, k, v, 128, True)  # built
     with pytest.raises(ValueError, match=r"^v requires grad, but this build has no sm90 backward kernel"):
         dispatch.require_bwd_kernel("sm90", q, k, v, 128, False)
+    with pytest.raises(ValueError, match=r"^v requires grad, .* windowed"):
+        dispatch.require_bwd_kernel("sm90", q, k, v, 128, True, window=(16, 0))
     with torch.no_grad():
         dispatch.require_bwd_kernel("sm90", q, k, v, 128, False)  # no gradient will be asked for
     k.requires_grad_()
@@ -129,10 +185,63 @@ def test_require_bwd_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
         dispatch.require_bwd_kernel("sm80", q, k, v, 128, True)
 
 
+def test_require_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    entry = _ext.Entry(3, 128, 128)
+    key = KernelKey(90, "bfloat16", 128, 128, "causal")
+    monkeypatch.setattr(_ext, "kernel", lambda mode, k: entry if (mode, k) == ("fwd", key) else None)
+    monkeypatch.setattr(_ext, "extension_error", lambda: None)
+    assert dispatch.require_kernel("fwd", key) == entry
+    with pytest.raises(ValueError, match=r"^arch=90: this build has no sm90 backward kernel for bfloat16 headdim "
+                                         r"128 causal; rebuild with FLASHHOPPER_ARCHS=90 FLASHHOPPER_MODES=fwd;bwd"):
+        dispatch.require_kernel("bwd", key)
+    with pytest.raises(ValueError, match=r"^arch=80: this build has no sm80 forward kernel .*FLASHHOPPER_ARCHS=80 "):
+        dispatch.require_kernel("fwd", KernelKey(80, "bfloat16", 128, 128, "causal"))
+
+
 def test_compiled_kernel_views(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(dispatch._ext, "has_fwd_kernel", lambda *key: key[0] == 90)
-    monkeypatch.setattr(dispatch._ext, "has_bwd_kernel", lambda *key: key[0] == 80)
+    monkeypatch.setattr(dispatch._ext, "has_kernel", lambda mode, key: (mode, key.arch) in (("fwd", 90), ("bwd", 80)))
     fwd, bwd = dispatch._CompiledKernels(), dispatch._CompiledKernels("bwd")
-    assert (90, BF16, 128, True) in fwd and (90, BF16, 128, True) not in bwd
-    assert (80, BF16, 128, True) in bwd and (80, BF16, 128, True) not in fwd
+    k90, k80 = KernelKey(90, "bfloat16", 128, 128, "causal"), KernelKey(80, "bfloat16", 128, 128, "causal")
+    assert k90 in fwd and k90 not in bwd
+    assert k80 in bwd and k80 not in fwd
     assert "not a key" not in fwd
+    assert (90, BF16, 128, True) not in fwd  # the old tuple keys are gone
+
+
+def test_gpu_tests_fail_on_a_configured_missing_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    # helpers.require_backend, the GPU tests' gate, on a pretend H100 and build: skip what cannot run
+    # here or was not asked for, fail what was asked for and is missing, or what dispatch refuses.
+    info = {"archs": [90, 80], "modes": ["fwd", "bwd"], "dtypes": ["bf16"], "headdims": [128],
+            "masks": ["none", "causal"], "variants": []}
+    built = {("fwd", KernelKey(a, "bfloat16", 128, 128, m)) for a in (90, 80) for m in ("none", "causal")}
+    built.add(("bwd", KernelKey(90, "bfloat16", 128, 128, "causal")))  # the others are "lost"
+    monkeypatch.setattr(_device, "device_info", lambda index: H100)
+    monkeypatch.setattr(_ext, "build_info", lambda: info)
+    monkeypatch.setattr(_ext, "kernel", lambda mode, key: _ext.Entry(0, 128, 128) if (mode, key) in built else None)
+    refused: list[str] = []
+
+    def select(q: Any, headdim: int, dtype: torch.dtype, causal: bool, backend: str | None = None, *,
+               window: tuple[int, int] | None = None) -> str:
+        if refused:
+            raise ValueError(refused[0])
+        return str(backend)
+
+    monkeypatch.setattr(dispatch, "select_backend", select)
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: None)  # no CUDA tensor on this machine
+
+    helpers.require_backend("sm90", BF16, 128, True, mode="bwd", device="cuda:0")  # built: runs
+    missing = "configured with the bwd kernel sm90 bfloat16 headdim 128 mask none,"
+    with pytest.raises(pytest.fail.Exception, match=missing):
+        helpers.require_backend("sm90", BF16, 128, False, mode="bwd", device="cuda:0")
+    with pytest.raises(pytest.skip.Exception, match="configure FLASHHOPPER_MASKS with window"):
+        helpers.require_backend("sm90", BF16, 128, True, window=(64, -1), device="cuda:0")
+    with pytest.raises(pytest.skip.Exception, match="configure FLASHHOPPER_DTYPES with fp16"):
+        helpers.require_backend("sm80", torch.float16, 128, True, device="cuda:0")
+    with pytest.raises(pytest.skip.Exception, match="configure FLASHHOPPER_HDIMS with 64"):
+        helpers.require_backend("sm80", BF16, 64, True, device="cuda:0")
+    monkeypatch.setattr(_device, "device_info", lambda index: A100)
+    with pytest.raises(pytest.skip.Exception, match="sm90 kernels do not run on NVIDIA A100"):
+        helpers.require_backend("sm90", BF16, 128, True, device="cuda:0")
+    refused.append("a dispatch bug")
+    with pytest.raises(pytest.fail.Exception, match="dispatch refuses sm80 .* a dispatch bug"):
+        helpers.require_backend("sm80", BF16, 128, True, device="cuda:0")

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from flashhopper import _ext, build_info, compiled_kernels, extension_error, has_extension
+from flashhopper.kernel_key import KernelKey, from_dict
 from flashhopper.ops import fill_bwd_params, fill_params
 from flashhopper.validation import KERNEL_HEADDIMS
 
@@ -23,23 +24,38 @@ def test_kernel_list() -> None:
     for k in compiled_kernels():
         assert k["mode"] in ("fwd", "bwd") and k["arch"] in (90, 80)
         assert k["dtype"] in ("bfloat16", "float16", "float8_e4m3fn") and k["headdim"] in KERNEL_HEADDIMS
+        assert k["headdim_v"] == k["headdim"]  # a V head dim of its own is not built yet
+        assert k["mask"] in ("none", "causal", "window") and isinstance(k["variant"], str)
         if k["dtype"] == "float8_e4m3fn":  # forward only, Hopper only; the PV GEMM's k is 32
             assert k["mode"] == "fwd" and k["arch"] == 90 and k["block_n"] % 32 == 0
-        assert isinstance(k["causal"], bool)
+        assert "causal" not in k  # the mask kind says it
         assert isinstance(k["block_m"], int) and isinstance(k["block_n"], int)
-        key = (k["arch"], getattr(torch, k["dtype"]), k["headdim"], k["causal"])
-        has = _ext.has_fwd_kernel if k["mode"] == "fwd" else _ext.has_bwd_kernel
-        assert has(*key)
-    assert not _ext.has_fwd_kernel(90, torch.bfloat16, 96, False)
-    assert not _ext.has_bwd_kernel(90, torch.bfloat16, 96, False)
-    # Each (mode, configuration) once.
-    keys = [(k["mode"], k["arch"], k["dtype"], k["headdim"], k["causal"]) for k in compiled_kernels()]
+        assert _ext.kernel(k["mode"], from_dict(k)) == _ext.Entry(k["index"], k["block_m"], k["block_n"])
+    assert _ext.kernel("fwd", KernelKey(90, "bfloat16", 96, 96, "none")) is None
+    assert _ext.kernel("bwd", KernelKey(90, "bfloat16", 96, 96, "none")) is None
+    # Each (mode, key) once; each mode's indices are its positions, what _C.fwd / _C.bwd take.
+    keys = [(k["mode"], from_dict(k)) for k in compiled_kernels()]
     assert len(keys) == len(set(keys))
+    for mode in ("fwd", "bwd"):
+        assert sorted(k["index"] for k in compiled_kernels() if k["mode"] == mode) == \
+            list(range(sum(k["mode"] == mode for k in compiled_kernels())))
 
 
 @needs_ext
 def test_build_info() -> None:
-    assert isinstance(build_info().get("cuda_runtime"), int)
+    info = build_info()
+    assert isinstance(info.get("cuda_runtime"), int)
+    for field in ("archs", "modes", "dtypes", "headdims", "masks", "variants"):
+        assert isinstance(info[field], list), field
+
+
+@needs_ext
+def test_params_have_the_contract_fields() -> None:
+    # The kernel is chosen by its key: the params carry no mask kind nor dtype, only the window edges.
+    C = _ext.extension()
+    for p in (C.FwdParams(), C.BwdParams()):
+        assert not hasattr(p, "causal") and not hasattr(p, "dtype")
+        assert (p.window_left, p.window_right, p.headdim_v) == (-1, -1, 0)
 
 
 @needs_ext
@@ -51,14 +67,17 @@ def test_fill_params_round_trip() -> None:
     q, k, v = qkv[:, :, 0], qkv[:, :, 1, :2], qkv[:, :, 2, :2]
     out, lse = torch.empty_like(q), torch.empty(3, 8, 20)
     counter = torch.zeros(1, dtype=torch.int32)
-    p = fill_params(C.FwdParams(), q, k, v, out, lse, 0.125, True, counter.data_ptr())
+    p = fill_params(C.FwdParams(), q, k, v, out, lse, 0.125, (17, 0), counter.data_ptr())
     assert (p.q_ptr, p.k_ptr, p.v_ptr, p.o_ptr, p.lse_ptr, p.tile_counter) == tuple(
         x.data_ptr() for x in (q, k, v, out, lse, counter))
     assert (p.q_batch_stride, p.q_row_stride, p.q_head_stride) == (20 * 3 * 8 * 64, 3 * 8 * 64, 64)
     assert (p.k_batch_stride, p.k_row_stride, p.k_head_stride) == (20 * 3 * 8 * 64, 3 * 8 * 64, 64)
     assert (p.o_batch_stride, p.o_row_stride, p.o_head_stride) == (20 * 8 * 64, 8 * 64, 64)
-    assert (p.batch, p.seqlen_q, p.seqlen_k, p.nheads_q, p.nheads_kv, p.headdim) == (3, 20, 20, 8, 2, 64)
-    assert p.softmax_scale == 0.125 and p.causal is True and p.dtype == C.DType.bfloat16
+    assert (p.batch, p.seqlen_q, p.seqlen_k, p.nheads_q, p.nheads_kv, p.headdim, p.headdim_v) == (3, 20, 20, 8, 2,
+                                                                                                   64, 64)
+    assert p.softmax_scale == 0.125 and (p.window_left, p.window_right) == (17, 0)
+    p = fill_params(p, q, k, v, out, lse, 0.5)
+    assert (p.window_left, p.window_right, p.tile_counter) == (-1, -1, 0)
 
 
 @needs_ext
@@ -72,7 +91,7 @@ def test_fill_bwd_params_round_trip() -> None:
     dq, dk, dv = torch.empty_like(q), torch.empty(3, 20, 2, 64, dtype=torch.bfloat16), \
         torch.empty(3, 20, 2, 64, dtype=torch.bfloat16)
     ws = torch.empty(256, dtype=torch.uint8)
-    p = fill_bwd_params(C.BwdParams(), dout, q, k, v, out, lse, dlse, dq, dk, dv, 0.125, True, True, ws.data_ptr())
+    p = fill_bwd_params(C.BwdParams(), dout, q, k, v, out, lse, dlse, dq, dk, dv, 0.125, True, (5, 3), ws.data_ptr())
     assert (p.q_ptr, p.k_ptr, p.v_ptr, p.o_ptr, p.do_ptr, p.lse_ptr, p.dlse_ptr, p.dq_ptr, p.dk_ptr, p.dv_ptr,
             p.workspace) == tuple(x.data_ptr() for x in (q, k, v, out, dout, lse, dlse, dq, dk, dv, ws))
     assert (p.q_batch_stride, p.q_row_stride, p.q_head_stride) == (20 * 3 * 8 * 64, 3 * 8 * 64, 64)
@@ -82,23 +101,25 @@ def test_fill_bwd_params_round_trip() -> None:
     assert (p.dq_batch_stride, p.dq_row_stride, p.dq_head_stride) == (20 * 8 * 64, 8 * 64, 64)
     assert (p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride) == (20 * 2 * 64, 2 * 64, 64)
     assert (p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride) == (20 * 2 * 64, 2 * 64, 64)
-    assert (p.batch, p.seqlen_q, p.seqlen_k, p.nheads_q, p.nheads_kv, p.headdim) == (3, 20, 20, 8, 2, 64)
-    assert p.softmax_scale == 0.125 and p.causal is True and p.deterministic is True
-    assert p.dtype == C.DType.bfloat16
-    p = fill_bwd_params(p, dout, q, k, v, out, lse, None, dq, dk, dv, 0.5, False, False)
-    assert p.dlse_ptr == 0 and p.workspace == 0 and p.causal is False and p.deterministic is False
+    assert (p.batch, p.seqlen_q, p.seqlen_k, p.nheads_q, p.nheads_kv, p.headdim, p.headdim_v) == (3, 20, 20, 8, 2,
+                                                                                                   64, 64)
+    assert p.softmax_scale == 0.125 and p.deterministic is True and (p.window_left, p.window_right) == (5, 3)
+    p = fill_bwd_params(p, dout, q, k, v, out, lse, None, dq, dk, dv, 0.5, False)
+    assert p.dlse_ptr == 0 and p.workspace == 0 and p.deterministic is False
+    assert (p.window_left, p.window_right) == (-1, -1)
 
 
 @needs_ext
-def test_missing_configuration_is_a_value_error() -> None:
+def test_unknown_kernel_index_is_a_value_error() -> None:
+    # Rejected before anything touches CUDA.
     C = _ext.extension()
-    p = C.FwdParams()
-    p.headdim = 96  # no build has it: rejected before anything touches CUDA
-    with pytest.raises(ValueError, match="no sm90 forward kernel"):
-        C.fwd(p, 90, 0)
-    b = C.BwdParams()
-    b.headdim = 96
-    with pytest.raises(ValueError, match="no sm90 backward kernel"):
-        C.bwd_workspace_bytes(b, 90)
-    with pytest.raises(ValueError, match="no sm90 backward kernel"):
-        C.bwd(b, 90, 0)
+    n_fwd = sum(k["mode"] == "fwd" for k in compiled_kernels())
+    n_bwd = sum(k["mode"] == "bwd" for k in compiled_kernels())
+    with pytest.raises(ValueError, match="no forward kernel with index"):
+        C.fwd(C.FwdParams(), n_fwd, 0)
+    with pytest.raises(ValueError, match="no forward kernel with index"):
+        C.fwd(C.FwdParams(), -1, 0)
+    with pytest.raises(ValueError, match="no backward kernel with index"):
+        C.bwd_workspace_bytes(C.BwdParams(), n_bwd)
+    with pytest.raises(ValueError, match="no backward kernel with index"):
+        C.bwd(C.BwdParams(), n_bwd, 0)

@@ -1,10 +1,12 @@
 """Forward kernels against exact float64 attention on the GPU (run on the H100; skipped here).
 
 The grid: every (seqlen_q, seqlen_k) pair of SEQLENS x head dims x causal; GQA ratio, batch and dtype
-rotate through the cases so that each of their values meets every (head dim, causal) pair. Outputs
-are poisoned with NaN before each run, so a row the kernel forgets to write fails the test.
-Each test runs once per kernel family; a family that is not compiled (or cannot run on this GPU)
-is skipped with the reason.
+rotate through the cases so that each of their values meets every (head dim, causal) pair. The window
+grid: local windows (flash-attn's (left, right)) x causal x odd seqlen pairs, head dim, GQA ratio,
+batch and dtype rotating. Outputs are poisoned with NaN before each run, so a row the kernel forgets
+to write fails the test. Each test runs once per kernel family; a family that cannot run on this GPU,
+or a kernel the build was not configured with (e.g. FLASHHOPPER_MASKS without window), is skipped
+with the reason; a kernel the build was configured with but lacks fails (helpers.require_backend).
 """
 from __future__ import annotations
 
@@ -25,6 +27,10 @@ NHEADS_Q = 8
 # Rotated through the grid: (GQA ratio nheads_q/nheads_kv, batch, dtype).
 ROTATED = list(itertools.product([1, 4, 8], [1, 3], [torch.bfloat16, torch.float16]))
 BACKENDS = ["sm90", "sm80"]
+# Each edge alone ((-1, 0) is causal as a window), zero width, both edges, one wider than the sequences.
+WINDOWS = [(-1, 0), (0, 0), (17, -1), (64, 64), (1000, 3)]
+WINDOW_SEQLENS = [(1, 1), (17, 300), (255, 255), (300, 17), (1000, 1000), (2049, 4097)]
+WindowCase = tuple[int, int, tuple[int, int], bool, int, int, int, torch.dtype]
 
 
 def grid() -> list[tuple[int, int, int, bool, int, int, torch.dtype]]:
@@ -40,6 +46,21 @@ def grid() -> list[tuple[int, int, int, bool, int, int, torch.dtype]]:
 def case_id(c: tuple[int, int, int, bool, int, int, torch.dtype]) -> str:
     sq, sk, d, causal, gqa, batch, dtype = c
     return f"{sq}x{sk}-d{d}-{'causal' if causal else 'full'}-gqa{gqa}-b{batch}-{str(dtype)[6:]}"
+
+
+def window_grid() -> list[WindowCase]:
+    """(seqlen_q, seqlen_k, window, causal, headdim, gqa, batch, dtype): every window, causal or not,
+    over every seqlen pair; head dim and (GQA ratio, batch, dtype) rotate independently."""
+    cases = []
+    for j, (window, causal, (sq, sk)) in enumerate(itertools.product(WINDOWS, (False, True), WINDOW_SEQLENS)):
+        gqa, batch, dtype = ROTATED[(j // len(HDIMS)) % len(ROTATED)]
+        cases.append((sq, sk, window, causal, HDIMS[j % len(HDIMS)], gqa, batch, dtype))
+    return cases
+
+
+def window_case_id(c: WindowCase) -> str:
+    sq, sk, (left, right), causal, d, gqa, batch, dtype = c
+    return f"{sq}x{sk}-w{left}_{right}-d{d}-{'causal' if causal else 'full'}-gqa{gqa}-b{batch}-{str(dtype)[6:]}"
 
 
 def poisoned(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,6 +92,27 @@ def test_fwd(case: tuple[int, int, int, bool, int, int, torch.dtype], backend: s
     scale = 1 / math.sqrt(d)
     fwd_into(q, k, v, out, lse, scale, causal, ARCH[backend])
     assert_matches_reference(out, lse, q, k, v, scale, causal)
+
+
+def test_window_grid_covers_every_value() -> None:  # runs anywhere
+    cases = window_grid()
+    assert len(cases) == len(WINDOWS) * 2 * len(WINDOW_SEQLENS)
+    assert {c[4] for c in cases} == set(HDIMS) and {c[5:] for c in cases} == set(ROTATED)
+    for window, causal in itertools.product(WINDOWS, (False, True)):
+        assert {(sq, sk) for (sq, sk, w, c, *_) in cases if (w, c) == (window, causal)} == set(WINDOW_SEQLENS)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", window_grid(), ids=window_case_id)
+def test_fwd_window(case: WindowCase, backend: str) -> None:
+    sq, sk, window, causal, d, gqa, batch, dtype = case
+    require_backend(backend, dtype, d, causal, window=window)  # skips: "configure FLASHHOPPER_MASKS with window"
+    q, k, v = randn_qkv(batch, sq, sk, NHEADS_Q, NHEADS_Q // gqa, d, dtype, "cuda")
+    out, lse = poisoned(q)
+    scale = 1 / math.sqrt(d)
+    assert fwd_into(q, k, v, out, lse, scale, causal, ARCH[backend], window=window) > 0
+    assert_matches_reference(out, lse, q, k, v, scale, causal, window=window)
 
 
 @pytest.mark.gpu
@@ -145,19 +187,32 @@ def test_extension_imports_on_gpu_machines() -> None:
 
 
 @pytest.mark.gpu
-def test_empty_batch_on_gpu() -> None:
-    require_backend(native(), torch.bfloat16, 128, False)
-    q, k, v = randn_qkv(0, 128, 64, 8, 8, 128, torch.bfloat16, "cuda")
-    out, lse = flash_attn_func(q, k, v, return_lse=True)
-    assert out.shape == q.shape and lse.shape == (0, 8, 128)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shape", [(0, 128, 64, 8, 8), (2, 0, 64, 8, 2), (2, 0, 0, 8, 8), (2, 128, 64, 0, 0)])
+def test_empty_grid_on_gpu(shape: tuple[int, int, int, int, int], backend: str) -> None:
+    # Batch, seqlen_q or nheads 0: out and lse have no element to write, and the launcher says it
+    # launched nothing: an empty grid (a CUDA launch of zero blocks is an error, so it launches none).
+    require_backend(backend, torch.bfloat16, 128, True)
+    q, k, v = randn_qkv(*shape, 128, torch.bfloat16, "cuda")
+    out, lse = poisoned(q)
+    assert fwd_into(q, k, v, out, lse, 0.1, True, ARCH[backend]) == 0
+    assert out.numel() == lse.numel() == 0
+    out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True, backend=backend)
+    assert out.shape == q.shape and lse.shape == (shape[0], shape[3], shape[1])
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("causal", [False, True])
-def test_no_keys_on_gpu(causal: bool) -> None:
-    require_backend(native(), torch.bfloat16, 128, causal)
-    q, k, v = randn_qkv(2, 64, 0, 8, 8, 128, torch.bfloat16, "cuda")
-    out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
+def test_no_keys_on_gpu(causal: bool, backend: str) -> None:
+    # seqlen_k 0: the kernel runs (CTAs launched) and writes every row as a row with no key: exactly
+    # 0, lse -inf, over NaN poison.
+    require_backend(backend, torch.bfloat16, 128, causal)
+    q, k, v = randn_qkv(2, 300, 0, 8, 2, 128, torch.bfloat16, "cuda")
+    out, lse = poisoned(q)
+    assert fwd_into(q, k, v, out, lse, 0.1, causal, ARCH[backend]) > 0
+    assert (out == 0).all() and torch.isneginf(lse).all()
+    out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True, backend=backend)
     assert (out == 0).all() and torch.isneginf(lse).all()
 
 
@@ -174,13 +229,16 @@ def test_misaligned_input_is_refused_before_launch() -> None:
 @pytest.mark.gpu
 def test_compile_on_gpu() -> None:
     require_backend(native(), torch.bfloat16, 128, True)
-    q, k, v = randn_qkv(2, 512, 512, 8, 8, 128, torch.bfloat16, "cuda")
+    q, k, v = randn_qkv(2, 512, 700, 8, 2, 128, torch.bfloat16, "cuda")
 
-    def f(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return flash_attn_func(q, k, v, causal=True) * 2
+    def f(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return flash_attn_func(q * 2, k, v, causal=True, return_lse=True)
 
     torch._dynamo.reset()
-    torch.testing.assert_close(torch.compile(f, fullgraph=True)(q, k, v), f(q, k, v))
+    out, lse = torch.compile(f, fullgraph=True)(q, k, v)
+    torch.testing.assert_close((out, lse), f(q, k, v))
+    # Not only the same kernel as eager: the right answer.
+    assert_matches_reference(out, lse, q * 2, k, v, None, causal=True)
 
 
 @pytest.mark.gpu

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -27,10 +28,11 @@ def finite(lse: torch.Tensor) -> torch.Tensor:
 
 def autograd_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None,
                    scale: float, causal: bool,
-                   fwd: Callable[..., tuple[torch.Tensor, torch.Tensor]] = attention_ref) -> Grads:
+                   fwd: Callable[..., tuple[torch.Tensor, torch.Tensor]] = attention_ref,
+                   window: tuple[int, int] | None = None) -> Grads:
     """d/d(q, k, v) of sum(out * dout) + sum(lse * dlse), by torch.autograd through ``fwd``."""
     leaves = [x.detach().requires_grad_() for x in (q, k, v)]
-    out, lse = fwd(*leaves, scale, causal)
+    out, lse = fwd(*leaves, scale, causal, window=window)
     outputs, grads = [out], [dout]
     if dlse is not None:
         outputs.append(finite(lse))
@@ -57,6 +59,46 @@ def test_formula_equals_autograd(seqlens: tuple[int, int], nheads: tuple[int, in
     dlse = torch.randn_like(lse) if with_dlse else None  # also on rows that see no key: must not matter
     got = attention_bwd_ref(dout, q, k, v, out, lse, 0.3, causal, dlse)
     assert_close(got, autograd_grads(q, k, v, dout, dlse, 0.3, causal), 1e-10)
+
+
+@pytest.mark.parametrize("with_dlse", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("window", [(-1, 0), (0, 0), (3, -1), (-1, 4), (5, 2), (1000, 3)])
+@pytest.mark.parametrize("seqlens", [(23, 70), (70, 23), (64, 64)])
+def test_formula_equals_autograd_windowed(seqlens: tuple[int, int], window: tuple[int, int], causal: bool,
+                                          with_dlse: bool) -> None:
+    q, k, v = randn_qkv(2, *seqlens, 4, 2, 24, dtype=torch.float64)
+    out, lse = attention_ref(q, k, v, 0.3, causal, window=window)
+    dout = torch.randn_like(out)
+    dlse = torch.randn_like(lse) if with_dlse else None
+    got = attention_bwd_ref(dout, q, k, v, out, lse, 0.3, causal, dlse, window=window)
+    assert_close(got, autograd_grads(q, k, v, dout, dlse, 0.3, causal, window=window), 1e-10)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("window", [(1, 1), (0, 0), (-1, 1), (2, -1)])
+def test_gradcheck_windowed(window: tuple[int, int], causal: bool) -> None:
+    # Finite differences of the exact windowed forward against the backward formula, through out and lse.
+    q, k, v = (x.requires_grad_() for x in randn_qkv(1, 6, 5, 2, 1, 4, dtype=torch.float64))
+    w_out, w_lse = torch.randn(1, 6, 2, 4, dtype=torch.float64), torch.randn(1, 2, 6, dtype=torch.float64)
+
+    class Attention(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            out, lse = attention_ref(q, k, v, 0.5, causal, window=window)
+            ctx.save_for_backward(q, k, v, out, lse)
+            return out, lse
+
+        @staticmethod
+        def backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor) -> Grads:
+            q, k, v, out, lse = ctx.saved_tensors
+            return attention_bwd_ref(dout, q, k, v, out, lse, 0.5, causal, dlse, window=window)
+
+    def loss(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out, lse = Attention.apply(q, k, v)
+        return (out * w_out).sum() + (finite(lse) * w_lse).sum()
+
+    assert torch.autograd.gradcheck(loss, (q, k, v))
 
 
 def test_rows_with_no_key_contribute_nothing() -> None:
@@ -109,9 +151,9 @@ def test_float32_reference_is_close_to_float64() -> None:
 # --- the low-precision yardstick ---
 
 def lowp_autograd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None,
-                  scale: float, causal: bool) -> Grads:
+                  scale: float, causal: bool, window: tuple[int, int] | None = None) -> Grads:
     """Autograd through attention_lowp (GQA through its repeat_interleave, as PyTorch would do it)."""
-    return autograd_grads(q, k, v, dout, dlse, scale, causal, fwd=attention_lowp)
+    return autograd_grads(q, k, v, dout, dlse, scale, causal, fwd=attention_lowp, window=window)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -121,6 +163,21 @@ def lowp_autograd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch
                                                  ((33, 1), (2, 2))])
 def test_lowp_equals_autograd(seqlens: tuple[int, int], nheads: tuple[int, int], causal: bool, with_dlse: bool,
                               dtype: torch.dtype) -> None:
+    check_lowp_equals_autograd(seqlens, nheads, None, causal, with_dlse, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_dlse", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(("seqlens", "nheads", "window"), [((40, 70), (4, 2), (9, 3)), ((70, 40), (4, 4), (-1, 5)),
+                                                           ((50, 50), (4, 1), (0, 0))])
+def test_lowp_equals_autograd_windowed(seqlens: tuple[int, int], nheads: tuple[int, int], window: tuple[int, int],
+                                       causal: bool, with_dlse: bool, dtype: torch.dtype) -> None:
+    check_lowp_equals_autograd(seqlens, nheads, window, causal, with_dlse, dtype)
+
+
+def check_lowp_equals_autograd(seqlens: tuple[int, int], nheads: tuple[int, int], window: tuple[int, int] | None,
+                               causal: bool, with_dlse: bool, dtype: torch.dtype) -> None:
     # The same roundings in the same places, up to float32 summation order (which can flip a rounding
     # to dtype here and there): the two differ by far less than either differs from exact gradients.
     # GQA dk, dv: autograd rounds each head's gradient before their sum, attention_bwd_lowp only the
@@ -128,10 +185,10 @@ def test_lowp_equals_autograd(seqlens: tuple[int, int], nheads: tuple[int, int],
     q, k, v = randn_qkv(2, *seqlens, *nheads, 32, dtype=dtype)
     dout = torch.randn(q.shape, dtype=dtype)
     dlse = torch.randn(2, nheads[0], seqlens[0]) if with_dlse else None
-    got = attention_bwd_lowp(dout, q, k, v, 0.2, causal, dlse)
-    want = lowp_autograd(q, k, v, dout, dlse, 0.2, causal)
-    out, lse = attention_ref(q, k, v, 0.2, causal)
-    exact = attention_bwd_ref(dout, q, k, v, out, lse, 0.2, causal, dlse)
+    got = attention_bwd_lowp(dout, q, k, v, 0.2, causal, dlse, window=window)
+    want = lowp_autograd(q, k, v, dout, dlse, 0.2, causal, window)
+    out, lse = attention_ref(q, k, v, 0.2, causal, window=window)
+    exact = attention_bwd_ref(dout, q, k, v, out, lse, 0.2, causal, dlse, window=window)
     for name, g, w, e in zip(("dq", "dk", "dv"), got, want, exact):
         assert g.dtype == dtype and g.shape == w.shape and not torch.isnan(g).any(), name
         same_roundings = name == "dq" or nheads[0] == nheads[1]
@@ -155,14 +212,15 @@ def test_lowp_error_is_the_input_precision(dtype: torch.dtype) -> None:
 # --- the GPU tests' assertion, on a CPU emulation of a kernel ---
 
 def emulated_kernel(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                    causal: bool, dlse: torch.Tensor | None = None, bug: str | None = None) -> Grads:
+                    causal: bool, dlse: torch.Tensor | None = None, bug: str | None = None,
+                    window: tuple[int, int] | None = None) -> Grads:
     """A FlashAttention-style backward as the kernels compute it: forward out rounded to q.dtype and
     float32 lse; float32 math on q.dtype operands; P and dS rounded to q.dtype for the dV, dQ, dK
     matmuls; D = rowsum(dO * O) from the rounded O. ``bug`` injects one mistake."""
     dt = q.dtype
     b, sq, hq, d = q.shape
     hkv = k.shape[2]
-    o32, lse = attention_ref(q, k, v, scale, causal, dtype=torch.float32)
+    o32, lse = attention_ref(q, k, v, scale, causal, window=window, dtype=torch.float32)
     out = o32.to(dt)
     qt, kt, vt = _heads_first(q, k, v, torch.float32)
     dot = dout.transpose(1, 2).float()
@@ -172,7 +230,7 @@ def emulated_kernel(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     if bug == "D 0.1% off":
         delta = delta * 1.001
     s = qt @ kt.transpose(-1, -2) * (scale * (1.01 if bug == "scale 1% off" else 1.0))
-    p = _probs_from_lse(s, lse, visible(sq, k.shape[1], causal))
+    p = _probs_from_lse(s, lse, visible(sq, k.shape[1], causal, window=None if bug == "window ignored" else window))
     dv = p.to(dt).float().transpose(-1, -2) @ dot
     ds = (p * (dot @ vt.transpose(-1, -2) - delta[..., None])).to(dt).float()
     dq = (ds @ kt * scale).to(dt).transpose(1, 2)
@@ -189,21 +247,23 @@ def emulated_kernel(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     return dq, dk, dv
 
 
-CASES = [(2, 70, 130, 4, 2, 64, True), (1, 130, 70, 4, 1, 64, True), (1, 300, 1, 4, 1, 128, False),
-         (2, 65, 1, 4, 2, 64, True), (1, 1, 90, 4, 4, 64, False)]
+CASES = [(2, 70, 130, 4, 2, 64, True, None), (1, 130, 70, 4, 1, 64, True, None), (1, 300, 1, 4, 1, 128, False, None),
+         (2, 65, 1, 4, 2, 64, True, None), (1, 1, 90, 4, 4, 64, False, None),
+         (2, 90, 90, 4, 2, 64, False, (8, 8)), (1, 130, 70, 4, 4, 64, True, (16, -1)),
+         (1, 40, 1, 4, 1, 64, False, (0, 0))]  # seqlen_k 1 with a window: only row 39 sees the key
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("with_dlse", [False, True])
 @pytest.mark.parametrize("case", CASES)
-def test_assertion_accepts_a_faithful_kernel(case: tuple[int, ...], with_dlse: bool, dtype: torch.dtype) -> None:
-    b, sq, sk, hq, hkv, d, causal = case
+def test_assertion_accepts_a_faithful_kernel(case: tuple[Any, ...], with_dlse: bool, dtype: torch.dtype) -> None:
+    b, sq, sk, hq, hkv, d, causal, window = case
     q, k, v = randn_qkv(b, sq, sk, hq, hkv, d, dtype=dtype)
     dout = torch.randn(q.shape, dtype=dtype)
     dlse = torch.randn(b, hq, sq) if with_dlse else None
-    grads = emulated_kernel(dout, q, k, v, 1 / math.sqrt(d), bool(causal), dlse)
+    grads = emulated_kernel(dout, q, k, v, 1 / math.sqrt(d), causal, dlse, window=window)
     for ref_dtype in (torch.float32, torch.float64):
-        assert_grads_match(grads, dout, q, k, v, None, bool(causal), dlse, ref_dtype=ref_dtype)
+        assert_grads_match(grads, dout, q, k, v, None, causal, dlse, ref_dtype=ref_dtype, window=window)
 
 
 @pytest.mark.parametrize(("bug", "case", "with_dlse"), [
@@ -213,12 +273,15 @@ def test_assertion_accepts_a_faithful_kernel(case: tuple[int, ...], with_dlse: b
     ("last key block skipped", CASES[1], False),
     ("no-key rows not zero", CASES[1], False),
     ("D 0.1% off", CASES[2], False),  # seqlen_k 1: dq and dk must stay rounding noise
+    ("D 0.1% off", CASES[7], False),  # the same, where the window leaves one row with the key
+    ("window ignored", CASES[5], False),
+    ("window ignored", CASES[6], True),
 ])
-def test_assertion_rejects_a_broken_kernel(bug: str, case: tuple[int, ...], with_dlse: bool) -> None:
-    b, sq, sk, hq, hkv, d, causal = case
+def test_assertion_rejects_a_broken_kernel(bug: str, case: tuple[Any, ...], with_dlse: bool) -> None:
+    b, sq, sk, hq, hkv, d, causal, window = case
     q, k, v = randn_qkv(b, sq, sk, hq, hkv, d, dtype=torch.bfloat16)
     dout = torch.randn(q.shape, dtype=torch.bfloat16)
     dlse = torch.randn(b, hq, sq) if with_dlse else None
-    grads = emulated_kernel(dout, q, k, v, 1 / math.sqrt(d), bool(causal), dlse, bug=bug)
+    grads = emulated_kernel(dout, q, k, v, 1 / math.sqrt(d), causal, dlse, bug=bug, window=window)
     with pytest.raises(AssertionError):
-        assert_grads_match(grads, dout, q, k, v, None, bool(causal), dlse)
+        assert_grads_match(grads, dout, q, k, v, None, causal, dlse, window=window)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import randn_qkv
 
-from flashhopper import flash_attn_func, ops, validation
+from flashhopper import flash_attn_func, validation
 from flashhopper.ops import bwd_into, fwd_into
 
 
@@ -159,7 +159,49 @@ def test_fwd_into_refuses_cpu_tensors() -> None:
 @pytest.mark.parametrize("value", [-1, 1.5, True, None])
 def test_max_smem_bytes(value: Any) -> None:
     with raises(ValueError, "max_smem_bytes"):
-        ops._check_max_smem_bytes(value)
+        validation.check_max_smem_bytes(value)
+
+
+def test_window() -> None:
+    assert validation.check_window(None) is None
+    assert validation.check_window((3, -1)) == (3, -1)
+    assert validation.check_window((-1, -1)) == (-1, -1)
+    got = validation.check_window((np.int64(5), 0))
+    assert got == (5, 0) and all(type(w) is int for w in got)  # type: ignore[union-attr]
+    for bad in ([1, 2], (1,), (1, 2, 3), (True, 0), (1.0, 2), ("1", 2), 4):
+        with raises(TypeError, "window"):
+            validation.check_window(bad)
+    for bad in ((-2, 0), (0, -5)):
+        with raises(ValueError, "window"):
+            validation.check_window(bad)
+
+
+def test_variant_and_arch() -> None:
+    validation.check_variant("")
+    validation.check_variant("no-pingpong")
+    with raises(TypeError, "variant"):
+        validation.check_variant(None)
+    validation.check_arch(80, (90, 80))
+    for bad in (70, "90", True, 90.0):
+        with raises(ValueError, "arch"):
+            validation.check_arch(bad, (90, 80))
+
+
+@pytest.mark.parametrize(("kw", "exc", "name"), [
+    ({"window": (-3, 0)}, ValueError, "window"),
+    ({"window": [4, 4]}, TypeError, "window"),
+    ({"variant": 3}, TypeError, "variant"),
+    ({"arch": 86}, ValueError, "arch"),
+])
+def test_kernel_arguments_checked_first(kw: dict[str, Any], exc: type[Exception], name: str) -> None:
+    # Named for what is wrong with them, before the CPU tensors here are refused.
+    q, k, v = randn_qkv(2, 16, 24, 8, 2, 64, dtype=torch.bfloat16)
+    args = {"arch": 90, **kw}
+    arch = args.pop("arch")
+    with raises(exc, name):
+        fwd_into(q, k, v, torch.empty_like(q), torch.empty(2, 8, 16), 0.125, False, arch, **args)
+    with raises(exc, name):
+        bwd_into(**bwd_args(arch=arch, **args))
 
 
 # --- memory layout (checked right before a launch; CPU tensors stand in for CUDA ones) ---

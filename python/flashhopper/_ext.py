@@ -1,4 +1,4 @@
-"""The compiled extension ``flashhopper._C``, imported lazily.
+"""The compiled extension ``flashhopper._C``, imported lazily, and its kernel table by KernelKey.
 
 Importing flashhopper must work without it (a ``FLASHHOPPER_PURE_PYTHON=1`` install, a CPU-only
 machine, a broken build): the reference backend still runs, and the import error is kept so that
@@ -7,28 +7,31 @@ a request for a kernel can say why there is none.
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-import torch
+from .kernel_key import KernelKey, from_dict
 
 _module: ModuleType | None = None
 _error: str | None = None
 _loaded = False
-# (arch, dtype, headdim, causal) of every compiled forward / backward kernel; filled on first load.
-# fp8 entries are keyed by torch.float8_e4m3fn, so they never match a bf16/fp16 lookup.
-_fwd_kernels: frozenset[tuple[int, torch.dtype, int, bool]] = frozenset()
-_bwd_kernels: frozenset[tuple[int, torch.dtype, int, bool]] = frozenset()
-# (headdim, causal) -> (block_m, block_n) of the arch-90 fp8 forward kernels (docs/fp8.md).
-_fp8_fwd_tiles: dict[tuple[int, bool], tuple[int, int]] = {}
 
-DTYPE_NAMES: dict[str, torch.dtype] = {
-    "float16": torch.float16, "bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn,
-}
+
+@dataclass(frozen=True)
+class Entry:
+    """One compiled kernel: what ``_C.fwd`` / ``_C.bwd`` take as ``index``, and its tile sizes."""
+    index: int
+    block_m: int
+    block_n: int
+
+
+# (mode, key) -> entry, filled on first load.
+_table: dict[tuple[str, KernelKey], Entry] = {}
 
 
 def _load() -> ModuleType | None:
-    global _module, _error, _loaded, _fwd_kernels, _bwd_kernels, _fp8_fwd_tiles
+    global _module, _error, _loaded
     if not _loaded:
         _loaded = True
         try:
@@ -36,17 +39,8 @@ def _load() -> ModuleType | None:
         except ImportError as e:  # not built, or built against a CUDA runtime this machine lacks
             _error = f"{type(e).__name__}: {e}"
         else:
-            kernels = list(_module.kernels())
-            _fwd_kernels, _bwd_kernels = (frozenset(
-                (k["arch"], DTYPE_NAMES[k["dtype"]], k["headdim"], k["causal"])
-                for k in kernels
-                if k["mode"] == mode and k["dtype"] in DTYPE_NAMES
-            ) for mode in ("fwd", "bwd"))
-            _fp8_fwd_tiles = {
-                (k["headdim"], k["causal"]): (k["block_m"], k["block_n"])
-                for k in kernels
-                if k["mode"] == "fwd" and k["arch"] == 90 and k["dtype"] == "float8_e4m3fn"
-            }
+            for k in _module.kernels():
+                _table[(k["mode"], from_dict(k))] = Entry(k["index"], k["block_m"], k["block_n"])
     return _module
 
 
@@ -70,26 +64,20 @@ def extension() -> ModuleType:
 
 
 def compiled_kernels() -> list[dict[str, Any]]:
-    """The kernel configurations in this build, as ``_C.kernels()`` lists them ([] without _C)."""
+    """The kernels in this build, as ``_C.kernels()`` lists them: mode, index, the KernelKey's fields,
+    block_m, block_n ([] without _C)."""
     mod = _load()
     return [] if mod is None else list(mod.kernels())
 
 
-def has_fwd_kernel(arch: int, dtype: torch.dtype, headdim: int, causal: bool) -> bool:
+def kernel(mode: str, key: KernelKey) -> Entry | None:
+    """The compiled ``mode`` ("fwd" or "bwd") kernel for ``key``, or None."""
     _load()
-    return (arch, dtype, headdim, causal) in _fwd_kernels
+    return _table.get((mode, key))
 
 
-def has_bwd_kernel(arch: int, dtype: torch.dtype, headdim: int, causal: bool) -> bool:
-    """Whether this build has the arch-``arch`` backward (preprocess, main kernel, postprocess)."""
-    _load()
-    return (arch, dtype, headdim, causal) in _bwd_kernels
-
-
-def fp8_kernel_tiles(headdim: int, causal: bool) -> tuple[int, int] | None:
-    """(block_m, block_n) of this build's arch-90 fp8 (e4m3) forward kernel, or None without one."""
-    _load()
-    return _fp8_fwd_tiles.get((headdim, causal))
+def has_kernel(mode: str, key: KernelKey) -> bool:
+    return kernel(mode, key) is not None
 
 
 def has_fp8_quantize() -> bool:
@@ -99,5 +87,21 @@ def has_fp8_quantize() -> bool:
 
 
 def build_info() -> dict[str, Any]:
+    """What this build was configured with (archs, modes, dtypes, headdims, masks, variants; {} without _C)."""
     mod = _load()
     return {} if mod is None else dict(mod.build_info())
+
+
+def configured(mode: str, key: KernelKey) -> bool:
+    """Whether the build was asked for this production kernel (FLASHHOPPER_ARCHS, _MODES, _DTYPES, _HDIMS,
+    _MASKS): then its absence is a broken build or a wrong key, not a configuration choice (the GPU tests
+    fail on it rather than skip). The fp8 (e4m3) dtype is built as a Hopper forward only
+    (cpp/generate_kernels.py: FAMILIES); variants are ablation builds, never required."""
+    info = build_info()
+    if not info or key.variant:
+        return False
+    dtype = key.short_dtype()
+    if dtype == "e4m3" and (key.arch != 90 or mode != "fwd"):
+        return False
+    return (key.arch in info["archs"] and mode in info["modes"] and dtype in info["dtypes"]
+            and key.headdim in info["headdims"] and key.headdim_v == key.headdim and key.mask in info["masks"])

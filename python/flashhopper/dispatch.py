@@ -1,27 +1,28 @@
 """Which backend runs a call: "sm90" (Hopper kernels), "sm80" (Ampere kernels) or "reference".
 
-Auto (backend=None): CPU tensors -> reference; CUDA capability 9.0 with a compiled arch-90 kernel for
-(dtype, headdim, causal) -> sm90; capability 8.x-9.x with an arch-80 kernel -> sm80; anything else
-is an error that says what is missing. Never a silent fall back to the slow reference on a GPU.
-Gradients run the backward of the family that ran the forward; when they will be needed and that
-family has no backward kernel for the configuration, the forward already refuses (require_bwd_kernel).
+A call's kernel is named by its KernelKey (kernel_key.py: family, dtype, head dims, mask kind, variant)
+and looked up in the build's table (``_ext.kernel``). Auto (backend=None): CPU tensors -> reference;
+CUDA capability 9.0 with a compiled arch-90 kernel for the key -> sm90; capability 8.x-9.x with an
+arch-80 kernel -> sm80; anything else is an error that says what to rebuild with. Never a silent fall
+back to the slow reference on a GPU. Gradients run the backward of the family that ran the forward;
+when they will be needed and that family has no backward kernel for the key, the forward already
+refuses (require_bwd_kernel).
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Container
 
 import torch
 
 from . import _device, _ext, validation
 from ._device import DeviceInfo
+from .kernel_key import KernelKey, mask_of
 
 BACKENDS: tuple[str, ...] = ("sm90", "sm80", "reference")
 ARCH: dict[str, int] = {"sm90": 90, "sm80": 80}
 # Auto-dispatch preference, best first.
 _AUTO_ORDER: tuple[str, ...] = ("sm90", "sm80")
-_BUILD_DTYPE: dict[torch.dtype, str] = {torch.bfloat16: "bf16", torch.float16: "fp16"}
-
-KernelKey = tuple[int, torch.dtype, int, bool]  # (arch, dtype, headdim, causal)
 
 
 def runs_on(backend: str, capability: tuple[int, int]) -> bool:
@@ -33,22 +34,44 @@ def runs_on(backend: str, capability: tuple[int, int]) -> bool:
     return False
 
 
-def _describe(dtype: torch.dtype, headdim: int, causal: bool) -> str:
-    return f"{str(dtype).removeprefix('torch.')} headdim {headdim} {'causal' if causal else 'non-causal'}"
+def kernel_key(backend: str, dtype: torch.dtype, headdim: int, causal: bool,
+               window: tuple[int, int] | None = None, variant: str = "") -> KernelKey:
+    """The KernelKey of a call on kernel family ``backend`` ("sm90" or "sm80"); V's head dim is q's.
+    ``window``: flash-attn's (left, right), -1 unbounded; it makes the mask "window" unless (-1, -1)."""
+    return _key(backend, dtype, headdim, mask_of(causal, window), variant)
 
 
-def _rebuild_hint(backends: tuple[str, ...], dtype: torch.dtype, headdim: int, modes: str | None = None) -> str:
+# Cached: every launch asks, and a key's construction validates its fields (host time of small calls).
+@functools.lru_cache(maxsize=1024)
+def _key(backend: str, dtype: torch.dtype, headdim: int, mask: str, variant: str = "") -> KernelKey:
+    if backend not in ARCH:
+        raise ValueError(f"backend must be one of {', '.join(map(repr, ARCH))} for a kernel, got {backend!r}")
+    return KernelKey(ARCH[backend], str(dtype).removeprefix("torch."), headdim, headdim, mask, variant)
+
+
+def _describe(key: KernelKey) -> str:
+    """The call's configuration as an error message names it (the family is said separately)."""
+    mask = {"none": "non-causal", "causal": "causal", "window": "windowed (local)"}[key.mask]
+    hd = f"{key.headdim}" if key.headdim_v == key.headdim else f"{key.headdim}/{key.headdim_v}"
+    return f"{key.dtype} headdim {hd} {mask}" + (f" variant {key.variant}" if key.variant else "")
+
+
+def _rebuild_hint(backends: tuple[str, ...], key: KernelKey, modes: str | None = None) -> str:
     archs = ";".join(str(ARCH[b]) for b in backends)
     mode = f" FLASHHOPPER_MODES={modes}" if modes else ""
-    hint = (f"rebuild with FLASHHOPPER_ARCHS={archs}{mode} FLASHHOPPER_DTYPES={_BUILD_DTYPE[dtype]} "
-            f"FLASHHOPPER_HDIMS={headdim} (or a superset), or pass backend='reference'")
+    # The default FLASHHOPPER_MASKS is none;causal: a window kernel has to be asked for by name.
+    masks = " FLASHHOPPER_MASKS=none;causal;window" if key.mask == "window" else ""
+    variant = f" FLASHHOPPER_VARIANTS={key.variant}" if key.variant else ""
+    hint = (f"rebuild with FLASHHOPPER_ARCHS={archs}{mode} FLASHHOPPER_DTYPES={key.short_dtype()} "
+            f"FLASHHOPPER_HDIMS={key.headdim}{masks}{variant} (or a superset), or pass backend='reference'")
     err = _ext.extension_error()
     return hint + (f"; the compiled extension did not import: {err}" if err else "")
 
 
-def choose_kernel(info: DeviceInfo, index: int, dtype: torch.dtype, headdim: int, causal: bool,
+def choose_kernel(info: DeviceInfo, index: int, dtype: torch.dtype, headdim: int, mask: str,
                   backend: str | None, kernels: Container[KernelKey]) -> str:
-    """Pure decision for a CUDA device: the kernel backend to use, or ValueError saying why none."""
+    """Pure decision for a CUDA device: the kernel backend to use for a call of this dtype, head dim and
+    mask kind (kernel_key.mask_of), given the forward kernels ``kernels``; or ValueError saying why none."""
     validation.check_kernel_dtype("q", dtype)
     validation.check_kernel_headdim(headdim)
     where = f"cuda:{index} ({info.name}, compute capability {info.capability[0]}.{info.capability[1]})"
@@ -59,91 +82,114 @@ def choose_kernel(info: DeviceInfo, index: int, dtype: torch.dtype, headdim: int
         if not runs_on(backend, info.capability):
             need = "9.0 (Hopper)" if backend == "sm90" else "8.0-9.x"
             raise ValueError(f"backend={backend!r} needs compute capability {need}; q is on {where}")
-        if (ARCH[backend], dtype, headdim, causal) not in kernels:
-            raise ValueError(f"backend={backend!r}: this build has no {backend} kernel for "
-                             f"{_describe(dtype, headdim, causal)}; {_rebuild_hint((backend,), dtype, headdim)}")
+        key = _key(backend, dtype, headdim, mask)
+        if key not in kernels:
+            raise ValueError(f"backend={backend!r}: this build has no {backend} kernel for {_describe(key)}; "
+                             f"{_rebuild_hint((backend,), key)}")
         return backend
     usable = tuple(b for b in _AUTO_ORDER if runs_on(b, info.capability))
     for b in usable:
-        if (ARCH[b], dtype, headdim, causal) in kernels:
+        if _key(b, dtype, headdim, mask) in kernels:
             return b
     if not usable:
         raise ValueError(f"q is on {where}, which no flashhopper kernel family supports "
                          "(sm90 needs 9.0, sm80 needs 8.x-9.x); pass backend='reference'")
-    raise ValueError(f"q: this build has no {' or '.join(usable)} kernel for {_describe(dtype, headdim, causal)} "
-                     f"on {where}; {_rebuild_hint(usable, dtype, headdim)}")
+    key = _key(usable[0], dtype, headdim, mask)
+    raise ValueError(f"q: this build has no {' or '.join(usable)} kernel for {_describe(key)} on {where}; "
+                     f"{_rebuild_hint(usable, key)}")
 
 
 def missing_bwd_kernel(backend: str, dtype: torch.dtype, headdim: int, causal: bool,
-                       kernels: Container[KernelKey]) -> str:
+                       kernels: Container[KernelKey], *, window: tuple[int, int] | None = None) -> str:
     """Pure decision: "" when ``kernels`` (backward kernels) has the backward for this forward
     configuration, otherwise why not and what to rebuild with. The reference needs no kernel."""
-    if backend not in ARCH or (ARCH[backend], dtype, headdim, causal) in kernels:
+    if backend not in ARCH:
+        return ""
+    key = kernel_key(backend, dtype, headdim, causal, window)
+    if key in kernels:
         return ""
     # A fwd-only build (FLASHHOPPER_MODES=fwd) is the likely cause: the hint names both modes, so
     # that following it does not drop the forward kernels.
-    return (f"this build has no {backend} backward kernel for {_describe(dtype, headdim, causal)}; "
-            f"{_rebuild_hint((backend,), dtype, headdim, modes='fwd;bwd')}, or run the forward under "
+    return (f"this build has no {backend} backward kernel for {_describe(key)}; "
+            f"{_rebuild_hint((backend,), key, modes='fwd;bwd')}, or run the forward under "
             "torch.no_grad() (or on detached inputs) if no gradient is needed")
 
 
+def require_kernel(mode: str, key: KernelKey) -> _ext.Entry:
+    """The compiled ``mode`` kernel for ``key``, or ValueError saying what to rebuild with. For callers
+    that name the family themselves (ops.fwd_into / bwd_into, the ops with a resolved backend)."""
+    entry = _ext.kernel(mode, key)
+    if entry is None:
+        backend = next(b for b, a in ARCH.items() if a == key.arch)
+        what = "forward" if mode == "fwd" else "backward"
+        raise ValueError(f"arch={key.arch}: this build has no {backend} {what} kernel for {_describe(key)}; "
+                         f"{_rebuild_hint((backend,), key, modes=None if mode == 'fwd' else 'fwd;bwd')}")
+    return entry
+
+
 class _CompiledKernels:
-    """Live view of the kernel set, so the extension is imported only when a GPU call asks."""
+    """Live view of the build's ``mode`` kernels, so the extension is imported only when a GPU call asks."""
 
     def __init__(self, mode: str = "fwd") -> None:
-        self._has = _ext.has_fwd_kernel if mode == "fwd" else _ext.has_bwd_kernel
+        self._mode = mode
 
     def __contains__(self, key: object) -> bool:
-        return isinstance(key, tuple) and self._has(*key)
+        return isinstance(key, KernelKey) and _ext.has_kernel(self._mode, key)
 
 
 # Under torch.compile the choice is made once at trace time: its inputs (device, dtype, head dim,
-# causal) are already guarded, and the device query inside could not be traced.
+# mask kind) are already guarded, and the device query inside could not be traced.
 @torch.compiler.assume_constant_result
-def _select_cuda(index: int, dtype: torch.dtype, headdim: int, causal: bool, backend: str | None) -> str:
-    return choose_kernel(_device.device_info(index), index, dtype, headdim, causal, backend, _CompiledKernels())
+def _select_cuda(index: int, dtype: torch.dtype, headdim: int, mask: str, backend: str | None) -> str:
+    return choose_kernel(_device.device_info(index), index, dtype, headdim, mask, backend, _CompiledKernels())
 
 
 # Returns the message rather than raising: under torch.compile, a ValueError raised inside an
 # assume_constant_result function surfaces as an internal dynamo error, while one raised by the
 # traced caller stays a ValueError (fullgraph=True: an "observed exception" error that quotes it).
+# The window travels as its two ints: constant-result arguments are best kept scalars.
 @torch.compiler.assume_constant_result
-def _missing_bwd_cuda(backend: str, dtype: torch.dtype, headdim: int, causal: bool) -> str:
-    # _CompiledKernels looks _ext up at call time (tests replace _ext.has_bwd_kernel).
-    return missing_bwd_kernel(backend, dtype, headdim, causal, _CompiledKernels("bwd"))
+def _missing_bwd_cuda(backend: str, dtype: torch.dtype, headdim: int, causal: bool, window_left: int,
+                      window_right: int) -> str:
+    # _CompiledKernels looks _ext up at call time (tests replace _ext.has_kernel).
+    return missing_bwd_kernel(backend, dtype, headdim, causal, _CompiledKernels("bwd"),
+                              window=(window_left, window_right))
 
 
 def require_bwd_kernel(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, headdim: int,
-                       causal: bool) -> None:
+                       causal: bool, *, window: tuple[int, int] | None = None) -> None:
     """ValueError, at forward time, when autograd will ask ``backend`` for a backward this build lacks:
     grad mode is on and q, k or v requires grad. Better now than after the whole forward graph ran."""
     if backend not in ARCH or not torch.is_grad_enabled():
         return
+    left, right = (-1, -1) if window is None else window
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.requires_grad:
-            msg = _missing_bwd_cuda(backend, q.dtype, headdim, causal)
+            msg = _missing_bwd_cuda(backend, q.dtype, headdim, causal, left, right)
             if msg:
                 raise ValueError(f"{name} requires grad, but {msg}")
             return
 
 
 def select_backend(q: torch.Tensor, headdim: int, dtype: torch.dtype, causal: bool,
-                   backend: str | None = None) -> str:
-    """Resolve ``backend`` (None = auto) to one of BACKENDS for inputs like ``q``."""
+                   backend: str | None = None, *, window: tuple[int, int] | None = None) -> str:
+    """Resolve ``backend`` (None = auto) to one of BACKENDS for inputs like ``q`` with this mask
+    (``causal`` and ``window``, flash-attn's (left, right), -1 unbounded)."""
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))} or None, got {backend!r}")
+    window = validation.check_window(window)
     if backend == "reference":
         return "reference"
     if q.device.type != "cuda":
         if backend is None:
             return "reference"
         raise ValueError(f"backend={backend!r} needs CUDA tensors, but q is on {q.device}")
-    return _select_cuda(q.device.index, dtype, headdim, causal, backend)
+    return _select_cuda(q.device.index, dtype, headdim, mask_of(causal, window), backend)
 
 
 def available_backends(device: torch.device | str | int | None = None) -> list[str]:
-    """Backends with at least one compiled kernel that runs on ``device`` (default: current CUDA
-    device, or none), plus "reference", which runs anywhere."""
+    """Backends with at least one compiled forward kernel that runs on ``device`` (default: current
+    CUDA device, or none), plus "reference", which runs anywhere."""
     out: list[str] = []
     if torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda"):
         dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)

@@ -48,5 +48,6 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
     check_flag("deterministic", deterministic)
     name = select_backend(q, shapes.headdim, q.dtype, causal, backend)
     require_bwd_kernel(name, q, k, v, shapes.headdim, causal)
-    out, lse = torch.ops.flashhopper.fwd.default(q, k, v, scale, causal, deterministic, name)
+    # No local window from here yet (window_left = window_right = -1: unbounded).
+    out, lse = torch.ops.flashhopper.fwd.default(q, k, v, scale, causal, -1, -1, deterministic, name)
     return (out, lse) if return_lse else out

@@ -1,119 +1,105 @@
 """The torch ops ``flashhopper::fwd`` and ``flashhopper::bwd`` and the launch of the compiled kernels.
 
-Each op is a ``torch.library.custom_op`` with a fake (meta) implementation, so torch.compile traces
+Each op (defined through ``_op.define``) has a fake (meta) implementation, so torch.compile traces
 it as one opaque node (no graph break). They trust their shape-level inputs (``flash_attn_func``
 validated them); the memory-layout checks need real data pointers, so they run here, right before
 the launch. ``fwd``'s autograd formula (registered at the bottom) calls ``bwd`` with the backend
 that ran the forward, so a compiled forward + backward is two ops in the joint graph.
+
+The kernel is the build's entry for the call's KernelKey (dispatch.kernel_key); the launchers take
+empty inputs themselves (they return the CTAs launched, 0 for an empty grid), so nothing here
+special-cases them.
 """
 from __future__ import annotations
 
-import threading
 from typing import Any, Optional
 
 import torch
 
-from . import _device, _ext, reference, validation
+from . import _ext, _launch, _op, dispatch, reference, validation
 from .dispatch import ARCH
+from .kernel_key import mask_of
 
-_local = threading.local()  # one reusable FwdParams / BwdParams per thread: every field is rewritten per call
-_c_dtypes: dict[torch.dtype, Any] = {}
-_tile_counters: dict[tuple[int, int], torch.Tensor] = {}
-
-
-def _c_dtype(dtype: torch.dtype) -> Any:
-    if not _c_dtypes:
-        C = _ext.extension()
-        _c_dtypes.update({torch.float16: C.DType.float16, torch.bfloat16: C.DType.bfloat16})
-    try:
-        return _c_dtypes[dtype]
-    except KeyError:
-        validation.check_kernel_dtype("q", dtype)
-        raise
+_BACKEND_OF_ARCH: dict[int, str] = {a: b for b, a in ARCH.items()}
 
 
-def tile_counter(index: int, stream: int) -> torch.Tensor:
-    """The int32 counter causal kernels take tiles from: zeroed once, left at zero by every launch,
-    one per (device, stream) so that launches on two streams never share one."""
-    c = _tile_counters.get((index, stream))
-    if c is None:
-        c = _tile_counters[(index, stream)] = torch.zeros(1, dtype=torch.int32, device=torch.device("cuda", index))
-    return c
+def window_edges(causal: bool, window: tuple[int, int] | None, seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
+    """(window_left, window_right) as the params take them, -1 unbounded: (-1, -1) unless the mask is
+    "window" (only those kernels read them). With causal the right edge is min(right, 0), i.e. 0 (a
+    right edge is -1 or >= 0). An edge that reaches past every key is as good as unbounded and is
+    capped at seqlen_q + seqlen_k, so that the kernels' 32-bit edge arithmetic cannot overflow."""
+    if window is None or mask_of(causal, window) != "window":
+        return -1, -1
+    left, right = window
+    if causal:
+        right = 0
+    cap = seqlen_q + seqlen_k
+    return (left if left < 0 else min(left, cap)), (right if right < 0 else min(right, cap))
 
 
-def _fill_strides(p: Any, **tensors: torch.Tensor) -> None:
-    """p.<name>_batch_stride / _row_stride / _head_stride (in elements) of each named tensor."""
-    for name, x in tensors.items():
-        for what, stride in zip(("batch", "row", "head"), validation.kernel_strides(x)):
-            setattr(p, f"{name}_{what}_stride", stride)
+def _window_of(window_left: int, window_right: int) -> tuple[int, int] | None:
+    return None if (window_left, window_right) == (-1, -1) else (window_left, window_right)
 
 
-def fill_params(p: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                lse: torch.Tensor, softmax_scale: float, causal: bool, counter: int = 0) -> Any:
-    """Write pointers, strides (in elements) and sizes of these tensors into a ``_C.FwdParams``;
-    ``counter`` is the address of the tile counter (causal kernels need one)."""
+def fill_params(p: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                softmax_scale: float, edges: tuple[int, int] = (-1, -1), counter: int = 0) -> Any:
+    """Write pointers, strides (in elements), sizes and window edges (window_edges) of these tensors
+    into a ``_C.FwdParams``; ``counter`` is the address of the tile counter (0: none)."""
     b, sq, hq, d = q.shape
     p.q_ptr, p.k_ptr, p.v_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr()
     p.o_ptr, p.lse_ptr, p.tile_counter = out.data_ptr(), lse.data_ptr(), counter
-    _fill_strides(p, q=q, k=k, v=v, o=out)
+    _launch.fill_strides(p, q=q, k=k, v=v, o=out)
     p.batch, p.seqlen_q, p.seqlen_k = b, sq, k.shape[1]
-    p.nheads_q, p.nheads_kv, p.headdim = hq, k.shape[2], d
+    p.nheads_q, p.nheads_kv, p.headdim, p.headdim_v = hq, k.shape[2], d, v.shape[3]
     p.softmax_scale = softmax_scale
-    p.causal = causal
-    p.dtype = _c_dtype(q.dtype)
-    if q.is_cuda:
-        p.device = q.device.index
-        p.num_sms = _device.device_info(q.device.index).num_sms
+    p.window_left, p.window_right = edges
     return p
 
 
-def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-            softmax_scale: float, causal: bool, arch: int, max_smem_bytes: int = 0) -> None:
-    if out.numel() == 0:  # batch, seqlen_q or nheads 0: nothing to compute
-        return
-    if k.shape[1] == 0:  # no keys at all: every row is a row with no key
-        out.zero_()
-        lse.fill_(float("-inf"))
-        return
+def _launch_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                softmax_scale: float, causal: bool, window: tuple[int, int] | None, arch: int, variant: str = "",
+                max_smem_bytes: int = 0) -> int:
+    key = dispatch.kernel_key(_BACKEND_OF_ARCH[arch], q.dtype, q.shape[3], causal, window, variant)
+    entry = dispatch.require_kernel("fwd", key)
     for name, x in (("q", q), ("k", k), ("v", v), ("out", out)):
         validation.check_kernel_layout(name, x)
-    C = _ext.extension()
-    p = getattr(_local, "params", None)
-    if p is None:
-        p = _local.params = C.FwdParams()
-    index = q.device.index
-    stream = torch.cuda.current_stream(index).cuda_stream
-    counter = tile_counter(index, stream).data_ptr() if causal else 0
-    fill_params(p, q, k, v, out, lse, softmax_scale, causal, counter)
+    stream = _launch.stream(q.device)
+    # Masks with a right edge schedule tiles dynamically from the counter; MaskKind none needs none.
+    counter = _launch.tile_counter(q.device, stream).data_ptr() if key.mask != "none" else 0
+    p = fill_params(_launch.params("FwdParams"), q, k, v, out, lse, softmax_scale,
+                    window_edges(causal, window, q.shape[1], k.shape[1]), counter)
+    _launch.fill_device(p, q)
     p.max_smem_bytes = max_smem_bytes
-    C.fwd(p, arch, stream)  # switches to p.device for the launch and back
-
-
-def _check_max_smem_bytes(max_smem_bytes: int) -> None:
-    if not isinstance(max_smem_bytes, int) or isinstance(max_smem_bytes, bool) or max_smem_bytes < 0:
-        raise ValueError(f"max_smem_bytes must be a non-negative int, got {max_smem_bytes!r}")
+    return int(_ext.extension().fwd(p, entry.index, stream))  # switches to p.device for the launch and back
 
 
 def fwd_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-             softmax_scale: float, causal: bool, arch: int, *, max_smem_bytes: int = 0) -> None:
+             softmax_scale: float, causal: bool, arch: int, *, window: tuple[int, int] | None = None,
+             variant: str = "", max_smem_bytes: int = 0) -> int:
     """Run the arch-``arch`` (90 or 80) forward kernel, writing into caller-provided ``out`` (like q)
-    and ``lse`` (float32, contiguous (batch, nheads_q, seqlen_q)). Checks everything first; tests use
-    it to poison the outputs before a run. ``max_smem_bytes`` as in bwd_into (sm80 tiles)."""
+    and ``lse`` (float32, contiguous (batch, nheads_q, seqlen_q)). ``window``: flash-attn's (left,
+    right), -1 unbounded (with causal, the right edge is 0); ``variant``: a named kernel variant of the
+    build ("" = production). Checks everything first; tests use it to poison the outputs before a run.
+    ``max_smem_bytes`` as in bwd_into (sm80 tiles). Returns the CTAs launched (0: an empty grid, e.g.
+    batch or seqlen_q 0; with seqlen_k 0 the kernel still runs and writes out = 0, lse = -inf)."""
     shapes, _ = validation.check_inputs(q, k, v, softmax_scale, causal)
+    window = validation.check_window(window)
+    validation.check_variant(variant)
+    validation.check_arch(arch, tuple(ARCH.values()))
     if not q.is_cuda:
         raise ValueError(f"q is on {q.device}; the flashhopper kernels need CUDA tensors")
     validation.check_kernel_dtype("q", q.dtype)
     validation.check_kernel_headdim(shapes.headdim)
     validation.check_outputs(q, out, lse)
-    _check_max_smem_bytes(max_smem_bytes)
-    _launch(q, k, v, out, lse, softmax_scale, causal, arch, max_smem_bytes)
+    validation.check_max_smem_bytes(max_smem_bytes)
+    return _launch_fwd(q, k, v, out, lse, softmax_scale, causal, window, arch, variant, max_smem_bytes)
 
 
 def _reference_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                    softmax_scale: float, causal: bool) -> None:
+                    softmax_scale: float, causal: bool, window: tuple[int, int] | None) -> None:
     # float64 where it is cheap (CPU) or asked for; float32 on the GPU, where float64 is slow.
     dtype = torch.float64 if (not q.is_cuda or q.dtype == torch.float64) else torch.float32
-    ref_out, ref_lse = reference.attention_ref(q, k, v, softmax_scale, causal, dtype=dtype)
+    ref_out, ref_lse = reference.attention_ref(q, k, v, softmax_scale, causal, window=window, dtype=dtype)
     out.copy_(ref_out)
     lse.copy_(ref_lse)
 
@@ -127,25 +113,33 @@ def _empty_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return out, lse
 
 
-@torch.library.custom_op("flashhopper::fwd", mutates_args=())
-def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool,
-        deterministic: bool, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention forward: (out like q, lse float32 (batch, nheads_q, seqlen_q)). ``backend`` is one
-    of "sm90", "sm80", "reference" (already resolved; see dispatch.select_backend). ``deterministic``
+def _unknown_backend(backend: str) -> ValueError:
+    return ValueError(f"backend must be one of {', '.join(map(repr, dispatch.BACKENDS))}, got {backend!r}")
+
+
+def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool, window_left: int,
+        window_right: int, deterministic: bool, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention forward: (out like q, lse float32 (batch, nheads_q, seqlen_q)). ``window_left``,
+    ``window_right``: flash-attn's local window, -1 unbounded ((-1, -1): none). ``backend`` is one of
+    "sm90", "sm80", "reference" (already resolved; see dispatch.select_backend). ``deterministic``
     does not change the forward (it is deterministic anyway); autograd keeps it for the backward."""
     out, lse = _empty_outputs(q)
+    window = _window_of(window_left, window_right)
     if backend == "reference":
-        _reference_into(q, k, v, out, lse, softmax_scale, causal)
+        _reference_into(q, k, v, out, lse, softmax_scale, causal, window)
     elif backend in ARCH:
-        _launch(q, k, v, out, lse, softmax_scale, causal, ARCH[backend])
+        _launch_fwd(q, k, v, out, lse, softmax_scale, causal, window, ARCH[backend])
     else:
-        raise ValueError(f"backend must be one of 'sm90', 'sm80', 'reference', got {backend!r}")
+        raise _unknown_backend(backend)
     return out, lse
 
 
-@fwd.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool,
-      deterministic: bool, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+fwd_op = _op.define("fwd", fwd)
+
+
+@torch.library.register_fake("flashhopper::fwd")
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool, window_left: int,
+      window_right: int, deterministic: bool, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     return _empty_outputs(q)
 
 
@@ -153,72 +147,69 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, c
 
 def fill_bwd_params(p: Any, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     out: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None, dq: torch.Tensor,
-                    dk: torch.Tensor, dv: torch.Tensor, softmax_scale: float, causal: bool,
-                    deterministic: bool, workspace: int = 0) -> Any:
-    """Write pointers, strides (in elements) and sizes of these tensors into a ``_C.BwdParams``;
-    ``dlse`` None is a null pointer (no gradient w.r.t. lse), ``workspace`` the scratch address."""
+                    dk: torch.Tensor, dv: torch.Tensor, softmax_scale: float, deterministic: bool,
+                    edges: tuple[int, int] = (-1, -1), workspace: int = 0) -> Any:
+    """Write pointers, strides (in elements), sizes and window edges of these tensors into a
+    ``_C.BwdParams``; ``dlse`` None is a null pointer (no gradient w.r.t. lse), ``workspace`` the
+    scratch address."""
     b, sq, hq, d = q.shape
     p.q_ptr, p.k_ptr, p.v_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr()
     p.o_ptr, p.do_ptr, p.lse_ptr = out.data_ptr(), dout.data_ptr(), lse.data_ptr()
     p.dlse_ptr = 0 if dlse is None else dlse.data_ptr()
     p.dq_ptr, p.dk_ptr, p.dv_ptr = dq.data_ptr(), dk.data_ptr(), dv.data_ptr()
     p.workspace = workspace
-    _fill_strides(p, q=q, k=k, v=v, o=out, do=dout, dq=dq, dk=dk, dv=dv)
+    _launch.fill_strides(p, q=q, k=k, v=v, o=out, do=dout, dq=dq, dk=dk, dv=dv)
     p.batch, p.seqlen_q, p.seqlen_k = b, sq, k.shape[1]
-    p.nheads_q, p.nheads_kv, p.headdim = hq, k.shape[2], d
+    p.nheads_q, p.nheads_kv, p.headdim, p.headdim_v = hq, k.shape[2], d, v.shape[3]
     p.softmax_scale = softmax_scale
-    p.causal = causal
+    p.window_left, p.window_right = edges
     p.deterministic = deterministic
-    p.dtype = _c_dtype(q.dtype)
-    if q.is_cuda:
-        p.device = q.device.index
-        p.num_sms = _device.device_info(q.device.index).num_sms
     return p
 
 
 def _launch_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                 lse: torch.Tensor, dlse: torch.Tensor | None, dq: torch.Tensor, dk: torch.Tensor,
-                dv: torch.Tensor, softmax_scale: float, causal: bool, deterministic: bool, arch: int,
-                max_smem_bytes: int = 0) -> None:
-    if q.numel() == 0 or k.numel() == 0:
-        # No query rows (or no keys, or no heads): every gradient is an empty sum, 0. zero_ on the
-        # empty ones is a no-op; the others (dk, dv without queries; dq without keys) are real.
-        for g in (dq, dk, dv):
-            g.zero_()
-        return
+                dv: torch.Tensor, softmax_scale: float, causal: bool, window: tuple[int, int] | None,
+                deterministic: bool, arch: int, variant: str = "", max_smem_bytes: int = 0) -> int:
+    key = dispatch.kernel_key(_BACKEND_OF_ARCH[arch], q.dtype, q.shape[3], causal, window, variant)
+    entry = dispatch.require_kernel("bwd", key)
     for name, x in (("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout), ("dq", dq), ("dk", dk), ("dv", dv)):
         validation.check_kernel_layout(name, x)
     validation.check_lse("lse", lse, q)
     if dlse is not None:
         validation.check_lse("dlse", dlse, q)
     C = _ext.extension()
-    p = getattr(_local, "bwd_params", None)
-    if p is None:
-        p = _local.bwd_params = C.BwdParams()
-    fill_bwd_params(p, dout, q, k, v, out, lse, dlse, dq, dk, dv, softmax_scale, causal, deterministic)
+    p = fill_bwd_params(_launch.params("BwdParams"), dout, q, k, v, out, lse, dlse, dq, dk, dv, softmax_scale,
+                        deterministic, window_edges(causal, window, q.shape[1], k.shape[1]))
+    _launch.fill_device(p, q)
     p.max_smem_bytes = max_smem_bytes
     # Scratch (the fp32 dQ accumulator, per-row statistics, semaphores), fresh per call: two launches
     # must never share it. Allocated and freed on the stream the kernels run on, so the caching
-    # allocator hands it to no one else before they finish; its blocks are 512-byte aligned.
-    nbytes = C.bwd_workspace_bytes(p, arch)
-    workspace = torch.empty(nbytes, dtype=torch.uint8, device=q.device) if nbytes > 0 else None
-    p.workspace = 0 if workspace is None else workspace.data_ptr()
-    stream = torch.cuda.current_stream(q.device.index).cuda_stream
-    C.bwd(p, arch, stream)  # preprocess, main kernel, postprocess; switches to p.device and back
+    # allocator hands it to no one else before they finish; its blocks are 512-byte aligned. Every
+    # configuration needs some (the dQ postprocess's ticket at least), empty inputs included.
+    workspace = torch.empty(C.bwd_workspace_bytes(p, entry.index), dtype=torch.uint8, device=q.device)
+    p.workspace = workspace.data_ptr()
+    # Preprocess, main kernel, postprocess; switches to p.device and back. Returns the main kernel's CTAs.
+    return int(C.bwd(p, entry.index, _launch.stream(q.device)))
 
 
 def bwd_into(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
              lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, softmax_scale: float,
              causal: bool, deterministic: bool, arch: int, dlse: torch.Tensor | None = None, *,
-             max_smem_bytes: int = 0) -> None:
+             window: tuple[int, int] | None = None, variant: str = "", max_smem_bytes: int = 0) -> int:
     """Run the arch-``arch`` (90 or 80) backward, writing into caller-provided ``dq``, ``dk``, ``dv``
     (each like its input; any valid kernel strides). ``out`` and ``lse`` are the forward's (see
     fwd_into), ``dout`` the gradient w.r.t. out, ``dlse`` (optional, float32 like lse) the gradient
-    w.r.t. lse. Checks everything first; tests use it to poison the gradients before a run.
-    ``max_smem_bytes`` (sm80 only; 0 = the device's limit) picks the sm80 tiles as on a GPU with that
-    much shared memory per block: tests run the 99 KB tiles of sm_86/sm_89 with it."""
+    w.r.t. lse; ``window`` and ``variant`` as in fwd_into. Checks everything first; tests use it to
+    poison the gradients before a run. ``max_smem_bytes`` (sm80 only; 0 = the device's limit) picks
+    the sm80 tiles as on a GPU with that much shared memory per block: tests run the 99 KB tiles of
+    sm_86/sm_89 with it. Returns the main kernel's CTAs (0: no key block or an empty batch; with
+    seqlen_k 0 the dQ postprocess still writes dq = 0)."""
     shapes, _ = validation.check_inputs(q, k, v, softmax_scale, causal)
     validation.check_flag("deterministic", deterministic)
+    window = validation.check_window(window)
+    validation.check_variant(variant)
+    validation.check_arch(arch, tuple(ARCH.values()))
     if not q.is_cuda:
         raise ValueError(f"q is on {q.device}; the flashhopper kernels need CUDA tensors")
     validation.check_kernel_dtype("q", q.dtype)
@@ -228,17 +219,18 @@ def bwd_into(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     if dlse is not None:
         validation.check_lse("dlse", dlse, q)
     validation.check_grads(q, k, v, dq, dk, dv)
-    _check_max_smem_bytes(max_smem_bytes)
-    _launch_bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, softmax_scale, causal, deterministic, arch,
-                max_smem_bytes)
+    validation.check_max_smem_bytes(max_smem_bytes)
+    return _launch_bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, softmax_scale, causal, window, deterministic,
+                       arch, variant, max_smem_bytes)
 
 
 def _reference_bwd_into(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                         lse: torch.Tensor, dlse: torch.Tensor | None, dq: torch.Tensor, dk: torch.Tensor,
-                        dv: torch.Tensor, softmax_scale: float, causal: bool) -> None:
+                        dv: torch.Tensor, softmax_scale: float, causal: bool, window: tuple[int, int] | None) -> None:
     # As _reference_into: float64 on CPU (or for float64 inputs), float32 on the GPU.
     dtype = torch.float64 if (not q.is_cuda or q.dtype == torch.float64) else torch.float32
-    grads = reference.attention_bwd_ref(dout, q, k, v, out, lse, softmax_scale, causal, dlse, dtype=dtype)
+    grads = reference.attention_bwd_ref(dout, q, k, v, out, lse, softmax_scale, causal, dlse, window=window,
+                                        dtype=dtype)
     for g, ref in zip((dq, dk, dv), grads):
         g.copy_(ref)
 
@@ -250,44 +242,52 @@ def _empty_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[tor
 
 
 # Optional[...], not "| None": the op's schema is inferred from these annotations.
-@torch.library.custom_op("flashhopper::bwd", mutates_args=())
 def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
         lse: torch.Tensor, dlse: Optional[torch.Tensor], softmax_scale: float, causal: bool,  # noqa: UP045
-        deterministic: bool, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        window_left: int, window_right: int, deterministic: bool,
+        backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention backward: (dq, dk, dv), each like its input, contiguous. ``out`` and ``lse`` are the
-    forward's outputs, ``dout`` the gradient w.r.t. out, ``dlse`` the gradient w.r.t. lse or None.
-    ``deterministic``: bitwise-identical gradients from run to run (kernels; the reference always is)."""
+    forward's outputs, ``dout`` the gradient w.r.t. out, ``dlse`` the gradient w.r.t. lse or None;
+    the mask as in fwd. ``deterministic``: bitwise-identical gradients from run to run (kernels; the
+    reference always is)."""
     dq, dk, dv = _empty_grads(q, k, v)
+    window = _window_of(window_left, window_right)
     if backend == "reference":
-        _reference_bwd_into(dout, q, k, v, out, lse, dlse, dq, dk, dv, softmax_scale, causal)
+        _reference_bwd_into(dout, q, k, v, out, lse, dlse, dq, dk, dv, softmax_scale, causal, window)
     elif backend in ARCH:
-        _launch_bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, softmax_scale, causal, deterministic, ARCH[backend])
+        _launch_bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, softmax_scale, causal, window, deterministic,
+                    ARCH[backend])
     else:
-        raise ValueError(f"backend must be one of 'sm90', 'sm80', 'reference', got {backend!r}")
+        raise _unknown_backend(backend)
     return dq, dk, dv
 
 
-@bwd.register_fake
+bwd_op = _op.define("bwd", bwd)
+
+
+@torch.library.register_fake("flashhopper::bwd")
 def _(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
       lse: torch.Tensor, dlse: Optional[torch.Tensor], softmax_scale: float, causal: bool,  # noqa: UP045
-      deterministic: bool, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+      window_left: int, window_right: int, deterministic: bool,
+      backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _empty_grads(q, k, v)
 
 
 # --- autograd: fwd's derivative is bwd ---
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
-    q, k, v, softmax_scale, causal, deterministic, backend = inputs
+    q, k, v, softmax_scale, causal, window_left, window_right, deterministic, backend = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.softmax_scale, ctx.causal, ctx.deterministic, ctx.backend = softmax_scale, causal, deterministic, backend
+    ctx.window = (window_left, window_right)
     # An unused output's gradient arrives as None instead of a tensor of zeros: an unused lse (the
     # usual case) then costs the kernel nothing (dlse_ptr = 0) and no memory.
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> tuple[Any, ...]:
-    nones = (None,) * 4  # softmax_scale, causal, deterministic, backend
+    nones = (None,) * 6  # softmax_scale, causal, window_left, window_right, deterministic, backend
     if dout is None and dlse is None:
         return (None, None, None, *nones)
     q, k, v, out, lse = ctx.saved_tensors
@@ -300,8 +300,19 @@ def _backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) ->
     if dlse is not None:
         dlse = dlse.contiguous()  # the kernels read it densely, like lse (lse.sum() gives stride 0)
     dq, dk, dv = torch.ops.flashhopper.bwd.default(dout, q, k, v, out, lse, dlse, ctx.softmax_scale, ctx.causal,
-                                                   ctx.deterministic, ctx.backend)
+                                                   *ctx.window, ctx.deterministic, ctx.backend)
     return (dq, dk, dv, *nones)
 
 
 torch.library.register_autograd("flashhopper::fwd", _backward, setup_context=_setup_context)
+
+
+# bwd has no derivative: a second derivative (create_graph=True, then backward again) must fail loudly,
+# never be silently zero.
+def _no_double_backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
+    raise RuntimeError("flashhopper.bwd is not differentiable: gradients of the attention gradients (double "
+                       "backward) are not supported")
+
+
+torch.library.register_autograd("flashhopper::bwd", _no_double_backward,
+                                setup_context=lambda ctx, inputs, output: None)

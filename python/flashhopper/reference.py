@@ -6,6 +6,9 @@ log; every backward function returns ``(dq, dk, dv)``, each like its input.
 Conventions shared with the kernels:
 - grouped-query attention: query head h reads kv head ``h // (nheads_q // nheads_kv)``;
 - causal is bottom-right aligned: query row i sees key j iff ``j <= i + seqlen_k - seqlen_q``;
+- a local window (flash-attn's ``window_size`` = (left, right), -1 = unbounded): row i sees key j iff
+  ``i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right``; with causal as well, the
+  right edge is min(right, 0) (causal is the window (-1, 0));
 - a query row that sees no key gets out = 0 and lse = -inf.
 """
 from __future__ import annotations
@@ -23,15 +26,37 @@ def default_scale(headdim: int) -> float:
     return 1.0 / math.sqrt(headdim)
 
 
+def _edges(causal: bool, window: tuple[int, int] | None) -> tuple[int | None, int | None]:
+    """(left, right) distances from a row's diagonal that bound what it sees; None = unbounded."""
+    left, right = (-1, -1) if window is None else window
+    if causal:
+        right = 0  # min(right, 0): a window's right edge is -1 (unbounded) or >= 0, never narrower
+    return (None if left < 0 else left), (None if right < 0 else right)
+
+
+def _visible_tile(i: torch.Tensor, j: torch.Tensor, offset: int, left: int | None, right: int | None
+                  ) -> torch.Tensor | None:
+    """Boolean mask of (row i, key j) pairs (broadcast), True where the row sees the key; None if all do.
+    ``offset`` is seqlen_k - seqlen_q (the diagonal of row i is key i + offset)."""
+    mask = None
+    if right is not None:
+        mask = j <= i + offset + right
+    if left is not None:
+        seen = j >= i + offset - left
+        mask = seen if mask is None else mask & seen
+    return mask
+
+
 def visible(seqlen_q: int, seqlen_k: int, causal: bool, device: torch.device | str | None = None,
-            rows: slice | None = None) -> torch.Tensor | None:
+            rows: slice | None = None, *, window: tuple[int, int] | None = None) -> torch.Tensor | None:
     """Boolean (rows, seqlen_k) mask, True where query row i may attend key j; None if all may."""
-    if not causal:
+    left, right = _edges(causal, window)
+    if left is None and right is None:
         return None
     r = rows if rows is not None else slice(0, seqlen_q)
     i = torch.arange(r.start, min(r.stop, seqlen_q), device=device)[:, None]
     j = torch.arange(seqlen_k, device=device)[None, :]
-    return j <= i + (seqlen_k - seqlen_q)
+    return _visible_tile(i, j, seqlen_k - seqlen_q, left, right)
 
 
 def _heads_first(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype
@@ -60,7 +85,8 @@ def _rows_per_block(q: torch.Tensor, seqlen_k: int) -> int:
 
 
 def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
-                  causal: bool = False, dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
+                  causal: bool = False, *, window: tuple[int, int] | None = None,
+                  dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact attention computed entirely in ``dtype`` (float64 by default); out and lse in ``dtype``."""
     scale = default_scale(q.shape[-1]) if softmax_scale is None else softmax_scale
     b, sq, h, d = q.shape
@@ -72,14 +98,15 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_sca
     for m0 in range(0, sq, step):
         rows = slice(m0, m0 + step)
         scores = (qt[:, :, rows] @ kt.transpose(-1, -2)) * scale
-        p, lse_rows = _softmax_rows(scores, visible(sq, sk, causal, q.device, rows))
+        p, lse_rows = _softmax_rows(scores, visible(sq, sk, causal, q.device, rows, window=window))
         lse[:, :, rows] = lse_rows
         out[:, :, rows] = p @ vt
     return out.transpose(1, 2), lse
 
 
 def attention_lowp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
-                   causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                   causal: bool = False, *, window: tuple[int, int] | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention the way plain PyTorch does it in the input's precision: both matmuls in q.dtype
     (bf16/fp16 on GPU), softmax in float32. Its error against attention_ref is the yardstick that
     kernel errors are measured by. Returns out in q.dtype and lse in float32."""
@@ -93,27 +120,30 @@ def attention_lowp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_sc
     for m0 in range(0, sq, step):
         rows = slice(m0, m0 + step)
         scores = (qt[:, :, rows] @ kt.transpose(-1, -2)).float() * scale
-        p, lse_rows = _softmax_rows(scores, visible(sq, sk, causal, q.device, rows))
+        p, lse_rows = _softmax_rows(scores, visible(sq, sk, causal, q.device, rows, window=window))
         lse[:, :, rows] = lse_rows
         out[:, :, rows] = p.to(q.dtype) @ vt
     return out.transpose(1, 2), lse
 
 
 def attention_tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_m: int = 64, block_n: int = 64,
-                    softmax_scale: float | None = None, causal: bool = False,
-                    dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
+                    softmax_scale: float | None = None, causal: bool = False, *,
+                    window: tuple[int, int] | None = None, dtype: torch.dtype = torch.float64
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """The FlashAttention recurrence, written out block by block (arXiv 2205.14135, Algorithm 1,
     with the loop order and the deferred normalization of FlashAttention-2, as the kernels do it).
 
     For each block of ``block_m`` query rows, walk the ``block_n``-key blocks keeping per row a
     running max m, a running sum l of exp(s - m) and an unnormalized output acc; when the max
     grows, rescale l and acc by exp(m_old - m_new). At the end out = acc / l and lse = m + log(l).
-    Scores are never materialized beyond one (block_m, block_n) tile per (batch, head).
+    Scores are never materialized beyond one (block_m, block_n) tile per (batch, head). Key blocks
+    that no row of a query block sees (past the right edge, before the left edge) are skipped.
     """
     scale = default_scale(q.shape[-1]) if softmax_scale is None else softmax_scale
     b, sq, h, d = q.shape
     sk = k.shape[1]
-    offset = sk - sq  # bottom-right causal: row i sees keys j <= i + offset
+    offset = sk - sq  # row i's diagonal is key i + offset
+    left, right = _edges(causal, window)
     qt, kt, vt = _heads_first(q, k, v, dtype)
     out = torch.empty(b, h, sq, d, dtype=dtype, device=q.device)
     lse = torch.empty(b, h, sq, dtype=dtype, device=q.device)
@@ -123,15 +153,18 @@ def attention_tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_m: 
         m = torch.full((b, h, m1 - m0), float("-inf"), dtype=dtype, device=q.device)
         l = torch.zeros_like(m)
         acc = torch.zeros(b, h, m1 - m0, d, dtype=dtype, device=q.device)
-        # Causal: keys past the last row's diagonal are invisible to the whole block; skip them.
-        n_end = min(sk, max(0, m1 + offset)) if causal else sk
-        for n0 in range(0, n_end, block_n):
+        # Keys past the last row's right edge or before the first row's left edge are invisible to
+        # the whole block. Blocks stay aligned to multiples of block_n, as in the kernels.
+        n_end = sk if right is None else min(sk, max(0, m1 + offset + right))
+        n_begin = 0 if left is None else max(0, m0 + offset - left) // block_n * block_n
+        for n0 in range(n_begin, n_end, block_n):
             n1 = min(n0 + block_n, sk)
             s = (q_blk @ kt[:, :, n0:n1].transpose(-1, -2)) * scale
-            if causal and n1 - 1 > m0 + offset:  # the block reaches past some row's diagonal: mask it
-                i = torch.arange(m0, m1, device=q.device)[:, None]
-                j = torch.arange(n0, n1, device=q.device)[None, :]
-                s = s.masked_fill(j > i + offset, float("-inf"))
+            i = torch.arange(m0, m1, device=q.device)[:, None]
+            j = torch.arange(n0, n1, device=q.device)[None, :]
+            mask = _visible_tile(i, j, offset, left, right)
+            if mask is not None and not bool(mask.all()):  # the block crosses some row's edge: mask it
+                s = s.masked_fill(~mask, float("-inf"))
             m_new = torch.maximum(m, s.amax(dim=-1))
             # A row that has seen no key yet has m_new = -inf; shift by 0 so exp gives 0, not NaN.
             m_safe = torch.where(torch.isinf(m_new), 0.0, m_new)
@@ -162,8 +195,8 @@ def _probs_from_lse(scores: torch.Tensor, lse: torch.Tensor, mask: torch.Tensor 
 
 def attention_bwd_ref(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                       lse: torch.Tensor, softmax_scale: float | None = None, causal: bool = False,
-                      dlse: torch.Tensor | None = None, dtype: torch.dtype = torch.float64
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      dlse: torch.Tensor | None = None, *, window: tuple[int, int] | None = None,
+                      dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of attention w.r.t. q, k, v by the explicit backward formula, entirely in ``dtype``.
 
     Given dout (like out), the forward's out and lse, and optionally dlse (the gradient w.r.t. lse),
@@ -192,7 +225,7 @@ def attention_bwd_ref(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     for m0 in range(0, sq, step):
         rows = slice(m0, m0 + step)
         scores = (qt[:, :, rows] @ kt.transpose(-1, -2)) * scale
-        p = _probs_from_lse(scores, lse[:, :, rows], visible(sq, sk, causal, q.device, rows))
+        p = _probs_from_lse(scores, lse[:, :, rows], visible(sq, sk, causal, q.device, rows, window=window))
         dv += p.transpose(-1, -2) @ dot[:, :, rows]
         ds = p * (dot[:, :, rows] @ vt.transpose(-1, -2) - delta[:, :, rows, None])
         dq[:, :, rows] = (ds @ kt) * scale
@@ -201,8 +234,8 @@ def attention_bwd_ref(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
 
 
 def attention_bwd_lowp(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       softmax_scale: float | None = None, causal: bool = False, dlse: torch.Tensor | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       softmax_scale: float | None = None, causal: bool = False, dlse: torch.Tensor | None = None,
+                       *, window: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients PyTorch itself computes in the input precision: what autograd through
     attention_lowp gives (the yardstick for the kernels' backward), written out so that it runs
     in blocks of query rows. Autograd through attention_lowp would keep every block's float32
@@ -232,7 +265,7 @@ def attention_bwd_lowp(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     for m0 in range(0, sq, step):
         rows = slice(m0, m0 + step)
         scores = (qt[:, :, rows] @ kt.transpose(-1, -2)).float() * scale
-        p, _ = _softmax_rows(scores, visible(sq, sk, causal, q.device, rows))
+        p, _ = _softmax_rows(scores, visible(sq, sk, causal, q.device, rows, window=window))
         dv += p.to(dt).float().transpose(-1, -2) @ dot[:, :, rows].float()
         dp = (dot[:, :, rows] @ vt.transpose(-1, -2)).float()
         ds = p * (dp - (p * dp).sum(-1, keepdim=True))

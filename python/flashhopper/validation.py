@@ -2,8 +2,8 @@
 starts with the name of the offending argument, before any kernel runs.
 
 Two groups, because they can run at different times:
-- shape-level checks (``check_inputs``, ``check_kernel_dtype``, ``check_kernel_headdim``) read only
-  metadata, so they also run while torch.compile traces with fake tensors;
+- shape-level checks (``check_inputs``, ``check_window``, ``check_kernel_dtype``, ``check_kernel_headdim``)
+  read only metadata, so they also run while torch.compile traces with fake tensors;
 - memory-layout checks (``check_kernel_layout``) read data pointers, so they run where the kernel
   is launched (see ops.py).
 """
@@ -110,6 +110,38 @@ def check_inputs(q: Any, k: Any, v: Any, softmax_scale: Any, causal: Any) -> tup
     return shapes, scale
 
 
+def check_window(window: Any) -> tuple[int, int] | None:
+    """None, or flash-attn's local window (left, right): row i sees key j iff
+    i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right, each edge -1 = unbounded.
+    Returns it as a tuple of Python ints."""
+    if window is None:
+        return None
+    if (not isinstance(window, tuple) or len(window) != 2
+            or any(isinstance(w, bool) or not isinstance(w, numbers.Integral) for w in window)):
+        raise TypeError(f"window must be None or a tuple of two ints (left, right), got {window!r}")
+    left, right = int(window[0]), int(window[1])
+    if left < -1 or right < -1:
+        raise ValueError(f"window must be (left, right) with each edge >= 0, or -1 for unbounded, got {window}")
+    return left, right
+
+
+def check_max_smem_bytes(max_smem_bytes: Any) -> None:
+    if not isinstance(max_smem_bytes, int) or isinstance(max_smem_bytes, bool) or max_smem_bytes < 0:
+        raise ValueError(f"max_smem_bytes must be a non-negative int, got {max_smem_bytes!r}")
+
+
+def check_variant(variant: Any) -> None:
+    """A kernel variant's name ("" in production; the build lists the others)."""
+    if not isinstance(variant, str):
+        raise TypeError(f"variant must be a str, got {type(variant).__name__}")
+
+
+def check_arch(arch: Any, archs: tuple[int, ...]) -> None:
+    """A kernel family by its arch number (90, 80)."""
+    if isinstance(arch, bool) or not isinstance(arch, int) or arch not in archs:
+        raise ValueError(f"arch must be one of {', '.join(map(str, archs))}, got {arch!r}")
+
+
 def check_kernel_dtype(name: str, dtype: torch.dtype) -> None:
     if dtype not in KERNEL_DTYPES:
         raise TypeError(
@@ -128,16 +160,17 @@ def kernel_strides(x: torch.Tensor) -> tuple[int, int, int]:
     """(batch, row, head) strides in elements, as handed to the kernel.
 
     A dimension of size 1 is never stepped over, so its stride is arbitrary in PyTorch (views can
-    leave odd values there); replace it by the packed one so that it cannot fail the TMA check.
+    leave odd values there); replace it by the packed one so that it cannot fail the TMA check. An
+    empty dimension inside counts as one for that (its tensor has no element to address).
     """
     _, s, h, d = x.shape
     sb, ss, sh, _ = x.stride()
     if h == 1:
         sh = d
     if s == 1:
-        ss = h * sh
+        ss = max(h, 1) * sh
     if x.shape[0] == 1:
-        sb = s * ss
+        sb = max(s, 1) * ss
     return sb, ss, sh
 
 

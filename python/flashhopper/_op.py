@@ -1,0 +1,26 @@
+"""The package's torch ops (``torch.ops.flashhopper.*``), defined straight on the dispatcher.
+
+``torch.library.custom_op`` wraps every call in Python layers of its own (an autograd wrapper even for
+ops without a gradient, an output-alias check): about 15-20 us a call, as much as the rest of a
+small-shape call's host path. Defined with ``torch.library.Library`` instead, a call goes from the
+dispatcher to the implementation; fake implementations (torch.compile) and autograd formulas register
+with ``torch.library.register_fake`` / ``register_autograd`` as for any op.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+_lib = torch.library.Library("flashhopper", "FRAGMENT")
+
+
+def define(name: str, cuda: Callable[..., Any], cpu: Callable[..., Any] | None = None) -> Any:
+    """Define ``flashhopper::<name>`` with the schema of ``cuda``'s annotations (no input is mutated), its
+    CUDA implementation ``cuda`` and CPU implementation ``cpu`` (default: the same function); returns
+    the op's default overload."""
+    _lib.define(name + torch.library.infer_schema(cuda, mutates_args=()))
+    _lib.impl(name, cuda, "CUDA")
+    _lib.impl(name, cuda if cpu is None else cpu, "CPU")
+    return getattr(torch.ops.flashhopper, name).default

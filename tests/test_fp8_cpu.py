@@ -1,11 +1,15 @@
-"""FP8 (e4m3) forward without a GPU: the quantization math and the V^T layout of docs/fp8.md, the kernel
-emulation against float64 attention, flash_attn_fp8_func's CPU path, every input check, and the kernel
-plumbing (params, early exits) with a recording stand-in for the extension. Kernels: test_fp8_gpu.py."""
+"""FP8 (e4m3) forward without a GPU: the Hadamard signs, the quantization math and the V^T layout of
+docs/fp8.md, the kernel emulation against float64 attention, flash_attn_fp8_func's CPU path (the ops'
+CPU implementations), every input check, the ops' fake implementations and torch.compile, and the
+kernel plumbing (params, empty inputs) with a recording stand-in for the extension. Kernels:
+test_fp8_gpu.py."""
 from __future__ import annotations
 
+import ast
 import math
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -14,9 +18,12 @@ import pytest
 import torch
 from helpers import rel_err
 
-from flashhopper import (FP8Tensor, QuantizedKV, _device, _ext, flash_attn_fp8_func, fp8, hadamard_signs, ops,
+from flashhopper import (FP8Tensor, QuantizedKV, _device, _ext, _launch, flash_attn_fp8_func, fp8, hadamard_signs,
                          quantize_fp8, quantize_kv, to_vt)
 from flashhopper import reference_fp8 as R
+from flashhopper._ext import Entry
+from flashhopper.fp8 import format as fp8_format
+from flashhopper.kernel_key import KernelKey
 from flashhopper.reference import attention_ref
 
 DOC_ORDER = [0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15]  # docs/fp8.md, verbatim
@@ -37,17 +44,94 @@ def kv_block(headdim: int, causal: bool) -> int:
     return fp8.default_kv_block_size(headdim, causal)
 
 
+# --- the package ---
+
+def _flashhopper_imports(module: Any) -> set[str]:
+    """The flashhopper modules a module imports at its top level (relative imports resolved)."""
+    package = module.__name__.rsplit(".", 1)[0].split(".")
+    names = set()
+    for node in ast.parse(Path(module.__file__).read_text()).body:
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else []))
+            names |= {f"{base}.{a.name}" if not node.module else base for a in node.names}
+    return names
+
+
+def test_no_import_cycle_between_fp8_and_reference_fp8() -> None:
+    # fp8.format is the bottom: reference_fp8 builds on it, the rest of fp8 on reference_fp8.
+    assert _flashhopper_imports(fp8_format) == {"flashhopper.validation"}
+    assert _flashhopper_imports(R) == {"flashhopper.fp8.format", "flashhopper.reference"}
+    assert "flashhopper.reference_fp8" in _flashhopper_imports(fp8.ops)
+
+
 # --- Hadamard ---
 
-@pytest.mark.parametrize("d", [64, 128])
-def test_hadamard_signs_follow_the_doc(d: int) -> None:
-    for seed in (0, 3):
-        want = torch.randint(0, 2, (d,), generator=torch.Generator().manual_seed(seed)) * 2 - 1
-        got = hadamard_signs(d, seed)
-        assert got.dtype == torch.float32 and got.device.type == "cpu"
-        assert torch.equal(got, want.float())
-    assert set(hadamard_signs(d, 0).tolist()) == {-1.0, 1.0}
-    assert not torch.equal(hadamard_signs(d, 0), hadamard_signs(d, 1))
+# Keys and signs 0..63 (bit i set: sign i is -1) of a few seeds, as cpp/common/hadamard_signs.h computes
+# them: the header compiled on the host (g++, __host__/__device__ defined away) and its output pasted here.
+HEADER_SIGNS = {0: (2703108842, 0x36CCBBC2B8897671), 1: (4081892166, 0x4729C7EDD3887280),
+                3: (2015919624, 0xC0F1D7BB5C12FF81), -1: (2233274459, 0x6EB42B47BA55776C),
+                0x123456789ABCDEF: (2341700417, 0xFD0750D312FCDC13), -(1 << 63): (3902286834, 0xB76E9D1679EADCD5)}
+
+
+def _doc_signs(d: int, seed: int) -> list[float]:
+    """docs/fp8.md's definition, written with numpy's uint32 arrays (which wrap mod 2^32)."""
+    def mix(x: np.ndarray) -> np.ndarray:
+        x = x ^ (x >> 16)
+        x = x * np.uint32(0x7FEB352D)
+        x = x ^ (x >> 15)
+        x = x * np.uint32(0x846CA68B)
+        return x ^ (x >> 16)
+
+    s = seed % (1 << 64)  # the seed's 64 bits, two's complement
+    lo, hi = np.array([s & 0xFFFFFFFF], dtype=np.uint32), np.array([s >> 32], dtype=np.uint32)
+    key = mix(lo ^ mix(hi ^ np.uint32(0x85EBCA6B)))
+    negative = mix(key ^ (np.arange(d, dtype=np.uint32) * np.uint32(0x9E3779B9))) & 1
+    return [-1.0 if n else 1.0 for n in negative.tolist()]
+
+
+def test_hadamard_signs_are_the_headers_hash() -> None:
+    assert [fp8_format._mix32(x) for x in (0, 1, 0x12345678)] == [0, 1753845952, 4125564054]  # from the header
+    for seed, (key, bits) in HEADER_SIGNS.items():
+        assert fp8_format.hadamard_sign_key(seed) == key, seed
+        got = hadamard_signs(64, seed)
+        assert got.dtype == torch.float32 and got.device.type == "cpu" and got.shape == (64,)
+        assert got.tolist() == [-1.0 if bits >> i & 1 else 1.0 for i in range(64)], seed
+    for seed in (0, 7, -5, 2**32, 2**40 + 3, 2**64 - 1):
+        for d in (64, 256):
+            assert hadamard_signs(d, seed).tolist() == _doc_signs(d, seed), (d, seed)
+    # A seed is its 64 bits; sign i does not depend on the head dim.
+    assert torch.equal(hadamard_signs(128, -1), hadamard_signs(128, 2**64 - 1))
+    assert torch.equal(hadamard_signs(256, 9)[:64], hadamard_signs(64, 9))
+
+
+def test_hadamard_signs_differ_between_seeds() -> None:
+    d = 128
+    signs = torch.stack([hadamard_signs(d, seed) for seed in range(-100, 100)])
+    assert signs.unique(dim=0).shape[0] == signs.shape[0]  # 200 seeds, 200 sign vectors
+    assert set(signs.unique().tolist()) == {-1.0, 1.0}
+    # Fair coins: each sign is -1 for about half the seeds (binomial(200, 1/2): sd 7), overall too.
+    negatives = (signs < 0).sum(0)
+    assert ((negatives > 60) & (negatives < 140)).all(), negatives.tolist()
+    assert abs((signs < 0).float().mean().item() - 0.5) < 0.02
+    assert not torch.equal(hadamard_signs(d, 1), hadamard_signs(d, 1 << 32))  # the high half counts
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_signed_hadamard_is_orthogonal(d: int) -> None:
+    for seed in (0, 3, -1):
+        m = R.hadamard_matrix(d, torch.float64) * hadamard_signs(d, seed).double()  # H diag(s)
+        eye = torch.eye(d, dtype=torch.float64)
+        assert torch.equal(m @ m.T, d * eye) and torch.equal(m.T @ m, d * eye)  # integers: exact
+
+
+def test_seeds_out_of_64_bits_are_refused() -> None:
+    for seed, exc in ((2**64, ValueError), (-(2**63) - 1, ValueError), (1.0, TypeError), (True, TypeError)):
+        with raises(exc, "seed"):
+            hadamard_signs(64, seed)
+    with raises(ValueError, "headdim"):
+        hadamard_signs(0, 0)
+    assert [fp8_format.seed_int64(s) for s in (0, 5, 2**63 - 1, 2**63, 2**64 - 1, -1, -(2**63))] == \
+        [0, 5, 2**63 - 1, -(2**63), -1, -1, -(2**63)]
 
 
 @pytest.mark.parametrize("d", [1, 2, 4, 16, 64, 256])
@@ -114,6 +198,18 @@ def test_quantize_transposed_equals_to_vt() -> None:
     v8 = R.quantize_ref(randn(2, 40, 6, 64), 16)
     sliced = v8._replace(data=v8.data[:, :, ::2], scale=v8.scale[:, ::2])  # strided heads
     assert torch.equal(R.dequantize(to_vt(sliced)), R.dequantize(v8)[:, :, ::2])
+
+
+def test_vt_key_index_and_strides() -> None:
+    assert fp8.VT_ORDER == tuple(DOC_ORDER)
+    assert fp8.vt_key_index(48).tolist() == [16 * (p // 16) + DOC_ORDER[p % 16] for p in range(48)]
+    assert fp8.vt_key_index(0).numel() == 0
+    # The (batch, head, dim) strides the kernel gets: as they are, except where never stepped over.
+    vt = torch.empty(2, 3, 64, 32, dtype=torch.uint8)
+    assert fp8_format.vt_strides(vt) == (3 * 64 * 32, 64 * 32, 32)
+    odd = torch.empty(5, 1, 64, 48, dtype=torch.uint8).as_strided((1, 1, 64, 48), (7, 3, 48, 1))
+    assert fp8_format.vt_strides(odd) == (64 * 48, 64 * 48, 48)  # size-1 batch and head packed
+    assert fp8_format.vt_strides(torch.empty(2, 3, 64, 0, dtype=torch.uint8)) == (3 * 64 * 16, 64 * 16, 16)  # no key
 
 
 # --- quantization ---
@@ -220,6 +316,10 @@ def test_quantize_fp8_on_cpu_is_the_reference() -> None:
         assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8)), kw
         assert torch.equal(got.scale, want.scale) and got[2:] == want[2:], kw
     assert quantize_fp8(x, 100, kernel=False).block_size == 100  # torch: any block size
+    # The op takes the seed's 64 bits as an int64; the FP8Tensor keeps the seed as given.
+    top = quantize_fp8(x, 64, seed=2**64 - 1)
+    assert top.hadamard_seed == 2**64 - 1
+    assert torch.equal(top.data.view(torch.uint8), R.quantize_ref(x, 64, "block", -1).data.view(torch.uint8))
 
 
 # --- attention: the emulation ---
@@ -423,7 +523,8 @@ def test_devices_differ() -> None:
 def test_flags_and_scalars() -> None:
     kw = good()
     for name, value, exc in (("causal", 1, TypeError), ("return_lse", None, TypeError), ("hadamard", "yes", TypeError),
-                             ("seed", 1.0, TypeError), ("seed", True, TypeError), ("softmax_scale", -1.0, ValueError),
+                             ("seed", 1.0, TypeError), ("seed", True, TypeError), ("seed", 2**64, ValueError),
+                             ("seed", -(2**63) - 1, ValueError), ("softmax_scale", -1.0, ValueError),
                              ("softmax_scale", "0.1", TypeError), ("q_block_size", 0, ValueError),
                              ("kv_block_size", 2.5, TypeError)):
         with raises(exc, name):
@@ -459,10 +560,12 @@ def test_bad_fp8_tensor(arg: str) -> None:
     b, h = t.batch, t.nheads
     bad = {
         TypeError: [t._replace(data=t.data.float()), t._replace(scale=t.scale.half()), t._replace(transposed=1),
-                    t._replace(seqlen=float(t.seqlen)), t._replace(block_size=1.5), (t.data, t.scale)],
+                    t._replace(seqlen=float(t.seqlen)), t._replace(block_size=1.5), (t.data, t.scale),
+                    t._replace(hadamard_seed="0")],
         ValueError: [t._replace(scale=torch.ones(b, h, t.nblocks + 1)), t._replace(scale=torch.ones(b, h)),
                      t._replace(scale=torch.ones(b + 1, h, 1)), t._replace(seqlen=t.seqlen + 17),
-                     t._replace(block_size=0), t._replace(data=t.data[0]), t._replace(scale=t.scale.to("meta"))],
+                     t._replace(block_size=0), t._replace(data=t.data[0]), t._replace(scale=t.scale.to("meta")),
+                     t._replace(hadamard_seed=2**64)],
     }
     for exc, values in bad.items():
         for value in values:
@@ -510,8 +613,8 @@ def test_tile_alignment(monkeypatch: pytest.MonkeyPatch) -> None:
         with raises(ValueError, name):
             fp8.check_fp8_inputs(args["q"], args["k"], args["v"], tiles)
     # flash_attn_fp8_func with a kernel: block sizes it would quantize with are checked first.
-    monkeypatch.setattr(fp8, "_kernel_tiles", lambda device, headdim, causal: tiles)
-    monkeypatch.setattr(fp8, "quantize_fp8", None)  # must not be reached
+    monkeypatch.setattr(fp8.attention, "_kernel_tiles", lambda device, headdim, causal: tiles)
+    monkeypatch.setattr(fp8.attention, "quantize_fp8", None)  # must not be reached
     kw = good()
     for name, bs in (("q_block_size", 96), ("kv_block_size", 64), ("kv_block_size", 200)):
         with raises(ValueError, name):
@@ -520,48 +623,142 @@ def test_tile_alignment(monkeypatch: pytest.MonkeyPatch) -> None:
         flash_attn_fp8_func(q8, R.quantize_ref(x, 64, "block", 0), v8)
 
 
+def fp8_table(monkeypatch: pytest.MonkeyPatch, tiles: dict[bool, tuple[int, int]]) -> None:
+    """This build's fp8 forward kernels: causal -> (block_m, block_n), looked up by their KernelKey."""
+    entries = {fp8.kernel_key(256, c): Entry(i, *t) for i, (c, t) in enumerate(tiles.items())}
+    monkeypatch.setattr(_ext, "kernel", lambda mode, key: entries.get(key) if mode == "fwd" else None)
+
+
 def test_default_kv_block_size(monkeypatch: pytest.MonkeyPatch) -> None:
     for table, causal, want in (({}, None, 128), ({False: (128, 128), True: (128, 128)}, None, 128),
                                 ({False: (128, 64), True: (128, 128)}, None, 128),
                                 ({False: (128, 176), True: (128, 128)}, None, 176),  # lcm 5632 too big: non-causal
                                 ({False: (128, 176), True: (128, 128)}, True, 128)):
-        monkeypatch.setattr(_ext, "fp8_kernel_tiles", lambda headdim, c, table=table: table.get(c))
+        fp8_table(monkeypatch, table)
         assert fp8.default_kv_block_size(256, causal) == want, (table, causal)
 
 
 def test_rebuild_hint_without_fp8_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(_device, "device_info", lambda index: _device.DeviceInfo("H100", (9, 0), 132))
-    monkeypatch.setattr(_ext, "fp8_kernel_tiles", lambda headdim, causal: None)
+    fp8_table(monkeypatch, {})
     with pytest.raises(ValueError, match=r"^q: this build has no fp8 .*e4m3"):
-        fp8._require_fp8_kernel(cuda, 128, True)
-    monkeypatch.setattr(_ext, "fp8_kernel_tiles", lambda headdim, causal: (128, 176))
-    assert fp8._require_fp8_kernel(cuda, 128, True) == (128, 176)
+        fp8.require_kernel(cuda, 256, True)
+    fp8_table(monkeypatch, {True: (128, 176)})
+    assert fp8.require_kernel(cuda, 256, True) == (128, 176)
     monkeypatch.setattr(_device, "device_info", lambda index: _device.DeviceInfo("A100", (8, 0), 108))
     with pytest.raises(ValueError, match=r"^q is on cuda:0 .*9\.0"):
-        fp8._require_fp8_kernel(cuda, 128, True)
+        fp8.require_kernel(cuda, 256, True)
 
 
 # --- the extension's kernel table ---
 
-def test_ext_table_keeps_fp8_apart(monkeypatch: pytest.MonkeyPatch) -> None:
-    def entry(mode: str, dtype: str, headdim: int, causal: bool, block_m: int, block_n: int) -> dict[str, Any]:
-        return {"mode": mode, "arch": 90, "dtype": dtype, "headdim": headdim, "causal": causal,
-                "block_m": block_m, "block_n": block_n}
+def test_kernel_tiles_from_the_extension_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    def entry(mode: str, index: int, dtype: str, headdim: int, mask: str, block_m: int, block_n: int
+              ) -> dict[str, Any]:
+        return {"mode": mode, "index": index, "arch": 90, "dtype": dtype, "headdim": headdim, "headdim_v": headdim,
+                "mask": mask, "variant": "", "block_m": block_m, "block_n": block_n}
 
-    table = [entry("fwd", "bfloat16", 128, False, 128, 176), entry("bwd", "bfloat16", 128, False, 64, 128),
-             entry("fwd", "float8_e4m3fn", 128, True, 128, 112), entry("fwd", "float8_e4m3fn", 256, False, 128, 96)]
+    table = [entry("fwd", 0, "bfloat16", 128, "causal", 128, 176), entry("bwd", 0, "bfloat16", 128, "none", 64, 128),
+             entry("fwd", 1, "float8_e4m3fn", 128, "causal", 128, 112),
+             entry("fwd", 2, "float8_e4m3fn", 256, "none", 128, 96)]
     module = SimpleNamespace(kernels=lambda: table)
-    for name in ("_module", "_error", "_fwd_kernels", "_bwd_kernels", "_fp8_fwd_tiles"):
-        monkeypatch.setattr(_ext, name, getattr(_ext, name))
+    monkeypatch.setattr(_ext, "_table", {})
+    monkeypatch.setattr(_ext, "_module", None)
     monkeypatch.setattr(_ext, "_loaded", False)
     monkeypatch.setattr(_ext.importlib, "import_module", lambda name: module)
-    assert _ext.has_fwd_kernel(90, torch.bfloat16, 128, False) and _ext.has_bwd_kernel(90, torch.bfloat16, 128, False)
-    assert not _ext.has_fwd_kernel(90, torch.bfloat16, 128, True)
-    assert not _ext.has_fwd_kernel(90, torch.bfloat16, 256, False)
-    assert _ext.has_fwd_kernel(90, torch.float8_e4m3fn, 128, True)
-    assert _ext.fp8_kernel_tiles(128, True) == (128, 112) and _ext.fp8_kernel_tiles(256, False) == (128, 96)
-    assert _ext.fp8_kernel_tiles(128, False) is None and not _ext.has_fp8_quantize()
+    assert fp8.kernel_tiles(128, True) == (128, 112) and fp8.kernel_tiles(256, False) == (128, 96)
+    assert fp8.kernel_tiles(128, False) is None and fp8.kernel_tiles(256, True) is None  # bf16 never matches
+    assert _ext.kernel("fwd", fp8.kernel_key(256, False)) == Entry(2, 128, 96)
+    assert fp8.kernel_key(64, True) == KernelKey(90, "float8_e4m3fn", 64, 64, "causal")
+    assert not _ext.has_fp8_quantize()
+
+
+# --- the ops: fake implementations, opcheck, torch.compile ---
+
+def _op_args(sq: int = 50, sk: int = 70, causal: bool = True) -> tuple[Any, ...]:
+    q8 = quantize_fp8(randn(2, sq, 4, 64), 64, seed=3)
+    k8 = quantize_fp8(randn(2, sk, 2, 64), 32, seed=3)
+    v8 = quantize_fp8(randn(2, sk, 2, 64), None, hadamard=False, granularity="tensor", transpose=True)
+    return (q8.data, q8.scale, k8.data, k8.scale, v8.data, v8.scale, 64, 32, None, 0.1, causal)
+
+
+def test_fake_impl_shapes() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = randn(2, 37, 3, 128)
+        data, scale = torch.ops.flashhopper.quantize_fp8.default(x, 32, -5, False)
+        vt, vscale = torch.ops.flashhopper.quantize_fp8.default(x[:, :, 1:], 16, None, True)
+        q = torch.empty(2, 21, 6, 128, dtype=torch.float8_e4m3fn)
+        out, lse = torch.ops.flashhopper.fwd_fp8.default(q, torch.ones(1, 1, 1), data, scale, vt, vscale[:, :2], None,
+                                                          32, 16, 0.1, True)
+    assert data.shape == x.shape and data.dtype == torch.float8_e4m3fn and data.is_contiguous()
+    assert scale.shape == (2, 3, 2) and scale.dtype == torch.float32 and scale.is_contiguous()
+    assert vt.shape == (2, 2, 128, 48) and vt.dtype == torch.float8_e4m3fn and vscale.shape == (2, 2, 3)
+    assert out.shape == (2, 21, 6, 128) and out.dtype == torch.bfloat16 and out.is_contiguous()
+    assert lse.shape == (2, 6, 21) and lse.dtype == torch.float32 and lse.is_contiguous()
+
+
+@pytest.mark.parametrize("seed,transpose", [(5, False), (None, True), (-3, True)])
+def test_opcheck_quantize(seed: int | None, transpose: bool) -> None:
+    # torch's consistency checks of a custom op: schema (no input mutated), fake vs real, tracing.
+    x = randn(2, 50, 3, 64)
+    torch.library.opcheck(torch.ops.flashhopper.quantize_fp8.default, (x, 32, seed, transpose))
+
+
+@pytest.mark.parametrize("sk", [70, 0])
+def test_opcheck_fwd(sk: int) -> None:
+    # Not test_schema: it compares inputs before and after with torch.allclose, which has no fp8 kernel on CPU.
+    torch.library.opcheck(torch.ops.flashhopper.fwd_fp8.default, _op_args(sk=sk),
+                          test_utils=("test_faketensor", "test_aot_dispatch_static", "test_aot_dispatch_dynamic",
+                                      "test_autograd_registration"))
+
+
+def test_op_cpu_is_the_emulation() -> None:
+    args = _op_args()
+    out, lse = torch.ops.flashhopper.fwd_fp8.default(*args)
+    q, qs, k, ks, vt, vs = args[:6]
+    want, want_lse = R.attention_fp8_ref(FP8Tensor(q, qs, 64, None, False, 50), FP8Tensor(k, ks, 32, None, False, 70),
+                                         FP8Tensor(vt, vs, None, None, True, 70), 0.1, True)
+    assert torch.equal(out, want.to(torch.bfloat16)) and torch.equal(lse, want_lse)
+
+
+def _model(q: torch.Tensor, k: Any, v: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    out, lse = flash_attn_fp8_func(q * 2, k, v, causal=True, return_lse=True, seed=11)
+    return out.float() + 1, lse
+
+
+@pytest.mark.skipif(not torch._dynamo.is_dynamo_supported(), reason="torch.compile is not supported here")
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compile_fullgraph(backend: str) -> None:
+    # CPU tensors go through the same two ops as CUDA ones (their CPU implementations), so the whole
+    # function traces into one graph: quantize_fp8 x 3, fwd_fp8, and the torch around them.
+    torch._dynamo.reset()
+    q, k, v = randn(2, 40, 4, 64), randn(2, 90, 2, 64), randn(2, 90, 2, 64)
+    compiled = torch.compile(_model, fullgraph=True, backend=backend)  # fullgraph: a graph break raises
+    for kk, vv in ((k, v), (quantize_fp8(k, 32, seed=11), R.quantize_ref(v, 32))):  # bf16; fp8 with row-major V
+        got, want = compiled(q, kk, vv), _model(q, kk, vv)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    kv = quantize_kv(k, v, seed=11)
+    assert torch.equal(torch.compile(kv.attend, fullgraph=True, backend=backend)(q), kv.attend(q))
+
+
+@pytest.mark.skipif(not torch._dynamo.is_dynamo_supported(), reason="torch.compile is not supported here")
+def test_compiled_graph_holds_the_ops() -> None:
+    torch._dynamo.reset()
+    graphs: list[torch.fx.GraphModule] = []
+
+    def record(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    q, k, v = randn(1, 20, 2, 128), randn(1, 30, 2, 128), randn(1, 30, 2, 128)
+    torch.compile(_model, fullgraph=True, backend=record)(q, k, v)
+    targets = [n.target for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
+    assert len(graphs) == 1
+    assert targets.count(torch.ops.flashhopper.quantize_fp8.default) == 3
+    assert targets.count(torch.ops.flashhopper.fwd_fp8.default) == 1
 
 
 # --- kernel plumbing, with a recording stand-in for _C ---
@@ -579,92 +776,114 @@ class FakeC:
         self.calls: list[tuple[dict[str, Any], int, int]] = []
         self.quant_calls: list[tuple[dict[str, Any], int]] = []
 
-    def fwd(self, params: FwdParams, arch: int, stream: int) -> None:
-        self.calls.append((dict(vars(params)), arch, stream))
+    def fwd(self, params: FwdParams, index: int, stream: int) -> int:
+        self.calls.append((dict(vars(params)), index, stream))
+        return 132
 
-    def quantize_fp8(self, params: QuantParams, stream: int) -> None:
+    def quantize_fp8(self, params: QuantParams, stream: int) -> int:
         self.quant_calls.append((dict(vars(params)), stream))
+        return 66
 
 
 @pytest.fixture
 def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeC]:
     c = FakeC()
     monkeypatch.setattr(_ext, "extension", lambda: c)
-    monkeypatch.setattr(ops, "_c_dtypes", {})
-    monkeypatch.setattr(fp8, "_local", threading.local())
+    monkeypatch.setattr(_launch, "_c_dtypes", {})
+    monkeypatch.setattr(_launch, "_local", threading.local())
+    monkeypatch.setattr(_launch, "_tile_counters", {})  # keyed (None, stream) here: CPU tensors have no index
     monkeypatch.setattr(torch.cuda, "current_stream", lambda index: SimpleNamespace(cuda_stream=4242))
-    counters: dict[Any, torch.Tensor] = {}
-    monkeypatch.setattr(ops, "tile_counter", lambda index, stream: counters.setdefault(
-        (index, stream), torch.zeros(1, dtype=torch.int32)))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # CPU-only torch cannot say
+    monkeypatch.setattr(_device, "device_info", lambda index: _device.DeviceInfo("H100", (9, 0), 132))
+    monkeypatch.setattr(_ext, "kernel", lambda mode, key: Entry(7 if key.mask == "causal" else 3, 128, 128)
+                        if mode == "fwd" and key.dtype == "float8_e4m3fn" and key.headdim == 128 else None)
     yield c
 
 
-def _fp8_case(sq: int = 100, sk: int = 150) -> tuple[FP8Tensor, FP8Tensor, FP8Tensor, torch.Tensor, torch.Tensor]:
-    q8 = R.quantize_ref(randn(2, sq, 4, 128), 64, "block", 0)
-    k8 = R.quantize_ref(randn(2, sk, 2, 128), None, "head", 0)
+def _fp8_case(sq: int = 100, sk: int = 150, b: int = 2) -> tuple[FP8Tensor, FP8Tensor, FP8Tensor, torch.Tensor,
+                                                                  torch.Tensor]:
+    q8 = R.quantize_ref(randn(b, sq, 4, 128), 64, "block", 0)
+    k8 = R.quantize_ref(randn(b, sk, 2, 128), None, "head", 0)
     k8 = k8._replace(scale=k8.scale[:1])  # broadcast over batch
-    v8 = R.quantize_ref(randn(2, sk, 2, 128), None, "tensor", None, True)
-    out = torch.empty(2, sq, 4, 128, dtype=torch.bfloat16)
-    return q8, k8, v8, out, torch.empty(2, 4, sq)
+    v8 = R.quantize_ref(randn(b, sk, 2, 128), None, "tensor", None, True)
+    out = torch.empty(b, sq, 4, 128, dtype=torch.bfloat16)
+    return q8, k8, v8, out, torch.empty(b, 4, sq)
 
 
-def test_fill_fp8_params() -> None:
+def test_fill_fwd_params(fake: FakeC) -> None:
     q8, k8, v8, out, lse = _fp8_case()
     counter = torch.zeros(1, dtype=torch.int32)
-    p = fp8.fill_fp8_params(SimpleNamespace(), "e4m3", q8, k8, v8, out, lse, 0.125, True, counter.data_ptr())
+    p = fp8.fill_fwd_params(SimpleNamespace(num_sms=0), q8, k8, v8, out, lse, 0.125, counter.data_ptr())
     assert (p.q_ptr, p.k_ptr, p.v_ptr, p.o_ptr, p.lse_ptr, p.tile_counter) == tuple(
         x.data_ptr() for x in (q8.data, k8.data, v8.data, out, lse, counter))
     assert (p.q_batch_stride, p.q_row_stride, p.q_head_stride) == (100 * 4 * 128, 4 * 128, 128)
     assert (p.k_batch_stride, p.k_row_stride, p.k_head_stride) == (150 * 2 * 128, 2 * 128, 128)
-    assert (p.v_batch_stride, p.v_head_stride, p.v_dim_stride) == (2 * 128 * 160, 128 * 160, 160)
+    assert (p.v_batch_stride, p.v_head_stride, p.v_dim_stride, p.v_row_stride) == (2 * 128 * 160, 128 * 160, 160, 0)
     assert (p.o_batch_stride, p.o_row_stride, p.o_head_stride) == (100 * 4 * 128, 4 * 128, 128)
-    assert (p.batch, p.seqlen_q, p.seqlen_k, p.nheads_q, p.nheads_kv, p.headdim) == (2, 100, 150, 4, 2, 128)
-    assert p.softmax_scale == 0.125 and p.causal is True and p.dtype == "e4m3"
+    assert (p.batch, p.seqlen_q, p.seqlen_k, p.nheads_q, p.nheads_kv) == (2, 100, 150, 4, 2)
+    assert (p.headdim, p.headdim_v, p.window_left, p.window_right, p.max_smem_bytes) == (128, 128, -1, -1, 0)
+    assert p.softmax_scale == 0.125 and not hasattr(p, "causal") and not hasattr(p, "dtype")  # the key says
     assert p.q_scale_ptr == q8.scale.data_ptr() and p.q_scale_block == 64
     assert (p.q_scale_batch_stride, p.q_scale_head_stride, p.q_scale_block_stride) == (4 * 2, 2, 1)
     assert p.k_scale_ptr == k8.scale.data_ptr() and p.k_scale_block == 1 << 30
     assert (p.k_scale_batch_stride, p.k_scale_head_stride) == (0, 1)  # broadcast batch
     assert p.v_scale_ptr == v8.scale.data_ptr() and p.v_scale_block == 1 << 30
     assert (p.v_scale_batch_stride, p.v_scale_head_stride) == (0, 0)  # one scale in all
+    assert p.device is None and p.num_sms == 132  # out's device (CPU here: no index) and its SMs
 
 
-def test_launch_fp8(fake: FakeC) -> None:
+def test_launch_fwd(fake: FakeC) -> None:
     q8, k8, v8, out, lse = _fp8_case()
-    fp8._launch_fp8(q8, k8, v8, out, lse, 0.3, True)
-    fp8._launch_fp8(q8, k8, v8, out, lse, 0.3, False)
-    assert len(fake.calls) == 2
-    (p, arch, stream), (p2, _, _) = fake.calls
-    assert arch == 90 and stream == 4242 and p["dtype"] == "e4m3" and p["softmax_scale"] == 0.3
-    assert p["tile_counter"] == ops.tile_counter(None, 4242).data_ptr() != 0 and p2["tile_counter"] == 0
-    assert fp8._local.fwd_params is not None
-    # Early exits: nothing to compute, or no keys at all.
-    q0, k0, v0, out0, lse0 = _fp8_case(sq=0)
-    fp8._launch_fp8(q0, k0, v0, out0, lse0, 0.3, True)
-    q0, k0, v0, out0, lse0 = _fp8_case(sk=0)
-    fp8._launch_fp8(q0, k0, v0, out0, lse0, 0.3, True)
-    assert (out0 == 0).all() and torch.isneginf(lse0).all() and len(fake.calls) == 2
-    # Layout checked before the launch: V^T with keys not contiguous, Q with a 16-byte-unaligned row stride.
+    assert fp8.launch_fwd(q8, k8, v8, out, lse, 0.3, True) == 132
+    assert fp8.launch_fwd(q8, k8, v8, out, lse, 0.3, False) == 132
+    (p, index, stream), (p2, index2, _) = fake.calls
+    assert (index, index2) == (7, 3) and stream == 4242 and p["softmax_scale"] == 0.3
+    assert p["tile_counter"] == _launch._tile_counters[(None, 4242)].data_ptr() != 0  # type: ignore[index]
+    assert p2["tile_counter"] == 0  # the non-causal kernel's static scheduler takes none
+    # Empty inputs reach the launcher, which reports an empty grid itself (seqlen_k 0 runs the kernel).
+    for sq, sk, b in ((0, 150, 2), (100, 0, 2), (100, 150, 0)):
+        q0, k0, v0, out0, lse0 = _fp8_case(sq, sk, b)
+        fp8.launch_fwd(q0, k0, v0, out0, lse0, 0.3, True)
+        p0 = fake.calls[-1][0]
+        assert (p0["batch"], p0["seqlen_q"], p0["seqlen_k"]) == (b, sq, sk)
+        assert p0["v_dim_stride"] % 16 == 0 and p0["v_dim_stride"] > 0  # a stride the launcher takes, keys or not
+    assert len(fake.calls) == 5
+    # Layouts checked before the launch: V^T with keys not contiguous, V^T whose head-dim rows are not 16 bytes
+    # apart, Q with a 16-byte-unaligned row stride.
     bad_v = v8._replace(data=v8.data.transpose(2, 3).contiguous().transpose(2, 3))
     with raises(ValueError, "v"):
-        fp8._launch_fp8(q8, k8, bad_v, out, lse, 0.3, False)
+        fp8.launch_fwd(q8, k8, bad_v, out, lse, 0.3, False)
+    wide = torch.zeros(2, 2, 128, 168, dtype=torch.uint8)[..., :160].view(torch.float8_e4m3fn)
+    with raises(ValueError, r"v \(V\^T\) dim stride"):
+        fp8.launch_fwd(q8, k8, v8._replace(data=wide), out, lse, 0.3, False)
     odd = torch.zeros(2, 100, 4, 129, dtype=torch.uint8)[..., :128].view(torch.float8_e4m3fn)
-    q_odd = q8._replace(data=odd)  # row stride 4 * 129 bytes
     with raises(ValueError, "q row stride"):
-        fp8._launch_fp8(q_odd, k8, v8, out, lse, 0.3, False)
-    assert len(fake.calls) == 2
+        fp8.launch_fwd(q8._replace(data=odd), k8, v8, out, lse, 0.3, False)
+    q64 = R.quantize_ref(randn(1, 16, 1, 64), 64, "block", None)
+    v64 = R.quantize_ref(randn(1, 16, 1, 64), 64, transpose=True)
+    with raises(ValueError, "q: this build has no fp8"):  # the op called directly for a kernel not built
+        fp8.launch_fwd(q64, q64, v64, torch.empty(1, 16, 1, 64, dtype=torch.bfloat16), torch.empty(1, 1, 16), 0.3,
+                       False)
+    assert len(fake.calls) == 5
+    assert _launch._local.FwdParams is not None  # one params object, reused
+
+
+def test_fwd_fp8_into_needs_cuda() -> None:
+    q8, k8, v8, out, lse = _fp8_case()
+    with raises(ValueError, "q"):
+        fp8.fwd_fp8_into(q8, k8, v8, out, lse, None, False)
 
 
 @pytest.mark.parametrize("transpose", [False, True])
-def test_quantize_kernel_params(fake: FakeC, monkeypatch: pytest.MonkeyPatch, transpose: bool) -> None:
-    signs = hadamard_signs(128, 3)
-    monkeypatch.setattr(fp8, "_device_signs", lambda device, headdim, seed: signs)
+def test_quantize_kernel_params(fake: FakeC, transpose: bool) -> None:
     x = randn(2, 100, 6, 128)[:, :, ::2]  # strided heads
-    t = fp8._quantize_kernel(x, 64, 3, transpose)
-    assert (t.block_size, t.hadamard_seed, t.transposed, t.seqlen) == (64, 3, transpose, 100)
-    assert t.data.shape == ((2, 3, 128, 112) if transpose else (2, 100, 3, 128)) and t.scale.shape == (2, 3, 2)
+    out, scale = fp8.ops.empty_quantized(x, 64, transpose)
+    assert fp8.launch_quantize(x, out, scale, 64, -3, transpose) == 66
+    assert out.shape == ((2, 3, 128, 112) if transpose else (2, 100, 3, 128)) and scale.shape == (2, 3, 2)
     (p, stream), = fake.quant_calls
-    assert stream == 4242 and p["dtype"] == "bf16" and p["signs_ptr"] == signs.data_ptr()
-    assert (p["x_ptr"], p["out_ptr"], p["scale_ptr"]) == (x.data_ptr(), t.data.data_ptr(), t.scale.data_ptr())
+    assert stream == 4242 and p["dtype"] == "bf16" and p["hadamard"] is True and p["hadamard_seed"] == -3
+    assert "signs_ptr" not in p  # the kernel hashes the seed itself: nothing to copy to the device
+    assert (p["x_ptr"], p["out_ptr"], p["scale_ptr"]) == (x.data_ptr(), out.data_ptr(), scale.data_ptr())
     assert (p["x_batch_stride"], p["x_row_stride"], p["x_head_stride"]) == (100 * 6 * 128, 6 * 128, 256)
     assert (p["batch"], p["seqlen"], p["nheads"], p["headdim"], p["block_size"]) == (2, 100, 3, 128, 64)
     assert (p["scale_batch_stride"], p["scale_head_stride"], p["scale_block_stride"]) == (6, 2, 1)
@@ -673,5 +892,9 @@ def test_quantize_kernel_params(fake: FakeC, monkeypatch: pytest.MonkeyPatch, tr
         assert (p["out_batch_stride"], p["out_head_stride"], p["out_dim_stride"]) == (3 * 128 * 112, 128 * 112, 112)
     else:
         assert (p["out_batch_stride"], p["out_row_stride"], p["out_head_stride"]) == (100 * 3 * 128, 3 * 128, 128)
-    fp8._quantize_kernel(x[:, :0], 64, None, transpose)  # empty: nothing launched
-    assert len(fake.quant_calls) == 1
+    fp8.launch_quantize(x[:, :0], *fp8.ops.empty_quantized(x[:, :0], 64, transpose), 64, None, transpose)
+    p0 = fake.quant_calls[-1][0]  # empty: the launcher is called, and returns 0 itself
+    assert p0["seqlen"] == 0 and p0["hadamard"] is False and p0["hadamard_seed"] == 0
+    with raises(ValueError, "x"):  # 16-byte loads
+        bad = torch.zeros(2, 100, 3, 136, dtype=torch.bfloat16)[..., 1:129]
+        fp8.launch_quantize(bad, out, scale, 64, None, transpose)

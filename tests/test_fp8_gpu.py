@@ -14,12 +14,15 @@
    (b) exact float64 attention of the unquantized inputs: within fp8's own error;
    rows that see no key must be 0 with lse -inf. Then the user paths: the inference path (bf16 q +
    quantize_kv), pre-quantized non-transposed V (to_vt), per-head and per-tensor scales, q following
-   k's Hadamard seed.
+   k's Hadamard seed, empty inputs (which reach the kernels).
 3. The accuracy table of the FlashAttention-3 paper on its outlier inputs, through the kernels
    (``pytest -s`` prints it).
+4. The torch ops: ``torch.compile(flash_attn_fp8_func, fullgraph=True)`` against eager and the
+   references, and a CUDA-graph capture holding the very first call of a configuration.
 
-Every test skips, with the reason, when this build lacks the kernel it needs (``_ext.fp8_kernel_tiles``,
-``_ext.has_fp8_quantize``).
+A test skips, with the reason, when this GPU cannot run the fp8 kernels (they are sm_90a code) or the
+build was not configured with the kernel it needs; it FAILS when the build was configured with it
+(``_ext.configured``; the quantization kernel comes with arch 90) and the kernel is missing.
 """
 from __future__ import annotations
 
@@ -28,10 +31,10 @@ import math
 
 import pytest
 import torch
-from helpers import max_abs_err, randn_qkv, rel_err
+from helpers import max_abs_err, randn_qkv, rel_err, unconfigured
 
 import flashhopper
-from flashhopper import _ext, fp8, reference_fp8
+from flashhopper import _device, _ext, fp8, reference_fp8
 from flashhopper.reference import attention_ref, visible
 
 DEV = "cuda"
@@ -63,23 +66,37 @@ P_OFFSET = 8  # the kernel computes 2^8 * exp(s - rowmax) (kMaxOffset), as refer
 
 # --- what this build and GPU can run ----------------------------------------------------------------
 
+def require_hopper() -> None:
+    info = _device.device_info(torch.cuda.current_device())
+    if info.capability != (9, 0):
+        pytest.skip(f"the fp8 kernels are sm_90a code; this GPU is {info.name} "
+                    f"(compute capability {info.capability[0]}.{info.capability[1]})")
+
+
 def require_fp8_kernel(headdim: int, causal: bool) -> int:
-    """Skip unless the fp8 forward for (headdim, causal) is built and this GPU runs it; its block_n."""
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip(f"the fp8 kernels are sm_90a code; this GPU is {torch.cuda.get_device_name()}")
-    tiles = _ext.fp8_kernel_tiles(headdim, causal)
+    """Skip unless this GPU runs the fp8 kernels and the build was configured with the forward for
+    (headdim, causal); fail when it was and the kernel is missing. Returns its block_n."""
+    require_hopper()
+    tiles = fp8.kernel_tiles(headdim, causal)
     if tiles is None:
-        pytest.skip(f"this build has no fp8 forward kernel for headdim {headdim} "
-                    f"{'causal' if causal else 'non-causal'} ({_ext.extension_error() or 'not compiled'})")
+        key = fp8.kernel_key(headdim, causal)
+        if _ext.configured("fwd", key):
+            pytest.fail(f"the build was configured with the fp8 forward {key.describe()}, but does not have it "
+                        f"(build_info(): {_ext.build_info()})")
+        pytest.skip(f"no fp8 forward {key.describe()}: "
+                    + (unconfigured("fwd", key) or f"not compiled ({_ext.extension_error() or _ext.build_info()})"))
     return tiles[1]
 
 
 def require_quant_kernel() -> None:
-    if torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("e4m3 conversion needs compute capability 8.9 or newer")
+    require_hopper()
     if not _ext.has_fp8_quantize():
-        pytest.skip(f"this build has no fp8 quantization kernel (_C.quantize_fp8) "
-                    f"({_ext.extension_error() or 'not compiled'})")
+        archs = _ext.build_info().get("archs", [])
+        if 90 in archs:  # the quantization kernel is built with every Hopper build (CMakeLists.txt)
+            pytest.fail(f"the build has arch 90 but no fp8 quantization kernel (_C.quantize_fp8): {_ext.build_info()}")
+        pytest.skip("this build has no fp8 quantization kernel (_C.quantize_fp8): "
+                    + ("configure FLASHHOPPER_ARCHS with 90" if _ext.has_extension()
+                       else f"no compiled extension ({_ext.extension_error()})"))
 
 
 # --- helpers --------------------------------------------------------------------------------------
@@ -127,7 +144,7 @@ def assert_no_nan_bytes(t: torch.Tensor, where: str) -> None:
     assert not nan.any(), f"{int(nan.sum())} NaN bytes in fp8 data (left unwritten?): {where}"
 
 
-def assert_same_quantization(got: "fp8.FP8Tensor", want: "fp8.FP8Tensor", exact: bool, where: str) -> None:
+def assert_same_quantization(got: fp8.FP8Tensor, want: fp8.FP8Tensor, exact: bool, where: str) -> None:
     """Same layout, scales and fp8 values: bit for bit if ``exact``, else scales to rtol 1e-6 and
     at most 0.1% (at least 1) of the values 1 ulp apart, none further."""
     assert got.transposed == want.transposed and got.seqlen == want.seqlen, where
@@ -176,10 +193,10 @@ def poisoned(batch: int, seqlen_q: int, nheads_q: int, headdim: int) -> tuple[to
 
 def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_n: int,
                  granularity: tuple[str, str, str] = ("block", "block", "block"), hadamard: bool = True,
-                 seed: int = 0) -> tuple["fp8.FP8Tensor", "fp8.FP8Tensor", "fp8.FP8Tensor"]:
+                 seed: int = 0) -> tuple[fp8.FP8Tensor, fp8.FP8Tensor, fp8.FP8Tensor]:
     """What flash_attn_fp8_func does by default: Q per 64 rows, K and V per block_n keys, Q and K
     rotated with the same signs, V never rotated and stored as V^T."""
-    def quant(x: torch.Tensor, block: int, gran: str, had: bool, transpose: bool = False) -> "fp8.FP8Tensor":
+    def quant(x: torch.Tensor, block: int, gran: str, had: bool, transpose: bool = False) -> fp8.FP8Tensor:
         return fp8.quantize_fp8(x, block_size=block if gran == "block" else None, hadamard=had, seed=seed,
                                 granularity=gran, transpose=transpose)
 
@@ -188,7 +205,7 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_n: int
             quant(v, block_n, gv, False, transpose=True))
 
 
-def emulate_kernel(q8: "fp8.FP8Tensor", k8: "fp8.FP8Tensor", v8: "fp8.FP8Tensor", softmax_scale: float,
+def emulate_kernel(q8: fp8.FP8Tensor, k8: fp8.FP8Tensor, v8: fp8.FP8Tensor, softmax_scale: float,
                    causal: bool, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The fp8 kernel's arithmetic in its order, float32 on dequantized Q, K, V: per query row, key
     blocks of ``block_n`` from the last to the first; scores in log2 units; running max m;
@@ -208,7 +225,7 @@ def emulate_kernel(q8: "fp8.FP8Tensor", k8: "fp8.FP8Tensor", v8: "fp8.FP8Tensor"
     for m0 in range(0, sq, step):
         rows = slice(m0, min(m0 + step, sq))
         s = (qt[:, :, rows] @ kt.transpose(-1, -2)) * (softmax_scale / math.log(2))
-        mask = visible(sq, sk, causal, q.device, rows)
+        mask = visible(sq, sk, causal, q.device, rows=rows)
         if mask is not None:
             s = s.masked_fill(~mask, -math.inf)
         m = torch.full(s.shape[:-1], -math.inf, device=q.device)
@@ -231,7 +248,7 @@ def emulate_kernel(q8: "fp8.FP8Tensor", k8: "fp8.FP8Tensor", v8: "fp8.FP8Tensor"
 
 
 def check_attention(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    q8: "fp8.FP8Tensor", k8: "fp8.FP8Tensor", v8: "fp8.FP8Tensor", softmax_scale: float,
+                    q8: fp8.FP8Tensor, k8: fp8.FP8Tensor, v8: fp8.FP8Tensor, softmax_scale: float,
                     causal: bool) -> None:
     """The fp8 forward's result (out, lse) for q, k, v quantized as q8, k8, v8 (v8 V^T): no NaN; rows
     without a visible key exactly 0 with lse -inf; (a), (a') and (b) of the module docstring."""
@@ -245,7 +262,7 @@ def check_attention(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k: to
     assert (out.transpose(1, 2)[no_key] == 0).all(), f"rows that see no key are not exactly 0: {where}"
     finite = ~no_key
 
-    block_n = _ext.fp8_kernel_tiles(q.shape[-1], causal)[1]
+    block_n = fp8.kernel_tiles(q.shape[-1], causal)[1]
     checks = (("emulate_kernel", emulate_kernel(q8, k8, v8, softmax_scale, causal, block_n), EMU_REL, EMU_LSE_ATOL),
               ("attention_fp8_ref", reference_fp8.attention_fp8_ref(q8, k8, v8, softmax_scale, causal), REF8_REL,
                REF8_LSE_ATOL))
@@ -364,6 +381,25 @@ def test_vt_layout(headdim: int, seqlen: int, dtype: torch.dtype) -> None:
     torch.testing.assert_close(reference_fp8.dequantize(moved), reference_fp8.dequantize(v8), rtol=0, atol=0)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("headdim", HDIMS)
+def test_kernel_hadamard_signs(headdim: int) -> None:
+    # The kernel's signs, read off bit for bit: token t = the unit vector e_t becomes H diag(s) e_t / sqrt(d)
+    # = s_t H[t] / sqrt(d) (H is symmetric), all of magnitude 1/sqrt(d), so every value quantizes to exactly
+    # +-448 with the sign of s_t H[t][i]. Seeds beyond 32 bits and negative ones: the seed's 64 bits count.
+    require_quant_kernel()
+    block = min(128, fp8.QUANT_MAX_BLOCK_ELEMENTS // headdim)
+    x = torch.eye(headdim, dtype=torch.bfloat16, device=DEV)[None, :, None, :]  # (1, d tokens, 1 head, d)
+    h = reference_fp8.hadamard_matrix(headdim)
+    for seed in (0, 1, SEED, -1, 2**32, 2**63, 2**64 - 1, 0x123456789ABCDEF):
+        got = fp8.quantize_fp8(x, block_size=block, seed=seed, kernel=True)
+        signs = fp8.hadamard_signs(headdim, seed)
+        assert torch.equal(got.data[0, :, 0].float().cpu(), 448 * signs[:, None] * h), \
+            f"the kernel's Hadamard signs for seed {seed} are not hadamard_signs({headdim}, {seed})"
+        want = reference_fp8.quantize_ref(x, block, "block", seed)
+        assert_same_quantization(got, want, exact=True, where=f"one-hot rows, seed {seed}")
+
+
 # --- 2. the attention kernel ----------------------------------------------------------------------
 
 ATTN_SEQLENS = [1, 17, 128, 255, 1000, 4096]
@@ -441,8 +477,7 @@ def test_inference_path(headdim: int, causal: bool) -> None:
     q, k, v = randn_qkv(2, 300, 1000, 8, 2, headdim, torch.bfloat16, DEV)
     kv = fp8.quantize_kv(k, v, causal=causal)
     assert kv.k.block_size == block_n and kv.v.block_size == block_n, (kv.k.block_size, kv.v.block_size, block_n)
-    # V^T, or row-major for a build whose kernels transpose V (FLASHHOPPER_FP8_V_TRANSPOSE_IN_KERNEL)
-    assert kv.v.transposed == fp8.kernel_v_transposed(headdim)
+    assert kv.v.transposed  # V^T, the layout the kernels read
     assert not kv.k.transposed and kv.k.hadamard_seed == 0 and kv.v.hadamard_seed is None
     out = kv.attend(q, causal=causal)
     q8 = fp8.quantize_fp8(q, block_size=Q_BLOCK, hadamard=True, seed=0)
@@ -497,11 +532,6 @@ def test_prequantized_v_not_transposed(headdim: int, causal: bool) -> None:
     check_attention(out, lse, q, k, v, q8, k8, vt8, 1 / math.sqrt(headdim), causal)
 
 
-# The layout the kernel reads V in: V^T (the default), or row-major like K for the kernels of a build with
-# FLASHHOPPER_FP8_V_TRANSPOSE_IN_KERNEL (head dims 64 and 128), which transpose it in shared memory. The
-# tests above go through that path in such a build (fwd_fp8_into and flash_attn_fp8_func bring V to the
-# kernel's layout); these check what is particular to it.
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("headdim", HDIMS)
 def test_from_vt_inverts_the_quantized_vt(headdim: int) -> None:
@@ -519,24 +549,32 @@ def test_from_vt_inverts_the_quantized_vt(headdim: int) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("headdim", HDIMS)
-def test_kernel_v_layout(headdim: int) -> None:
-    # Head dim 256 reads V^T in every build (no shared memory left for row-major stages); quantize_kv writes
-    # the layout the kernel reads; a V in the other layout handed straight to the launch is refused by the
-    # launcher (the stride that layout does not use is 1), not read as garbage.
-    require_fp8_kernel(headdim, False)
-    want_vt = fp8.kernel_v_transposed(headdim)
-    assert want_vt or headdim != 256
-    q, k, v = randn_qkv(1, 200, 300, 2, 2, headdim, torch.bfloat16, DEV)
-    kv = fp8.quantize_kv(k, v, causal=False)
-    assert kv.v.transposed == want_vt
-    q8 = fp8.quantize_fp8(q, block_size=Q_BLOCK, hadamard=True, seed=0)
+@pytest.mark.parametrize("causal", [False, True])
+def test_vt_views(headdim: int, causal: bool) -> None:
+    # The kernel reads V^T through its strides: a V^T cut from a wider buffer of NaN bytes (head-dim rows
+    # 32 keys further apart than they need) gives the output of the contiguous V^T, bit for bit; one whose
+    # rows are not 16 bytes apart (TMA) is refused before the launch, and out is left alone.
+    block_n = require_fp8_kernel(headdim, causal)
+    b, sq, sk, hq, hkv = 2, 200, 300, 4, 2
+    q, k, v = randn_qkv(b, sq, sk, hq, hkv, headdim, torch.bfloat16, DEV)
+    q8, k8, v8 = quantize_qkv(q, k, v, block_n)
+    sp = v8.data.shape[-1]
     scale = 1 / math.sqrt(headdim)
-    out, lse = poisoned(1, 200, 2, headdim)
-    with pytest.raises(ValueError, match="this fp8 kernel"):
-        fp8._launch_fp8(q8, kv.k, fp8.to_kernel_layout(kv.v, not want_vt), out, lse, scale, False)
-    assert torch.isnan(out).all(), "a refused launch wrote to out"
-    fp8._launch_fp8(q8, kv.k, kv.v, out, lse, scale, False)
-    check_attention(out, lse, q, k, v, q8, kv.k, kv.v, scale, False)
+    want, want_lse = poisoned(b, sq, hq, headdim)
+    fp8.fwd_fp8_into(q8, k8, v8, want, want_lse, scale, causal)
+    for extra, ok in ((32, True), (8, False)):
+        buf = torch.full((b, hkv, headdim, sp + extra), 0x7F, dtype=torch.uint8, device=DEV)  # e4m3 NaN
+        buf[..., :sp] = fp8_bytes(v8.data)
+        view = v8._replace(data=buf[..., :sp].view(torch.float8_e4m3fn))
+        got, got_lse = poisoned(b, sq, hq, headdim)
+        if ok:
+            assert fp8.fwd_fp8_into(q8, k8, view, got, got_lse, scale, causal) > 0
+            assert torch.equal(got, want) and torch.equal(got_lse, want_lse), "a strided V^T changed the result"
+        else:
+            with pytest.raises(ValueError, match=r"^v \(V\^T\) dim stride"):
+                fp8.fwd_fp8_into(q8, k8, view, got, got_lse, scale, causal)
+            assert torch.isnan(got).all() and torch.isnan(got_lse).all(), "a refused call wrote to out"
+    check_attention(want, want_lse, q, k, v, q8, k8, v8, scale, causal)
 
 
 @pytest.mark.gpu
@@ -544,9 +582,8 @@ def test_kernel_v_layout(headdim: int) -> None:
 @pytest.mark.parametrize("causal", [False, True])
 def test_v_view_with_nan_around(headdim: int, causal: bool) -> None:
     # A row-major fp8 V that is a view into a larger buffer of NaN bytes: its rows 2 x heads x headdim apart
-    # and more rows past seqlen_k. A kernel that reads V row-major takes the strides and the seqlen_k bound
-    # from it (TMA zero-fills the last block past seqlen_k; the padded bound of the V^T path would read NaN
-    # rows); the V^T path copies the view (to_vt). Either way: the output of a contiguous V, bit for bit.
+    # and more rows past seqlen_k. fwd_fp8_into brings it to V^T (to_vt copies what the view shows, none of
+    # the NaN around it): the output of a contiguous V, bit for bit.
     block_n = require_fp8_kernel(headdim, causal)
     b, sq, sk, hq, hkv = 2, 300, 777, 4, 2
     q, k, v = randn_qkv(b, sq, sk, hq, hkv, headdim, torch.bfloat16, DEV)
@@ -614,6 +651,28 @@ def test_scale_blocks_the_kernel_cannot_use_are_refused() -> None:
     assert torch.isnan(out).all(), "a refused call wrote to out"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_empty_inputs_reach_the_kernels(causal: bool) -> None:
+    # No Python short cut: with no query row, batch or head the launchers are called and report an empty
+    # grid (0 CTAs); with no key the kernel runs and writes O = 0, LSE = -inf over the NaN poison.
+    # flash_attn_fp8_func goes the same way, through the quantization kernel (empty there too).
+    block_n = require_fp8_kernel(128, causal)
+    require_quant_kernel()
+    for b, sq, sk, hq, hkv, runs in ((2, 0, 300, 4, 2, False), (0, 100, 300, 4, 2, False),
+                                     (2, 100, 300, 0, 0, False), (2, 100, 0, 4, 2, True), (1, 1, 0, 2, 1, True)):
+        where = f"b {b} sq {sq} sk {sk} hq {hq} hkv {hkv} causal={causal}"
+        q, k, v = randn_qkv(b, sq, sk, hq, hkv, 128, torch.bfloat16, DEV)
+        q8, k8, v8 = quantize_qkv(q, k, v, block_n)
+        out, lse = poisoned(b, sq, hq, 128)
+        ctas = fp8.fwd_fp8_into(q8, k8, v8, out, lse, 0.1, causal)
+        assert (ctas > 0) == runs, f"{ctas} CTAs launched: {where}"
+        if runs:
+            assert (out == 0).all() and torch.isneginf(lse).all(), f"no key: out must be 0 and lse -inf: {where}"
+        got, got_lse = fp8.flash_attn_fp8_func(q, k, v, causal=causal, return_lse=True)
+        assert got.shape == q.shape and torch.equal(got, out) and torch.equal(got_lse, lse), where
+
+
 # --- 3. accuracy on the FlashAttention-3 outlier setup ---------------------------------------------
 
 def rmse(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -657,3 +716,68 @@ def test_outlier_accuracy_table(headdim: int) -> None:
             f"{name}: kernel RMSE {kern:.3e} vs emulation {emu_rmse:.3e}"
     assert best <= tensor / OUTLIER_MIN_RATIO, \
         f"per-block + Hadamard RMSE {best:.3e} is not {OUTLIER_MIN_RATIO}x below per-tensor {tensor:.3e}"
+
+
+# --- 4. the torch ops: torch.compile and CUDA graphs -----------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_compile_fullgraph(causal: bool) -> None:
+    # One graph (fullgraph=True raises on a break) holding the quantization and attention ops: bit for bit
+    # the eager result, and that result checked against the emulations and exact attention.
+    block_n = require_fp8_kernel(128, causal)
+    torch._dynamo.reset()
+    q, k, v = randn_qkv(2, 300, 700, 8, 2, 128, torch.bfloat16, DEV)
+
+    def attend(q: torch.Tensor, k: torch.Tensor | fp8.FP8Tensor, v: torch.Tensor | fp8.FP8Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        return fp8.flash_attn_fp8_func(q, k, v, causal=causal, return_lse=True, seed=SEED)
+
+    compiled = torch.compile(attend, fullgraph=True)
+    out, lse = compiled(q, k, v)
+    want, want_lse = attend(q, k, v)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse), "compiled flash_attn_fp8_func differs from eager"
+    q8, k8, v8 = quantize_qkv(q, k, v, block_n, seed=SEED)
+    check_attention(out, lse, q, k, v, q8, k8, v8, 1 / math.sqrt(128), causal)
+    # Pre-quantized K and a row-major fp8 V (to_vt inside the graph).
+    v_rows = fp8.quantize_fp8(v, block_size=block_n, hadamard=False)
+    out2, _ = compiled(q, k8, v_rows)
+    assert torch.equal(out2, attend(q, k8, v_rows)[0]) and torch.equal(out2, out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_cuda_graph_capture_of_a_first_call(causal: bool) -> None:
+    # The capture holds the very first call for its configuration (head dim 64, shapes and Hadamard seeds
+    # no other test uses): nothing on the way may copy host to device or synchronize, first calls
+    # included (the signs are hashed in the kernel, the V^T index is made on the device, the tile counter
+    # is zeroed by a graph node). The inputs then change in place and the graph replays: eager's output
+    # on the new inputs, bit for bit, and within fp8's error of exact attention.
+    block_n = require_fp8_kernel(64, causal)
+    require_quant_kernel()
+    b, sq, sk, hq, hkv, d = 1, 333, 517, 6, 3, 64
+    seed, kv_seed = 0x5EED_0000_0001 + causal, -0x5EED - causal
+    q, k, v = randn_qkv(b, sq, sk, hq, hkv, d, torch.bfloat16, DEV)
+    k8 = fp8.quantize_fp8(k, block_size=block_n, seed=kv_seed)  # static fp8 inputs, refilled below
+    v_rows = fp8.quantize_fp8(v, block_size=block_n, hadamard=False)  # row-major: to_vt runs in the graph
+
+    def attend() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        out, lse = fp8.flash_attn_fp8_func(q, k, v, causal=causal, seed=seed, return_lse=True)
+        return out, lse, fp8.flash_attn_fp8_func(q, k8, v_rows, causal=causal)
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = attend()
+    for x in (q, k, v):
+        x.copy_(torch.randn_like(x))
+    for static, new in ((k8, fp8.quantize_fp8(k, block_size=block_n, seed=kv_seed)),
+                        (v_rows, fp8.quantize_fp8(v, block_size=block_n, hadamard=False))):
+        fp8_bytes(static.data).copy_(fp8_bytes(new.data))
+        static.scale.copy_(new.scale)
+    graph.replay()
+    torch.cuda.synchronize()
+    want = attend()
+    for name, got, w in zip(("out", "lse", "out (fp8 k, row-major v)"), captured, want):
+        assert torch.equal(got, w), f"{name} of the replayed graph differs from eager on the new inputs"
+    q8, k8e, v8 = quantize_qkv(q, k, v, block_n, seed=seed)
+    check_attention(captured[0], captured[1], q, k, v, q8, k8e, v8, 1 / math.sqrt(d), causal)

@@ -1,5 +1,7 @@
 """Slow truths for the fp8 (e4m3) forward: the quantization of docs/fp8.md written out in torch, and an
-emulation of the fp8 kernel's arithmetic on the dequantized data.
+emulation of the fp8 kernel's arithmetic on the dequantized data (``dequantize`` and ``token_scales``
+belong to the format, fp8/format.py, and are re-exported here). The CPU implementations of the fp8
+ops run these.
 
 quantize_ref follows the kernel operation by operation in float32 (Hadamard butterflies in the same
 order, the same float32 1/sqrt(headdim), IEEE divisions, round-to-nearest-even with saturation), so on
@@ -12,8 +14,11 @@ import math
 
 import torch
 
-from .fp8 import FP8_DTYPE, GRANULARITIES, FP8Tensor, hadamard_signs, nblocks, to_vt, vt_key_index
+from .fp8.format import FP8_DTYPE, GRANULARITIES, FP8Tensor, dequantize, hadamard_signs, nblocks, to_vt, token_scales
 from .reference import _rows_per_block, default_scale, visible
+
+__all__ = ["E4M3_MAX", "P_OFFSET", "attention_fp8_ref", "dequantize", "hadamard_matrix", "hadamard_transform",
+           "outlier_inputs", "quantize_ref", "rmse", "token_scales"]
 
 E4M3_MAX = 448.0  # largest finite e4m3
 # The kernel computes P' = 2^P_OFFSET * exp(s - rowmax) in [0, 256]: more of e4m3's range for the fp8 P.
@@ -86,7 +91,9 @@ def quantize_ref(x: torch.Tensor, block_size: int | None = 128, granularity: str
         raise ValueError(f"granularity must be one of {', '.join(map(repr, GRANULARITIES))}, got {granularity!r}")
     b, s, h, d = x.shape
     seed = hadamard_seed
-    if isinstance(signs, int) and not isinstance(signs, bool):
+    if isinstance(signs, bool):  # an int subclass, never a seed here
+        raise TypeError("signs must be None, an int seed or a tensor of ±1, got a bool")
+    if isinstance(signs, int):
         seed, signs = signs, hadamard_signs(d, signs)
     elif signs is not None and seed is None:
         raise ValueError("hadamard_seed must name the signs passed (an FP8Tensor records it, so that Q and K "
@@ -116,7 +123,7 @@ def quantize_ref(x: torch.Tensor, block_size: int | None = 128, granularity: str
     if norm is not None:
         inv = inv * norm
 
-    if granularity == "block":
+    if block_size is not None and granularity == "block":  # (checked above; said again for the type checker)
         token_block = torch.arange(s, device=y.device) // block_size
         inv_tokens = inv[:, :, token_block].transpose(1, 2)  # (b, s, h)
     else:
@@ -126,25 +133,6 @@ def quantize_ref(x: torch.Tensor, block_size: int | None = 128, granularity: str
         scale = scale.expand(b, h, 1)
     t = FP8Tensor(data, scale, block_size if granularity == "block" else None, seed, False, s)
     return to_vt(t) if transpose else t
-
-
-def token_scales(t: FP8Tensor) -> torch.Tensor:
-    """float32 (batch, seqlen, nheads): the descale of every token."""
-    block = torch.arange(t.seqlen, device=t.data.device)
-    block = block // t.block_size if t.block_size is not None else torch.zeros_like(block)
-    return t.scales()[:, :, block].transpose(1, 2)
-
-
-def dequantize(t: FP8Tensor) -> torch.Tensor:
-    """float32 (batch, seqlen, nheads, headdim): data * scale, V^T brought back to the token layout
-    (permutation and padding undone). The Hadamard transform, if any, stays applied."""
-    data = t.data.float()
-    if t.transposed:
-        b, h, d, sp = data.shape
-        x = torch.empty((b, sp, h, d), dtype=torch.float32, device=data.device)
-        x[:, vt_key_index(sp, data.device)] = data.permute(0, 3, 1, 2)
-        data = x[:, : t.seqlen]
-    return data * token_scales(t)[..., None]
 
 
 def attention_fp8_ref(q8: FP8Tensor, k8: FP8Tensor, v8: FP8Tensor, softmax_scale: float | None = None,
@@ -172,7 +160,7 @@ def attention_fp8_ref(q8: FP8Tensor, k8: FP8Tensor, v8: FP8Tensor, softmax_scale
     for m0 in range(0, sq, step):
         rows = slice(m0, m0 + step)
         s = (qt[:, :, rows] @ kt.transpose(-1, -2)) * scale
-        mask = visible(sq, sk, causal, q.device, rows)
+        mask = visible(sq, sk, causal, q.device, rows=rows)
         if mask is not None:
             s = s.masked_fill(~mask, float("-inf"))
         m = s.amax(dim=-1) if sk else s.new_full(s.shape[:-1], float("-inf"))

@@ -1,0 +1,177 @@
+"""fp8 (e4m3) attention, forward only: ``flash_attn_fp8_func`` (bf16/fp16 or FP8Tensor in, quantized as
+needed, bf16 out) and ``fwd_fp8_into`` (quantized inputs, caller-provided outputs: the test entry).
+
+Both validate everything at shape level first. The work runs in the ops of fp8/ops.py: the kernels on
+CUDA (never a fall back to the emulation on a GPU: no compiled kernel is an error), the reference
+emulation on CPU. So ``torch.compile(flash_attn_fp8_func, fullgraph=True)`` traces it without a graph
+break, and a CUDA-graph capture may hold its very first call.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Literal, overload
+
+import torch
+
+from .. import validation
+from ..validation import Shapes
+from . import ops
+from .format import FP8Tensor, check_fp8_tensor, check_int, check_seed, to_vt
+from .quantize import default_kv_block_size, quantize_fp8
+from .validation import (Q_BLOCK, Q_WHY, check_aligned, check_fp8_inputs, check_input, check_not_transposed,
+                         check_qk_seeds, check_tile_alignment, check_v_seed, kv_why)
+
+
+def require_kernel(device: torch.device, headdim: int, causal: bool) -> tuple[int, int]:
+    """(block_m, block_n) of the fp8 kernel that runs on CUDA ``device``, or ValueError saying what to rebuild."""
+    problem = ops.device_problem(device.index)
+    if problem:
+        raise ValueError(f"q is on {problem} (CPU tensors run the reference emulation)")
+    tiles = ops.kernel_tiles(headdim, causal)
+    if tiles is None:
+        raise ValueError(f"q: {ops.missing_kernel(headdim, causal)}")
+    return tiles
+
+
+def _kernel_tiles(device: torch.device, headdim: int, causal: bool) -> tuple[int, int] | None:
+    """The tiles of the kernel that will run, None for the reference emulation (CPU)."""
+    return require_kernel(device, headdim, causal) if device.type == "cuda" else None
+
+
+def _softmax_scale(softmax_scale: Any, headdim: int) -> float:
+    return 1.0 / math.sqrt(headdim) if softmax_scale is None else validation.check_softmax_scale(softmax_scale)
+
+
+def fwd_fp8_into(q8: FP8Tensor, k8: FP8Tensor, v8: FP8Tensor, out: torch.Tensor, lse: torch.Tensor,
+                 softmax_scale: float | None, causal: bool) -> int:
+    """Run the fp8 forward kernel, writing into caller-provided ``out`` (bfloat16 (batch, seqlen_q,
+    nheads_q, headdim)) and ``lse`` (float32, contiguous (batch, nheads_q, seqlen_q)); a row-major v8 is
+    brought to V^T first (``to_vt``, a copy). Checks everything first; tests use it to poison the outputs
+    before a run. Returns the CTAs launched (0: an empty grid, nothing to compute)."""
+    validation.check_flag("causal", causal)
+    check_fp8_tensor("q", q8)
+    if q8.device.type != "cuda":
+        raise ValueError(f"q is on {q8.device}; the fp8 kernels need CUDA tensors")
+    tiles = require_kernel(q8.device, q8.headdim, causal)
+    if isinstance(v8, FP8Tensor) and v8.transposed is False:
+        v8 = to_vt(v8)
+    shapes = check_fp8_inputs(q8, k8, v8, tiles)
+    scale = _softmax_scale(softmax_scale, shapes.headdim)
+    validation.check_tensor("out", out)
+    want = (shapes.batch, shapes.seqlen_q, shapes.nheads_q, shapes.headdim)
+    if tuple(out.shape) != want or out.dtype != torch.bfloat16 or out.device != q8.device:
+        raise ValueError(f"out must be bfloat16 of shape {want} on {q8.device}, "
+                         f"got {tuple(out.shape)} {out.dtype} {out.device}")
+    validation.check_lse("lse", lse, out)
+    return ops.launch_fwd(q8, k8, v8, out, lse, scale, causal)
+
+
+@overload
+def flash_attn_fp8_func(q: torch.Tensor | FP8Tensor, k: torch.Tensor | FP8Tensor, v: torch.Tensor | FP8Tensor,
+                        softmax_scale: float | None = ..., causal: bool = ..., return_lse: Literal[False] = ...,
+                        hadamard: bool = ..., seed: int = ..., q_block_size: int | None = ...,
+                        kv_block_size: int | None = ...) -> torch.Tensor: ...
+
+
+@overload
+def flash_attn_fp8_func(q: torch.Tensor | FP8Tensor, k: torch.Tensor | FP8Tensor, v: torch.Tensor | FP8Tensor,
+                        softmax_scale: float | None = ..., causal: bool = ..., *, return_lse: Literal[True],
+                        hadamard: bool = ..., seed: int = ..., q_block_size: int | None = ...,
+                        kv_block_size: int | None = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@torch.no_grad()
+def flash_attn_fp8_func(q: torch.Tensor | FP8Tensor, k: torch.Tensor | FP8Tensor, v: torch.Tensor | FP8Tensor,
+                        softmax_scale: float | None = None, causal: bool = False, return_lse: bool = False,
+                        hadamard: bool = True, seed: int = 0, q_block_size: int | None = None,
+                        kv_block_size: int | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention with fp8 (e4m3) Q, K, V; flash-attn layout, forward only.
+
+    Each of q (batch, seqlen_q, nheads_q, headdim), k, v (batch, seqlen_k, nheads_kv, headdim) is a
+    bf16/fp16 tensor, quantized here, or an FP8Tensor (``quantize_fp8``; a row-major v is brought to
+    V^T, the layout the kernels read, by ``to_vt``).
+    Quantized here: Q in blocks of ``q_block_size`` (default 64) tokens, K and V of ``kv_block_size``
+    (default the kernel's block_n); Q and K with the Hadamard signs of ``seed`` when ``hadamard``. When
+    k (or q) is an FP8Tensor, the other is quantized with its hadamard_seed instead, so that bf16
+    queries can attend to a pre-quantized K/V; two FP8Tensors must carry the same seed.
+    softmax_scale defaults to 1/sqrt(headdim); causal is bottom-right aligned, as in flash_attn_func.
+
+    CUDA tensors run the fp8 kernel (ValueError when this build has none for the configuration); CPU
+    tensors run ``reference_fp8.attention_fp8_ref``, both through the op ``flashhopper::fwd_fp8``.
+    Returns out (bfloat16 (batch, seqlen_q, nheads_q, headdim)), or (out, lse) with lse float32
+    (batch, nheads_q, seqlen_q), natural log.
+    """
+    validation.check_flag("causal", causal)
+    validation.check_flag("return_lse", return_lse)
+    validation.check_flag("hadamard", hadamard)
+    check_seed("seed", seed)
+    if isinstance(q, FP8Tensor) and isinstance(k, FP8Tensor) and isinstance(v, FP8Tensor):
+        # Nothing to quantize (the inference path: a small call's host time is its cost): one pass of checks.
+        for name, bs in (("q_block_size", q_block_size), ("kv_block_size", kv_block_size)):
+            if bs is not None:
+                raise ValueError(f"{name} sets the block size of tensors quantized here, but q, k and v are "
+                                 "already FP8Tensor")
+        v8 = v if v.transposed is True else to_vt(v)  # to_vt checks v
+        shapes = check_fp8_inputs(q, k, v8)
+        tiles = _kernel_tiles(q.device, shapes.headdim, causal)
+        if tiles is not None:
+            check_tile_alignment(q, k, v8, tiles)
+        return _attend(q, k, v8, _softmax_scale(softmax_scale, shapes.headdim), causal, return_lse)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if isinstance(x, FP8Tensor):
+            check_fp8_tensor(name, x)
+        else:
+            check_input(name, x)
+    for name, t in (("q", q), ("k", k)):
+        if isinstance(t, FP8Tensor):
+            check_not_transposed(name, t)
+    validation.check_same_device(q, k, v)  # type: ignore[arg-type]  # FP8Tensor has .device and .shape
+    shapes: Shapes = validation.check_shapes(q, k, v)  # type: ignore[arg-type]  # before any quantization
+    scale = _softmax_scale(softmax_scale, shapes.headdim)
+    tiles = _kernel_tiles(q.device, shapes.headdim, causal)
+
+    # Block sizes for what is quantized here.
+    for name, bs, given in (("q_block_size", q_block_size, (q,)), ("kv_block_size", kv_block_size, (k, v))):
+        if bs is None:
+            continue
+        check_int(name, bs, minimum=1)
+        if all(isinstance(x, FP8Tensor) for x in given):
+            raise ValueError(f"{name} sets the block size of tensors quantized here, but "
+                             f"{'q is' if name == 'q_block_size' else 'k and v are'} already FP8Tensor")
+    q_bs = Q_BLOCK if q_block_size is None else q_block_size
+    kv_bs = default_kv_block_size(shapes.headdim, causal) if kv_block_size is None else kv_block_size
+    if tiles is not None:  # fail before quantizing anything
+        if not isinstance(q, FP8Tensor):
+            check_aligned("q_block_size", q_bs, Q_BLOCK, Q_WHY)
+        if not (isinstance(k, FP8Tensor) and isinstance(v, FP8Tensor)):
+            check_aligned("kv_block_size", kv_bs, tiles[1], kv_why(shapes.headdim, tiles[1]))
+
+    # Q and K must share their Hadamard signs; a pre-quantized one decides.
+    if isinstance(q, FP8Tensor) and isinstance(k, FP8Tensor):
+        check_qk_seeds(q.hadamard_seed, k.hadamard_seed)
+    if isinstance(v, FP8Tensor):
+        check_v_seed(v.hadamard_seed)
+    if isinstance(k, FP8Tensor):
+        qk_seed = k.hadamard_seed
+    elif isinstance(q, FP8Tensor):
+        qk_seed = q.hadamard_seed
+    else:
+        qk_seed = seed if hadamard else None
+
+    def quantize(x: torch.Tensor | FP8Tensor, block: int, seed_: int | None, transpose: bool = False) -> FP8Tensor:
+        if isinstance(x, FP8Tensor):
+            return x
+        return quantize_fp8(x, block, seed_ is not None, 0 if seed_ is None else seed_, transpose=transpose)
+
+    q8 = quantize(q, q_bs, qk_seed)
+    k8 = quantize(k, kv_bs, qk_seed)
+    v8 = to_vt(v) if isinstance(v, FP8Tensor) else quantize(v, kv_bs, None, transpose=True)
+    check_fp8_inputs(q8, k8, v8, tiles)
+    return _attend(q8, k8, v8, scale, causal, return_lse)
+
+
+def _attend(q8: FP8Tensor, k8: FP8Tensor, v8: FP8Tensor, scale: float, causal: bool,
+            return_lse: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    out, lse = torch.ops.flashhopper.fwd_fp8.default(q8.data, q8.scale, k8.data, k8.scale, v8.data, v8.scale,
+                                                     q8.block_size, k8.block_size, v8.block_size, scale, causal)
+    return (out, lse) if return_lse else out

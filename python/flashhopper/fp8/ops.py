@@ -1,0 +1,232 @@
+"""The fp8 kernels: their entries in the build's table, their launches, and the torch ops
+``flashhopper::quantize_fp8`` and ``flashhopper::fwd_fp8`` that run them.
+
+Each op (defined through ``_op.define``) has a fake implementation, so torch.compile traces it as
+one opaque node. Their CUDA implementation launches the kernel; their CPU implementation is the
+reference emulation (reference_fp8), so that the CPU path is the same graph as the GPU one. They
+trust their shape-level inputs (flash_attn_fp8_func / quantize_fp8 validated them); the checks that
+need data pointers run here, right before the launch. Nothing on the way copies host to device or
+synchronizes: both ops can be captured in a CUDA graph, on the first call too.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional
+
+import torch
+
+from .. import _device, _ext, _launch, _op, reference_fp8, validation
+from ..kernel_key import KernelKey, mask_of
+from .format import FP8_DTYPE, VT_GROUP, FP8Tensor, nblocks, round_up, vt_strides
+from .validation import check_vt_layout
+
+# "Tokens per scale" handed to the kernel for one scale per head (any value > every seqlen).
+NO_BLOCK = 1 << 30
+
+
+# Cached: asked several times a call, and a key's construction validates its fields (host time).
+@functools.lru_cache(maxsize=64)
+def kernel_key(headdim: int, causal: bool) -> KernelKey:
+    """The feature key of the fp8 forward kernel: Hopper, e4m3, the same head dim for QK and V."""
+    return KernelKey(90, "float8_e4m3fn", headdim, headdim, mask_of(causal))
+
+
+# A build-table lookup, constant for a process: torch.compile takes its result as a constant
+# instead of tracing into the extension (as dispatch.py does).
+@torch.compiler.assume_constant_result
+def kernel_tiles(headdim: int, causal: bool) -> tuple[int, int] | None:
+    """(block_m, block_n) of this build's fp8 forward kernel for (headdim, causal), None without one."""
+    entry = _ext.kernel("fwd", kernel_key(headdim, causal))
+    return None if entry is None else (entry.block_m, entry.block_n)
+
+
+# Returns the message rather than raising: a ValueError raised inside an assume_constant_result function
+# surfaces as an internal dynamo error (dispatch.py does the same).
+@torch.compiler.assume_constant_result
+def device_problem(index: int) -> str:
+    """Empty when cuda:index runs the fp8 kernels (sm_90a code, quantization included), else what it is."""
+    info = _device.device_info(index)
+    if info.capability == (9, 0):
+        return ""
+    return (f"cuda:{index} ({info.name}, compute capability {info.capability[0]}.{info.capability[1]}); "
+            "the fp8 kernels run on compute capability 9.0 (Hopper) only")
+
+
+@torch.compiler.assume_constant_result
+def has_quant_kernel() -> bool:
+    """Whether this build has the fp8 quantization kernel (``_C.quantize_fp8``)."""
+    return _ext.has_fp8_quantize()
+
+
+def missing_kernel(headdim: int, causal: bool) -> str:
+    """Why there is no fp8 forward kernel for (headdim, causal), with what to rebuild with."""
+    err = _ext.extension_error()
+    return (f"this build has no fp8 (float8_e4m3fn) forward kernel for head dim {headdim} "
+            f"{'causal' if causal else 'non-causal'}; rebuild with FLASHHOPPER_ARCHS=90, FLASHHOPPER_DTYPES "
+            f"including e4m3 (e.g. 'bf16;e4m3') and FLASHHOPPER_HDIMS including {headdim}"
+            + (f"; the compiled extension did not import: {err}" if err else ""))
+
+
+# --- attention ---
+
+def _scale_fields(p: Any, name: str, t: FP8Tensor) -> None:
+    scales = t.scales()  # stride 0 along broadcast dims: the kernel reads the same scale there
+    setattr(p, f"{name}_scale_ptr", scales.data_ptr())
+    for what, stride in zip(("batch", "head", "block"), scales.stride()):
+        setattr(p, f"{name}_scale_{what}_stride", stride)
+    block = NO_BLOCK if t.block_size is None or t.block_size >= NO_BLOCK else t.block_size
+    setattr(p, f"{name}_scale_block", block)
+
+
+def fill_fwd_params(p: Any, q8: FP8Tensor, k8: FP8Tensor, v8: FP8Tensor, out: torch.Tensor, lse: torch.Tensor,
+                    softmax_scale: float, counter: int = 0) -> Any:
+    """Write every field of a ``_C.FwdParams`` for the fp8 forward (docs/fp8.md): pointers, strides (in
+    elements), sizes, descales; v8 is V^T. ``counter``: the address of the tile counter (causal kernels)."""
+    b, _, hq, d = q8.data.shape
+    p.q_ptr, p.k_ptr, p.v_ptr = q8.data.data_ptr(), k8.data.data_ptr(), v8.data.data_ptr()
+    p.o_ptr, p.lse_ptr, p.tile_counter = out.data_ptr(), lse.data_ptr(), counter
+    _launch.fill_strides(p, q=q8.data, k=k8.data, o=out)
+    p.v_batch_stride, p.v_head_stride, p.v_dim_stride = vt_strides(v8.data)
+    p.v_row_stride = 0  # unused by the fp8 kernels: V^T's keys are contiguous
+    p.batch, p.seqlen_q, p.seqlen_k = b, q8.seqlen, k8.seqlen
+    p.nheads_q, p.nheads_kv, p.headdim, p.headdim_v = hq, k8.nheads, d, d
+    p.softmax_scale = softmax_scale
+    p.window_left = p.window_right = -1
+    p.max_smem_bytes = 0
+    for name, t in (("q", q8), ("k", k8), ("v", v8)):
+        _scale_fields(p, name, t)
+    _launch.fill_device(p, out)
+    return p
+
+
+def launch_fwd(q8: FP8Tensor, k8: FP8Tensor, v8: FP8Tensor, out: torch.Tensor, lse: torch.Tensor,
+               softmax_scale: float, causal: bool) -> int:
+    """Check the memory layouts and launch the fp8 forward into ``out`` (bf16) and ``lse``; v8 is V^T.
+    Returns the CTAs launched (0: an empty grid; without keys the kernel runs and writes O = 0,
+    LSE = -inf)."""
+    for name, x in (("q", q8.data), ("k", k8.data), ("out", out)):
+        validation.check_kernel_layout(name, x)
+    check_vt_layout("v", v8.data)
+    entry = _ext.kernel("fwd", kernel_key(q8.headdim, causal))
+    if entry is None:  # reached only by calling the op directly: flash_attn_fp8_func checked before
+        raise ValueError(f"q: {missing_kernel(q8.headdim, causal)}")
+    p = _launch.params("FwdParams")
+    stream = _launch.stream(out.device)
+    counter = _launch.tile_counter(out.device, stream).data_ptr() if causal else 0
+    fill_fwd_params(p, q8, k8, v8, out, lse, softmax_scale, counter)
+    return int(_ext.extension().fwd(p, entry.index, stream))
+
+
+def _fp8_tensors(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor,
+                 v_t: torch.Tensor, v_scale: torch.Tensor, q_block: int | None, k_block: int | None,
+                 v_block: int | None) -> tuple[FP8Tensor, FP8Tensor, FP8Tensor]:
+    # The signs do not matter to attention (only that Q and K share them, checked before): no seed.
+    sk = k.shape[1]
+    return (FP8Tensor(q, q_scale, q_block, None, False, q.shape[1]), FP8Tensor(k, k_scale, k_block, None, False, sk),
+            FP8Tensor(v_t, v_scale, v_block, None, True, sk))
+
+
+def _empty_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    b, sq, hq, d = q.shape
+    return (torch.empty((b, sq, hq, d), dtype=torch.bfloat16, device=q.device),
+            torch.empty((b, hq, sq), dtype=torch.float32, device=q.device))
+
+
+# Optional[...], not "| None": the op's schema is inferred from these annotations.
+def fwd(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor, v_t: torch.Tensor,
+        v_scale: torch.Tensor, q_block: Optional[int], k_block: Optional[int], v_block: Optional[int],  # noqa: UP045
+        softmax_scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8 attention forward (docs/fp8.md): (out bfloat16 (batch, seqlen_q, nheads_q, headdim), lse float32
+    (batch, nheads_q, seqlen_q)). q (batch, seqlen_q, nheads_q, headdim), k (batch, seqlen_k, nheads_kv,
+    headdim) and v_t (V^T: batch, nheads_kv, headdim, round_up(seqlen_k, 16)) are e4m3; each scale is float32
+    broadcastable to (batch, nheads, nblocks) of its tensor, with *_block tokens per scale (None: one per
+    head). The FP8Tensor fields flattened, since an op takes tensors and scalars only."""
+    out, lse = _empty_outputs(q)
+    launch_fwd(*_fp8_tensors(q, q_scale, k, k_scale, v_t, v_scale, q_block, k_block, v_block), out, lse,
+               softmax_scale, causal)
+    return out, lse
+
+
+def _fwd_cpu(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor, v_t: torch.Tensor,
+      v_scale: torch.Tensor, q_block: Optional[int], k_block: Optional[int], v_block: Optional[int],  # noqa: UP045
+      softmax_scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    q8, k8, v8 = _fp8_tensors(q, q_scale, k, k_scale, v_t, v_scale, q_block, k_block, v_block)
+    out, lse = reference_fp8.attention_fp8_ref(q8, k8, v8, softmax_scale, causal)
+    return out.to(torch.bfloat16, memory_format=torch.contiguous_format), lse.contiguous()
+
+
+fwd_op = _op.define("fwd_fp8", fwd, _fwd_cpu)
+
+
+@torch.library.register_fake("flashhopper::fwd_fp8")
+def _(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor, v_t: torch.Tensor,
+      v_scale: torch.Tensor, q_block: Optional[int], k_block: Optional[int], v_block: Optional[int],  # noqa: UP045
+      softmax_scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _empty_outputs(q)
+
+
+# --- quantization ---
+
+def fill_quant_params(p: Any, x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, block_size: int,
+                      hadamard_seed: int | None, transpose: bool) -> Any:
+    """Write every field of a ``_C.QuantParams`` (docs/fp8.md); ``hadamard_seed`` a signed int64 or None."""
+    b, s, h, d = x.shape
+    p.x_ptr, p.out_ptr, p.scale_ptr = x.data_ptr(), out.data_ptr(), scale.data_ptr()
+    p.hadamard = hadamard_seed is not None
+    p.hadamard_seed = 0 if hadamard_seed is None else hadamard_seed
+    _launch.fill_strides(p, x=x)
+    if transpose:
+        p.out_batch_stride, p.out_head_stride, p.out_dim_stride = vt_strides(out)
+        p.out_row_stride = 0  # unused: V^T's keys are contiguous
+    else:
+        _launch.fill_strides(p, out=out)
+        p.out_dim_stride = 0  # unused by the row-major output
+    p.scale_batch_stride, p.scale_head_stride, p.scale_block_stride = scale.stride()
+    p.batch, p.seqlen, p.nheads, p.headdim = b, s, h, d
+    p.block_size = block_size
+    p.transpose = transpose
+    p.dtype = _launch.c_dtype(x.dtype)
+    _launch.fill_device(p, x)
+    return p
+
+
+def launch_quantize(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, block_size: int,
+                    hadamard_seed: int | None, transpose: bool) -> int:
+    """Check x's memory layout and launch the quantization kernel; the CTAs launched (0: nothing to do)."""
+    validation.check_alignment("x", x)  # 16-byte loads
+    p = fill_quant_params(_launch.params("QuantParams"), x, out, scale, block_size, hadamard_seed, transpose)
+    return int(_ext.extension().quantize_fp8(p, _launch.stream(x.device)))
+
+
+def empty_quantized(x: torch.Tensor, block_size: int, transpose: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (data, scale) the quantization of x fills, contiguous (the real and the fake op alike)."""
+    b, s, h, d = x.shape
+    shape = (b, h, d, round_up(s, VT_GROUP)) if transpose else (b, s, h, d)
+    return (torch.empty(shape, dtype=FP8_DTYPE, device=x.device),
+            torch.empty((b, h, nblocks(s, block_size)), dtype=torch.float32, device=x.device))
+
+
+def quantize(x: torch.Tensor, block_size: int, hadamard_seed: Optional[int],  # noqa: UP045
+             transpose: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize bf16/fp16 x (batch, seqlen, nheads, headdim) to e4m3 with one float32 descale per
+    ``block_size`` tokens of a (batch, head) (docs/fp8.md): (data, scale (batch, nheads, nblocks)). Rows
+    Hadamard-transformed with the signs of ``hadamard_seed`` (a signed int64; None: no transform); data
+    as V^T (batch, nheads, headdim, round_up(seqlen, 16)) when ``transpose``, else like x, contiguous."""
+    data, scale = empty_quantized(x, block_size, transpose)
+    launch_quantize(x, data, scale, block_size, hadamard_seed, transpose)
+    return data, scale
+
+
+def _quantize_cpu(x: torch.Tensor, block_size: int, hadamard_seed: Optional[int],  # noqa: UP045
+      transpose: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    t = reference_fp8.quantize_ref(x, block_size, "block", hadamard_seed, transpose)
+    return t.data, t.scale
+
+
+quantize_op = _op.define("quantize_fp8", quantize, _quantize_cpu)
+
+
+@torch.library.register_fake("flashhopper::quantize_fp8")
+def _(x: torch.Tensor, block_size: int, hadamard_seed: Optional[int],  # noqa: UP045
+      transpose: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return empty_quantized(x, block_size, transpose)

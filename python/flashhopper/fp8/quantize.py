@@ -1,0 +1,83 @@
+"""Quantization to e4m3 with float32 descales (docs/fp8.md): ``quantize_fp8`` and the K/V block size the
+fp8 kernel wants, ``default_kv_block_size``."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import _ext, reference_fp8, validation
+from . import ops
+from .format import GRANULARITIES, FP8Tensor, check_seed, seed_int64
+from .validation import check_input, check_quant_block_size, quant_kernel_takes
+
+# K/V scale block when there is no kernel table to take block_n from.
+DEFAULT_KV_BLOCK = 128
+
+
+def default_kv_block_size(headdim: int, causal: bool | None = None) -> int:
+    """K/V scale block: the fp8 kernel's block_n (causal None: a block that suits both the causal and the
+    non-causal kernel when the quantization kernel allows one, else the non-causal one's); 128 without
+    a kernel table."""
+    kinds = (False, True) if causal is None else (causal,)
+    ns = [t[1] for t in (ops.kernel_tiles(headdim, c) for c in kinds) if t is not None]
+    if not ns:
+        return DEFAULT_KV_BLOCK
+    n = math.lcm(*ns)
+    return n if quant_kernel_takes(n, headdim) else ns[0]
+
+
+def _use_quant_kernel(x: torch.Tensor, granularity: str, kernel: bool | None) -> bool:
+    available = (x.is_cuda and granularity == "block" and ops.has_quant_kernel()
+                 and not ops.device_problem(x.device.index))
+    if kernel is None:
+        return available
+    if not kernel or available:
+        return kernel
+    if not x.is_cuda:
+        why = f"x is on {x.device}; the quantization kernel needs a CUDA tensor"
+    elif ops.device_problem(x.device.index):
+        why = f"x is on {ops.device_problem(x.device.index)}"
+    elif granularity != "block":
+        why = f"the quantization kernel makes 'block' scales only, not {granularity!r}"
+    else:
+        err = _ext.extension_error()
+        why = ("this build has no fp8 quantization kernel; rebuild with FLASHHOPPER_ARCHS=90 and "
+               "FLASHHOPPER_DTYPES including e4m3")
+        why += f" (the compiled extension did not import: {err})" if err else ""
+    raise ValueError(f"kernel=True: {why}")
+
+
+@torch.no_grad()
+def quantize_fp8(x: torch.Tensor, block_size: int | None = 128, hadamard: bool = True, seed: int = 0,
+                 granularity: str = "block", transpose: bool = False, *, kernel: bool | None = None) -> FP8Tensor:
+    """Quantize bf16/fp16 ``x`` (batch, seqlen, nheads, headdim), headdim 64/128/256, to e4m3 (docs/fp8.md).
+
+    granularity: "block" (one scale per ``block_size`` tokens of a (batch, head)), "head" (one per
+    (batch, head)) or "tensor" (one in all); block_size is ignored for the last two.
+    hadamard: first transform each row with the random-sign Hadamard matrix of ``seed`` (a 64-bit int;
+    for Q and K, which must share the seed; never for V). transpose: write V^T, the layout the kernel
+    reads V in. kernel: None uses the quantization kernel where it applies (CUDA, "block", compiled),
+    else the torch math of ``reference_fp8.quantize_ref``; True requires the kernel, False forces torch.
+    The kernel needs block_size a multiple of 16 with block_size * headdim <= 32768.
+    "block" quantization goes through the op ``flashhopper::quantize_fp8`` (the kernel on CUDA, the
+    reference on CPU); kernel=False on CUDA and "head"/"tensor" call reference_fp8 directly.
+    """
+    check_input("x", x)
+    validation.check_flag("hadamard", hadamard)
+    validation.check_flag("transpose", transpose)
+    check_seed("seed", seed)
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be one of {', '.join(map(repr, GRANULARITIES))}, got {granularity!r}")
+    if kernel is not None:
+        validation.check_flag("kernel", kernel)
+    use_kernel = _use_quant_kernel(x, granularity, kernel)
+    if granularity == "block":
+        check_quant_block_size(block_size, x.shape[-1], use_kernel)
+    hadamard_seed = seed if hadamard else None
+    if use_kernel or (granularity == "block" and x.device.type == "cpu"):
+        data, scale = torch.ops.flashhopper.quantize_fp8.default(
+            x, block_size, None if hadamard_seed is None else seed_int64(hadamard_seed), transpose)
+        return FP8Tensor(data, scale, block_size, hadamard_seed, transpose, x.shape[1])
+    return reference_fp8.quantize_ref(x, block_size if granularity == "block" else None, granularity,
+                                      hadamard_seed, transpose)

@@ -1,0 +1,44 @@
+"""K and V quantized once, e.g. a KV cache, for attention with bf16/fp16 queries."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .. import validation
+from .attention import flash_attn_fp8_func
+from .format import FP8Tensor
+from .quantize import default_kv_block_size, quantize_fp8
+from .validation import check_input
+
+
+class QuantizedKV(NamedTuple):
+    """K and V quantized once (``quantize_kv``), for attention with bf16/fp16 queries."""
+
+    k: FP8Tensor
+    v: FP8Tensor  # V^T, the layout the kernels read
+
+    def attend(self, q: torch.Tensor | FP8Tensor, softmax_scale: float | None = None,
+               causal: bool = False) -> torch.Tensor:
+        """``flash_attn_fp8_func(q, k, v, softmax_scale, causal)``: q is quantized with K's Hadamard seed."""
+        return flash_attn_fp8_func(q, self.k, self.v, softmax_scale, causal)
+
+
+def quantize_kv(k: torch.Tensor, v: torch.Tensor, block_size: int | None = None, hadamard: bool = True,
+                seed: int = 0, *, causal: bool | None = None) -> QuantizedKV:
+    """Quantize K (Hadamard signs of ``seed`` when ``hadamard``) and V (as V^T) once, e.g. a KV cache.
+
+    block_size None: the fp8 kernel's block_n for this head dim (``default_kv_block_size``; pass
+    ``causal`` when the causal and non-causal kernels' block_n have no common block that the
+    quantization kernel allows), 128 without a kernel table.
+    """
+    check_input("k", k)
+    check_input("v", v)
+    if v.shape != k.shape:
+        raise ValueError(f"v shape {tuple(v.shape)} must equal k shape {tuple(k.shape)}")
+    if causal is not None:
+        validation.check_flag("causal", causal)
+    if block_size is None:
+        block_size = default_kv_block_size(k.shape[-1], causal)
+    return QuantizedKV(quantize_fp8(k, block_size, hadamard, seed),
+                       quantize_fp8(v, block_size, hadamard=False, transpose=True))

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Attention forward/backward throughput: flashhopper next to PyTorch SDPA's backends, same shapes.
+"""Attention forward/backward throughput: flashhopper next to PyTorch SDPA's backends (and FlashAttention-3
+where it is configured), same shapes.
 
 Default grid (FlashAttention-3 paper): batch x seqlen = 16384 tokens, nheads x headdim = 2048,
 seqlen 512..16384, head dims 64/128/256, causal off and on, forward and backward. Times are medians
@@ -10,6 +11,12 @@ as columns and writes everything, with the versions and the git commit, as JSON 
     python bench/bench_attention.py                     # the full grid
     python bench/bench_attention.py --quick             # a few shapes, for a smoke run
     python bench/bench_attention.py --hdims 128 --seqlens 4096 8192 --causal on --mode fwd
+    python bench/bench_attention.py --providers flashhopper flashhopper@no-pingpong --rounds 3   # a variant
+    python bench/bench_attention.py --fa3-path .peers/fa3 --providers flashhopper fa3 sdpa-cudnn
+
+--rounds N times the providers of a shape in turn (A B C, A B C, ...) N times and reports each one's
+median over the rounds (ms_rounds keeps them): clock drift under the power cap hits all alike.
+--label tags the file (e.g. base / new for bench/compare_builds.py, which takes files of two builds).
 """
 from __future__ import annotations
 
@@ -23,8 +30,9 @@ from typing import Any
 
 import torch
 
+from flashhopper.report import fa3
 from flashhopper.report.environment import environment
-from flashhopper.report.providers import PROVIDERS
+from flashhopper.report.providers import provider_name, with_fa3
 from flashhopper.report.sweep import DTYPES, grid, run_sweep, skip_reasons
 from flashhopper.report.timing import make_timer
 
@@ -60,7 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--causal", choices=["off", "on", "both"], default="both")
     ap.add_argument("--mode", choices=["fwd", "bwd", "both"], default="both")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    ap.add_argument("--providers", nargs="+", default=DEFAULT_PROVIDERS, choices=list(PROVIDERS))
+    ap.add_argument("--providers", nargs="+", type=provider_name, metavar="NAME",
+                    help="flashhopper.report.providers.PROVIDERS or flashhopper@<variant> (default: "
+                    f"{' '.join(DEFAULT_PROVIDERS)}, + fa3 fa3-fp8 where FA3 is configured)")
+    ap.add_argument("--fa3-path", type=Path, help="a folder with FlashAttention-3's flash_attn_interface.py and "
+                    f"flash_attn_3/ (default: ${fa3.ENV})")
     ap.add_argument("--tokens", type=int, default=16384, help="batch x seqlen (batch = tokens // seqlen, at least 1)")
     ap.add_argument("--width", type=int, default=2048, help="nheads x headdim")
     ap.add_argument("--quick", action="store_true", help="seqlens 1024 4096, head dim 128, shorter timing")
@@ -68,8 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rep-ms", type=float, default=100)
     ap.add_argument("--rounds", type=int, default=1,
                     help="time the providers of a shape in turn this many times; report the median")
-    ap.add_argument("--out", type=Path, help="JSON path (default bench/results/<device>_<date>.json)")
+    ap.add_argument("--label", help="recorded in the file and its default name (e.g. base, new)")
+    ap.add_argument("--out", type=Path, help="JSON path (default bench/results/<device>[_<label>]_<date>.json)")
     args = ap.parse_args(argv)
+    if args.fa3_path is not None:
+        fa3.set_path(args.fa3_path)
+    args.providers = args.providers or with_fa3(DEFAULT_PROVIDERS)
     if not torch.cuda.is_available():
         print("bench_attention: no CUDA device; nothing to measure", file=sys.stderr)
         return 2
@@ -91,11 +107,11 @@ def main(argv: list[str] | None = None) -> int:
         for who, why in notes.items():
             print(f"- {who}: {why}")
 
-    slug = re.sub(r"[^a-z0-9]+", "-", env["device"].lower()).strip("-")
+    slug = "_".join(re.sub(r"[^a-z0-9]+", "-", x.lower()).strip("-") for x in (env["device"], args.label) if x)
     out = args.out or ROOT / "bench" / "results" / f"{slug}_{dt.datetime.now():%Y-%m-%dT%H%M%S}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"environment": env, "args": {k: str(v) for k, v in vars(args).items()},
-                               "results": rows}, indent=1) + "\n")
+                               "label": args.label, "results": rows}, indent=1) + "\n")
     print(f"\nwrote {out}")
     return 0
 

@@ -1,8 +1,13 @@
 #!/usr/bin/env python3
-"""Quick check of every compiled sm90 (or, with --arch 80, sm80) forward kernel: poisoned outputs, fresh random inputs, error
-against exact attention (float32 on the GPU), through flashhopper.ops.fwd_into. A developer tool for
-the device machine and for compute-sanitizer runs (--small: few, small shapes); the real tests are
-tests/test_fwd_gpu.py, the real timings bench/bench_attention.py.
+"""Quick check of every compiled forward kernel of one family (sm90; --arch 80: sm80): each KernelKey of
+the build (dtype, head dim, mask, variant) on a few odd shapes, NaN-poisoned outputs, fresh random
+inputs, the relative error against exact attention (float32 on the GPU). 16-bit kernels run through
+flashhopper.ops.fwd_into (a "window" kernel with the window WINDOW), fp8 (e4m3) ones through
+fp8.fwd_fp8_into on q, k, v quantized as flash_attn_fp8_func does (shapes with keys only; fwd_fp8_into
+has no window nor variant, so those fp8 kernels are listed as not checked). A developer tool for the
+device machine and for compute-sanitizer (--small: few, small shapes; scripts/gpu.sh sanitize); the
+real tests are tests/test_fwd_gpu.py and tests/test_fp8_gpu.py, the timings bench/bench_attention.py.
+Exit 1 if an output has NaN or an error reaches its limit, or if there is nothing to check.
 """
 from __future__ import annotations
 
@@ -12,46 +17,88 @@ import math
 import torch
 
 import flashhopper
+from flashhopper import fp8
+from flashhopper.kernel_key import BUILD_DTYPES, KernelKey, from_dict
 from flashhopper.ops import fwd_into
 from flashhopper.reference import attention_ref
 
+WINDOW = (63, 17)  # (left, right) for "window" kernels: edges inside key blocks, rows seeing a few blocks
+FP8_LIMIT = 8e-2  # fp8's own error against exact attention (tests/test_fp8_gpu.py: REF_REL)
+LIMIT = 2e-2
+Shape = tuple[int, int, int, int, int]  # batch, seqlen_q, seqlen_k, nheads_q, nheads_kv
+
+
+def shapes(small: bool) -> list[Shape]:
+    # Odd lengths, seqlen_q != seqlen_k both ways (causal rows without keys), GQA and MQA, no keys at all.
+    if small:
+        return [(1, 17, 200, 4, 1), (2, 255, 130, 4, 2), (1, 300, 40, 2, 2), (1, 33, 0, 2, 1)]
+    return [(1, 128, 128, 4, 4), (2, 1000, 1000, 8, 2), (1, 4096, 4096, 8, 8), (3, 255, 8193, 8, 1),
+            (1, 8193, 17, 4, 4), (2, 17, 1000, 8, 8), (1, 1, 255, 2, 1), (1, 33, 0, 2, 2)]
+
+
+def run(key: KernelKey, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+        window: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of the kernel of ``key`` on q, k, v (bf16 inputs, quantized here, for an fp8 key)."""
+    causal = key.mask == "causal"
+    b, sq, hq, _ = q.shape
+    lse = torch.full((b, hq, sq), math.nan, device=q.device)
+    if key.dtype != "float8_e4m3fn":
+        out = torch.full_like(q, math.nan)
+        fwd_into(q, k, v, out, lse, scale, causal, key.arch, window=window, variant=key.variant)
+        return out, lse
+    tiles = fp8.kernel_tiles(key.headdim, causal)
+    assert tiles is not None, f"the build lists {key.describe()} but fp8.kernel_tiles does not find it"
+    q8 = fp8.quantize_fp8(q, block_size=fp8.Q_BLOCK, hadamard=True)
+    k8 = fp8.quantize_fp8(k, block_size=tiles[1], hadamard=True)
+    v8 = fp8.quantize_fp8(v, block_size=tiles[1], hadamard=False, transpose=True)
+    out = torch.full(q.shape, math.nan, dtype=torch.bfloat16, device=q.device)
+    fp8.fwd_fp8_into(q8, k8, v8, out, lse, scale, causal)
+    return out, lse
+
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--small", action="store_true", help="few small shapes (for compute-sanitizer)")
-    ap.add_argument("--dtypes", nargs="*", default=["bfloat16", "float16"], help="which built kernels to check")
+    ap.add_argument("--dtypes", nargs="*", choices=list(BUILD_DTYPES.values()), default=list(BUILD_DTYPES.values()),
+                    help="which built kernels to check (default: all)")
     ap.add_argument("--arch", type=int, choices=[90, 80], default=90, help="kernel family (80 runs on Hopper too)")
     args = ap.parse_args()
-    built = sorted((k["dtype"], k["headdim"], k["causal"]) for k in flashhopper.compiled_kernels()
-                   if k["mode"] == "fwd" and k["arch"] == args.arch and k["dtype"] in args.dtypes)
-    if not built:
+    keys = sorted((from_dict(k) for k in flashhopper.compiled_kernels()
+                   if k["mode"] == "fwd" and k["arch"] == args.arch and k["dtype"] in args.dtypes),
+                  key=lambda key: (key.dtype, key.headdim, key.mask, key.variant))
+    if not keys:
         raise SystemExit(f"no sm{args.arch} forward kernel for {args.dtypes} in this build: nothing to check")
-    if args.small:
-        shapes = [(1, 17, 200, 4, 1), (2, 255, 130, 4, 2), (1, 300, 40, 2, 2)]
-    else:
-        shapes = [(1, 128, 128, 4, 4), (2, 1000, 1000, 8, 2), (1, 4096, 4096, 8, 8), (3, 255, 8193, 8, 1),
-                  (1, 8193, 17, 4, 4), (2, 17, 1000, 8, 8), (1, 1, 255, 2, 1)]
-    worst = 0.0
+    failed, checked = [], 0
     torch.manual_seed(0)
-    for dtype_name, d, causal in built:
-        dtype = getattr(torch, dtype_name)
-        for b, sq, sk, hq, hk in shapes:
+    for key in keys:
+        is_fp8 = key.dtype == "float8_e4m3fn"
+        if is_fp8 and (key.mask == "window" or key.variant):
+            print(f"{key.describe()}: not checked (fwd_fp8_into runs the production none/causal kernels only)")
+            continue
+        checked += 1
+        window = WINDOW if key.mask == "window" else None
+        dtype = torch.bfloat16 if is_fp8 else getattr(torch, key.dtype)
+        limit = FP8_LIMIT if is_fp8 else LIMIT
+        for b, sq, sk, hq, hk in shapes(args.small):
+            if is_fp8 and sk == 0:
+                continue
+            d = key.headdim
             q = torch.randn(b, sq, hq, d, device="cuda", dtype=dtype)
             k = torch.randn(b, sk, hk, d, device="cuda", dtype=dtype)
             v = torch.randn(b, sk, hk, d, device="cuda", dtype=dtype)
-            out = torch.full_like(q, math.nan)
-            lse = torch.full((b, hq, sq), math.nan, device="cuda")
-            fwd_into(q, k, v, out, lse, 1 / math.sqrt(d), causal, args.arch)
-            ref, ref_lse = attention_ref(q, k, v, None, causal, dtype=torch.float32)
+            out, lse = run(key, q, k, v, 1 / math.sqrt(d), window)
+            ref, ref_lse = attention_ref(q, k, v, None, key.mask == "causal", window=window, dtype=torch.float32)
             err = ((out.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
             finite = torch.isfinite(ref_lse)
             lse_err = (lse[finite] - ref_lse[finite]).abs().max().item() if finite.any() else 0.0
             nan = bool(torch.isnan(out).any() or torch.isnan(lse).any())
-            worst = max(worst, math.inf if nan else err)
-            print(f"{dtype_name:14s} d{d:<3d} causal={int(causal)} b{b} sq{sq:<5d} sk{sk:<5d} h{hq}/{hk}: "
-                  f"rel_err {err:.2e} lse_err {lse_err:.1e} nan {nan}")
-    print(f"worst rel_err {worst:.2e} over {len(built)} kernels")
-    if not worst < 2e-2:
+            where = f"{key.describe()} b{b} sq{sq} sk{sk} h{hq}/{hk}"
+            print(f"{where}: rel_err {err:.2e} lse_err {lse_err:.1e} nan {nan}")
+            if nan or not err < limit:
+                failed.append(where)
+    verdict = f"FAILED: {'; '.join(failed)}" if failed else "all within limits"
+    print(f"{checked} of {len(keys)} kernels checked; {verdict}")
+    if failed or not checked:
         raise SystemExit(1)
 
 

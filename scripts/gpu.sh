@@ -3,20 +3,24 @@
 # nvidia-cutlass wheel carried in .whl/). Builds the selected kernels with ninja into build/gpu
 # (incremental while the build folder survives), then runs what is asked, logging under $OUT.
 #
-#   scripts/gpu.sh build            # configure + ninja (FLASHHOPPER_ARCHS/MODES/DTYPES/HDIMS select kernels)
+#   scripts/gpu.sh build            # configure + ninja; FLASHHOPPER_ARCHS/MODES/DTYPES/HDIMS/MASKS/VARIANTS
+#                                   # select the kernels (e.g. FLASHHOPPER_VARIANTS=no-pingpong)
 #   scripts/gpu.sh test [pytest args]
-#   scripts/gpu.sh bench [bench args]
+#   scripts/gpu.sh bench [bench args]  # bench/bench_attention.py (--fa3-path .peers/fa3 adds FlashAttention-3)
 #   scripts/gpu.sh sass             # instruction counts per kernel (HGMMA, UTMALDG, SYNCS, ...)
-#   scripts/gpu.sh sanitize         # compute-sanitizer memcheck + racecheck on small shapes
-#                                   # (SANITIZE_SCRIPTS=check_quant: the fp8 quantization kernel)
-#   scripts/gpu.sh check            # scripts/check_fwd.py: every built kernel on a few odd shapes
+#   scripts/gpu.sh sanitize         # compute-sanitizer memcheck, racecheck, synccheck, initcheck over the forward
+#                                   # (16-bit and fp8), backward and fp8 quantization checks on small shapes;
+#                                   # non-zero exit if any reports an error (SANITIZE_TOOLS, SANITIZE_CHECKS pick;
+#                                   # SANITIZE_ARGS, e.g. "--arch 80", go to the attention checks)
+#   scripts/gpu.sh check            # scripts/check_fwd.py: every built forward kernel on a few odd shapes
 #   scripts/gpu.sh check-bwd        # scripts/check_bwd.py: the same for the backward kernels
 #   scripts/gpu.sh health           # GEMM ceiling + clocks under load; non-zero exit if throttled
-#   scripts/gpu.sh ablate           # variants built side by side and timed: d128 bf16 with ping-pong /
-#                                   # overlap off, 128x176, 3 K/V stages; backward ones with ABLATE_MODE=bwd
-#                                   # (ABLATE_VARIANTS="full n176" picks some; ABLATE_HDIMS, ABLATE_SEQLENS, ABLATE_ROUNDS too;
-#                                   #  fp8 tiles: ABLATE_DTYPES=e4m3 ABLATE_PROVIDERS=flashhopper-fp8 ABLATE_VARIANTS="full fp8-n224";
-#                                   #  sm80: FLASHHOPPER_ARCHS=80 ABLATE_PROVIDERS=flashhopper-sm80 ABLATE_VARIANTS="full sm80-d64-n64")
+#   scripts/gpu.sh ablate           # named variants (cpp/sm90/variants.h) timed next to production, one process:
+#                                   # ABLATE_VARIANTS (default no-pingpong), ABLATE_MODE fwd|bwd|both, ABLATE_DTYPE (bf16|fp16),
+#                                   # ABLATE_HDIMS, ABLATE_SEQLENS, ABLATE_CAUSAL, ABLATE_ROUNDS
+#   scripts/gpu.sh build-base       # the baseline tree (BASE_SRC, default build/base-src), by its own scripts
+#   scripts/gpu.sh compare [bench args]  # baseline vs this tree: bench_attention.py in alternating processes
+#                                   # (COMPARE_RUNS pairs, default 2), then bench/compare_builds.py (2% check)
 #   scripts/gpu.sh profile --hdim 256 --seqlen 2048 --causal   # ncu sections of one launch (--mode bwd too)
 #   scripts/gpu.sh all              # build, test, sass, bench
 #
@@ -68,6 +72,8 @@ do_build() {
     -DFLASHHOPPER_MODES="${FLASHHOPPER_MODES:-fwd;bwd}" \
     -DFLASHHOPPER_DTYPES="${FLASHHOPPER_DTYPES:-bf16;fp16;e4m3}" \
     -DFLASHHOPPER_HDIMS="${FLASHHOPPER_HDIMS:-64;128;256}" \
+    -DFLASHHOPPER_MASKS="${FLASHHOPPER_MASKS:-none;causal}" \
+    -DFLASHHOPPER_VARIANTS="${FLASHHOPPER_VARIANTS:-}" \
     -DFLASHHOPPER_CUDA_FLAGS="${FLASHHOPPER_CUDA_FLAGS:-}" \
     -DFLASHHOPPER_PTXAS_VERBOSE=ON >"$OUT/configure.log" 2>&1 || { cat "$OUT/configure.log"; exit 1; }
   local t1=$SECONDS
@@ -75,65 +81,69 @@ do_build() {
   local t2=$SECONDS
   cp -f "$BUILD_DIR"/_C*.so "$PKG_DIR/"
   echo "build: configure $((t1 - t0)) s, compile $((t2 - t1)) s on $(nproc) cores ($(grep -c 'Building CUDA' "$OUT/build.log" || true) CUDA objects rebuilt)" | tee "$OUT/build-time.txt"
-  # Registers / spills of every kernel, from ptxas.
-  grep -E "Compiling entry|registers|spill" "$OUT/build.log" \
-    | sed -E 's/_ZN11flashhopper[A-Za-z0-9_]*(Fwd|Bwd)MainloopIN7cutlass[0-9]+([a-z0-9_]+)ELi([0-9]+)E[A-Za-z0-9_]*TileSizeILi[0-9]+ELb([01])[A-Za-z0-9_]*/\1 \2 d\3 causal\4/' \
-    >"$OUT/ptxas.txt" || true
+  # Registers / spills of every kernel, from ptxas, under readable names.
+  "$PY" scripts/sass_summary.py --ptxas "$OUT/build.log" >"$OUT/ptxas.txt" || true
 }
 
 do_test() {
   "$PY" -m pytest -q -m gpu tests "$@" 2>&1 | tee "$OUT/test.log"
 }
 
-# Build variants side by side (own build and package folders, all at once: each one is a few
-# translation units) and time ours only, so that each mechanism's worth is measured in one run.
-#   ABLATE_VARIANTS  names from the list below (default: the forward ones)
-#   ABLATE_MODE      fwd (default) or bwd;  ABLATE_HDIMS, ABLATE_SEQLENS, ABLATE_CAUSAL (off/on/both)
+# Named variants timed next to the production kernels in one process: one extension built with
+# FLASHHOPPER_VARIANTS into a package folder of its own (the main build stays as it is), then
+# bench_attention.py with "flashhopper" and "flashhopper@<variant>" for each variant, rounds interleaved.
 do_ablate() {
-  local base_pkg=$PKG_DIR mode=${ABLATE_MODE:-fwd}
-  local all=("full:" "no-pingpong:-DFLASHHOPPER_NO_PINGPONG" "no-overlap:-DFLASHHOPPER_NO_OVERLAP"
-             "no-both:-DFLASHHOPPER_NO_PINGPONG -DFLASHHOPPER_NO_OVERLAP" "n176:-DFLASHHOPPER_HDIM128_BLOCK_N=176"
-             "kv3q1:-DFLASHHOPPER_HDIM128_STAGES=3"
-             "d256-nopp:-DFLASHHOPPER_HDIM256_PINGPONG=0"
-             "bwd-no-dq-reduce:-DFLASHHOPPER_BWD_NO_DQ_REDUCE" "bwd-m80:-DFLASHHOPPER_BWD_HDIM128_BLOCK_M=80" "bwd-dv-after-ds:-DFLASHHOPPER_BWD_DV_AFTER_DS"
-             "bwd-serial-dq:-DFLASHHOPPER_BWD_SERIAL_DQ_CONVERT" "bwd-dq-lag2:-DFLASHHOPPER_BWD_DQ_COUNT_LAG=2"
-             "bwd-dq-stage-plain:-DFLASHHOPPER_BWD_DQ_STAGE_PLAIN" "bwd-dq-tma:-DFLASHHOPPER_BWD_DQ_TMA" "bwd-d256-ds2:-DFLASHHOPPER_BWD_HDIM256_DS_STAGES=2" "bwd-dq-atomic-d128:-DFLASHHOPPER_BWD_DQ_ATOMIC_MIN_HDIM=128" "bwd-d256-n64:-DFLASHHOPPER_BWD_HDIM256_BLOCK_N=64" "bwd-d256-n64-dq4:-DFLASHHOPPER_BWD_HDIM256_BLOCK_N=64 -DFLASHHOPPER_BWD_HDIM256_DQ_SLICES=4"
-             "bwd-m80-dv-after-ds:-DFLASHHOPPER_BWD_HDIM128_BLOCK_M=80 -DFLASHHOPPER_BWD_DV_AFTER_DS"
-             "bwd-dq-tensor-tma:-DFLASHHOPPER_BWD_DQ_TENSOR_TMA"
-             "bwd-d128-s:-DFLASHHOPPER_BWD_HDIM128_S_LAYOUT=1" "bwd-d128-s-ds2:-DFLASHHOPPER_BWD_HDIM128_S_LAYOUT=2"
-             "bwd-lpt4:-DFLASHHOPPER_BWD_CAUSAL_SECTION_WAVES=4" "bwd-lpt64:-DFLASHHOPPER_BWD_CAUSAL_SECTION_WAVES=64"
-             "fp8-n96:-DFLASHHOPPER_FP8_HDIM128_BLOCK_N=96 -DFLASHHOPPER_FP8_HDIM256_BLOCK_N=96"
-             "fp8-n160:-DFLASHHOPPER_FP8_HDIM128_BLOCK_N=160" "fp8-n192:-DFLASHHOPPER_FP8_HDIM128_BLOCK_N=192"
-             "fp8-n224:-DFLASHHOPPER_FP8_HDIM128_BLOCK_N=224" "fp8-n256:-DFLASHHOPPER_FP8_HDIM128_BLOCK_N=256"
-             "fp8-d64-m128:-DFLASHHOPPER_FP8_HDIM64_BLOCK_M=128" "fp8-d64-m128n192:-DFLASHHOPPER_FP8_HDIM64_BLOCK_M=128 -DFLASHHOPPER_FP8_HDIM64_BLOCK_N=192"
-             "fp8-d64-n160:-DFLASHHOPPER_FP8_HDIM64_BLOCK_N=160" "fp8-d64-n192:-DFLASHHOPPER_FP8_HDIM64_BLOCK_N=192"
-             "fp8-vt-in-kernel:-DFLASHHOPPER_FP8_V_TRANSPOSE_IN_KERNEL"
-             "sm80-d64-n64:-DFLASHHOPPER_SM80_HDIM64_BLOCK_N=64" "sm80-d64-n128:-DFLASHHOPPER_SM80_HDIM64_BLOCK_N=128"
-             "sm80-d64-m64:-DFLASHHOPPER_SM80_HDIM64_BLOCK_M=64" "sm80-fwd-d256-small:-DFLASHHOPPER_SM80_HDIM256_FWD_SMALL")
-  local want=" ${ABLATE_VARIANTS:-full no-pingpong no-overlap no-both n176 kv3q1} " chosen=() pids=()
-  for v in "${all[@]}"; do
-    [[ $want == *" ${v%%:*} "* ]] && chosen+=("$v")
+  local variants=${ABLATE_VARIANTS:-no-pingpong} dtype=${ABLATE_DTYPE:-bf16} pkg="$ROOT/build/ablate/python" v
+  local providers="flashhopper"
+  for v in $variants; do providers+=" flashhopper@$v"; done
+  rm -rf "$pkg" && mkdir -p "$pkg"
+  cp -r "$ROOT/python/flashhopper" "$pkg/"
+  rm -f "$pkg"/flashhopper/_C*.so
+  # Build logs stay in the build tree: what comes back from $OUT is limited to a few files.
+  (OUT="$ROOT/build/ablate-logs" && mkdir -p "$OUT" && BUILD_DIR="$ROOT/build/ablate-build" PKG_DIR="$pkg/flashhopper" \
+    FLASHHOPPER_DTYPES="$dtype" FLASHHOPPER_HDIMS="${ABLATE_HDIMS:-128}" FLASHHOPPER_VARIANTS="${variants// /;}" \
+    do_build >/dev/null) || { echo "ablate build failed: see build/ablate-logs"; return 1; }
+  PYTHONPATH="$pkg" "$PY" bench/bench_attention.py --providers $providers --mode "${ABLATE_MODE:-fwd}" --dtype "$dtype" \
+    --hdims ${ABLATE_HDIMS:-128} --seqlens ${ABLATE_SEQLENS:-512 2048 16384} --causal "${ABLATE_CAUSAL:-both}" \
+    --warmup-ms 10 --rep-ms 40 --rounds "${ABLATE_ROUNDS:-3}" --out "$OUT/ablate.json" 2>&1 | tee "$OUT/ablate.log"
+}
+
+# Before/after on one machine: the baseline tree (BASE_SRC, e.g. `git archive <commit> | tar -x -C
+# build/base-src`, carried) built by its own scripts/gpu.sh into build/base-python (a copy of its package:
+# carrying BASE_SRC again does not drop the build), then the baseline's and this tree's bench_attention.py
+# in alternating processes, each on its own package, with the same arguments (ones both harnesses know:
+# --hdims --seqlens --causal --mode --dtype --providers --rounds --warmup-ms --rep-ms). Build both with the
+# same FLASHHOPPER_* selection.
+BASE_PY=$ROOT/build/base-python
+
+base_src() {
+  local base=${BASE_SRC:-$ROOT/build/base-src}
+  [ -f "$base/scripts/gpu.sh" ] || { echo "no baseline tree at $base (BASE_SRC)" >&2; exit 1; }
+  echo "$base"
+}
+
+do_build_base() {
+  local base
+  base=$(base_src)
+  [ -e "$base/.whl" ] || ln -s "$ROOT/.whl" "$base/.whl"  # the CUTLASS wheel its build unpacks
+  rm -rf "$BASE_PY" && mkdir -p "$BASE_PY" && cp -r "$base/python/flashhopper" "$BASE_PY/"
+  OUT="$ROOT/build/base-logs" BUILD_DIR="$ROOT/build/base-build" PKG_DIR="$BASE_PY/flashhopper" "$base/scripts/gpu.sh" build
+}
+
+do_compare() {
+  local base i runs=${COMPARE_RUNS:-2}
+  base=$(base_src)
+  ls "$BASE_PY"/flashhopper/_C*.so >/dev/null 2>&1 || { echo "baseline not built: scripts/gpu.sh build-base" >&2; return 1; }
+  ls "$PKG_DIR"/_C*.so >/dev/null 2>&1 || { echo "not built: scripts/gpu.sh build" >&2; return 1; }
+  do_health || [ "${FORCE_BENCH:-0}" = 1 ] || { echo "compare skipped: GPU throttled"; return 1; }
+  rm -f "$OUT"/compare-*.json
+  for ((i = 1; i <= runs; i++)); do
+    (cd "$base" && PYTHONPATH="$BASE_PY" "$PY" bench/bench_attention.py "$@" --out "$OUT/compare-base-$i.json") \
+      >"$OUT/compare-base-$i.log" 2>&1 || { tail -5 "$OUT/compare-base-$i.log"; return 1; }
+    "$PY" bench/bench_attention.py "$@" --label new --out "$OUT/compare-new-$i.json" \
+      >"$OUT/compare-new-$i.log" 2>&1 || { tail -5 "$OUT/compare-new-$i.log"; return 1; }
   done
-  cutlass_include >/dev/null  # unpack the headers once, before the concurrent builds
-  for v in "${chosen[@]}"; do  # build all variants concurrently
-    local name=${v%%:*} flags=${v#*:}
-    local pkg="$ROOT/build/ablate/$name/flashhopper"
-    mkdir -p "$pkg"
-    cp -r "$base_pkg"/*.py "$base_pkg"/report "$pkg/"
-    # Build logs stay in the build tree: what comes back from $OUT is limited to a few files.
-    (OUT="$ROOT/build/ablate-logs-$name" && mkdir -p "$OUT" && BUILD_DIR="$ROOT/build/ablate-$name" PKG_DIR="$pkg" FLASHHOPPER_CUDA_FLAGS="$flags" \
-      FLASHHOPPER_DTYPES="${ABLATE_DTYPES:-bf16}" FLASHHOPPER_HDIMS="${ABLATE_HDIMS:-128}" do_build >/dev/null \
-      || echo "ablate build $name failed: see build/ablate-logs-$name") &
-    pids+=($!)
-  done
-  for pid in "${pids[@]}"; do wait "$pid"; done
-  for v in "${chosen[@]}"; do
-    local name=${v%%:*} flags=${v#*:}
-    echo "== $name ($flags)" | tee -a "$OUT/ablate.log"
-    PYTHONPATH="$ROOT/build/ablate/$name" "$PY" bench/bench_attention.py --providers ${ABLATE_PROVIDERS:-flashhopper} --mode "$mode" \
-      --hdims ${ABLATE_HDIMS:-128} --seqlens ${ABLATE_SEQLENS:-512 2048 16384} --causal "${ABLATE_CAUSAL:-both}" \
-      --warmup-ms 10 --rep-ms 40 --rounds ${ABLATE_ROUNDS:-1} --out "$OUT/ablate-$name.json" 2>&1 | grep -E "^\*\*|^\| [0-9]" | tee -a "$OUT/ablate.log"
-  done
+  "$PY" bench/compare_builds.py --base "$OUT"/compare-base-*.json --new "$OUT"/compare-new-*.json | tee "$OUT/compare.md"
 }
 
 # ncu on the third launch of one configuration (args go to scripts/profile_attention.py; with
@@ -169,17 +179,26 @@ do_sass() {
   "$PY" scripts/sass_summary.py "$OUT/sass.txt" | tee "$OUT/sass-summary.txt"
 }
 
-# SANITIZE_SCRIPTS picks the checks (default both passes); each runs its --small shapes, bf16;
-# SANITIZE_ARGS adds arguments (e.g. "--arch 80").
+# compute-sanitizer's four tools over the small checks (bf16 and the fp8 forward); every run logged under
+# $OUT; the exit status is non-zero if any tool reports an error or any check fails.
 do_sanitize() {
-  for script in ${SANITIZE_SCRIPTS:-check_fwd check_bwd}; do
-    for tool in memcheck racecheck; do
-      local log="$OUT/sanitize-$script-$tool.log"
-      compute-sanitizer --tool "$tool" --error-exitcode 1 "$PY" "scripts/$script.py" --small --dtypes bfloat16 ${SANITIZE_ARGS:-} \
-        >"$log" 2>&1; echo "$script $tool exit $?" | tee -a "$log"
-      grep -E "ERROR SUMMARY|RACECHECK SUMMARY|worst" "$log"
+  local failed=0 check tool log
+  local -A args=([check_fwd]="--small --dtypes bfloat16 float8_e4m3fn ${SANITIZE_ARGS:-}"
+                 [check_bwd]="--small --dtypes bfloat16 ${SANITIZE_ARGS:-}"
+                 [check_quant]="--small --dtypes bfloat16")
+  for check in ${SANITIZE_CHECKS:-check_fwd check_bwd check_quant}; do
+    for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck initcheck}; do
+      log="$OUT/sanitize-$check-$tool.log"
+      if compute-sanitizer --tool "$tool" --error-exitcode 1 "$PY" "scripts/$check.py" ${args[$check]} >"$log" 2>&1; then
+        echo "$check $tool: ok"
+      else
+        echo "$check $tool: FAILED (exit $?; $log)"
+        failed=1
+      fi
+      grep -E "ERROR SUMMARY|RACECHECK SUMMARY|kernels checked|worst|MISMATCH" "$log" | tail -3 || true
     done
   done
+  return "$failed"
 }
 
 cmd=${1:-all}
@@ -192,9 +211,12 @@ case "$cmd" in
   sanitize) do_sanitize ;;
   health) do_health ;;
   ablate) do_ablate ;;
+  build-base) do_build_base ;;
+  compare) do_compare "$@" ;;
   profile) do_profile "$@" ;;
   check) "$PY" scripts/check_fwd.py "$@" 2>&1 | tee "$OUT/check.log" ;;
   check-bwd) "$PY" scripts/check_bwd.py "$@" 2>&1 | tee "$OUT/check-bwd.log" ;;
   all) do_build; do_test; do_sass; do_bench "$@" ;;
-  *) echo "usage: $0 build|test|bench|sass|sanitize|check|check-bwd|health|ablate|profile|all" >&2; exit 2 ;;
+  *) echo "usage: $0 build|test|bench|sass|sanitize|check|check-bwd|health|ablate|build-base|compare|profile|all" >&2
+     exit 2 ;;
 esac

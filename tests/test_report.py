@@ -3,10 +3,12 @@ from committed results (tests/data/report_h100_subset.json: a subset of the 2026
 bench/results, with that day's measured ceilings); a one-shape sweep end to end on a GPU."""
 from __future__ import annotations
 
+import argparse
 import csv
 import datetime as dt
 import json
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,10 +16,12 @@ import pytest
 import torch
 
 import flashhopper
-from flashhopper.report import ceilings, cli, io_model, metrics, render, results
-from flashhopper.report import sweep
-from flashhopper.report.providers import PROVIDERS, Prepared, Provider, Unavailable, find_kernel
+from flashhopper import _ext, dispatch
+from flashhopper.report import ceilings, cli, environment, fa3, io_model, metrics, render, results, sweep
+from flashhopper.report.providers import (FA3_PROVIDERS, PROVIDERS, Prepared, Provider, Unavailable, provider,
+                                          provider_name, with_fa3)
 from flashhopper.report.sweep import QUICK, grid
+from flashhopper.report.timing import make_timer
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = ROOT / "tests" / "data" / "report_h100_subset.json"
@@ -265,10 +269,10 @@ def test_quick_sweep_shapes() -> None:
 def test_sweep_rounds_interleave_providers_and_take_the_median(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[str] = []
     fake = {name: Provider(name, lambda mode, q, k, v, causal, name=name: Prepared(lambda: calls.append(name), {}))
-            for name in ("a", "b")}
-    monkeypatch.setattr(sweep, "PROVIDERS", fake)
+            for name in ("a", "b", "c")}
+    monkeypatch.setattr(sweep, "provider", fake.__getitem__)
     monkeypatch.setattr(sweep, "inputs", lambda shape: (torch.zeros(1),) * 3)
-    times = iter([3.0, 10.0, 1.0, 30.0, 2.0, 20.0])  # a, b, a, b, a, b
+    times = iter([3.0, 10.0, 5.0, 1.0, 30.0, 6.0, 2.0, 20.0, 4.0])  # a, b, c, a, b, c, a, b, c
 
     def timer(fn: Any) -> float:
         fn()
@@ -276,23 +280,141 @@ def test_sweep_rounds_interleave_providers_and_take_the_median(monkeypatch: pyte
 
     shape = grid({64: (512,)}, ["fwd"], ["bf16"], [False], tokens=512, width=128)
     monkeypatch.setattr(sweep.torch.cuda, "empty_cache", lambda: None)
-    rows = sweep.run_sweep(shape, ["a", "b"], timer, rounds=3)
-    assert calls == ["a", "b"] * 3
-    assert [r["ms"] for r in rows] == [2.0, 20.0] and rows[0]["ms_rounds"] == [3.0, 1.0, 2.0]
+    rows = sweep.run_sweep(shape, ["a", "b", "c"], timer, rounds=3)
+    assert calls == ["a", "b", "c"] * 3  # prepared once each (one run), then timed in turn per round
+    assert [r["ms"] for r in rows] == [2.0, 20.0, 5.0] and rows[0]["ms_rounds"] == [3.0, 1.0, 2.0]
     with pytest.raises(ValueError, match="rounds"):
         sweep.run_sweep(shape, ["a"], timer, rounds=0)
 
 
-def test_ours_look_up_the_build(monkeypatch: pytest.MonkeyPatch) -> None:
-    fwd = {"mode": "fwd", "arch": 90, "dtype": "bfloat16", "headdim": 128, "causal": False, "block_m": 128,
-           "block_n": 128}
-    monkeypatch.setattr(flashhopper, "compiled_kernels", lambda: [fwd])
-    assert find_kernel(90, "fwd", torch.bfloat16, 128, False) == fwd
-    assert find_kernel(90, "bwd", torch.bfloat16, 128, False) is None  # a backward slots in when built
-    assert find_kernel(80, "fwd", torch.bfloat16, 128, False) is None
+def test_provider_names() -> None:
+    assert provider("flashhopper") is PROVIDERS["flashhopper"] and provider("fa3") is PROVIDERS["fa3"]
+    variant = provider("flashhopper@no-pingpong")
+    assert variant.name == "flashhopper@no-pingpong" and metrics.is_ours(variant.name)
+    assert not metrics.is_ours("fa3") and not metrics.is_ours("fa3-fp8")
+    for bad in ("flashhopper@", "flashhopper@No_PingPong", "flashhopper@-x", "fa4", "flashhopper-sm100"):
+        with pytest.raises(ValueError, match="provider must be one of .*flashhopper@<variant>"):
+            provider(bad)
+        with pytest.raises(argparse.ArgumentTypeError):
+            provider_name(bad)
+    assert provider_name("flashhopper@fp8-n224") == "flashhopper@fp8-n224"
+    args = cli.parse_args(["--providers", "flashhopper", "flashhopper@no-pingpong", "fa3", "sdpa-cudnn"])
+    assert args.providers == ["flashhopper", "flashhopper@no-pingpong", "fa3", "sdpa-cudnn"]
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--providers", "flashhopper@"])
+
+
+def test_a_variant_is_skipped_where_the_build_lacks_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    q = torch.randn(1, 8, 1, 128, dtype=torch.bfloat16)
+    with pytest.raises(Unavailable, match="CUDA tensors"):
+        provider("flashhopper@no-pingpong").prepare("fwd", q, q, q, True)
+    # On a Hopper GPU: the lookup by KernelKey, variant included, names what to rebuild with.
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(_ext, "kernel", lambda mode, key: None)
+    with pytest.raises(Unavailable, match="no sm90 forward kernel for bfloat16 headdim 128 causal variant "
+                                          "no-pingpong; rebuild with .*FLASHHOPPER_VARIANTS=no-pingpong"):
+        provider("flashhopper@no-pingpong").prepare("fwd", q, q, q, True)
+
+
+def test_ours_look_up_the_build_by_kernel_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    looked_up: list[tuple[str, Any]] = []
+    fwd_key = dispatch.kernel_key("sm90", torch.bfloat16, 128, True)
+    table = {("fwd", fwd_key): _ext.Entry(0, 128, 128)}
+
+    def kernel(mode: str, key: Any) -> Any:
+        looked_up.append((mode, key))
+        return table.get((mode, key))
+
     q = torch.randn(1, 8, 1, 128, dtype=torch.bfloat16)
     with pytest.raises(Unavailable, match="needs CUDA tensors"):
-        PROVIDERS["flashhopper-sm90"].prepare("fwd", q, q, q, False)
+        PROVIDERS["flashhopper-sm90"].prepare("fwd", q, q, q, False)  # dispatch refuses CPU tensors first
+    monkeypatch.setattr(_ext, "kernel", kernel)
+    monkeypatch.setattr(dispatch, "select_backend", lambda *args, **kwargs: "sm90")
+    # The backward is looked up under the same key (mode bwd) and skipped, saying what to rebuild with.
+    with pytest.raises(Unavailable, match="no sm90 backward kernel for bfloat16 headdim 128 causal; rebuild"):
+        PROVIDERS["flashhopper"].prepare("bwd", q, q, q, True)
+    assert looked_up == [("bwd", fwd_key)]
+    # The forward is found; the run then goes through flash_attn_func, which refuses CPU tensors here.
+    with pytest.raises(Unavailable, match="needs CUDA tensors"):
+        PROVIDERS["flashhopper"].prepare("fwd", q, q, q, True)
+    assert looked_up[-1] == ("fwd", fwd_key)
+    with pytest.raises(Unavailable, match="the fp8 kernels need CUDA tensors"):
+        PROVIDERS["flashhopper-fp8"].prepare("fwd", q, q, q, False)
+
+
+@pytest.fixture
+def no_fa3(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FA3 not configured, whatever this machine's environment says; nothing of it imported."""
+    monkeypatch.delenv(fa3.ENV, raising=False)
+    monkeypatch.setattr(fa3, "_option", None)
+    monkeypatch.setattr(fa3, "_loaded", {})
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delitem(sys.modules, "flash_attn_interface", raising=False)
+
+
+@pytest.mark.usefixtures("no_fa3")
+def test_fa3_missing_is_a_skip_with_the_reason(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    q = torch.randn(1, 8, 1, 128, dtype=torch.bfloat16)
+    for name in FA3_PROVIDERS:
+        with pytest.raises(Unavailable, match="FA3 is not configured: pass --fa3-path or set FLASHHOPPER_FA3_PATH"):
+            PROVIDERS[name].prepare("fwd", q, q, q, False)
+    assert with_fa3(["flashhopper"]) == ["flashhopper"]  # the default provider lists leave it out
+    monkeypatch.setenv(fa3.ENV, str(tmp_path))
+    assert with_fa3(["flashhopper", "fa3"]) == ["flashhopper", "fa3", "fa3-fp8"]
+    with pytest.raises(Unavailable, match=f"{tmp_path} holds no FA3 build"):
+        PROVIDERS["fa3"].prepare("bwd", q, q, q, True)
+    # A build whose import fails (here: its extension is missing): the error, and nothing left behind.
+    broken = tmp_path / "broken"
+    (broken / "flash_attn_3").mkdir(parents=True)
+    (broken / "flash_attn_interface.py").write_text("import flash_attn_3._C\n")
+    monkeypatch.setenv(fa3.ENV, str(broken))
+    path_before = list(sys.path)
+    with pytest.raises(Unavailable, match="importing FA3 from .* failed: ModuleNotFoundError: No module named "
+                                          "'flash_attn_3._C'"):
+        PROVIDERS["fa3"].prepare("fwd", q, q, q, False)
+    assert sys.path == path_before and "flash_attn_interface" not in sys.modules
+    # --fa3-path wins over the environment.
+    assert cli.main(["--fa3-path", str(tmp_path / "elsewhere"), "--from", str(BENCH_FILE),
+                     "--out", str(tmp_path / "out")]) == 0
+    assert fa3.path() == tmp_path / "elsewhere"
+    with pytest.raises(Unavailable, match="elsewhere holds no FA3 build"):
+        PROVIDERS["fa3-fp8"].prepare("fwd", q, q, q, False)
+
+
+@pytest.mark.usefixtures("no_fa3")
+def test_fa3_is_imported_only_when_asked_and_needs_a_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A stand-in with FA3's interface (never FA3 itself: the package and its tests do not import it).
+    (tmp_path / "flash_attn_3").mkdir()
+    (tmp_path / "flash_attn_interface.py").write_text("def flash_attn_func(q, k, v, causal=False):\n    return q\n")
+    fa3.set_path(tmp_path)
+    assert "flash_attn_interface" not in sys.modules  # configuring it imports nothing
+    q = torch.randn(1, 8, 1, 128, dtype=torch.bfloat16)
+    with pytest.raises(Unavailable, match="q is on cpu; FA3's kernels need CUDA tensors"):
+        PROVIDERS["fa3"].prepare("fwd", q, q, q, False)
+    assert fa3.load() is sys.modules["flash_attn_interface"]
+    with pytest.raises(Unavailable, match="FA3's fp8 is forward-only"):
+        PROVIDERS["fa3-fp8"].prepare("bwd", q, q, q, False)
+
+
+def test_fa3_counts_as_a_peer_in_its_own_precision() -> None:
+    shape = dict(mode="fwd", dtype="bf16", headdim=128, causal=False, seqlen=4096, batch=4, nheads=16)
+    raw = [{**shape, "provider": p, "kernel_dtype": kd, "ms": ms, "block_m": None, "block_n": None}
+           for p, kd, ms in (("flashhopper", None, 1.0), ("sdpa-cudnn", None, 1.2), ("fa3", None, 0.9),
+                             ("flashhopper-fp8", "fp8", 0.6), ("fa3-fp8", "fp8", 0.5))]
+    rows = metrics.derive(raw, None, None)
+    ours, ours8 = _one(rows, provider="flashhopper"), _one(rows, provider="flashhopper-fp8")
+    assert ours["best_peer"] == "fa3" and ours["speedup_vs_best_peer"] == pytest.approx(0.9)
+    assert ours8["best_peer"] == "fa3-fp8" and ours8["speedup_vs_best_peer"] == pytest.approx(0.5 / 0.6)
+    assert _one(rows, provider="fa3")["speedup_vs_best_peer"] is None
+
+
+def test_environment_names_the_fa3_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fa3, "_option", tmp_path)
+    monkeypatch.setattr(environment.torch.cuda, "current_device", lambda: 0)
+    props = argparse.Namespace(name="NVIDIA H100 80GB HBM3", major=9, minor=0, multi_processor_count=132)
+    monkeypatch.setattr(environment.torch.cuda, "get_device_properties", lambda index: props)
+    assert environment.environment("timer", ROOT)["fa3_path"] == str(tmp_path)
 
 
 # --- on the GPU -----------------------------------------------------------------------------------
@@ -310,3 +432,22 @@ def test_one_shape_end_to_end(tmp_path: Path) -> None:
     if ours["skipped"] is None:  # built: measured, checked against SDPA, IO from its real tile
         assert ours["tflops"] > 0 and ours["rel_err_vs_sdpa"] < 1e-2 and ours["io_ours_bytes"] > 0
     assert (tmp_path / "tflops_fwd_bf16.png").read_bytes().startswith(PNG_MAGIC)
+
+
+@pytest.mark.gpu
+def test_a_variant_is_timed_beside_production() -> None:
+    info = flashhopper.build_info()
+    if "no-pingpong" not in info.get("variants", []) or "bf16" not in info["dtypes"] or 128 not in info["headdims"]:
+        pytest.skip("this build was not configured with FLASHHOPPER_VARIANTS=no-pingpong (bf16, head dim 128)")
+    shapes = grid({128: (1024,)}, ["fwd", "bwd"], ["bf16"], [False, True], tokens=2048, width=512)
+    rows = sweep.run_sweep(shapes, ["flashhopper", "flashhopper@no-pingpong"], make_timer(2, 5)[1], rounds=2)
+    for r in rows:
+        if r["provider"] == "flashhopper@no-pingpong" and r["mode"] == "bwd":  # a forward-only variant
+            assert "no sm90 backward kernel" in r["skipped"] and "variant no-pingpong" in r["skipped"]
+            continue
+        assert r.get("skipped") is None and r["ms"] > 0 and len(r["ms_rounds"]) == 2, r
+        if r["mode"] == "fwd":  # NaN-poisoned outputs: an unwritten element would show here
+            assert r["rel_err_vs_sdpa"] < 1e-2, r
+    variant = _one(rows, provider="flashhopper@no-pingpong", mode="fwd", causal=True)
+    ours = _one(rows, provider="flashhopper", mode="fwd", causal=True)
+    assert (variant["block_m"], variant["block_n"]) == (ours["block_m"], ours["block_n"])  # same tiles

@@ -20,10 +20,10 @@ import torch
 
 import flashhopper
 
-from . import ceilings, render
+from . import ceilings, fa3, render
 from .environment import environment, source_root
 from .progress import progress_bar
-from .providers import PROVIDERS
+from .providers import provider_name, with_fa3
 from .results import Report, load, newest
 from .sweep import DTYPES, FULL, QUICK, grid, run_sweep
 from .timing import make_timer
@@ -39,8 +39,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--causal", choices=["off", "on", "both"], default="both")
     ap.add_argument("--mode", choices=["fwd", "bwd", "both"], help="default: fwd (quick), both (--full)")
     ap.add_argument("--dtype", nargs="+", choices=list(DTYPES), default=["bf16"])
-    ap.add_argument("--providers", nargs="+", choices=list(PROVIDERS), help="default: ours + sdpa-cudnn, "
-                    "sdpa-fa2 (quick), + sdpa-memeff (--full)")
+    ap.add_argument("--providers", nargs="+", type=provider_name, metavar="NAME",
+                    help="providers.PROVIDERS or flashhopper@<variant>; default: ours + sdpa-cudnn, sdpa-fa2 "
+                    "(quick), + sdpa-memeff (--full), + fa3, fa3-fp8 where FA3 is configured")
+    ap.add_argument("--fa3-path", type=Path, help="a folder with FlashAttention-3's flash_attn_interface.py and "
+                    f"flash_attn_3/, timed as the peers fa3 and fa3-fp8 (default: ${fa3.ENV})")
     ap.add_argument("--batch", type=int, help="fixed batch (default: tokens // seqlen)")
     ap.add_argument("--tokens", type=int, default=16384, help="batch x seqlen when --batch is not given")
     ap.add_argument("--width", type=int, default=2048, help="nheads x headdim")
@@ -61,7 +64,7 @@ def measure(args: argparse.Namespace) -> Report:
     plan = {h: tuple(args.seqlens) if args.seqlens else preset.plan.get(h, longest) for h in hdims}
     modes = {"fwd": ["fwd"], "bwd": ["bwd"], "both": ["fwd", "bwd"]}.get(args.mode, list(preset.modes))
     causals = {"off": [False], "on": [True], "both": [False, True]}[args.causal]
-    providers = args.providers or list(preset.providers)
+    providers = args.providers or with_fa3(preset.providers)
     warmup_ms, rep_ms = args.warmup_ms or preset.warmup_ms, args.rep_ms or preset.rep_ms
     timer_name, timer = make_timer(warmup_ms, rep_ms)
     env = environment(timer_name, source_root())
@@ -86,6 +89,8 @@ def _results_dir(args: argparse.Namespace) -> Path | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.fa3_path is not None:
+        fa3.set_path(args.fa3_path)
     if args.from_file is not None:
         report = load(args.from_file)
         print(f"rendering {args.from_file} ({report.device}, {report.date})")

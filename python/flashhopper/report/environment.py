@@ -12,6 +12,8 @@ import torch
 
 import flashhopper
 
+from . import fa3
+
 
 def source_root() -> Path | None:
     """The flashhopper source tree: the one this code runs from (PYTHONPATH=python, an editable
@@ -53,6 +55,7 @@ def environment(timer: str, root: Path | None) -> dict[str, Any]:
         "flashhopper_build": flashhopper.build_info(),
         "flashhopper_kernels": len(flashhopper.compiled_kernels()),
         "git_commit": git_commit(root),
+        "fa3_path": None if fa3.path() is None else str(fa3.path()),  # the FA3 build timed as a peer
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "timer": timer,
         "command": " ".join(sys.argv),

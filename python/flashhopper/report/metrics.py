@@ -1,6 +1,7 @@
 """Per-row numbers derived from the measurements: TFLOPS (through flashhopper.flops), the share of
 the measured GEMM ceiling and of the datasheet peak, the speedup over the best peer on the same
-shape, and the IO model's bytes (standard attention against ours) with the bandwidth achieved.
+shape and kernel precision (SDPA's backends, FA3 where it was measured), and the IO model's bytes
+(standard attention against ours) with the bandwidth achieved.
 
 Everything here is recomputed from the raw fields (shape, provider, ms, tile sizes), so a file
 renders the same whichever tool wrote it.
@@ -53,6 +54,12 @@ def _io(row: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _peer_key(row: dict[str, Any]) -> tuple[Any, ...]:
+    """Rows that compete: the same shape, computed in the same precision (an fp8 kernel against fp8
+    peers such as fa3-fp8, not against the bf16 ones)."""
+    return (*(row[c] for c in SHAPE), row["kernel_dtype"])
+
+
 def derive(rows: list[dict[str, Any]], ceilings: dict[str, Any] | None,
            datasheet: dict[str, Any] | None) -> list[dict[str, Any]]:
     """Every row with all COLUMNS (None where a value does not apply or is unknown)."""
@@ -66,13 +73,12 @@ def derive(rows: list[dict[str, Any]], ceilings: dict[str, Any] | None,
         compute = r["kernel_dtype"] or r["dtype"]  # an fp8 kernel is measured against the fp8 ceilings
         r["pct_gemm_ceiling"] = _pct(r["tflops"], gemm_ceiling(ceilings, compute))
         r["pct_datasheet_peak"] = _pct(r["tflops"], datasheet_peak(datasheet, compute))
-        key = tuple(r[c] for c in SHAPE)
-        if not is_ours(r["provider"]) and r["tflops"] > best.get(key, {}).get("tflops", 0.0):
-            best[key] = r
+        if not is_ours(r["provider"]) and r["tflops"] > best.get(_peer_key(r), {}).get("tflops", 0.0):
+            best[_peer_key(r)] = r
     for r in out:
         if r["ms"] is None or not is_ours(r["provider"]):
             continue
-        peer = best.get(tuple(r[c] for c in SHAPE))
+        peer = best.get(_peer_key(r))
         if peer is not None:
             r["best_peer"], r["speedup_vs_best_peer"] = peer["provider"], r["tflops"] / peer["tflops"]
         r.update(_io(r))

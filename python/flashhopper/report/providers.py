@@ -2,18 +2,23 @@
 
 A provider turns (mode, q, k, v, causal) into a callable to time, after one untimed run that proves
 it works, or raises Unavailable with a one-line reason. Our providers look their kernel up in the
-build's registry (``flashhopper.compiled_kernels()``), so a mode, dtype or family that a later build
-compiles (backward, fp8, sm80) is timed with no change here, and what is not built is skipped,
-saying why. A new peer (e.g. FlashAttention-3) is one more entry in PROVIDERS.
+build's registry by its KernelKey (``dispatch.kernel_key``, ``_ext.kernel``), so a mode, dtype or
+family that a later build compiles is timed with no change here, and what is not built is skipped,
+saying why. "flashhopper@<variant>" names the kernels of a named variant (``provider``). Peers:
+PyTorch SDPA's backends, and FlashAttention-3 where it is configured (``fa3``).
 Our providers are the ones whose name starts with "flashhopper".
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import functools
+import math
+import re
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any, NamedTuple
 
 import torch
@@ -21,8 +26,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashhopper
-from flashhopper import _ext, dispatch, fp8
+from flashhopper import _ext, dispatch, fp8, ops
 
+from . import fa3
 from .timing import Fn
 
 MODES: tuple[str, ...] = ("fwd", "bwd")
@@ -52,20 +58,34 @@ def is_ours(provider: str) -> bool:
     return provider.startswith("flashhopper")
 
 
-def find_kernel(arch: int, mode: str, dtype: torch.dtype, headdim: int, causal: bool) -> dict[str, Any] | None:
-    """The registry entry of the compiled kernel for this configuration, or None."""
-    want = (arch, mode, str(dtype).removeprefix("torch."), headdim, causal)
-    for k in flashhopper.compiled_kernels():
-        if (k["arch"], k["mode"], k["dtype"], k["headdim"], k["causal"]) == want:
-            return k
-    return None
+def _check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+
+
+def _kernel(backend: str, mode: str, dtype: torch.dtype, headdim: int, causal: bool, variant: str = "") -> _ext.Entry:
+    """The build's ``mode`` kernel for this configuration, or Unavailable saying what to rebuild with."""
+    try:
+        return dispatch.require_kernel(mode, dispatch.kernel_key(backend, dtype, headdim, causal, variant=variant))
+    except ValueError as e:
+        raise Unavailable(str(e)) from None
+
+
+def _require_hopper(q: torch.Tensor, what: str) -> None:
+    if not q.is_cuda:
+        raise Unavailable(f"q is on {q.device}; {what} need CUDA tensors")
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
+        raise Unavailable(f"{what} are sm_90a code; {q.device} is {torch.cuda.get_device_name(q.device)}")
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
 def _timeable(mode: str, make_fwd: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Fn],
               q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Fn:
     """The forward, or the backward alone on a graph kept from one forward, after one run."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    _check_mode(mode)
     try:
         leaves = [x.detach().requires_grad_(mode == "bwd") for x in (q, k, v)]
         fwd = make_fwd(*leaves)
@@ -80,8 +100,8 @@ def _timeable(mode: str, make_fwd: Callable[[torch.Tensor, torch.Tensor, torch.T
             return torch.autograd.grad(out, leaves, dout, retain_graph=True)
 
         bwd()
-    except RuntimeError as e:
-        raise Unavailable(str(e).splitlines()[0]) from None
+    except (RuntimeError, ValueError) as e:  # a kernel's refusal, or flash_attn_func's validation
+        raise Unavailable(_first_line(e)) from None
     return bwd
 
 
@@ -94,16 +114,82 @@ def _ours(backend: str | None, mode: str, q: torch.Tensor, k: torch.Tensor, v: t
         raise Unavailable(str(e)) from None
     if name not in dispatch.ARCH:
         raise Unavailable(f"no kernel: dispatch chose the {name} backend")
-    kernel = find_kernel(dispatch.ARCH[name], mode, q.dtype, headdim, causal)
-    if kernel is None:
-        raise Unavailable(f"this build has no {name} {mode} kernel for {str(q.dtype).removeprefix('torch.')} "
-                          f"headdim {headdim} {'causal' if causal else 'non-causal'}")
+    entry = _kernel(name, mode, q.dtype, headdim, causal)
 
     def make(q_: torch.Tensor, k_: torch.Tensor, v_: torch.Tensor) -> Fn:
         return lambda: flashhopper.flash_attn_func(q_, k_, v_, causal=causal, deterministic=deterministic, backend=name)
 
-    return Prepared(_timeable(mode, make, q, k, v),
-                    {"backend": name, "block_m": kernel["block_m"], "block_n": kernel["block_n"]})
+    meta = {"backend": name, "block_m": entry.block_m, "block_n": entry.block_n}
+    return Prepared(_timeable(mode, make, q, k, v), meta)
+
+
+def _variant(variant: str, mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> Prepared:
+    """The sm90 ``mode`` kernel of a named variant (cpp/sm90/variants.h), launched through ops.fwd_into /
+    bwd_into on outputs allocated here: the kernels' memory traffic is the production provider's, and the
+    timed call does the validation flash_attn_func does, without the allocation. The backward runs on the
+    production forward's out and lse."""
+    _check_mode(mode)
+    _require_hopper(q, "the sm90 kernels")
+    headdim = q.shape[-1]
+    entry = _kernel("sm90", mode, q.dtype, headdim, causal, variant)
+    arch, scale = dispatch.ARCH["sm90"], 1.0 / math.sqrt(headdim)
+    # NaN-poisoned: an element the kernel leaves unwritten shows in the check against SDPA.
+    out = torch.full_like(q, math.nan)
+    lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), math.nan, dtype=torch.float32, device=q.device)
+    try:
+        if mode == "fwd":
+            def fn() -> Any:
+                ops.fwd_into(q, k, v, out, lse, scale, causal, arch, variant=variant)
+                return out
+        else:
+            ops.fwd_into(q, k, v, out, lse, scale, causal, arch)
+            dout = torch.randn_like(q)
+            dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
+
+            def fn() -> Any:
+                ops.bwd_into(dout, q, k, v, out, lse, dq, dk, dv, scale, causal, False, arch, variant=variant)
+                return dq, dk, dv
+        fn()
+    except (RuntimeError, ValueError) as e:
+        raise Unavailable(_first_line(e)) from None
+    return Prepared(fn, {"backend": "sm90", "block_m": entry.block_m, "block_n": entry.block_n})
+
+
+def _fp8(quantize_in_call: bool, mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+         causal: bool) -> Prepared:
+    """The sm90 fp8 (e4m3) forward on bf16/fp16 (or raw e4m3) inputs, as flash_attn_fp8_func quantizes
+    them: Q per 64 rows, K and V per block_n keys, Q and K with the Hadamard transform, V as V^T (the
+    layout the kernel reads, so that the timed call does not convert it).
+    ``quantize_in_call`` False: quantized once, untimed (the kernel); True: the timed call quantizes
+    all three (end to end). TFLOPS count the same FLOPs as the bf16 forward."""
+    if mode != "fwd":
+        raise Unavailable(f"fp8 is forward-only (mode {mode!r})")
+    _require_hopper(q, "the fp8 kernels")
+    headdim = q.shape[-1]
+    tiles = fp8.kernel_tiles(headdim, causal)
+    if tiles is None:
+        raise Unavailable(f"this build has no sm90 fp8 forward kernel for headdim {headdim} "
+                          f"{'causal' if causal else 'non-causal'}")
+    block_m, block_n = tiles
+    if quantize_in_call and not _ext.has_fp8_quantize():
+        raise Unavailable("this build has no fp8 quantization kernel (_C.quantize_fp8)")
+    if q.dtype == torch.float8_e4m3fn:  # --dtype fp8: raw e4m3 values, exact in bf16; quantized as usual
+        q, k, v = (x.to(torch.bfloat16) for x in (q, k, v))
+    try:
+        if quantize_in_call:
+            def fn() -> Any:
+                return fp8.flash_attn_fp8_func(q, k, v, causal=causal)
+        else:
+            q8 = fp8.quantize_fp8(q, block_size=64, hadamard=True)
+            k8 = fp8.quantize_fp8(k, block_size=block_n, hadamard=True)
+            v8 = fp8.quantize_fp8(v, block_size=block_n, hadamard=False, transpose=True)
+
+            def fn() -> Any:
+                return fp8.flash_attn_fp8_func(q8, k8, v8, causal=causal)
+        fn()
+    except (RuntimeError, ValueError) as e:
+        raise Unavailable(_first_line(e)) from None
+    return Prepared(fn, {"backend": "sm90", "block_m": block_m, "block_n": block_n, "kernel_dtype": "fp8"})
 
 
 def _sdpa(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> Prepared:
@@ -116,47 +202,46 @@ def _sdpa(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: 
     return Prepared(_timeable(mode, make, q, k, v), {})
 
 
-def _fp8(quantize_in_call: bool, mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-         causal: bool) -> Prepared:
-    """The sm90 fp8 (e4m3) forward on bf16/fp16 (or raw e4m3) inputs, as flash_attn_fp8_func quantizes
-    them: Q per 64 rows, K and V per block_n keys, Q and K with the Hadamard transform, V in the layout
-    the kernel reads (V^T, or row-major where the build transposes V in the kernel).
-    ``quantize_in_call`` False: quantized once, untimed (the kernel); True: the timed call quantizes
-    all three (end to end). TFLOPS count the same FLOPs as the bf16 forward."""
+def _load_fa3() -> ModuleType:
+    try:
+        return fa3.load()
+    except ImportError as e:
+        raise Unavailable(str(e)) from None
+
+
+def _fa3(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> Prepared:
+    """FlashAttention-3's forward, or its backward through autograd (its build: bf16)."""
+    interface = _load_fa3()
+    _require_hopper(q, "FA3's kernels")
+
+    def make(q_: torch.Tensor, k_: torch.Tensor, v_: torch.Tensor) -> Fn:
+        return lambda: interface.flash_attn_func(q_, k_, v_, causal=causal)  # returns out alone
+
+    return Prepared(_timeable(mode, make, q, k, v), {})
+
+
+def _fa3_fp8(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> Prepared:
+    """FlashAttention-3's e4m3 forward on inputs quantized once, untimed, per tensor (FA3's own scheme):
+    one scale per tensor, passed as FA3's (batch, nheads_kv) descales."""
     if mode != "fwd":
-        raise Unavailable(f"fp8 is forward-only (mode {mode!r})")
-    if not q.is_cuda:
-        raise Unavailable(f"q is on {q.device}; the fp8 kernels need CUDA tensors")
-    if torch.cuda.get_device_capability(q.device) != (9, 0):
-        raise Unavailable(f"the fp8 kernels are sm_90a code; {q.device} is {torch.cuda.get_device_name(q.device)}")
-    headdim = q.shape[-1]
-    kernel = find_kernel(90, "fwd", torch.float8_e4m3fn, headdim, causal)
-    if kernel is None:
-        raise Unavailable(f"this build has no sm90 fp8 forward kernel for headdim {headdim} "
-                          f"{'causal' if causal else 'non-causal'}")
-    if quantize_in_call and not _ext.has_fp8_quantize():
-        raise Unavailable("this build has no fp8 quantization kernel (_C.quantize_fp8)")
+        raise Unavailable(f"FA3's fp8 is forward-only (mode {mode!r})")
+    interface = _load_fa3()
+    _require_hopper(q, "FA3's kernels")
     if q.dtype == torch.float8_e4m3fn:  # --dtype fp8: raw e4m3 values, exact in bf16; quantized as usual
         q, k, v = (x.to(torch.bfloat16) for x in (q, k, v))
+    batch, nheads_kv = k.shape[0], k.shape[2]
     try:
-        if quantize_in_call:
-            def fn() -> Any:
-                return fp8.flash_attn_fp8_func(q, k, v, causal=causal)
-        else:
-            q8 = fp8.quantize_fp8(q, block_size=64, hadamard=True)
-            k8 = fp8.quantize_fp8(k, block_size=kernel["block_n"], hadamard=True)
-            # V^T, or row-major for kernels that transpose V themselves (FLASHHOPPER_FP8_V_TRANSPOSE_IN_KERNEL):
-            # the layout the kernel reads, so that the timed call does not convert it.
-            v8 = fp8.quantize_fp8(v, block_size=kernel["block_n"], hadamard=False,
-                                  transpose=fp8.kernel_v_transposed(headdim))
+        quantized = [fp8.quantize_fp8(x, hadamard=False, granularity="tensor") for x in (q, k, v)]
+        q8, k8, v8 = (t.data for t in quantized)
+        qd, kd, vd = (t.scale.reshape(-1)[:1].expand(batch, nheads_kv).contiguous() for t in quantized)
 
-            def fn() -> Any:
-                return fp8.flash_attn_fp8_func(q8, k8, v8, causal=causal)
+        def fn() -> Any:
+            return interface.flash_attn_func(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd)
+
         fn()
     except (RuntimeError, ValueError) as e:
-        raise Unavailable(str(e).splitlines()[0]) from None
-    return Prepared(fn, {"backend": "sm90", "block_m": kernel["block_m"], "block_n": kernel["block_n"],
-                         "kernel_dtype": "fp8"})
+        raise Unavailable(_first_line(e)) from None
+    return Prepared(fn, {"kernel_dtype": "fp8"})
 
 
 _SDPA_BACKENDS: dict[str, SDPBackend] = {
@@ -176,7 +261,37 @@ PROVIDERS: dict[str, Provider] = {p.name: p for p in (
     Provider("flashhopper-fp8", functools.partial(_fp8, False), rel_err_tolerance=8e-2),
     Provider("flashhopper-fp8-e2e", functools.partial(_fp8, True), rel_err_tolerance=8e-2),
     *(Provider(name, _sdpa, functools.partial(sdpa_kernel, [b])) for name, b in _SDPA_BACKENDS.items()),
+    Provider("fa3", _fa3),
+    Provider("fa3-fp8", _fa3_fp8),
 )}
+FA3_PROVIDERS: tuple[str, ...] = ("fa3", "fa3-fp8")
+VARIANT_PREFIX = "flashhopper@"
+
+
+def provider(name: str) -> Provider:
+    """The provider called ``name``: one of PROVIDERS, or "flashhopper@<variant>", the sm90 kernels of a
+    named variant (cpp/sm90/variants.h), skipped with the reason where the build lacks them."""
+    if name in PROVIDERS:
+        return PROVIDERS[name]
+    variant = name.removeprefix(VARIANT_PREFIX)
+    if name.startswith(VARIANT_PREFIX) and re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", variant):
+        return Provider(name, functools.partial(_variant, variant))
+    raise ValueError(f"provider must be one of {', '.join(PROVIDERS)} or {VARIANT_PREFIX}<variant> "
+                     f"(e.g. {VARIANT_PREFIX}no-pingpong), got {name!r}")
+
+
+def provider_name(name: str) -> str:
+    """argparse ``type`` of a provider option: the name, if ``provider`` knows it."""
+    try:
+        provider(name)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return name
+
+
+def with_fa3(names: Sequence[str]) -> list[str]:
+    """``names``, plus the FA3 providers where FA3 is configured (--fa3-path, FLASHHOPPER_FA3_PATH)."""
+    return [*names, *(p for p in FA3_PROVIDERS if fa3.configured() and p not in names)]
 
 
 def check_against_sdpa(fn: Fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> float | None:

@@ -101,7 +101,7 @@ def header(report: Report) -> str:
         lines.append(f"GPU health recorded with the file: {env['gpu_health']}")
     lines += [_ceiling_line(report), _datasheet_line(report),
               "TFLOPS by the FlashAttention convention (flashhopper.flops); 'vs best peer' = our TFLOPS / the "
-              "best peer's on the same shape.", IO_NOTE]
+              "best peer's (SDPA, FA3 where measured) on the same shape, in the same kernel precision.", IO_NOTE]
     return "\n".join(lines)
 
 

@@ -16,7 +16,7 @@ import torch
 
 from flashhopper.flops import attention_flops, tflops
 
-from .providers import PROVIDERS, Unavailable, check_against_sdpa, is_ours
+from .providers import Prepared, Provider, Unavailable, check_against_sdpa, is_ours, provider
 from .timing import Timer
 
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}
@@ -89,18 +89,18 @@ def run_sweep(shapes: Sequence[Shape], providers: Sequence[str], timer: Timer,
     drifts by several percent within a minute, and interleaving exposes every provider to it alike."""
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
+    resolved = {name: provider(name) for name in providers}  # an unknown name fails before any measurement
     rows: list[dict[str, Any]] = []
-    total, done = len(shapes) * len(providers), 0
+    total, done = len(shapes) * len(resolved), 0
     for shape in shapes:
         q, k, v = inputs(shape)
-        timed = []
-        for name in providers:
-            provider = PROVIDERS[name]
+        timed: list[tuple[dict[str, Any], Provider, Prepared, list[float]]] = []
+        for name, prov in resolved.items():
             row: dict[str, Any] = {**dataclasses.asdict(shape), "provider": name}
             rows.append(row)
             try:
-                with provider.context():
-                    prepared = provider.prepare(shape.mode, q, k, v, shape.causal)
+                with prov.context():
+                    prepared = prov.prepare(shape.mode, q, k, v, shape.causal)
             except Unavailable as e:
                 row["skipped"] = str(e)
                 done += 1
@@ -110,12 +110,12 @@ def run_sweep(shapes: Sequence[Shape], providers: Sequence[str], timer: Timer,
             row.update(prepared.meta)
             if is_ours(name) and shape.mode == "fwd":
                 row["rel_err_vs_sdpa"] = err = check_against_sdpa(prepared.fn, q, k, v, shape.causal)
-                if err is not None and not err < provider.rel_err_tolerance:  # fp8: its own rounding
+                if err is not None and not err < prov.rel_err_tolerance:  # fp8: its own rounding
                     print(f"WARNING: {name} differs from SDPA by {err:.2e} at {row}", file=sys.stderr)
-            timed.append((row, provider, prepared, []))
+            timed.append((row, prov, prepared, []))
         for r in range(rounds):
-            for row, provider, prepared, samples in timed:
-                with provider.context():
+            for row, prov, prepared, samples in timed:
+                with prov.context():
                     samples.append(timer(prepared.fn))
                 if r == rounds - 1:
                     done += 1

@@ -79,15 +79,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--archs", type=int, nargs="*", default=list(kk.ARCHS))
-    ap.add_argument("--modes", nargs="*", default=list(kk.MODES))
-    ap.add_argument("--dtypes", nargs="*", default=list(kk.BUILD_DTYPES))
-    ap.add_argument("--hdims", type=int, nargs="*", default=list(HDIMS))
-    ap.add_argument("--masks", nargs="*", default=["none", "causal"])
-    ap.add_argument("--variants", nargs="*", default=[])
+    ap.add_argument("--modes", nargs="*", choices=kk.MODES, default=list(kk.MODES))
+    ap.add_argument("--dtypes", nargs="*", choices=list(kk.BUILD_DTYPES), default=list(kk.BUILD_DTYPES))
+    ap.add_argument("--hdims", type=int, nargs="*", choices=HDIMS, default=list(HDIMS))
+    ap.add_argument("--masks", nargs="*", choices=kk.MASKS, default=["none", "causal"])
+    ap.add_argument("--variants", nargs="*", choices=list(VARIANTS), default=[])
     args = ap.parse_args()
-    for m in args.modes:
-        if m not in kk.MODES:
-            ap.error(f"unknown mode {m}; known: {list(kk.MODES)}")
     families = []
     for a in args.archs:
         if a not in kk.ARCHS:
@@ -98,18 +95,6 @@ def main() -> None:
                 ap.error(f"the sm{a} {m} kernel family is not implemented yet; build without it "
                          "(FLASHHOPPER_ARCHS / FLASHHOPPER_MODES)")
             families.append((a, m, fam))
-    for d in args.dtypes:
-        if d not in kk.BUILD_DTYPES:
-            ap.error(f"unknown dtype {d}; known: {list(kk.BUILD_DTYPES)}")
-    for h in args.hdims:
-        if h not in HDIMS:
-            ap.error(f"unsupported head dim {h}; supported: {list(HDIMS)}")
-    for m in args.masks:
-        if m not in kk.MASKS:
-            ap.error(f"unknown mask {m}; known: {list(kk.MASKS)}")
-    for v in args.variants:
-        if v not in VARIANTS:
-            ap.error(f"unknown variant {v}; known: {list(VARIANTS)}")
 
     args.out.mkdir(parents=True, exist_ok=True)
     entries: dict[str, list[str]] = {m: [] for m in kk.MODES}

@@ -202,6 +202,9 @@ PYBIND11_MODULE(_C, m) {
     d["cutlass"] = FLASHHOPPER_CUTLASS_VERSION;
 #endif
     d["archs"] = c.archs;
+#ifdef FLASHHOPPER_ARCHS_FROM
+    d["archs_from"] = FLASHHOPPER_ARCHS_FROM;  // "FLASHHOPPER_ARCHS", or how "auto" chose (visible GPUs)
+#endif
     d["modes"] = c.modes;
     d["dtypes"] = c.dtypes;
     d["headdims"] = c.headdims;

@@ -14,7 +14,7 @@ PY=${PYTHON:-python3}
 CUT=${CUTLASS_INCLUDE:?}
 GEN=$(mktemp -d)
 "$PY" "$SRC/cpp/generate_kernels.py" --out "$GEN" "$@" >/dev/null
-FLAGS="-std=c++17 -O2 -fPIC -I$SRC/cpp -I$CUT -I$CUDA/include $($PY -m pybind11 --includes) -DFLASHHOPPER_HAS_QUANTIZE -DFLASHHOPPER_CUTLASS_VERSION=\"4.2.0\""
+FLAGS="-std=c++17 -O2 -fPIC -I$SRC/cpp -I$CUT -I$CUDA/include $($PY -m pybind11 --includes) -DFLASHHOPPER_HAS_QUANTIZE -DFLASHHOPPER_CUTLASS_VERSION=\"4.2.0\" -DFLASHHOPPER_ARCHS_FROM=\"link_prebuilt.sh\""
 g++ $FLAGS -c "$SRC/cpp/bindings.cpp" -o "$GEN/bindings.o" &
 g++ $FLAGS -c "$GEN/registry.cpp" -o "$GEN/registry.o" &
 wait

@@ -47,6 +47,8 @@ def test_build_info() -> None:
     assert isinstance(info.get("cuda_runtime"), int)
     for field in ("archs", "modes", "dtypes", "headdims", "masks", "variants"):
         assert isinstance(info[field], list), field
+    # How the families were chosen: FLASHHOPPER_ARCHS, or auto from the visible GPUs (cmake/DetectGpuArchs.cmake).
+    assert info["archs_from"] == "FLASHHOPPER_ARCHS" or info["archs_from"].startswith(("auto, ", "link_prebuilt"))
 
 
 @needs_ext

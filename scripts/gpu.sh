@@ -12,6 +12,8 @@
 #                                   # (16-bit and fp8), backward and fp8 quantization checks on small shapes;
 #                                   # non-zero exit if any reports an error (SANITIZE_TOOLS, SANITIZE_CHECKS pick;
 #                                   # SANITIZE_ARGS, e.g. "--arch 80", go to the attention checks)
+#   scripts/gpu.sh sanitize-all     # the four tools over every kernel of the build (both families, every dtype,
+#                                   # mask and variant, deterministic backward, quantization); SANITIZE_JOBS at once
 #   scripts/gpu.sh check            # scripts/check_fwd.py: every built forward kernel on a few odd shapes
 #   scripts/gpu.sh check-bwd        # scripts/check_bwd.py: the same for the backward kernels
 #   scripts/gpu.sh health           # GEMM ceiling + clocks under load; non-zero exit if throttled
@@ -68,7 +70,7 @@ do_build() {
     -DPython_EXECUTABLE="$(command -v "$PY")" \
     -Dpybind11_DIR="$("$PY" -m pybind11 --cmakedir)" \
     ${inc:+-DCUTLASS_INCLUDE_DIR="$inc"} \
-    -DFLASHHOPPER_ARCHS="${FLASHHOPPER_ARCHS:-90}" \
+    -DFLASHHOPPER_ARCHS="${FLASHHOPPER_ARCHS-auto}" \
     -DFLASHHOPPER_MODES="${FLASHHOPPER_MODES:-fwd;bwd}" \
     -DFLASHHOPPER_DTYPES="${FLASHHOPPER_DTYPES:-bf16;fp16;e4m3}" \
     -DFLASHHOPPER_HDIMS="${FLASHHOPPER_HDIMS:-64;128;256}" \
@@ -179,26 +181,62 @@ do_sass() {
   "$PY" scripts/sass_summary.py "$OUT/sass.txt" | tee "$OUT/sass-summary.txt"
 }
 
-# compute-sanitizer's four tools over the small checks (bf16 and the fp8 forward); every run logged under
-# $OUT; the exit status is non-zero if any tool reports an error or any check fails.
-do_sanitize() {
-  local failed=0 check tool log
-  local -A args=([check_fwd]="--small --dtypes bfloat16 float8_e4m3fn ${SANITIZE_ARGS:-}"
-                 [check_bwd]="--small --dtypes bfloat16 ${SANITIZE_ARGS:-}"
-                 [check_quant]="--small --dtypes bfloat16")
-  for check in ${SANITIZE_CHECKS:-check_fwd check_bwd check_quant}; do
+# compute-sanitizer's tools over checks given as "name|script args" (scripts/<script> with <args>), every run
+# logged under $OUT as sanitize-<name>-<tool>.log. SANITIZE_JOBS runs go at once (default 4: the tools are
+# mostly host-bound and the small shapes leave the GPU room), each under SANITIZE_TIMEOUT seconds (default
+# 900). The exit status is non-zero if any tool reports an error or any check fails.
+run_sanitizer() {
+  local jobs=${SANITIZE_JOBS:-4} failed=0 spec name script tool log rc t0=$SECONDS
+  local -a logs=()
+  for spec in "$@"; do
+    name=${spec%%|*}; script=${spec#*|}
     for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck initcheck}; do
-      log="$OUT/sanitize-$check-$tool.log"
-      if compute-sanitizer --tool "$tool" --error-exitcode 1 "$PY" "scripts/$check.py" ${args[$check]} >"$log" 2>&1; then
-        echo "$check $tool: ok"
-      else
-        echo "$check $tool: FAILED (exit $?; $log)"
-        failed=1
-      fi
-      grep -E "ERROR SUMMARY|RACECHECK SUMMARY|kernels checked|worst|MISMATCH" "$log" | tail -3 || true
+      while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do wait -n || true; done
+      log="$OUT/sanitize-$name-$tool.log"
+      logs+=("$log")
+      # The status goes to a file: `wait -n` above may already have reaped the job.
+      (rc=0; timeout "${SANITIZE_TIMEOUT:-900}" compute-sanitizer --tool "$tool" --error-exitcode 1 \
+         "$PY" scripts/$script >"$log" 2>&1 || rc=$?; echo "$rc" >"$log.rc") &
     done
   done
+  wait
+  for log in "${logs[@]}"; do
+    rc=$(cat "$log.rc" 2>/dev/null || echo "?")
+    name=${log##*/sanitize-}; name=${name%.log}
+    if [ "$rc" = 0 ]; then echo "$name: ok"; else echo "$name: FAILED (exit $rc; $log)"; failed=1; fi
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|kernels checked|MISMATCH|FAILED" "$log" | tail -2 || true
+    rm -f "$log.rc"
+  done
+  echo "sanitizer runs: ${#logs[@]} in $((SECONDS - t0)) s; $([ $failed = 0 ] && echo clean || echo FAILURES)"
   return "$failed"
+}
+
+# The quick set: bf16 and the fp8 forward, the bf16 backward, the quantization (SANITIZE_CHECKS picks by name;
+# SANITIZE_ARGS, e.g. "--arch 80", go to the attention checks).
+do_sanitize() {
+  local -A checks=([check_fwd]="check_fwd|check_fwd.py --small --dtypes bfloat16 float8_e4m3fn ${SANITIZE_ARGS:-}"
+                   [check_bwd]="check_bwd|check_bwd.py --small --dtypes bfloat16 ${SANITIZE_ARGS:-}"
+                   [check_quant]="check_quant|check_quant.py --small --dtypes bfloat16")
+  local -a specs=() c
+  for c in ${SANITIZE_CHECKS:-check_fwd check_bwd check_quant}; do specs+=("${checks[$c]}"); done
+  run_sanitizer "${specs[@]}"
+}
+
+# Every kernel of the build: each family's forward (all dtypes, masks, variants), backward (normal and
+# deterministic), and the fp8 quantization, on small shapes, under all four tools.
+do_sanitize_all() {
+  local a archs modes
+  archs=$("$PY" -c "import flashhopper as f; print(*f.build_info().get('archs', []))")
+  modes=$("$PY" -c "import flashhopper as f; print(*f.build_info().get('modes', []))")
+  [ -n "$archs" ] || { echo "sanitize-all: no kernels in this build (${PKG_DIR})" >&2; return 1; }
+  local -a specs=()
+  for a in $archs; do
+    [[ " $modes " == *" fwd "* ]] && specs+=("fwd-sm$a|check_fwd.py --small --arch $a")
+    [[ " $modes " == *" bwd "* ]] && specs+=("bwd-sm$a|check_bwd.py --small --arch $a"
+                                             "bwd-sm$a-det|check_bwd.py --small --arch $a --deterministic")
+  done
+  [[ " $archs " == *" 90 "* ]] && specs+=("quant|check_quant.py --small")
+  run_sanitizer "${specs[@]}"
 }
 
 cmd=${1:-all}
@@ -209,6 +247,7 @@ case "$cmd" in
   bench) do_bench "$@" ;;
   sass) do_sass ;;
   sanitize) do_sanitize ;;
+  sanitize-all) do_sanitize_all ;;
   health) do_health ;;
   ablate) do_ablate ;;
   build-base) do_build_base ;;
@@ -217,6 +256,6 @@ case "$cmd" in
   check) "$PY" scripts/check_fwd.py "$@" 2>&1 | tee "$OUT/check.log" ;;
   check-bwd) "$PY" scripts/check_bwd.py "$@" 2>&1 | tee "$OUT/check-bwd.log" ;;
   all) do_build; do_test; do_sass; do_bench "$@" ;;
-  *) echo "usage: $0 build|test|bench|sass|sanitize|check|check-bwd|health|ablate|build-base|compare|profile|all" >&2
+  *) echo "usage: $0 build|test|bench|sass|sanitize|sanitize-all|check|check-bwd|health|ablate|build-base|compare|profile|all" >&2
      exit 2 ;;
 esac

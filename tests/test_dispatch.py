@@ -10,7 +10,7 @@ import torch
 
 from flashhopper import _device, _ext, available_backends, dispatch
 from flashhopper._device import DeviceInfo
-from flashhopper.dispatch import choose_kernel, kernel_key, runs_on, select_backend
+from flashhopper.dispatch import choose_kernel, kernel_key, resolve_backend, runs_on, select_backend
 from flashhopper.kernel_key import KernelKey
 
 H100 = DeviceInfo("NVIDIA H100 80GB HBM3", (9, 0), 132)
@@ -141,9 +141,9 @@ def test_select_backend_on_cuda_passes_the_mask(monkeypatch: pytest.MonkeyPatch)
     kernels = build(90) | build(80, masks=("window",))
     monkeypatch.setattr(_ext, "has_kernel", lambda mode, key: mode == "fwd" and key in kernels)
     q: Any = SimpleNamespace(device=torch.device("cuda", 0))  # all select_backend reads of q
-    assert select_backend(q, 128, BF16, True) == "sm90"
-    assert select_backend(q, 128, BF16, True, window=(64, -1)) == "sm80"
-    assert select_backend(q, 128, BF16, False, window=(-1, -1)) == "sm90"
+    assert resolve_backend(q, 128, BF16, True) == "sm90"
+    assert resolve_backend(q, 128, BF16, True, window=(64, -1)) == "sm80"
+    assert resolve_backend(q, 128, BF16, False, window=(-1, -1)) == "sm90"
 
 
 def test_available_backends() -> None:

@@ -174,7 +174,21 @@ def require_bwd_kernel(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.
 def select_backend(q: torch.Tensor, headdim: int, dtype: torch.dtype, causal: bool,
                    backend: str | None = None, *, window: tuple[int, int] | None = None) -> str:
     """Resolve ``backend`` (None = auto) to one of BACKENDS for inputs like ``q`` with this mask
-    (``causal`` and ``window``, flash-attn's (left, right), -1 unbounded)."""
+    (``causal`` and ``window``, flash-attn's (left, right), -1 unbounded). The public form: checks its
+    arguments, then resolve_backend."""
+    validation.check_tensor("q", q)
+    if isinstance(headdim, bool) or not isinstance(headdim, int) or headdim < 1:
+        raise ValueError(f"headdim must be a positive int, got {headdim!r}")
+    if not isinstance(dtype, torch.dtype) or dtype not in validation.REFERENCE_DTYPES:
+        raise TypeError(f"dtype must be one of {', '.join(map(str, validation.REFERENCE_DTYPES))}, got {dtype!r}")
+    validation.check_flag("causal", causal)
+    return resolve_backend(q, headdim, dtype, causal, backend, window=window)
+
+
+def resolve_backend(q: torch.Tensor, headdim: int, dtype: torch.dtype, causal: bool,
+                    backend: str | None = None, *, window: tuple[int, int] | None = None) -> str:
+    """select_backend for arguments an entry point has validated already (flash_attn_func's check_inputs:
+    the per-call path does not check q, headdim, dtype and causal twice)."""
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))} or None, got {backend!r}")
     window = validation.check_window(window)
@@ -190,8 +204,15 @@ def select_backend(q: torch.Tensor, headdim: int, dtype: torch.dtype, causal: bo
 def available_backends(device: torch.device | str | int | None = None) -> list[str]:
     """Backends with at least one compiled forward kernel that runs on ``device`` (default: current
     CUDA device, or none), plus "reference", which runs anywhere."""
+    if device is not None:
+        if isinstance(device, bool) or not isinstance(device, (torch.device, str, int)):
+            raise TypeError(f"device must be a torch.device, str, int or None, got {type(device).__name__}")
+        try:
+            device = torch.device(device)
+        except RuntimeError as e:
+            raise ValueError(f"device {device!r} is not a device: {e}") from None
     out: list[str] = []
-    if torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda"):
+    if torch.cuda.is_available() and (device is None or device.type == "cuda"):
         dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
         index = dev.index if dev.index is not None else torch.cuda.current_device()
         cap = _device.device_info(index).capability

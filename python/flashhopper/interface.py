@@ -5,8 +5,8 @@ from typing import Literal, overload
 
 import torch
 
-from . import ops  # noqa: F401  (registers torch.ops.flashhopper.fwd / .bwd and fwd's autograd formula)
-from .dispatch import require_bwd_kernel, select_backend
+from . import _autocast, ops  # noqa: F401  (ops: registers the ops flashhopper::fwd / bwd and fwd's autograd)
+from .dispatch import require_bwd_kernel, resolve_backend
 from .validation import check_flag, check_inputs
 
 
@@ -42,11 +42,18 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
     (at some speed cost); the forward is deterministic either way. When grad mode is on and q, k or v
     requires grad, a kernel backend without a compiled backward for this configuration raises
     ValueError here, before the forward runs (saying what to rebuild with).
+
+    Autocast, as for SDPA: under ``torch.autocast("cuda")``, q, k and v on CUDA that are float32,
+    float16 or bfloat16 are cast to the autocast dtype first, so the kernel of that dtype runs and out
+    comes back in it (lse stays float32); the cast is differentiable, so a float32 leaf gets a float32
+    gradient. float64 and CPU tensors are left as they are (CUDA autocast does not apply to them).
     """
+    if _autocast.enabled():  # the dtype picks the kernel: cast before validation and dispatch
+        q, k, v = _autocast.cast(q, k, v)
     shapes, scale = check_inputs(q, k, v, softmax_scale, causal)
     check_flag("return_lse", return_lse)
     check_flag("deterministic", deterministic)
-    name = select_backend(q, shapes.headdim, q.dtype, causal, backend)
+    name = resolve_backend(q, shapes.headdim, q.dtype, causal, backend)
     require_bwd_kernel(name, q, k, v, shapes.headdim, causal)
     # No local window from here yet (window_left = window_right = -1: unbounded).
     out, lse = torch.ops.flashhopper.fwd.default(q, k, v, scale, causal, -1, -1, deterministic, name)

@@ -134,7 +134,8 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
     return out, lse
 
 
-fwd_op = _op.define("fwd", fwd)
+# Under CUDA autocast q, k and v run in the autocast dtype, as SDPA's do.
+fwd_op = _op.define("fwd", fwd, autocast=("q", "k", "v"))
 
 
 @torch.library.register_fake("flashhopper::fwd")
@@ -262,7 +263,11 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o
     return dq, dk, dv
 
 
-bwd_op = _op.define("bwd", bwd)
+# Nothing cast, as for SDPA's backward ops (autocast does not list them): its inputs are the forward's, in
+# the dtypes the forward ran in, and lse/dlse are float32. A backward() called inside an autocast region
+# reaches the kernel (autograd runs it with the caller's autocast state): the op then runs as is, below
+# autocast, so the reference's float32 matmuls stay float32 there too.
+bwd_op = _op.define("bwd", bwd, autocast=())
 
 
 @torch.library.register_fake("flashhopper::bwd")

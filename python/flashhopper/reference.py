@@ -17,6 +17,8 @@ import math
 
 import torch
 
+from . import validation
+
 # Scores are materialized one block of query rows at a time, at most this many elements per
 # block, so that the float64 reference fits in GPU memory at seqlen 8k and beyond.
 _MAX_SCORE_ELEMENTS = 1 << 27
@@ -88,7 +90,10 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_sca
                   causal: bool = False, *, window: tuple[int, int] | None = None,
                   dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact attention computed entirely in ``dtype`` (float64 by default); out and lse in ``dtype``."""
-    scale = default_scale(q.shape[-1]) if softmax_scale is None else softmax_scale
+    _, scale = validation.check_inputs(q, k, v, softmax_scale, causal)
+    window = validation.check_window(window)
+    if dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"dtype must be torch.float32 or torch.float64 (what the reference computes in), got {dtype}")
     b, sq, h, d = q.shape
     sk = k.shape[1]
     qt, kt, vt = _heads_first(q, k, v, dtype)

@@ -102,8 +102,9 @@ def check_inputs(q: Any, k: Any, v: Any, softmax_scale: Any, causal: Any) -> tup
         check_tensor(name, x)
         check_rank(name, x)
         check_dtype(name, x)
-    check_same_dtype(q, k, v)
+    # Devices first: under CUDA autocast only the CUDA ones were cast, and the device is the mistake.
     check_same_device(q, k, v)
+    check_same_dtype(q, k, v)
     shapes = check_shapes(q, k, v)
     scale = 1.0 / math.sqrt(shapes.headdim) if softmax_scale is None else check_softmax_scale(softmax_scale)
     check_flag("causal", causal)
@@ -187,7 +188,8 @@ def check_alignment(name: str, x: torch.Tensor) -> None:
     if x.data_ptr() % TMA_ALIGN_BYTES:
         raise ValueError(
             f"{name} data pointer {x.data_ptr():#x} is not {TMA_ALIGN_BYTES}-byte aligned "
-            "(a view at an odd offset?); the kernels load through TMA, which needs it: call .contiguous()")
+            "(a view at an odd offset?); the kernels load through TMA, which needs it: call .clone() "
+            "(.contiguous() keeps a contiguous view where it is)")
     for what, stride in zip(("batch", "row", "head"), kernel_strides(x)):
         if stride == 0:  # size-1 dims were normalized above, so this one is broadcast
             raise ValueError(

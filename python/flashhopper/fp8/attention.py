@@ -13,13 +13,13 @@ from typing import Any, Literal, overload
 
 import torch
 
-from .. import validation
+from .. import _autocast, validation
 from ..validation import Shapes
 from . import ops
 from .format import FP8Tensor, check_fp8_tensor, check_int, check_seed, to_vt
 from .quantize import default_kv_block_size, quantize_fp8
-from .validation import (Q_BLOCK, Q_WHY, check_aligned, check_fp8_inputs, check_input, check_not_transposed,
-                         check_qk_seeds, check_tile_alignment, check_v_seed, kv_why)
+from .validation import (Q_BLOCK, Q_WHY, check_aligned, check_fp8_inputs, check_input, check_input_alignment,
+                         check_not_transposed, check_qk_seeds, check_tile_alignment, check_v_seed, kv_why)
 
 
 def require_kernel(device: torch.device, headdim: int, causal: bool) -> tuple[int, int]:
@@ -100,7 +100,14 @@ def flash_attn_fp8_func(q: torch.Tensor | FP8Tensor, k: torch.Tensor | FP8Tensor
     tensors run ``reference_fp8.attention_fp8_ref``, both through the op ``flashhopper::fwd_fp8``.
     Returns out (bfloat16 (batch, seqlen_q, nheads_q, headdim)), or (out, lse) with lse float32
     (batch, nheads_q, seqlen_q), natural log.
+
+    Autocast, as far as fp8 allows SDPA's behaviour: under ``torch.autocast("cuda")``, tensor inputs on
+    CUDA that are float32, float16 or bfloat16 are cast to the autocast dtype before anything else, then
+    quantized from it; FP8Tensors are left as they are, and out stays bfloat16 (the kernel's output,
+    whatever the inputs' dtype). CPU tensors are never cast.
     """
+    if _autocast.enabled():
+        q, k, v = _autocast.cast(q, k, v)
     validation.check_flag("causal", causal)
     validation.check_flag("return_lse", return_lse)
     validation.check_flag("hadamard", hadamard)
@@ -141,6 +148,10 @@ def flash_attn_fp8_func(q: torch.Tensor | FP8Tensor, k: torch.Tensor | FP8Tensor
     q_bs = Q_BLOCK if q_block_size is None else q_block_size
     kv_bs = default_kv_block_size(shapes.headdim, causal) if kv_block_size is None else kv_block_size
     if tiles is not None:  # fail before quantizing anything
+        if ops.has_quant_kernel():  # (as quantize_fp8 would; said here to name the argument)
+            for name, x in (("q", q), ("k", k), ("v", v)):
+                if not isinstance(x, FP8Tensor):
+                    check_input_alignment(name, x)
         if not isinstance(q, FP8Tensor):
             check_aligned("q_block_size", q_bs, Q_BLOCK, Q_WHY)
         if not (isinstance(k, FP8Tensor) and isinstance(v, FP8Tensor)):

@@ -71,8 +71,10 @@ def hadamard_sign_key(seed: int) -> int:
 def hadamard_signs(headdim: int, seed: int = 0) -> torch.Tensor:
     """The ±1 vector (float32, CPU) of the random-sign Hadamard transform for ``seed`` (docs/fp8.md): sign
     i is -1 iff bit 0 of mix(key ^ (i * 0x9e3779b9 mod 2^32)) is set. The quantization kernel computes the
-    same signs from the seed itself."""
+    same signs from the seed itself. headdim: a power of two, the size of a Hadamard transform."""
     check_int("headdim", headdim, minimum=1)
+    if headdim & (headdim - 1):
+        raise ValueError(f"headdim must be a power of two (the size of a Hadamard transform), got {headdim}")
     check_seed("seed", seed)
     key = hadamard_sign_key(seed)
     return torch.tensor([-1.0 if _mix32(key ^ ((i * 0x9E3779B9) & _U32)) & 1 else 1.0 for i in range(headdim)],
@@ -197,6 +199,7 @@ def token_scales(t: FP8Tensor) -> torch.Tensor:
 def dequantize(t: FP8Tensor) -> torch.Tensor:
     """float32 (batch, seqlen, nheads, headdim): data * scale, V^T brought back to the token layout
     (permutation and padding undone). The Hadamard transform, if any, stays applied."""
+    check_fp8_tensor("t", t)
     data = t.data.float()
     if t.transposed:
         b, h, d, sp = data.shape

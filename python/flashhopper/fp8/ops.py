@@ -155,7 +155,9 @@ def _fwd_cpu(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_scale: t
     return out.to(torch.bfloat16, memory_format=torch.contiguous_format), lse.contiguous()
 
 
-fwd_op = _op.define("fwd_fp8", fwd, _fwd_cpu)
+# Nothing cast under autocast: q, k, v_t are e4m3 and the scales float32 descales (the activations were
+# cast before their quantization, by quantize_fp8's op).
+fwd_op = _op.define("fwd_fp8", fwd, _fwd_cpu, autocast=())
 
 
 @torch.library.register_fake("flashhopper::fwd_fp8")
@@ -223,7 +225,8 @@ def _quantize_cpu(x: torch.Tensor, block_size: int, hadamard_seed: Optional[int]
     return t.data, t.scale
 
 
-quantize_op = _op.define("quantize_fp8", quantize, _quantize_cpu)
+# Under CUDA autocast x is quantized from the autocast dtype.
+quantize_op = _op.define("quantize_fp8", quantize, _quantize_cpu, autocast=("x",))
 
 
 @torch.library.register_fake("flashhopper::quantize_fp8")

@@ -6,9 +6,9 @@ import math
 
 import torch
 
-from .. import _ext, reference_fp8, validation
+from .. import _autocast, _ext, reference_fp8, validation
 from . import ops
-from .format import GRANULARITIES, FP8Tensor, check_seed, seed_int64
+from .format import GRANULARITIES, FP8Tensor, check_int, check_seed, seed_int64
 from .validation import check_input, check_quant_block_size, quant_kernel_takes
 
 # K/V scale block when there is no kernel table to take block_n from.
@@ -27,7 +27,9 @@ def default_kv_block_size(headdim: int, causal: bool | None = None) -> int:
     return n if quant_kernel_takes(n, headdim) else ns[0]
 
 
-def _use_quant_kernel(x: torch.Tensor, granularity: str, kernel: bool | None) -> bool:
+def use_quant_kernel(x: torch.Tensor, granularity: str = "block", kernel: bool | None = None) -> bool:
+    """Whether quantize_fp8(x, granularity=granularity, kernel=kernel) runs the quantization kernel; ValueError
+    when kernel=True and it cannot."""
     available = (x.is_cuda and granularity == "block" and ops.has_quant_kernel()
                  and not ops.device_problem(x.device.index))
     if kernel is None:
@@ -62,7 +64,11 @@ def quantize_fp8(x: torch.Tensor, block_size: int | None = 128, hadamard: bool =
     The kernel needs block_size a multiple of 16 with block_size * headdim <= 32768.
     "block" quantization goes through the op ``flashhopper::quantize_fp8`` (the kernel on CUDA, the
     reference on CPU); kernel=False on CUDA and "head"/"tensor" call reference_fp8 directly.
+    Under ``torch.autocast("cuda")`` a float32, float16 or bfloat16 x on CUDA is cast to the autocast
+    dtype first and quantized from it, as SDPA takes its inputs in that dtype (CPU tensors: never cast).
     """
+    if _autocast.enabled():
+        (x,) = _autocast.cast(x)
     check_input("x", x)
     validation.check_flag("hadamard", hadamard)
     validation.check_flag("transpose", transpose)
@@ -71,9 +77,11 @@ def quantize_fp8(x: torch.Tensor, block_size: int | None = 128, hadamard: bool =
         raise ValueError(f"granularity must be one of {', '.join(map(repr, GRANULARITIES))}, got {granularity!r}")
     if kernel is not None:
         validation.check_flag("kernel", kernel)
-    use_kernel = _use_quant_kernel(x, granularity, kernel)
+    use_kernel = use_quant_kernel(x, granularity, kernel)
     if granularity == "block":
         check_quant_block_size(block_size, x.shape[-1], use_kernel)
+    elif block_size is not None:  # ignored, but an argument of the wrong type is a bug all the same
+        check_int("block_size", block_size, minimum=1)
     hadamard_seed = seed if hadamard else None
     if use_kernel or (granularity == "block" and x.device.type == "cpu"):
         data, scale = torch.ops.flashhopper.quantize_fp8.default(

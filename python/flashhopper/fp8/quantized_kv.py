@@ -5,11 +5,11 @@ from typing import NamedTuple
 
 import torch
 
-from .. import validation
+from .. import _autocast, validation
 from .attention import flash_attn_fp8_func
 from .format import FP8Tensor
-from .quantize import default_kv_block_size, quantize_fp8
-from .validation import check_input
+from .quantize import default_kv_block_size, quantize_fp8, use_quant_kernel
+from .validation import check_input, check_input_alignment
 
 
 class QuantizedKV(NamedTuple):
@@ -20,7 +20,12 @@ class QuantizedKV(NamedTuple):
 
     def attend(self, q: torch.Tensor | FP8Tensor, softmax_scale: float | None = None,
                causal: bool = False) -> torch.Tensor:
-        """``flash_attn_fp8_func(q, k, v, softmax_scale, causal)``: q is quantized with K's Hadamard seed."""
+        """``flash_attn_fp8_func(q, k, v, softmax_scale, causal)``: q is quantized with K's Hadamard seed
+        (under CUDA autocast, from the autocast dtype, as there)."""
+        for name, t in (("k", self.k), ("v", self.v)):
+            if not isinstance(t, FP8Tensor):  # flash_attn_fp8_func would quantize it on every call
+                raise TypeError(f"{name} must be an FP8Tensor (quantize_kv makes a QuantizedKV), "
+                                f"got {type(t).__name__}")
         return flash_attn_fp8_func(q, self.k, self.v, softmax_scale, causal)
 
 
@@ -31,11 +36,20 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, block_size: int | None = None,
     block_size None: the fp8 kernel's block_n for this head dim (``default_kv_block_size``; pass
     ``causal`` when the causal and non-causal kernels' block_n have no common block that the
     quantization kernel allows), 128 without a kernel table.
+    Under ``torch.autocast("cuda")``, float32, float16 or bfloat16 k and v on CUDA are cast to the autocast
+    dtype first and quantized from it, as in ``quantize_fp8``.
     """
+    if _autocast.enabled():
+        k, v = _autocast.cast(k, v)
     check_input("k", k)
     check_input("v", v)
     if v.shape != k.shape:
         raise ValueError(f"v shape {tuple(v.shape)} must equal k shape {tuple(k.shape)}")
+    if v.device != k.device:
+        raise ValueError(f"v is on {v.device} but k is on {k.device}; k and v must share one device")
+    if use_quant_kernel(k):
+        check_input_alignment("k", k)
+        check_input_alignment("v", v)
     if causal is not None:
         validation.check_flag("causal", causal)
     if block_size is None:

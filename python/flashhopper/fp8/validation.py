@@ -34,6 +34,25 @@ def check_input(name: str, x: Any) -> None:
     validation.check_last_dim_contiguous(name, x)
 
 
+def check_input_alignment(name: str, x: torch.Tensor) -> None:
+    """An input (``check_input`` passed) the quantization kernel will read: its 16-byte loads need the data
+    and every batch, row and head step on a 16-byte boundary. Checked before anything is quantized, to name
+    the argument (the launch checks the real pointer, as "x"); from metadata (``validation.kernel_layout_ok``:
+    the storage itself is assumed aligned, as the caching allocator's is), so fake tensors pass through too.
+    Not while torch.compile traces: dynamo cannot read a storage offset (a graph break); the launch's check
+    runs all the same."""
+    if torch.compiler.is_compiling():
+        return
+    # The usual case, cheaply (host time): contiguous with head dim 64/128/256, every stride is aligned.
+    if x.is_contiguous() and x.storage_offset() * x.element_size() % validation.TMA_ALIGN_BYTES == 0:
+        return
+    if not validation.kernel_layout_ok(x):
+        raise ValueError(f"{name} is not laid out for the quantization kernel's 16-byte loads (storage offset "
+                         f"{x.storage_offset()}, strides {tuple(x.stride())} of {x.element_size()}-byte elements): "
+                         "its start and its batch, row and head strides must be nonzero multiples of 16 bytes; "
+                         "call .clone()")
+
+
 def quant_kernel_takes(block_size: int, headdim: int) -> bool:
     """Whether the quantization kernel takes this block size (cpp/common/quantize_fp8.h)."""
     return (block_size % QUANT_BLOCK_MULTIPLE == 0 and block_size * headdim % QUANT_WARP_ELEMENTS == 0

@@ -14,6 +14,7 @@
 #                                   # SANITIZE_ARGS, e.g. "--arch 80", go to the attention checks)
 #   scripts/gpu.sh sanitize-all     # the four tools over every kernel of the build (both families, every dtype,
 #                                   # mask and variant, deterministic backward, quantization); SANITIZE_JOBS at once
+#   scripts/gpu.sh fuzz [args]      # scripts/fuzz.py: 2000 random configurations over every entry point, JSON summary
 #   scripts/gpu.sh check            # scripts/check_fwd.py: every built forward kernel on a few odd shapes
 #   scripts/gpu.sh check-bwd        # scripts/check_bwd.py: the same for the backward kernels
 #   scripts/gpu.sh health           # GEMM ceiling + clocks under load; non-zero exit if throttled
@@ -248,6 +249,7 @@ case "$cmd" in
   sass) do_sass ;;
   sanitize) do_sanitize ;;
   sanitize-all) do_sanitize_all ;;
+  fuzz) "$PY" scripts/fuzz.py --json "$OUT/fuzz.json" "$@" 2>&1 | tee "$OUT/fuzz.log" ;;
   health) do_health ;;
   ablate) do_ablate ;;
   build-base) do_build_base ;;
@@ -256,6 +258,6 @@ case "$cmd" in
   check) "$PY" scripts/check_fwd.py "$@" 2>&1 | tee "$OUT/check.log" ;;
   check-bwd) "$PY" scripts/check_bwd.py "$@" 2>&1 | tee "$OUT/check-bwd.log" ;;
   all) do_build; do_test; do_sass; do_bench "$@" ;;
-  *) echo "usage: $0 build|test|bench|sass|sanitize|sanitize-all|check|check-bwd|health|ablate|build-base|compare|profile|all" >&2
+  *) echo "usage: $0 build|test|bench|sass|sanitize|sanitize-all|fuzz|check|check-bwd|health|ablate|build-base|compare|profile|all" >&2
      exit 2 ;;
 esac

@@ -61,34 +61,49 @@ def assert_matches_reference(out: torch.Tensor, lse: torch.Tensor, q: torch.Tens
         f"lse max-abs error {lse_err:.3e} > 2 x {lowp_lse_err:.3e} + {lse_atol}: {where}"
 
 
+def keys_seen(seqlen_q: int, seqlen_k: int, causal: bool, device: torch.device | str,
+              window: tuple[int, int] | None = None) -> torch.Tensor:
+    """How many keys each query row sees, (seqlen_q,)."""
+    sees = visible(seqlen_q, seqlen_k, causal, device, window=window)
+    if sees is None:
+        return torch.full((seqlen_q,), seqlen_k, device=device)
+    return sees.sum(1)
+
+
 def one_key_noise_bound(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         softmax_scale: float, causal: bool, window: tuple[int, int] | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Elementwise bounds on |dq| and |dk| when seqlen_k is 1 (and there is no dlse).
+    """Elementwise bounds on |dq| and |dk| when every row sees at most one key (and there is no dlse):
+    seqlen_k 1, or a window one key wide (left 0 with causal, or (0, 0)).
 
-    With one key the softmax is constant (P = 1 on the rows that see the key), so dq and dk are 0 in
+    With one key the softmax is constant (P = 1 on the rows that see it), so dq and dk are 0 in
     exact arithmetic: dS = dP - D with dP = dO.v and D = dO.O = dO.v. What any implementation returns
     is rounding noise, and "twice PyTorch's error" would mean exactly 0 (PyTorch's D is rowsum(P * dP)
-    of the very same dP). A float32 dot product of length d is off by at most d * u * sum|dO||v|
-    (u = 2^-24; doubled for truncating tensor-core sums), so |dS| <= 4 d u sum|dO||v| =: e;
-    dq = scale * dS * k elementwise, bounded by scale * e * |k|. dk = scale * sum over rows (and the
-    GQA group) of dS * q: terms of independent signs (q's), so 6 root-sum-squares of the term bounds
-    (Hoeffding: exceeded with probability < 1e-7 even if every |dS| sat at its bound, which it is far
-    below); the worst case sum |.| would be looser by sqrt(seqlen_q) and hide real errors.
+    of the very same dP). A float32 dot product of length d is off by at most d * u * sum|dO||v| (v of
+    the row's key; u = 2^-24; doubled for truncating tensor-core sums), so |dS| <= 4 d u sum|dO||v| =: e;
+    dq = scale * dS * k elementwise, bounded by scale * e * |k|. dk of a key = scale * sum over the rows
+    that see it (and the GQA group) of dS * q: terms of independent signs (q's), so 6 root-sum-squares
+    of the term bounds (Hoeffding: exceeded with probability < 1e-7 even if every |dS| sat at its bound,
+    which it is far below); the worst case sum |.| would be looser by sqrt(rows) and hide real errors.
     Both returned twice over, for the roundings after dS (to q.dtype, the float32 sums of dk).
     """
     b, sq, hq, d = q.shape
-    hkv = k.shape[2]
-    group = hq // hkv
-    k32 = k.float().repeat_interleave(group, dim=2)  # (b, 1, hq, d)
-    v32 = v.float().repeat_interleave(group, dim=2)
-    ds = 4 * d * 2.0 ** -24 * (dout.float().abs() * v32.abs()).sum(-1)  # (b, sq, hq)
-    sees = visible(sq, 1, causal, ds.device, window=window)  # rows that do not see the key: P = 0, dS = 0
-    if sees is not None:
-        ds = ds * sees[:, 0, None]
+    sk, hkv = k.shape[1], k.shape[2]
+    group = hq // hkv if hkv else 1
+    if sk == 0:  # no key at all: the gradients are exactly 0
+        return torch.zeros(b, sq, hq, d, device=q.device), torch.zeros(b, 0, hkv, d, device=q.device)
+    sees = visible(sq, sk, causal, q.device, window=window)
+    if sees is None:
+        sees = torch.ones(sq, sk, dtype=torch.bool, device=q.device)
+    key = sees.int().argmax(1)  # (sq,) the key each row sees (rows that see none: masked out below)
+    seen = sees.any(1)[None, :, None]  # (1, sq, 1)
+    k32 = k.float()[:, key].repeat_interleave(group, dim=2)  # (b, sq, hq, d): the key of each row
+    v32 = v.float()[:, key].repeat_interleave(group, dim=2)
+    ds = 4 * d * 2.0 ** -24 * (dout.float().abs() * v32.abs()).sum(-1) * seen  # (b, sq, hq)
     dq = softmax_scale * ds[..., None] * k32.abs()
-    sq_terms = (softmax_scale * ds[..., None] * q.float()).square().sum(1, keepdim=True)  # (b, 1, hq, d)
-    dk = 6 * sq_terms.view(b, 1, hkv, group, d).sum(3).sqrt()
+    terms = (softmax_scale * ds[..., None] * q.float()).square()  # (b, sq, hq, d)
+    sq_terms = torch.zeros(b, sk, hq, d, device=q.device).index_add_(1, key, terms)
+    dk = 6 * sq_terms.view(b, sk, hkv, group, d).sum(3).sqrt()
     return 2 * dq, 2 * dk
 
 
@@ -105,8 +120,9 @@ def assert_grads_match(grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor], d
     (attention_ref), all in ``ref_dtype``: default float32 on the GPU (float64 there is slow at 8k
     tokens and float32's own error is ~1e-6, far below bf16/fp16's) and float64 elsewhere.
     ``dout`` and ``dlse`` are the upstream gradients the kernel was given. NaN never passes; dq rows
-    that see no key must be exactly 0. When seqlen_k is 1 (without dlse) dq and dk vanish in exact
-    arithmetic and are checked against one_key_noise_bound instead.
+    that see no key must be exactly 0. When every row sees at most one key (seqlen_k 1, a window one key
+    wide; without dlse) dq and dk vanish in exact arithmetic and are checked against one_key_noise_bound
+    instead.
     """
     scale = 1 / q.shape[-1] ** 0.5 if softmax_scale is None else softmax_scale
     if ref_dtype is None:
@@ -118,7 +134,7 @@ def assert_grads_match(grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor], d
     where = (f"shape q {tuple(q.shape)} k {tuple(k.shape)} {q.dtype} causal={causal} window={window} "
              f"dlse={'yes' if dlse is not None else 'no'}")
     vanishing: dict[str, torch.Tensor] = {}
-    if k.shape[1] == 1 and dlse is None:
+    if dlse is None and bool((keys_seen(q.shape[1], k.shape[1], causal, q.device, window) <= 1).all()):
         vanishing = dict(zip(("dq", "dk"), one_key_noise_bound(dout, q, k, v, scale, causal, window)))
 
     for name, g, r, lo in zip(("dq", "dk", "dv"), grads, ref, lowp):

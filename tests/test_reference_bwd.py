@@ -250,7 +250,8 @@ def emulated_kernel(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
 CASES = [(2, 70, 130, 4, 2, 64, True, None), (1, 130, 70, 4, 1, 64, True, None), (1, 300, 1, 4, 1, 128, False, None),
          (2, 65, 1, 4, 2, 64, True, None), (1, 1, 90, 4, 4, 64, False, None),
          (2, 90, 90, 4, 2, 64, False, (8, 8)), (1, 130, 70, 4, 4, 64, True, (16, -1)),
-         (1, 40, 1, 4, 1, 64, False, (0, 0))]  # seqlen_k 1 with a window: only row 39 sees the key
+         (1, 40, 1, 4, 1, 64, False, (0, 0)),  # seqlen_k 1 with a window: only row 39 sees the key
+         (2, 50, 70, 4, 2, 256, True, (0, 5)), (1, 40, 40, 2, 1, 64, False, (0, 0))]  # windows one key wide
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -274,6 +275,8 @@ def test_assertion_accepts_a_faithful_kernel(case: tuple[Any, ...], with_dlse: b
     ("no-key rows not zero", CASES[1], False),
     ("D 0.1% off", CASES[2], False),  # seqlen_k 1: dq and dk must stay rounding noise
     ("D 0.1% off", CASES[7], False),  # the same, where the window leaves one row with the key
+    ("D 0.1% off", CASES[8], False),  # a window one key wide: every row sees one key (found by scripts/fuzz.py)
+    ("D 0.1% off", CASES[9], False),
     ("window ignored", CASES[5], False),
     ("window ignored", CASES[6], True),
 ])

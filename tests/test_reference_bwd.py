@@ -230,7 +230,8 @@ def emulated_kernel(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     if bug == "D 0.1% off":
         delta = delta * 1.001
     s = qt @ kt.transpose(-1, -2) * (scale * (1.01 if bug == "scale 1% off" else 1.0))
-    p = _probs_from_lse(s, lse, visible(sq, k.shape[1], causal, window=None if bug == "window ignored" else window))
+    p = _probs_from_lse(s, lse, visible(sq, k.shape[1], causal, q.device,
+                                        window=None if bug == "window ignored" else window))
     dv = p.to(dt).float().transpose(-1, -2) @ dot
     ds = (p * (dot @ vt.transpose(-1, -2) - delta[..., None])).to(dt).float()
     dq = (ds @ kt * scale).to(dt).transpose(1, 2)

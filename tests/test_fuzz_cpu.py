@@ -152,6 +152,18 @@ def test_gradients_judged_against_the_control() -> None:
     assert outcome.by_control and outcome.ratio <= 0.5, outcome
     with pytest.raises(fuzz.CheckFailed, match="against the FlashAttention-style emulation too"):
         fuzz.judge_grads((control[0], control[1] * 1.5, control[2]), dout, q, k, v, None, cfg)
+    # The largest dq element a unit in the last place off (luck, with few elements) passes; six units do not.
+    dq = control[0].contiguous().clone()
+    at = dq.float().abs().argmax()
+    ulp = torch.finfo(dq.dtype).eps * 2.0 ** math.floor(math.log2(abs(dq.view(-1)[at].item())))
+    for units, passes in ((1, True), (6, False)):
+        moved = dq.clone()
+        moved.view(-1)[at] += units * ulp * (1 if moved.view(-1)[at] > 0 else -1)
+        if passes:
+            assert fuzz.judge_grads((moved, *control[1:]), dout, q, k, v, None, cfg).by_control
+        else:
+            with pytest.raises(fuzz.CheckFailed, match="max-abs"):
+                fuzz.judge_grads((moved, *control[1:]), dout, q, k, v, None, cfg)
     nan_dv = control[2].contiguous().clone()
     nan_dv.view(-1)[-1] = math.nan
     with pytest.raises(AssertionError):

@@ -313,8 +313,10 @@ CASES: dict[str, list[Case]] = {
              lambda: select_backend(randn(1, 4, 2, 64), 64, BF16, False, "sm80")),
         Case("shape", "q not a tensor", TypeError, r"^q must be a torch.Tensor",
              lambda: select_backend(np.zeros((1, 4, 2, 64)), 64, BF16, False)),  # type: ignore[arg-type]
-        Case("shape", "headdim 0", ValueError, r"^headdim must be a positive int",
+        Case("shape", "headdim 0", ValueError, r"^headdim must be positive",
              lambda: select_backend(randn(1, 4, 2, 64), 0, BF16, False)),
+        Case("dtype", "headdim a str", TypeError, r"^headdim must be an int",
+             lambda: select_backend(randn(1, 4, 2, 64), "64", BF16, False)),  # type: ignore[arg-type]
         Case("option", "backend", ValueError, r"^backend must be one of",
              lambda: select_backend(randn(1, 4, 2, 64), 64, BF16, False, "gpu")),
         Case("option", "window", TypeError, r"^window must be None or a tuple",

@@ -177,8 +177,10 @@ def select_backend(q: torch.Tensor, headdim: int, dtype: torch.dtype, causal: bo
     (``causal`` and ``window``, flash-attn's (left, right), -1 unbounded). The public form: checks its
     arguments, then resolve_backend."""
     validation.check_tensor("q", q)
-    if isinstance(headdim, bool) or not isinstance(headdim, int) or headdim < 1:
-        raise ValueError(f"headdim must be a positive int, got {headdim!r}")
+    if isinstance(headdim, bool) or not isinstance(headdim, int):
+        raise TypeError(f"headdim must be an int, got {type(headdim).__name__}")
+    if headdim < 1:
+        raise ValueError(f"headdim must be positive, got {headdim}")
     if not isinstance(dtype, torch.dtype) or dtype not in validation.REFERENCE_DTYPES:
         raise TypeError(f"dtype must be one of {', '.join(map(str, validation.REFERENCE_DTYPES))}, got {dtype!r}")
     validation.check_flag("causal", causal)

@@ -135,7 +135,7 @@ def check_vt_layout(name: str, vt: torch.Tensor) -> None:
     validation.check_last_dim_contiguous(name, vt)
     if vt.data_ptr() % validation.TMA_ALIGN_BYTES:
         raise ValueError(f"{name} data pointer {vt.data_ptr():#x} is not {validation.TMA_ALIGN_BYTES}-byte aligned; "
-                         "call .contiguous()")
+                         "call .clone() (.contiguous() keeps a contiguous view where it is)")
     for what, stride in zip(("batch", "head", "dim"), vt_strides(vt)):
         if stride == 0 or stride % validation.TMA_ALIGN_BYTES:  # 1-byte elements: strides are bytes
             raise ValueError(f"{name} (V^T) {what} stride {stride} must be a nonzero multiple of "

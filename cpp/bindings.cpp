@@ -75,6 +75,7 @@ void bind_quant_params(py::class_<Struct>& cls) { FLASHHOPPER_QUANT_PARAMS(FLASH
 // A key field as Python sees it: enums by name, the rest as themselves.
 py::object key_value(DType d) { return py::str(dtype_name(d)); }
 py::object key_value(MaskKind m) { return py::str(mask_name(m)); }
+py::object key_value(ScoreModKind s) { return py::str(score_mod_name(s)); }
 template <class T>
 py::object key_value(T const& v) {
   return py::cast(v);
@@ -210,6 +211,7 @@ PYBIND11_MODULE(_C, m) {
     d["headdims"] = c.headdims;
     d["masks"] = c.masks;
     d["variants"] = c.variants;
+    d["score_mods"] = c.score_mods;
     return d;
   }, "What this build was configured with (FLASHHOPPER_ARCHS, _MODES, _DTYPES, _HDIMS, _MASKS, _VARIANTS).");
 

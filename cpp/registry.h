@@ -43,7 +43,7 @@ struct BwdEntry {
 // What the build was asked for (CMake's FLASHHOPPER_* options, as the generator read them).
 struct BuildConfig {
   std::vector<int> archs;
-  std::vector<std::string> modes, dtypes, masks, variants;
+  std::vector<std::string> modes, dtypes, masks, variants, score_mods;
   std::vector<int> headdims;
 };
 

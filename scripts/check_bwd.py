@@ -20,7 +20,7 @@ import flashhopper
 from flashhopper import _ext
 from flashhopper.kernel_key import from_dict
 from flashhopper.ops import bwd_into, fwd_into
-from flashhopper.reference import attention_bwd_ref, attention_ref
+from flashhopper.reference import attention_bwd_ref, attention_ref, sinks_grad_ref
 
 from check_fwd import WINDOW  # this script's folder
 
@@ -50,9 +50,13 @@ def main() -> None:
     ap.add_argument("--arch", type=int, choices=[90, 80], default=90, help="kernel family (80 runs on Hopper too)")
     ap.add_argument("--max-smem-bytes", type=int, default=0,
                     help="sm80: pick tiles as on a GPU with this much shared memory per block (101376: sm_86/sm_89)")
+    ap.add_argument("--softcap", type=float, default=0.0, help="check the softcap kernels, with this softcap")
+    ap.add_argument("--sinks", action="store_true", help="run with random sink logits (and check their gradient)")
     args = ap.parse_args()
+    score_mod = "softcap" if args.softcap > 0 else "none"  # --softcap checks the softcap kernels
     keys = sorted((from_dict(k) for k in flashhopper.compiled_kernels()
-                   if k["mode"] == "bwd" and k["arch"] == args.arch and k["dtype"] in args.dtypes),
+                   if k["mode"] == "bwd" and k["arch"] == args.arch and k["dtype"] in args.dtypes
+                   and k["score_mod"] == score_mod),
                   key=lambda key: (key.dtype, key.headdim, key.mask, key.variant))
     # The backward needs the forward's out and lse: the production kernel of the same mask.
     missing_fwd = [key for key in keys if not _ext.has_kernel("fwd", dataclasses.replace(key, variant=""))]
@@ -75,25 +79,34 @@ def main() -> None:
             v = torch.randn(b, sk, hk, d, device="cuda", dtype=dtype)
             out = torch.full_like(q, math.nan)
             lse = torch.full((b, hq, sq), math.nan, device="cuda")
-            fwd_into(q, k, v, out, lse, scale, causal, key.arch, window=window)
+            sinks = torch.randn(hq, device="cuda") * 2 if args.sinks else None
+            fwd_into(q, k, v, out, lse, scale, causal, key.arch, window=window, softcap=args.softcap, sinks=sinks)
             dout = torch.randn_like(q)
 
-            def run() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            def run() -> tuple[torch.Tensor, ...]:
                 dq, dk, dv = (torch.full_like(x, math.nan) for x in (q, k, v))
+                rows = None if sinks is None else torch.full_like(lse, math.nan)
                 bwd_into(dout, q, k, v, out, lse, dq, dk, dv, scale, causal, args.deterministic, key.arch,
-                         window=window, variant=key.variant, max_smem_bytes=args.max_smem_bytes)
-                return dq, dk, dv
+                         window=window, variant=key.variant, max_smem_bytes=args.max_smem_bytes,
+                         softcap=args.softcap, sinks=sinks, dsinks_rows=rows)
+                return (dq, dk, dv) if rows is None else (dq, dk, dv, rows.sum(dim=(0, 2)))
 
             grads = run()
             same = not args.deterministic or all(torch.equal(a, c) for a, c in zip(grads, run()))
-            ref_out, ref_lse = attention_ref(q, k, v, scale, causal, window=window, dtype=torch.float32)
+            ref_out, ref_lse = attention_ref(q, k, v, scale, causal, window=window, softcap=args.softcap,
+                                             sinks=sinks, dtype=torch.float32)
             ref = attention_bwd_ref(dout, q, k, v, ref_out, ref_lse, scale, causal, window=window,
-                                    dtype=torch.float32)
+                                    softcap=args.softcap, dtype=torch.float32)
+            if sinks is not None:
+                ref = (*ref, sinks_grad_ref(dout, ref_out, ref_lse, sinks, dtype=torch.float32))
             errs = [((g.float() - r).norm() / r.norm().clamp_min(1e-30)).item() for g, r in zip(grads, ref)]
             nan = any(bool(torch.isnan(g).any()) for g in grads)
-            worst = max(worst, math.inf if nan or not same else max(errs))
+            # d(sinks) sums signed per-row terms over every row: its relative error is judged 5x looser.
+            errs_judged = errs[:3] + [e / 5 for e in errs[3:]]
+            worst = max(worst, math.inf if nan or not same else max(errs_judged))
             print(f"{key.describe()} b{b} sq{sq} sk{sk} h{hq}/{hk}: "
                   f"rel_err dq {errs[0]:.2e} dk {errs[1]:.2e} dv {errs[2]:.2e} nan {nan}"
+                  + (f" dsinks {errs[3]:.2e}" if len(errs) > 3 else "")
                   + (f" same_bits {same}" if args.deterministic else ""))
     print(f"worst rel_err {worst:.2e} over {len(keys)} kernels")
     if not worst < 2e-2:

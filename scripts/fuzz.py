@@ -707,7 +707,7 @@ def run_api(cfg: Config, target: Target) -> Outcome:
 def launch_fwd(cfg: Config, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                lse: torch.Tensor) -> None:
     if cfg.arch is None:  # --cpu-smoke: the reference op, written into the same views
-        ref_out, ref_lse = ops.fwd(q, k, v, cfg.scale, cfg.causal, *(cfg.window or (-1, -1)), False, "reference")
+        ref_out, ref_lse = ops.fwd(q, k, v, cfg.scale, cfg.causal, *(cfg.window or (-1, -1)), 0.0, None, False, "reference")
         out.copy_(ref_out)
         lse.copy_(ref_lse)
     else:
@@ -719,7 +719,7 @@ def launch_bwd(cfg: Config, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                out: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None,
                grads: Sequence[torch.Tensor]) -> None:
     if cfg.arch is None:
-        ref = ops.bwd(dout, q, k, v, out, lse, dlse, cfg.scale, cfg.causal, *(cfg.window or (-1, -1)),
+        ref = ops.bwd(dout, q, k, v, out, lse, dlse, cfg.scale, cfg.causal, *(cfg.window or (-1, -1)), 0.0, None,
                       cfg.deterministic, "reference")
         for g, r in zip(grads, ref):
             g.copy_(r)

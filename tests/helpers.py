@@ -34,15 +34,18 @@ def randn_qkv(batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nheads_kv
 def assert_matches_reference(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                              v: torch.Tensor, softmax_scale: float | None, causal: bool,
                              atol: float = 1e-4, rtol: float = 1e-4, lse_atol: float = 1e-4, *,
-                             window: tuple[int, int] | None = None) -> None:
+                             window: tuple[int, int] | None = None, softcap: float = 0.0,
+                             sinks: torch.Tensor | None = None) -> None:
     """A low-precision result passes iff it is at most twice as far from exact (float64) attention
     as PyTorch's own attention in the input precision is, plus a small slack: in max-abs error
     and in relative norm error, for out and for the finite lse rows. Rows that see no key must be
-    exactly 0 with lse exactly -inf. NaN never passes. ``window``: the local window the result was
-    computed with (flash-attn's (left, right), -1 unbounded)."""
-    ref, ref_lse = attention_ref(q, k, v, softmax_scale, causal, window=window, dtype=torch.float64)
-    lowp, lowp_lse = attention_lowp(q, k, v, softmax_scale, causal, window=window)
-    where = f"shape q {tuple(q.shape)} k {tuple(k.shape)} {q.dtype} causal={causal} window={window}"
+    exactly 0 with lse exactly -inf (with sinks: lse is the sink). NaN never passes. ``window``,
+    ``softcap``, ``sinks``: the variant the result was computed with (flash_attn_func's arguments)."""
+    ref, ref_lse = attention_ref(q, k, v, softmax_scale, causal, window=window, softcap=softcap, sinks=sinks,
+                                 dtype=torch.float64)
+    lowp, lowp_lse = attention_lowp(q, k, v, softmax_scale, causal, window=window, softcap=softcap, sinks=sinks)
+    where = (f"shape q {tuple(q.shape)} k {tuple(k.shape)} {q.dtype} causal={causal} window={window} "
+             f"softcap={softcap} sinks={'yes' if sinks is not None else 'no'}")
 
     assert not torch.isnan(out).any(), f"out has NaN (rows left unwritten?): {where}"
     assert not torch.isnan(lse).any(), f"lse has NaN (rows left unwritten?): {where}"
@@ -110,7 +113,8 @@ def one_key_noise_bound(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
 def assert_grads_match(grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor], dout: torch.Tensor,
                        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None,
                        causal: bool, dlse: torch.Tensor | None = None, ref_dtype: torch.dtype | None = None,
-                       atol: float = 1e-4, rtol: float = 1e-4, *, window: tuple[int, int] | None = None) -> None:
+                       atol: float = 1e-4, rtol: float = 1e-4, *, window: tuple[int, int] | None = None,
+                       softcap: float = 0.0, sinks: torch.Tensor | None = None) -> None:
     """Backward counterpart of assert_matches_reference. Low-precision gradients (dq, dk, dv) pass
     iff each is at most twice as far from the reference gradients as PyTorch's own backward in the
     input precision is (reference.attention_bwd_lowp, i.e. autograd through attention_lowp), plus a
@@ -127,15 +131,18 @@ def assert_grads_match(grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor], d
     scale = 1 / q.shape[-1] ** 0.5 if softmax_scale is None else softmax_scale
     if ref_dtype is None:
         ref_dtype = torch.float32 if q.is_cuda else torch.float64
-    ref_out, ref_lse = attention_ref(q, k, v, scale, causal, window=window, dtype=ref_dtype)
-    ref = attention_bwd_ref(dout, q, k, v, ref_out, ref_lse, scale, causal, dlse, window=window, dtype=ref_dtype)
+    ref_out, ref_lse = attention_ref(q, k, v, scale, causal, window=window, softcap=softcap, sinks=sinks,
+                                     dtype=ref_dtype)
+    ref = attention_bwd_ref(dout, q, k, v, ref_out, ref_lse, scale, causal, dlse, window=window, softcap=softcap,
+                            dtype=ref_dtype)
     del ref_out
-    lowp = attention_bwd_lowp(dout, q, k, v, scale, causal, dlse, window=window)
+    lowp = attention_bwd_lowp(dout, q, k, v, scale, causal, dlse, window=window, softcap=softcap, sinks=sinks)
     where = (f"shape q {tuple(q.shape)} k {tuple(k.shape)} {q.dtype} causal={causal} window={window} "
-             f"dlse={'yes' if dlse is not None else 'no'}")
+             f"softcap={softcap} sinks={'yes' if sinks is not None else 'no'} dlse={'yes' if dlse is not None else 'no'}")
     vanishing: dict[str, torch.Tensor] = {}
     # Only seqlen_k <= 1 or a window can leave every row at most one key: the mask is built only then.
-    if dlse is None and (k.shape[1] <= 1 or window is not None) \
+    # (With sinks the softmax is not constant even over one key: the sink takes part.)
+    if dlse is None and sinks is None and (k.shape[1] <= 1 or window is not None) \
             and bool((keys_seen(q.shape[1], k.shape[1], causal, q.device, window) <= 1).all()):
         vanishing = dict(zip(("dq", "dk"), one_key_noise_bound(dout, q, k, v, scale, causal, window)))
 
@@ -163,13 +170,14 @@ def unconfigured(mode: str, key: KernelKey) -> str:
         return ""
     wanted = [("FLASHHOPPER_ARCHS", info["archs"], key.arch), ("FLASHHOPPER_MODES", info["modes"], mode),
               ("FLASHHOPPER_DTYPES", info["dtypes"], key.short_dtype()),
-              ("FLASHHOPPER_HDIMS", info["headdims"], key.headdim), ("FLASHHOPPER_MASKS", info["masks"], key.mask)]
+              ("FLASHHOPPER_HDIMS", info["headdims"], key.headdim), ("FLASHHOPPER_MASKS", info["masks"], key.mask),
+              ("FLASHHOPPER_SCORE_MODS", info.get("score_mods", ["none"]), key.score_mod)]
     return "; ".join(f"configure {option} with {value}" for option, have, value in wanted if value not in have)
 
 
 def require_backend(backend: str, dtype: torch.dtype, headdim: int, causal: bool,
                     device: str | torch.device = "cuda", mode: str = "fwd",
-                    window: tuple[int, int] | None = None) -> None:
+                    window: tuple[int, int] | None = None, softcap: float = 0.0) -> None:
     """Skip when ``backend`` cannot run here (another GPU family) or the build was not configured with
     the kernel (mode "bwd": the forward's and the backward's). Fail when the build was configured with
     it and it is missing, or when dispatch refuses a kernel the build has: a broken build or a dispatch
@@ -180,7 +188,7 @@ def require_backend(backend: str, dtype: torch.dtype, headdim: int, causal: bool
     if not dispatch.runs_on(backend, info.capability):
         pytest.skip(f"{backend} kernels do not run on {info.name} (compute capability "
                     f"{info.capability[0]}.{info.capability[1]})")
-    key = dispatch.kernel_key(backend, dtype, headdim, causal, window)
+    key = dispatch.kernel_key(backend, dtype, headdim, causal, window, softcap=softcap)
     for m in ("fwd",) if mode == "fwd" else ("fwd", "bwd"):
         if _ext.kernel(m, key) is not None:
             continue
@@ -193,6 +201,7 @@ def require_backend(backend: str, dtype: torch.dtype, headdim: int, causal: bool
                       else f"no compiled extension ({_ext.extension_error()})")
         pytest.skip(f"no {m} kernel {key.describe()}: {reason}")
     try:
-        dispatch.select_backend(torch.empty(0, device=dev), headdim, dtype, causal, backend, window=window)
+        dispatch.select_backend(torch.empty(0, device=dev), headdim, dtype, causal, backend, window=window,
+                                softcap=softcap)
     except ValueError as e:
         pytest.fail(f"dispatch refuses {backend} for {key.describe()}, which the build has: {e}")

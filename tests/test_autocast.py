@@ -97,19 +97,19 @@ def test_ops_cast_their_activations_only(dtype: torch.dtype) -> None:
         vt = fake_cuda(2, 2, 128, 32, dtype=FP8)
         qs, ks, vs = fake_cuda(2, 8, 1), fake_cuda(2, 2, 1), fake_cuda(2, 2, 1)
         with cuda_autocast(dtype), Recorder() as rec:
-            out, out_lse = torch.ops.flashhopper.fwd.default(q, k, v, 0.1, True, -1, -1, False, "sm90")
-            grads = torch.ops.flashhopper.bwd.default(q, q, k, v, q, lse, lse, 0.1, True, -1, -1, False, "sm90")
+            out, out_lse = torch.ops.flashhopper.fwd.default(q, k, v, 0.1, True, -1, -1, 0.0, None, False, "sm90")
+            grads = torch.ops.flashhopper.bwd.default(q, q, k, v, q, lse, lse, 0.1, True, -1, -1, 0.0, None, False, "sm90")
             out8, lse8 = torch.ops.flashhopper.fwd_fp8.default(q8, qs, k8, ks, vt, vs, None, None, None, 0.1, False)
             data, scale = torch.ops.flashhopper.quantize_fp8.default(q, 64, 5, False)
-            q64 = torch.ops.flashhopper.fwd.default(q.double(), k.double(), v.double(), 0.1, False, -1, -1, False,
+            q64 = torch.ops.flashhopper.fwd.default(q.double(), k.double(), v.double(), 0.1, False, -1, -1, 0.0, None, False,
                                                     "reference")[0]
     f32 = torch.float32
     assert rec.calls == [
-        ("fwd", (dtype, dtype, dtype, 0.1, True, -1, -1, False, "sm90")),                 # activations cast
-        ("bwd", (f32, f32, f32, f32, f32, f32, f32, 0.1, True, -1, -1, False, "sm90")),  # nothing cast
+        ("fwd", (dtype, dtype, dtype, 0.1, True, -1, -1, 0.0, None, False, "sm90")),      # activations cast
+        ("bwd", (f32, f32, f32, f32, f32, f32, f32, 0.1, True, -1, -1, 0.0, None, False, "sm90")),  # nothing cast
         ("fwd_fp8", (FP8, f32, FP8, f32, FP8, f32, None, None, None, 0.1, False)),       # fp8 data, float32 scales
         ("quantize_fp8", (dtype, 64, 5, False)),
-        ("fwd", (torch.float64,) * 3 + (0.1, False, -1, -1, False, "reference")),         # autocast leaves float64
+        ("fwd", (torch.float64,) * 3 + (0.1, False, -1, -1, 0.0, None, False, "reference")),  # autocast leaves float64
     ]
     assert (out.dtype, out_lse.dtype) == (dtype, f32) and all(g.dtype == f32 for g in grads)
     assert (out8.dtype, lse8.dtype, data.dtype, scale.dtype) == (torch.bfloat16, f32, FP8, f32)
@@ -121,7 +121,7 @@ def test_ops_without_autocast_cast_nothing() -> None:
     with FakeTensorMode():
         q = fake_cuda(1, 8, 2, 64)
         with Recorder() as rec:
-            out, _ = torch.ops.flashhopper.fwd.default(q, q, q, 0.1, False, -1, -1, False, "reference")
+            out, _ = torch.ops.flashhopper.fwd.default(q, q, q, 0.1, False, -1, -1, 0.0, None, False, "reference")
             torch.ops.flashhopper.quantize_fp8.default(q, 64, None, False)
     assert [dtypes[:1] for _, dtypes in rec.calls] == [(torch.float32,)] * 2 and out.dtype == torch.float32
 
@@ -147,7 +147,7 @@ def test_flash_attn_func_casts_before_dispatch(h100: None, dtype: torch.dtype, g
         q, k, v = fake_qkv(given)
         with cuda_autocast(dtype), Recorder() as rec:
             out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
-    assert rec.calls == [("fwd", (dtype, dtype, dtype, 1 / math.sqrt(128), True, -1, -1, False, "sm90"))]
+    assert rec.calls == [("fwd", (dtype, dtype, dtype, 1 / math.sqrt(128), True, -1, -1, 0.0, None, False, "sm90"))]
     assert (out.dtype, lse.dtype) == (dtype, torch.float32)
 
 
@@ -279,7 +279,7 @@ def test_op_called_directly(backend: str) -> None:
     if backend == "sm90":
         require_backend("sm90", torch.bfloat16, 128, False)
     q, k, v = randn_qkv(1, 100, 130, 4, 2, 128, device="cuda")
-    args = (0.1, False, -1, -1, False, backend)
+    args = (0.1, False, -1, -1, 0.0, None, False, backend)
     with torch.autocast("cuda", dtype=torch.bfloat16):
         out, lse = torch.ops.flashhopper.fwd.default(q, k, v, *args)
     want, want_lse = torch.ops.flashhopper.fwd.default(q.bfloat16(), k.bfloat16(), v.bfloat16(), *args)

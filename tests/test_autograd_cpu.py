@@ -55,7 +55,7 @@ def test_gradcheck_windowed_op(window: tuple[int, int], causal: bool) -> None:
     q, k, v = leaves(1, 7, 5, 4, 2, 4)
 
     def out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return torch.ops.flashhopper.fwd.default(q, k, v, 0.5, causal, *window, False, "reference")[0]
+        return torch.ops.flashhopper.fwd.default(q, k, v, 0.5, causal, *window, 0.0, None, False, "reference")[0]
 
     assert torch.autograd.gradcheck(out, (q, k, v))
 
@@ -138,7 +138,7 @@ def test_deterministic_flag() -> None:
 @pytest.fixture
 def no_bwd_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     # Pretend dispatch chose sm90 for these CPU tensors, on a build whose backward kernels are missing.
-    monkeypatch.setattr(interface, "resolve_backend", lambda q, headdim, dtype, causal, backend=None: "sm90")
+    monkeypatch.setattr(interface, "resolve_backend", lambda q, headdim, dtype, causal, backend=None, window=None, softcap=0.0: "sm90")
     monkeypatch.setattr(_ext, "has_kernel", lambda mode, key: mode == "fwd")
     monkeypatch.setattr(_ext, "extension_error", lambda: None)
 
@@ -160,7 +160,7 @@ def test_missing_bwd_kernel_is_fine_without_grad(no_bwd_kernels: None, monkeypat
     # Forward-only use never needs the backward: no_grad, or inputs that do not require grad.
     launched: list[str] = []
     monkeypatch.setattr(torch.ops.flashhopper.fwd, "default",
-                        lambda q, k, v, scale, causal, left, right, det, backend: launched.append(backend) or (q, q))
+                        lambda q, k, v, scale, causal, left, right, cap, sinks, det, backend: launched.append(backend) or (q, q))
     q, k, v = leaves(1, 8, 8, 2, 2, 64, dtype=torch.bfloat16)
     with torch.no_grad():
         flash_attn_func(q, k, v)

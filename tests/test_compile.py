@@ -24,7 +24,7 @@ def test_fake_impl_shapes() -> None:
 
     with FakeTensorMode():
         q, k, v = randn_qkv(2, 33, 17, 8, 2, 64, dtype=torch.bfloat16)
-        out, lse = torch.ops.flashhopper.fwd.default(q, k, v, 0.125, True, -1, -1, False, "sm90")
+        out, lse = torch.ops.flashhopper.fwd.default(q, k, v, 0.125, True, -1, -1, 0.0, None, False, "sm90")
     assert out.shape == q.shape and out.dtype == torch.bfloat16 and out.is_contiguous()
     assert lse.shape == (2, 8, 33) and lse.dtype == torch.float32 and lse.is_contiguous()
 
@@ -36,29 +36,35 @@ def test_fake_impl_shapes_bwd() -> None:
         qkv = torch.randn(2, 33, 3, 8, 64, dtype=torch.bfloat16)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1, :2], qkv[:, :, 2, :2]  # strided, GQA
         out, lse = torch.empty_like(q), torch.empty(2, 8, 33)
-        grads = torch.ops.flashhopper.bwd.default(out, q, k, v, out, lse, None, 0.125, True, 16, -1, False, "sm90")
+        grads = torch.ops.flashhopper.bwd.default(out, q, k, v, out, lse, None, 0.125, True, 16, -1, 0.0, None, False, "sm90")
     for g, x in zip(grads, (q, k, v)):
         assert g.shape == x.shape and g.dtype == torch.bfloat16 and g.is_contiguous()
 
 
-@pytest.mark.parametrize("window", [(-1, -1), (3, 2)])
-def test_opcheck(window: tuple[int, int]) -> None:
+@pytest.mark.parametrize(("window", "softcap", "with_sinks"), [((-1, -1), 0.0, False), ((3, 2), 0.0, False),
+                                                              ((-1, -1), 2.5, True)])
+def test_opcheck(window: tuple[int, int], softcap: float, with_sinks: bool) -> None:
     # torch's own consistency checks of a custom op: schema, fake vs real, dispatch under tracing, and
     # (fwd) that its autograd formula is registered the way torch expects.
     q, k, v = (x.requires_grad_() for x in randn_qkv(2, 9, 11, 4, 2, 16))
-    torch.library.opcheck(torch.ops.flashhopper.fwd.default, (q, k, v, 0.3, True, *window, False, "reference"),
+    sinks = torch.randn(4).requires_grad_() if with_sinks else None
+    torch.library.opcheck(torch.ops.flashhopper.fwd.default,
+                          (q, k, v, 0.3, True, *window, softcap, sinks, False, "reference"),
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static",
                                       "test_autograd_registration", "test_aot_dispatch_dynamic"))
 
 
-@pytest.mark.parametrize("window", [(-1, -1), (3, 2)])
+@pytest.mark.parametrize(("window", "softcap", "with_sinks"), [((-1, -1), 0.0, False), ((3, 2), 0.0, False),
+                                                              ((-1, -1), 2.5, True)])
 @pytest.mark.parametrize("with_dlse", [False, True])
-def test_opcheck_bwd(with_dlse: bool, window: tuple[int, int]) -> None:
+def test_opcheck_bwd(with_dlse: bool, window: tuple[int, int], softcap: float, with_sinks: bool) -> None:
     q, k, v = randn_qkv(2, 9, 11, 4, 2, 16)
-    out, lse = torch.ops.flashhopper.fwd.default(q, k, v, 0.3, True, *window, False, "reference")
+    sinks = torch.randn(4) if with_sinks else None
+    out, lse = torch.ops.flashhopper.fwd.default(q, k, v, 0.3, True, *window, softcap, sinks, False, "reference")
     dlse = torch.randn_like(lse) if with_dlse else None
     torch.library.opcheck(torch.ops.flashhopper.bwd.default,
-                          (torch.randn_like(out), q, k, v, out, lse, dlse, 0.3, True, *window, False, "reference"),
+                          (torch.randn_like(out), q, k, v, out, lse, dlse, 0.3, True, *window, softcap, sinks, False,
+                           "reference"),
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
 
 

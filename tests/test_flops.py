@@ -27,3 +27,14 @@ def test_tflops() -> None:
         tflops(1.0, 0.0)
     with pytest.raises(ValueError):
         attention_flops(1, 1, 1, 1, 1, mode="backward")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("sq", "sk", "causal", "window"), [(300, 300, True, (64, -1)), (100, 37, False, (5, 3)),
+                                                           (37, 100, True, (0, -1)), (50, 50, False, (-1, 4))])
+def test_window_counts_visible_pairs(sq: int, sk: int, causal: bool, window: tuple[int, int]) -> None:
+    from flashhopper.reference import visible
+
+    pairs = int(visible(sq, sk, causal, window=window).sum())
+    assert attention_flops(2, sq, sk, 3, 64, causal, window=window) == 4.0 * 2 * 3 * pairs * 64
+    assert attention_flops(2, sq, sk, 3, 64, causal, "bwd", window) == 2.5 * 4.0 * 2 * 3 * pairs * 64
+    assert attention_flops(1, 8, 8, 1, 16, True, window=(-1, -1)) == attention_flops(1, 8, 8, 1, 16, True)

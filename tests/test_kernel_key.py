@@ -17,7 +17,7 @@ needs_ext = pytest.mark.skipif(not _ext.has_extension(),
 
 
 def test_fields() -> None:
-    assert FIELDS == ("arch", "dtype", "headdim", "headdim_v", "mask", "variant")
+    assert FIELDS == ("arch", "dtype", "headdim", "headdim_v", "mask", "variant", "score_mod")
 
 
 def test_validation() -> None:
@@ -30,6 +30,8 @@ def test_validation() -> None:
         KernelKey(90, "bf16", 128, 128, "none")  # the build's spelling is not the key's
     with pytest.raises(ValueError, match=r"^dtype must be one of"):
         KernelKey(90, "torch.bfloat16", 128, 128, "none")
+    with pytest.raises(ValueError, match=r"^score_mod must be one of"):
+        KernelKey(90, "bfloat16", 128, 128, "none", score_mod="tanh")
 
 
 def test_is_a_hashable_value() -> None:
@@ -54,6 +56,9 @@ def test_file_name_and_description() -> None:
     assert KernelKey(90, "bfloat16", 128, 128, "causal").describe() == "sm90 bfloat16 headdim 128 mask causal"
     assert KernelKey(90, "bfloat16", 192, 128, "none", "x").describe() == \
         "sm90 bfloat16 headdim 192/128 mask none variant x"
+    softcap = KernelKey(80, "float16", 64, 64, "window", score_mod="softcap")
+    assert softcap.file_name("bwd") == "bwd_sm80_fp16_hdim64_window_softcap"
+    assert softcap.describe() == "sm80 float16 headdim 64 mask window softcap"
 
 
 def test_short_dtype() -> None:
@@ -70,7 +75,7 @@ def test_mask_of() -> None:
 
 def test_from_dict() -> None:
     entry: dict[str, Any] = {"mode": "bwd", "index": 3, "arch": 80, "dtype": "float16", "headdim": 64, "headdim_v": 64,
-                             "mask": "causal", "variant": "", "block_m": 64, "block_n": 128}
+                             "mask": "causal", "variant": "", "score_mod": "none", "block_m": 64, "block_n": 128}
     assert from_dict(entry) == KernelKey(80, "float16", 64, 64, "causal")
     with pytest.raises(KeyError):
         from_dict({k: v for k, v in entry.items() if k != "mask"})

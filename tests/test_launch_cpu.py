@@ -30,15 +30,16 @@ class FakeC:
         pass
 
     def __init__(self) -> None:
-        rows = [(mode, arch, dtype, mask) for mode in ("fwd", "bwd") for arch in (90, 80)
-                for dtype in ("bfloat16", "float16") for mask in ("none", "causal", "window")]
+        rows = [(mode, arch, dtype, mask, score_mod) for mode in ("fwd", "bwd") for arch in (90, 80)
+                for dtype in ("bfloat16", "float16") for mask in ("none", "causal", "window")
+                for score_mod in ("none", "softcap")]
         self.table: list[dict[str, Any]] = []
-        for mode, arch, dtype, mask in rows:
+        for mode, arch, dtype, mask, score_mod in rows:
             for headdim in (64, 128):
                 index = sum(k["mode"] == mode for k in self.table)
                 self.table.append({"mode": mode, "index": index, "arch": arch, "dtype": dtype, "headdim": headdim,
-                                   "headdim_v": headdim, "mask": mask, "variant": "", "block_m": 128,
-                                   "block_n": 64})
+                                   "headdim_v": headdim, "mask": mask, "variant": "", "score_mod": score_mod,
+                                   "block_m": 128, "block_n": 64})
         self.calls: list[Call] = []
         self.bwd_calls: list[Call] = []
         self.workspace_queries: list[tuple[dict[str, Any], int]] = []
@@ -82,7 +83,7 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeC]:
 
 def fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, backend: str,
            window: tuple[int, int] = (-1, -1), deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.ops.flashhopper.fwd.default(q, k, v, scale, causal, *window, deterministic, backend)
+    return torch.ops.flashhopper.fwd.default(q, k, v, scale, causal, *window, 0.0, None, deterministic, backend)
 
 
 def test_op_launches_the_keyed_kernel_on_the_current_stream(fake: FakeC) -> None:
@@ -116,12 +117,36 @@ def test_window_selects_the_kernel_and_fills_the_edges(fake: FakeC, causal: bool
     q, k, v = randn_qkv(1, 16, 24, 2, 2, 64, torch.float16)
     fwd_op(q, k, v, 0.1, causal, "sm90", window)
     torch.ops.flashhopper.bwd.default(torch.randn_like(q), q, k, v, torch.randn_like(q), torch.randn(1, 2, 16), None,
-                                      0.1, causal, *window, False, "sm90")
+                                      0.1, causal, *window, 0.0, None, False, "sm90")
     (p, index, _), (pb, index_b, _) = fake.calls[0], fake.bwd_calls[0]
     assert fake.key_of("fwd", index) == fake.key_of("bwd", index_b) == KernelKey(90, "float16", 64, 64, mask)
     assert (p["window_left"], p["window_right"]) == (pb["window_left"], pb["window_right"]) == edges
     # Masks with a right edge take tiles from a counter; the static scheduler (mask none) needs none.
     assert (p["tile_counter"] != 0) == (mask != "none")
+
+
+def test_softcap_and_sinks_reach_the_params(fake: FakeC) -> None:
+    """softcap picks the softcap kernel and passes its value; sinks are a runtime pointer of any kernel. The
+    reused params object forgets both on the next call without them; the backward gets a per-row d(sinks)
+    buffer and the op returns its sum."""
+    q, k, v = randn_qkv(1, 16, 24, 4, 2, 64, torch.bfloat16)
+    sinks = torch.randn(4)
+    torch.ops.flashhopper.fwd.default(q, k, v, 0.1, True, -1, -1, 30.0, sinks, False, "sm90")
+    fwd_op(q, k, v, 0.1, True, "sm90")
+    (p1, i1, _), (p2, i2, _) = fake.calls
+    assert fake.key_of("fwd", i1) == KernelKey(90, "bfloat16", 64, 64, "causal", score_mod="softcap")
+    assert fake.key_of("fwd", i2) == KernelKey(90, "bfloat16", 64, 64, "causal")
+    assert (p1["softcap"], p1["sinks_ptr"]) == (30.0, sinks.data_ptr())
+    assert (p2["softcap"], p2["sinks_ptr"]) == (0.0, 0)
+    out, lse = torch.randn_like(q), torch.randn(1, 4, 16)
+    dq, dk, dv, dsinks = torch.ops.flashhopper.bwd.default(torch.randn_like(q), q, k, v, out, lse, None, 0.1, True,
+                                                           -1, -1, 30.0, sinks, False, "sm90")
+    pb = fake.bwd_calls[0][0]
+    assert pb["softcap"] == 30.0 and pb["sinks_ptr"] == sinks.data_ptr() and pb["dsinks_rows_ptr"] != 0
+    assert dsinks.shape == (4,) and dsinks.dtype == torch.float32
+    *_, none = torch.ops.flashhopper.bwd.default(torch.randn_like(q), q, k, v, out, lse, None, 0.1, True, -1, -1, 0.0,
+                                                 None, False, "sm90")
+    assert none.numel() == 0 and fake.bwd_calls[1][0]["dsinks_rows_ptr"] == 0
 
 
 def test_params_object_is_reused(fake: FakeC) -> None:
@@ -204,8 +229,8 @@ def bwd_inputs(b: int, sq: int, sk: int, hq: int, hkv: int, d: int, dtype: torch
 
 def bwd_op(*args: Any, causal: bool = False, window: tuple[int, int] = (-1, -1), deterministic: bool = False,
            backend: str = "sm90", scale: float = 0.1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """args: dout, q, k, v, out, lse, dlse."""
-    return torch.ops.flashhopper.bwd.default(*args, scale, causal, *window, deterministic, backend)
+    """args: dout, q, k, v, out, lse, dlse; returns dq, dk, dv (no sinks)."""
+    return torch.ops.flashhopper.bwd.default(*args, scale, causal, *window, 0.0, None, deterministic, backend)[:3]
 
 
 def test_bwd_launches_the_keyed_kernel_on_the_current_stream(fake: FakeC, allocations: list[Any]) -> None:

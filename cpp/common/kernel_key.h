@@ -25,6 +25,19 @@ inline char const* mask_name(MaskKind m) {
   return "unknown";
 }
 
+// What the scores go through before the mask and the softmax (common/score_mod.h): nothing, or Gemma 2's
+// softcap (its value is a runtime param). A template parameter, not a runtime branch: the branch sits in the
+// key-block loop, and in the kernels without a softcap it cost 1-4% (docs/perf-notes.md, issue #23).
+enum class ScoreModKind : int { kNone = 0, kSoftcap = 1 };
+
+inline char const* score_mod_name(ScoreModKind s) {
+  switch (s) {
+    case ScoreModKind::kNone: return "none";
+    case ScoreModKind::kSoftcap: return "softcap";
+  }
+  return "unknown";
+}
+
 // X(type, name): every field of the key, in order. The bindings expose them by this list.
 #define FLASHHOPPER_KERNEL_KEY_FIELDS(X) \
   X(int, arch)              /* 90: Hopper path (sm_90a); 80: Ampere path (sm_80, also runs on sm_86..sm_90) */ \
@@ -32,7 +45,8 @@ inline char const* mask_name(MaskKind m) {
   X(int, headdim)           /* of Q and K */ \
   X(int, headdim_v)         /* of V and O */ \
   X(MaskKind, mask)                                                                                              \
-  X(std::string, variant)   /* "" = production; else a named ablation variant (generate_kernels.py) */
+  X(std::string, variant)   /* "" = production; else a named ablation variant (generate_kernels.py) */ \
+  X(ScoreModKind, score_mod)
 
 struct KernelKey {
 #define FLASHHOPPER_KEY_MEMBER(type, name) type name{};
@@ -50,6 +64,7 @@ struct KernelKey {
   std::string describe() const {
     return "sm" + std::to_string(arch) + " " + dtype_name(dtype) + " headdim " + std::to_string(headdim) +
            (headdim_v != headdim ? "/" + std::to_string(headdim_v) : std::string()) + " mask " + mask_name(mask) +
+           (score_mod == ScoreModKind::kNone ? std::string() : std::string(" ") + score_mod_name(score_mod)) +
            (variant.empty() ? std::string() : " variant " + variant);
   }
 };
@@ -61,14 +76,16 @@ struct DefaultVariant {
 
 // The compile-time image of a KernelKey: what the generated translation units instantiate the
 // launchers with. Variant: a family's policy type (e.g. sm90/variants.h), DefaultVariant in production.
-template <int kArch_, DType kDType_, int kHeadDim_, int kHeadDimV_, MaskKind kMask_, class Variant_ = DefaultVariant>
+template <int kArch_, DType kDType_, int kHeadDim_, int kHeadDimV_, MaskKind kMask_,
+          ScoreModKind kScoreMod_ = ScoreModKind::kNone, class Variant_ = DefaultVariant>
 struct KernelConfig {
   static constexpr int kArch = kArch_;
   static constexpr DType kDType = kDType_;
   static constexpr int kHeadDim = kHeadDim_, kHeadDimV = kHeadDimV_;
   static constexpr MaskKind kMask = kMask_;
+  static constexpr ScoreModKind kScoreMod = kScoreMod_;
   using Variant = Variant_;
-  static KernelKey key() { return {kArch, kDType, kHeadDim, kHeadDimV, kMask, Variant::kName}; }
+  static KernelKey key() { return {kArch, kDType, kHeadDim, kHeadDimV, kMask, Variant::kName, kScoreMod}; }
 };
 
 }  // namespace flashhopper

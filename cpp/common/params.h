@@ -24,6 +24,9 @@ inline const char* dtype_name(DType d) {
 // Strides are in elements. LSE is float32, contiguous (batch, nheads_q, seqlen_q), natural log.
 // window_left / window_right: kernels with MaskKind::kWindow see keys j of row i with
 // i + seqlen_k - seqlen_q - window_left <= j <= i + seqlen_k - seqlen_q + window_right; -1 = unbounded.
+// softcap > 0: scores become softcap * tanh(scores * softmax_scale / softcap) before the softmax (16-bit
+// kernels; common/score_mod.h). sinks_ptr: float32 (nheads_q,) sink logits that join each row's softmax
+// denominator without a value (the LSE includes them; nullptr = none).
 // FP8 (e4m3 kernels) only, docs/fp8.md: O is bfloat16; V comes transposed (V^T: head-dim rows
 // v_dim_stride apart, keys contiguous and permuted within groups of 16, zero-padded to a multiple of
 // 16); descales x ~ x_fp8 * scale, one per (batch, head, block of *_scale_block tokens), K and V
@@ -43,6 +46,7 @@ inline const char* dtype_name(DType d) {
   X(int, batch, 0) X(int, seqlen_q, 0) X(int, seqlen_k, 0) X(int, nheads_q, 0) X(int, nheads_kv, 0)     \
   X(int, headdim, 0) X(int, headdim_v, 0) X(float, softmax_scale, 1.f)                                   \
   X(int, window_left, -1) X(int, window_right, -1)                                                       \
+  X(float, softcap, 0.f) X(const float*, sinks_ptr, nullptr)                                             \
   X(int64_t, v_dim_stride, 0)                                                                            \
   X(const float*, q_scale_ptr, nullptr) X(const float*, k_scale_ptr, nullptr)                            \
   X(const float*, v_scale_ptr, nullptr)                                                                  \
@@ -60,7 +64,10 @@ inline const char* dtype_name(DType d) {
 // 256-byte aligned, not shared with a concurrent launch (the fp32 dQ accumulator, the per-row
 // statistics of the preprocess kernel). deterministic: bitwise-identical gradients from run to run,
 // the fp32 accumulations across CTAs (dQ, and dK/dV under GQA) in a fixed order, enforced by
-// semaphores in the workspace. window_*, num_sms, max_smem_bytes as in the forward.
+// semaphores in the workspace. window_*, softcap, num_sms, max_smem_bytes as in the forward (lse already
+// holds the sinks, so the main kernel needs no sinks_ptr). With sinks_ptr, the preprocess also writes
+// dsinks_rows_ptr (float32, (batch, nheads_q, seqlen_q) contiguous): each row's share of the sinks'
+// gradient, -exp(sink - lse) * (rowsum(dO * O) - dLSE), which the caller sums over batch and rows.
 #define FLASHHOPPER_BWD_PARAMS(X)                                                                       \
   X(const void*, q_ptr, nullptr) X(const void*, k_ptr, nullptr) X(const void*, v_ptr, nullptr)           \
   X(const void*, o_ptr, nullptr) X(const void*, do_ptr, nullptr)                                         \
@@ -77,6 +84,7 @@ inline const char* dtype_name(DType d) {
   X(int, batch, 0) X(int, seqlen_q, 0) X(int, seqlen_k, 0) X(int, nheads_q, 0) X(int, nheads_kv, 0)     \
   X(int, headdim, 0) X(int, headdim_v, 0) X(float, softmax_scale, 1.f)                                   \
   X(int, window_left, -1) X(int, window_right, -1) X(bool, deterministic, false)                         \
+  X(float, softcap, 0.f) X(const float*, sinks_ptr, nullptr) X(float*, dsinks_rows_ptr, nullptr)         \
   X(int, device, 0) X(int, num_sms, 0) X(int, max_smem_bytes, 0)
 
 // One pass of FP8 quantization (docs/fp8.md): x (batch, seqlen, nheads, headdim) in fp16/bf16 (dtype)

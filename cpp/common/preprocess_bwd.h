@@ -1,6 +1,8 @@
 // Backward preprocess, shared by the kernel families: per query row, D = rowsum(dO * O) - dLSE
 // (float32) and the LSE in the form the main kernel uses, LSE * log2(e) (+inf where every
-// probability is 0: rows that see no key, and the padding rows up to seqlen_q_rounded).
+// probability is 0: rows that see no key, and the padding rows up to seqlen_q_rounded). With sinks,
+// also each row's share of the sinks' gradient (the main kernel needs nothing else for sinks: the
+// LSE includes them).
 // Memory-bound: 16-byte loads, a few threads per row, shuffles to reduce.
 #pragma once
 
@@ -24,6 +26,8 @@ struct BwdPreprocessParams {
   float const* dlse;  // same layout, or nullptr
   float* lse_log2;    // (batch, nheads, seqlen_q_rounded)
   float* dpsum;       // (batch, nheads, seqlen_q_rounded)
+  float const* sinks; // (nheads,) sink logits, or nullptr
+  float* dsinks_rows; // with sinks: (batch, nheads, seqlen_q), each row's share of d(sinks)
   int64_t o_batch_stride, o_row_stride, o_head_stride;
   int64_t do_batch_stride, do_row_stride, do_head_stride;
   int seqlen_q, seqlen_q_rounded, nheads;
@@ -78,6 +82,11 @@ __global__ void __launch_bounds__(BwdPreprocess<Element, kHeadDim>::kThreads)
     }
     p.lse_log2[bh * p.seqlen_q_rounded + row] = lse_log2;
     p.dpsum[bh * p.seqlen_q_rounded + row] = dpsum;
+    // The sink's probability in the row is exp(sink - lse); d(loss)/d(sink) = -sum over rows of it times D.
+    if (p.sinks != nullptr && row < p.seqlen_q) {
+      float const lse = p.lse[bh * p.seqlen_q + row];
+      p.dsinks_rows[bh * p.seqlen_q + row] = lse == -INFINITY ? 0.f : -expf(p.sinks[head] - lse) * dpsum;
+    }
   }
 }
 
@@ -88,6 +97,7 @@ void launch_bwd_preprocess(BwdParams const& p, BwdWorkspace const& ws, cudaStrea
                "backward workspace memset");
   BwdPreprocessParams pre{p.o_ptr, p.do_ptr, p.lse_ptr, p.dlse_ptr,
                           ws.at<float>(p.workspace, ws.lse_log2), ws.at<float>(p.workspace, ws.dpsum),
+                          p.sinks_ptr, p.dsinks_rows_ptr,
                           p.o_batch_stride, p.o_row_stride, p.o_head_stride,
                           p.do_batch_stride, p.do_row_stride, p.do_head_stride,
                           p.seqlen_q, ws.seqlen_q_rounded, p.nheads_q};

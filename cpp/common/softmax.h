@@ -73,16 +73,25 @@ struct OnlineSoftmax {
     }
   }
 
-  // Reduces the row sums across the quad. Returns 1/l per row (0 for a row that saw no key, so
-  // its output is 0) and writes the natural-log LSE (-inf for such a row).
-  CUTE_DEVICE cute::array<float, kRows> finalize(cute::array<float, kRows>& lse) {
+  // Reduces the row sums across the quad. Returns the factor per row that turns the accumulated O into
+  // the output (0 for a row whose denominator is 0, so its output is 0) and writes the natural-log LSE
+  // (-inf for such a row). sink_log2: a learnable sink logit of the row's head in the exp2's units
+  // (logit * log2(e)), -inf for none: it joins the denominator without a value, out = sum_j p_j v_j /
+  // (exp(sink) + sum_j p_j), and the LSE includes it. Both are taken relative to m_new = max(row max,
+  // sink), so neither a large sink nor a row with no visible key overflows.
+  CUTE_DEVICE cute::array<float, kRows> finalize(cute::array<float, kRows>& lse, float sink_log2 = -INFINITY) {
     cute::array<float, kRows> inv_sum;
     CUTE_UNROLL
     for (int mi = 0; mi < kRows; ++mi) {
       float const l = quad_allreduce(row_sum[mi], SumOp{});
-      bool const empty = (l == 0.f) || (l != l);
-      inv_sum[mi] = empty ? 0.f : 1.f / l;
-      lse[mi] = empty ? -INFINITY : (row_max[mi] + __log2f(l) - float(kMaxOffset)) * float(M_LN2);
+      float const m = row_max[mi];  // -inf for a row that saw no key (then l == 0)
+      float const m_new = fmaxf(m, sink_log2);
+      // l is in units of 2^(m - kMaxOffset); rescaled to 2^m_new and to true probabilities.
+      float const a = m == -INFINITY ? 0.f : exp2f(m - m_new) * exp2f(-float(kMaxOffset));
+      float const total = l * a + (sink_log2 == -INFINITY ? 0.f : exp2f(sink_log2 - m_new));
+      bool const empty = (total == 0.f) || (total != total);
+      inv_sum[mi] = empty ? 0.f : a / total;
+      lse[mi] = empty ? -INFINITY : (m_new + __log2f(total)) * float(M_LN2);
     }
     return inv_sum;
   }

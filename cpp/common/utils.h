@@ -70,6 +70,20 @@ CUTE_DEVICE float exp2_approx(float x) {
   return y;
 }
 
+// One MUFU.TANH (max relative error about 2^-11; sm_75 and newer).
+CUTE_DEVICE float tanh_approx(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// One MUFU.LG2 (subnormal inputs kept: a tiny probability must not read as log 0).
+CUTE_DEVICE float log2_approx(float x) {
+  float y;
+  asm("lg2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // Convert a register fragment elementwise (vectorized: F2FP packs two at a time).
 template <class To, class Engine, class Layout>
 CUTE_DEVICE auto convert_type(Tensor<Engine, Layout> const& t) {

@@ -33,6 +33,7 @@ struct FwdKernel {
     UniformSeqlens seqlens;
     int nheads_q, heads_ratio;
     int window_left, window_right;
+    float const* sinks;  // (nheads_q,) sink logits, or nullptr
     float scale_log2;  // of the softmax's exp2, after the score mod
     typename Mainloop::ScoreMod score_mod;
   };
@@ -53,17 +54,18 @@ struct FwdKernel {
     Element* o = p.o + b * p.o_batch_stride + head * p.o_head_stride + seq.offset_q * p.o_row_stride;
     float* lse = p.lse + (int64_t(batch) * p.nheads_q + head) * p.seqlens.seqlen_q + seq.offset_q;
 
+    float const sink_log2 = p.sinks == nullptr ? -INFINITY : p.sinks[head] * float(M_LOG2E);
     typename Mainloop::TiledMma tiled_mma;
     Tensor acc_o = partition_fragment_C(tiled_mma, Shape<Int<Mainloop::kBlockM>, Int<Mainloop::kHeadDim>>{});
     constexpr int kRows = decltype(size<0>(rowcol(acc_o)))::value;
     OnlineSoftmax<kRows> softmax(p.scale_log2);
     if (!Mainloop::mma(ts, q, p.q_row_stride, k, p.k_row_stride, v, p.v_row_stride, seq, p.window_left,
                        p.window_right, p.score_mod, m_block, acc_o, softmax)) {
-      Epilogue::store_empty(o, p.o_row_stride, lse, seq.seqlen_q, m_block);
+      Epilogue::store_empty(o, p.o_row_stride, lse, seq.seqlen_q, m_block, sink_log2 * float(M_LN2));
       return;
     }
     cute::array<float, kRows> row_lse;
-    auto const inv_sum = softmax.finalize(row_lse);
+    auto const inv_sum = softmax.finalize(row_lse, sink_log2);
     Tensor out = rowcol(acc_o);
     OnlineSoftmax<kRows>::rescale(out, inv_sum);
     Epilogue::store(ts, acc_o, row_lse, o, p.o_row_stride, lse, seq.seqlen_q, m_block);

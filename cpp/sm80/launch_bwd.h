@@ -38,7 +38,8 @@ struct BwdConfig {
   static_assert(Config::kHeadDimV == Config::kHeadDim, "a V head dim of its own is not built yet");
   using Element = typename ElementOf<Config::kDType>::type;
   using Tile = typename BwdTileSize<Config::kHeadDim, Config::kMask != MaskKind::kNone, kSmemKB>::type;
-  using Mainloop = BwdMainloop<Element, Config::kHeadDim, Tile, Config::kMask>;
+  using Mainloop = BwdMainloop<Element, Config::kHeadDim, Tile, Config::kMask,
+                               typename ScoreModOf<Config::kScoreMod>::type>;
   using Kernel = BwdKernel<Mainloop>;
   static_assert(Kernel::kSmemBytes <= kSmemKB * 1024, "the tiles must fit their shared-memory class");
 };
@@ -63,6 +64,7 @@ int64_t run_bwd(BwdParams const& p, cudaStream_t stream) {
   BwdWorkspace const ws = BwdWorkspace::make<Tile::kBlockM, Tile::kBlockN>(p);
   int const num_sms = p.num_sms > 0 ? p.num_sms : device_info(p.device).num_sms;
 
+  auto const score_mod = make_score_mod<typename ScoreModOf<Config::kScoreMod>::type>(p.softmax_scale, p.softcap);
   launch_bwd_preprocess<Element, Config::kHeadDim>(p, ws, stream);
 
   dim3 const grid(ceil_div(p.seqlen_k, Tile::kBlockN), p.nheads_q, p.batch);
@@ -85,8 +87,8 @@ int64_t run_bwd(BwdParams const& p, cudaStream_t stream) {
         p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride,
         p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride,
         UniformSeqlens{p.seqlen_q, p.seqlen_k}, ws.seqlen_q_rounded, p.nheads_q, p.nheads_kv,
-        p.window_left, p.window_right,
-        ScoreModIdentity{}.softmax_scale_log2(float(p.softmax_scale * M_LOG2E)), p.softmax_scale, {}};
+        p.window_left, p.window_right, score_mod.softmax_scale_log2(float(p.softmax_scale * M_LOG2E)),
+        p.softmax_scale, score_mod};
     auto kernel = &bwd_kernel<Kernel>;
     check_launch(set_max_dynamic_smem_once(kernel, p.device, Kernel::kSmemBytes), "cudaFuncSetAttribute");
     kernel<<<grid, Kernel::kNumThreads, Kernel::kSmemBytes, stream>>>(kp);

@@ -31,7 +31,8 @@ struct FwdConfig {
   static_assert(Config::kHeadDimV == Config::kHeadDim, "a V head dim of its own is not built yet");
   using Element = typename ElementOf<Config::kDType>::type;
   using Tile = typename FwdTileSize<Config::kHeadDim, Config::kMask != MaskKind::kNone, kSmemKB>::type;
-  using Kernel = FwdKernel<FwdMainloop<Element, Config::kHeadDim, Tile, Config::kMask>>;
+  using Kernel = FwdKernel<FwdMainloop<Element, Config::kHeadDim, Tile, Config::kMask,
+                                       typename ScoreModOf<Config::kScoreMod>::type>>;
   static_assert(Kernel::kSmemBytes <= kSmemKB * 1024, "the tiles must fit their shared-memory class");
 };
 
@@ -45,6 +46,7 @@ int64_t run_fwd(FwdParams const& p, cudaStream_t stream) {
   if (std::max(p.k_row_stride, p.v_row_stride) > INT32_MAX / Tile::kBlockN)
     throw std::invalid_argument("flashhopper: K/V row stride too large for the sm80 kernels");
   dim3 const grid(ceil_div(p.seqlen_q, Tile::kBlockM), p.nheads_q, p.batch);
+  auto const score_mod = make_score_mod<typename ScoreModOf<Config::kScoreMod>::type>(p.softmax_scale, p.softcap);
   if (int64_t(grid.x) * grid.y * grid.z == 0) return 0;  // no query rows: an empty grid
 
   typename Kernel::Params const kp{static_cast<Element const*>(p.q_ptr), static_cast<Element const*>(p.k_ptr),
@@ -54,8 +56,8 @@ int64_t run_fwd(FwdParams const& p, cudaStream_t stream) {
                                    p.v_batch_stride, p.v_row_stride, p.v_head_stride,
                                    p.o_batch_stride, p.o_row_stride, p.o_head_stride,
                                    UniformSeqlens{p.seqlen_q, p.seqlen_k}, p.nheads_q, p.nheads_q / p.nheads_kv,
-                                   p.window_left, p.window_right,
-                                   ScoreModIdentity{}.softmax_scale_log2(float(p.softmax_scale * M_LOG2E)), {}};
+                                   p.window_left, p.window_right, p.sinks_ptr,
+                                   score_mod.softmax_scale_log2(float(p.softmax_scale * M_LOG2E)), score_mod};
   auto kernel = &fwd_kernel<Kernel>;
   cudaError_t err = set_max_dynamic_smem_once(kernel, p.device, Kernel::kSmemBytes);
   if (err != cudaSuccess) throw std::runtime_error(std::string("flashhopper: cudaFuncSetAttribute: ") + cudaGetErrorString(err));

@@ -204,7 +204,7 @@ struct BwdMainloop {
 
       clear(acc_s);
       gemm_ss<LdsmN, LdsmN>(mma_sdp, acc_s, sQ(stage), sK);  // S = Q K^T
-      auto const score_grad = args.score_mod.apply_with_grad(acc_s);
+      args.score_mod.apply(acc_s);
       if (seqlen_mask || m_block < m_right_end || (BlockInfoT::kHasLeft && m_block >= m_left_begin)) {
         mask.template apply_bwd<true, true, true, false>(acc_s, tScS, m_block * kBlockM, n_block * kBlockN);
       }
@@ -214,7 +214,7 @@ struct BwdMainloop {
       gemm_ss<LdsmN, LdsmN>(mma_sdp, acc_dp, sdO, sV);  // dP = dO V^T
       Tensor dp = rowcol(acc_dp);
       grad_scores(scores, dp, [&](int mi, int) { return dsum[mi]; });  // dS = P (dP - D)
-      args.score_mod.chain(dp, score_grad);
+      args.score_mod.chain(dp, scores, [&](int mi, int) { return lse[mi]; });
       store_fragment(mma_sdp, convert_type<Element>(acc_s), sP);
       store_fragment(mma_sdp, convert_type<Element>(acc_dp), sdS);
       __syncthreads();  // P, dS complete

@@ -106,8 +106,9 @@ struct FwdEpilogue {
 
   // A tile whose rows see no key (causal with seqlen_q > seqlen_k): O = 0, LSE = -inf, written
   // directly (16-byte stores) so that it never touches shared memory the producer may be filling.
+  // Rows that see no key: O = 0, LSE = empty_lse (-inf, or the head's sink logit).
   CUTE_DEVICE static void store_empty(Params const& p, SeqlenInfo const& seq, int m_block, int head, int batch,
-                                      int wg, int thread_idx) {
+                                      int wg, int thread_idx, float empty_lse = -INFINITY) {
     constexpr int kVec = 16 / sizeof(Element);
     constexpr int kVecsPerRow = kHeadDim / kVec;
     int const seqlen_q = seq.seqlen_q;
@@ -123,7 +124,7 @@ struct FwdEpilogue {
     }
     float* lse_bh = p.lse_ptr + lse_offset(p, head, batch) + seq.offset_q;
     for (int r = thread_idx; r < 64; r += cutlass::NumThreadsPerWarpGroup) {
-      if (row0 + r < seqlen_q) lse_bh[row0 + r] = -INFINITY;
+      if (row0 + r < seqlen_q) lse_bh[row0 + r] = empty_lse;
     }
   }
 };

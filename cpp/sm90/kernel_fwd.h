@@ -176,7 +176,8 @@ struct FwdKernel {
         WorkTile const& w = t.tile;
         if (!t.has_rows) continue;
         if (!t.has_keys) {
-          Epilogue::store_empty(params.epilogue, t.seq, w.m_block, w.head, w.batch, wg, thread_idx);
+          Epilogue::store_empty(params.epilogue, t.seq, w.m_block, w.head, w.batch, wg, thread_idx,
+                                Mainloop::sink_log2(params.mainloop, w.head) * float(M_LN2));
           continue;
         }
         Tensor tOrO = partition_fragment_C(typename Mainloop::TiledMmaPV{}, Shape<_64, Int<Mainloop::kHeadDim>>{});
@@ -192,7 +193,7 @@ struct FwdKernel {
         }
 
         cute::array<float, 2> lse;
-        auto inv_sum = softmax.finalize(lse);
+        auto inv_sum = softmax.finalize(lse, Mainloop::sink_log2(params.mainloop, w.head));
         if constexpr (Mainloop::kFp8) {
           inv_sum[0] *= o_descale;
           inv_sum[1] *= o_descale;

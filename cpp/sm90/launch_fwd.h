@@ -33,7 +33,10 @@ struct FwdConfig {
   static_assert(Config::kHeadDimV == Config::kHeadDim, "a V head dim of its own is not built yet");
   using Element = typename ElementOf<Config::kDType>::type;
   using Tile = typename FwdTileOf<typename Config::Variant, Config::kHeadDim, Config::kDType>::type;
-  using Mainloop = FwdMainloop<Element, Config::kHeadDim, Tile, Config::kMask>;
+  using ScoreMod = typename ScoreModOf<Config::kScoreMod>::type;
+  static_assert(Config::kDType != DType::kFloat8E4M3 || Config::kScoreMod == ScoreModKind::kNone,
+                "the fp8 kernels have no score mod");
+  using Mainloop = FwdMainloop<Element, Config::kHeadDim, Tile, Config::kMask, ScoreMod>;
   using ElementOut = typename Mainloop::ElementOut;
   static constexpr bool kFp8 = Mainloop::kFp8;
   // FP8 stages O in a buffer of its own; 16-bit O goes through the Q stage the tile used.
@@ -119,7 +122,8 @@ int64_t run_fwd_sm90(FwdParams const& params, cudaStream_t stream) {
                             shape_q, static_cast<Element const*>(p.k_ptr),
                             stride(p.k_row_stride, p.k_head_stride, p.k_batch_stride),
                             static_cast<Element const*>(p.v_ptr), stride_v, shape_k, p.softmax_scale,
-                            UniformSeqlens{p.seqlen_q, p.seqlen_k}, p.window_left, p.window_right, {}, {}, descale),
+                            UniformSeqlens{p.seqlen_q, p.seqlen_k}, p.window_left, p.window_right, p.sinks_ptr,
+                            make_score_mod<typename C::ScoreMod>(p.softmax_scale, p.softcap), {}, descale),
       Epilogue::make_params(static_cast<ElementOut*>(p.o_ptr), shape_q,
                             stride(p.o_row_stride, p.o_head_stride, p.o_batch_stride), p.lse_ptr),
       sm90::make_tile_scheduler_params(num_m_blocks, p.batch, p.nheads_q, p.nheads_q / p.nheads_kv,

@@ -524,7 +524,7 @@ struct BwdMainloop {
       auto const lse = stat(ts.smem_lse.data() + stage_q * kBlockM);
       warpgroup_wait<1>();
       warpgroup_fence_operand(tSrS);
-      auto const score_grad = p.score_mod.apply_with_grad(tSrS);
+      p.score_mod.apply(tSrS);
       apply_mask(tSrS, m_block);
       Tensor scores = rowcol(tSrS);
       probs_from_lse(scores, lse, p.scale_log2);
@@ -542,7 +542,7 @@ struct BwdMainloop {
       // dS from the 16-bit P (the dV operand, as PyTorch's own 16-bit backward has it): the float32
       // P is dead by now, which keeps the register budget.
       grad_scores(rowcol(rP), dscores, dpsum);
-      p.score_mod.chain(dscores, score_grad);
+      p.score_mod.chain(dscores, rowcol(rP), lse);
       Tensor rdS = convert_type<Element>(tdPrdP);
       // With one dS (and P) buffer, both warpgroups must be done with the previous block's GEMMs.
       if constexpr (kStagesdS == 1) cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBwdPdS);

@@ -150,10 +150,16 @@ struct FwdMainloop {
     float scale_log2;                    // of the softmax's exp2, after the score mod
     Seqlens seqlens;
     int window_left, window_right;       // MaskKind::kWindow
+    float const* sinks;                  // (nheads_q,) sink logits, or nullptr
     ScoreMod score_mod;
     typename KVBlocks::Params kv_blocks;
     Descales descale;                    // FP8 only
   };
+
+  // The head's sink logit in the softmax's exp2 units (OnlineSoftmax::finalize), -inf without sinks.
+  CUTE_DEVICE static float sink_log2(Params const& p, int head) {
+    return p.sinks == nullptr ? -INFINITY : p.sinks[head] * float(M_LOG2E);
+  }
 
   // What the params' seqlens say of one batch entry, and its block ranges.
   CUTE_DEVICE static SeqlenInfo seqlen_info(Params const& p, int batch) { return p.seqlens(batch); }
@@ -165,7 +171,7 @@ struct FwdMainloop {
   static Params make_params(Element const* q, StrideQKV stride_q, ShapeQKV shape_q, Element const* k,
                             StrideQKV stride_k, Element const* v, StrideQKV stride_v, ShapeQKV shape_k,
                             float softmax_scale, Seqlens seqlens, int window_left, int window_right,
-                            ScoreMod score_mod = {}, typename KVBlocks::Params kv_blocks = {}, Descales descale = {}) {
+                            float const* sinks = nullptr, ScoreMod score_mod = {}, typename KVBlocks::Params kv_blocks = {}, Descales descale = {}) {
     auto mQ = make_tensor(make_gmem_ptr(q), shape_q, stride_q);
     auto mK = make_tensor(make_gmem_ptr(k), shape_k, stride_k);
     // FP8's V^T: (headdim, keys); the TMA bound is the padded key count, since a group of 16 keys
@@ -185,6 +191,7 @@ struct FwdMainloop {
             seqlens,
             window_left,
             window_right,
+            sinks,
             score_mod,
             kv_blocks,
             descale};

@@ -87,21 +87,23 @@ def has_fp8_quantize() -> bool:
 
 
 def build_info() -> dict[str, Any]:
-    """What this build was configured with (archs, modes, dtypes, headdims, masks, variants; {} without _C)."""
+    """What this build was configured with (archs, modes, dtypes, headdims, masks, variants, score_mods; {}
+    without _C)."""
     mod = _load()
     return {} if mod is None else dict(mod.build_info())
 
 
 def configured(mode: str, key: KernelKey) -> bool:
     """Whether the build was asked for this production kernel (FLASHHOPPER_ARCHS, _MODES, _DTYPES, _HDIMS,
-    _MASKS): then its absence is a broken build or a wrong key, not a configuration choice (the GPU tests
-    fail on it rather than skip). The fp8 (e4m3) dtype is built as a Hopper forward only
-    (cpp/generate_kernels.py: FAMILIES); variants are ablation builds, never required."""
+    _MASKS, _SCORE_MODS): then its absence is a broken build or a wrong key, not a configuration choice (the
+    GPU tests fail on it rather than skip). The fp8 (e4m3) dtype is built as a Hopper forward only, without
+    score mods (cpp/generate_kernels.py: FAMILIES); variants are ablation builds, never required."""
     info = build_info()
     if not info or key.variant:
         return False
     dtype = key.short_dtype()
-    if dtype == "e4m3" and (key.arch != 90 or mode != "fwd"):
+    if dtype == "e4m3" and (key.arch != 90 or mode != "fwd" or key.score_mod != "none"):
         return False
     return (key.arch in info["archs"] and mode in info["modes"] and dtype in info["dtypes"]
-            and key.headdim in info["headdims"] and key.headdim_v == key.headdim and key.mask in info["masks"])
+            and key.headdim in info["headdims"] and key.headdim_v == key.headdim and key.mask in info["masks"]
+            and key.score_mod in info.get("score_mods", ["none"]))

@@ -34,26 +34,34 @@ def runs_on(backend: str, capability: tuple[int, int]) -> bool:
     return False
 
 
+def score_mod_of(softcap: float) -> str:
+    """The score mod of a call: "softcap" for softcap > 0, else "none"."""
+    return "softcap" if softcap > 0 else "none"
+
+
 def kernel_key(backend: str, dtype: torch.dtype, headdim: int, causal: bool,
-               window: tuple[int, int] | None = None, variant: str = "") -> KernelKey:
+               window: tuple[int, int] | None = None, variant: str = "", softcap: float = 0.0) -> KernelKey:
     """The KernelKey of a call on kernel family ``backend`` ("sm90" or "sm80"); V's head dim is q's.
-    ``window``: flash-attn's (left, right), -1 unbounded; it makes the mask "window" unless (-1, -1)."""
-    return _key(backend, dtype, headdim, mask_of(causal, window), variant)
+    ``window``: flash-attn's (left, right), -1 unbounded; it makes the mask "window" unless (-1, -1).
+    ``softcap`` > 0 needs a softcap kernel (the value itself is a runtime argument)."""
+    return _key(backend, dtype, headdim, mask_of(causal, window), variant, score_mod_of(softcap))
 
 
 # Cached: every launch asks, and a key's construction validates its fields (host time of small calls).
 @functools.lru_cache(maxsize=1024)
-def _key(backend: str, dtype: torch.dtype, headdim: int, mask: str, variant: str = "") -> KernelKey:
+def _key(backend: str, dtype: torch.dtype, headdim: int, mask: str, variant: str = "",
+         score_mod: str = "none") -> KernelKey:
     if backend not in ARCH:
         raise ValueError(f"backend must be one of {', '.join(map(repr, ARCH))} for a kernel, got {backend!r}")
-    return KernelKey(ARCH[backend], str(dtype).removeprefix("torch."), headdim, headdim, mask, variant)
+    return KernelKey(ARCH[backend], str(dtype).removeprefix("torch."), headdim, headdim, mask, variant, score_mod)
 
 
 def _describe(key: KernelKey) -> str:
     """The call's configuration as an error message names it (the family is said separately)."""
     mask = {"none": "non-causal", "causal": "causal", "window": "windowed (local)"}[key.mask]
     hd = f"{key.headdim}" if key.headdim_v == key.headdim else f"{key.headdim}/{key.headdim_v}"
-    return f"{key.dtype} headdim {hd} {mask}" + (f" variant {key.variant}" if key.variant else "")
+    return (f"{key.dtype} headdim {hd} {mask}" + (" with softcap" if key.score_mod == "softcap" else "")
+            + (f" variant {key.variant}" if key.variant else ""))
 
 
 def _rebuild_hint(backends: tuple[str, ...], key: KernelKey, modes: str | None = None) -> str:
@@ -61,17 +69,20 @@ def _rebuild_hint(backends: tuple[str, ...], key: KernelKey, modes: str | None =
     mode = f" FLASHHOPPER_MODES={modes}" if modes else ""
     # The default FLASHHOPPER_MASKS is none;causal: a window kernel has to be asked for by name.
     masks = " FLASHHOPPER_MASKS=none;causal;window" if key.mask == "window" else ""
+    # Likewise the default FLASHHOPPER_SCORE_MODS is none.
+    score_mods = " FLASHHOPPER_SCORE_MODS=none;softcap" if key.score_mod == "softcap" else ""
     variant = f" FLASHHOPPER_VARIANTS={key.variant}" if key.variant else ""
     hint = (f"rebuild with FLASHHOPPER_ARCHS={archs}{mode} FLASHHOPPER_DTYPES={key.short_dtype()} "
-            f"FLASHHOPPER_HDIMS={key.headdim}{masks}{variant} (or a superset), or pass backend='reference'")
+            f"FLASHHOPPER_HDIMS={key.headdim}{masks}{score_mods}{variant} (or a superset), or pass backend='reference'")
     err = _ext.extension_error()
     return hint + (f"; the compiled extension did not import: {err}" if err else "")
 
 
 def choose_kernel(info: DeviceInfo, index: int, dtype: torch.dtype, headdim: int, mask: str,
-                  backend: str | None, kernels: Container[KernelKey]) -> str:
-    """Pure decision for a CUDA device: the kernel backend to use for a call of this dtype, head dim and
-    mask kind (kernel_key.mask_of), given the forward kernels ``kernels``; or ValueError saying why none."""
+                  backend: str | None, kernels: Container[KernelKey], score_mod: str = "none") -> str:
+    """Pure decision for a CUDA device: the kernel backend to use for a call of this dtype, head dim, mask
+    kind (kernel_key.mask_of) and score mod, given the forward kernels ``kernels``; or ValueError saying
+    why none."""
     validation.check_kernel_dtype("q", dtype)
     validation.check_kernel_headdim(headdim)
     where = f"cuda:{index} ({info.name}, compute capability {info.capability[0]}.{info.capability[1]})"
@@ -82,30 +93,31 @@ def choose_kernel(info: DeviceInfo, index: int, dtype: torch.dtype, headdim: int
         if not runs_on(backend, info.capability):
             need = "9.0 (Hopper)" if backend == "sm90" else "8.0-9.x"
             raise ValueError(f"backend={backend!r} needs compute capability {need}; q is on {where}")
-        key = _key(backend, dtype, headdim, mask)
+        key = _key(backend, dtype, headdim, mask, "", score_mod)
         if key not in kernels:
             raise ValueError(f"backend={backend!r}: this build has no {backend} kernel for {_describe(key)}; "
                              f"{_rebuild_hint((backend,), key)}")
         return backend
     usable = tuple(b for b in _AUTO_ORDER if runs_on(b, info.capability))
     for b in usable:
-        if _key(b, dtype, headdim, mask) in kernels:
+        if _key(b, dtype, headdim, mask, "", score_mod) in kernels:
             return b
     if not usable:
         raise ValueError(f"q is on {where}, which no flashhopper kernel family supports "
                          "(sm90 needs 9.0, sm80 needs 8.x-9.x); pass backend='reference'")
-    key = _key(usable[0], dtype, headdim, mask)
+    key = _key(usable[0], dtype, headdim, mask, "", score_mod)
     raise ValueError(f"q: this build has no {' or '.join(usable)} kernel for {_describe(key)} on {where}; "
                      f"{_rebuild_hint(usable, key)}")
 
 
 def missing_bwd_kernel(backend: str, dtype: torch.dtype, headdim: int, causal: bool,
-                       kernels: Container[KernelKey], *, window: tuple[int, int] | None = None) -> str:
+                       kernels: Container[KernelKey], *, window: tuple[int, int] | None = None,
+                       softcap: float = 0.0) -> str:
     """Pure decision: "" when ``kernels`` (backward kernels) has the backward for this forward
     configuration, otherwise why not and what to rebuild with. The reference needs no kernel."""
     if backend not in ARCH:
         return ""
-    key = kernel_key(backend, dtype, headdim, causal, window)
+    key = kernel_key(backend, dtype, headdim, causal, window, softcap=softcap)
     if key in kernels:
         return ""
     # A fwd-only build (FLASHHOPPER_MODES=fwd) is the likely cause: the hint names both modes, so
@@ -140,8 +152,10 @@ class _CompiledKernels:
 # Under torch.compile the choice is made once at trace time: its inputs (device, dtype, head dim,
 # mask kind) are already guarded, and the device query inside could not be traced.
 @torch.compiler.assume_constant_result
-def _select_cuda(index: int, dtype: torch.dtype, headdim: int, mask: str, backend: str | None) -> str:
-    return choose_kernel(_device.device_info(index), index, dtype, headdim, mask, backend, _CompiledKernels())
+def _select_cuda(index: int, dtype: torch.dtype, headdim: int, mask: str, backend: str | None,
+                 score_mod: str = "none") -> str:
+    return choose_kernel(_device.device_info(index), index, dtype, headdim, mask, backend, _CompiledKernels(),
+                         score_mod)
 
 
 # Returns the message rather than raising: under torch.compile, a ValueError raised inside an
@@ -150,32 +164,34 @@ def _select_cuda(index: int, dtype: torch.dtype, headdim: int, mask: str, backen
 # The window travels as its two ints: constant-result arguments are best kept scalars.
 @torch.compiler.assume_constant_result
 def _missing_bwd_cuda(backend: str, dtype: torch.dtype, headdim: int, causal: bool, window_left: int,
-                      window_right: int) -> str:
+                      window_right: int, softcap: float = 0.0) -> str:
     # _CompiledKernels looks _ext up at call time (tests replace _ext.has_kernel).
     return missing_bwd_kernel(backend, dtype, headdim, causal, _CompiledKernels("bwd"),
-                              window=(window_left, window_right))
+                              window=(window_left, window_right), softcap=softcap)
 
 
 def require_bwd_kernel(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, headdim: int,
-                       causal: bool, *, window: tuple[int, int] | None = None) -> None:
+                       causal: bool, *, window: tuple[int, int] | None = None,
+                       sinks: torch.Tensor | None = None, softcap: float = 0.0) -> None:
     """ValueError, at forward time, when autograd will ask ``backend`` for a backward this build lacks:
-    grad mode is on and q, k or v requires grad. Better now than after the whole forward graph ran."""
+    grad mode is on and q, k, v (or sinks) requires grad. Better now than after the whole forward graph ran."""
     if backend not in ARCH or not torch.is_grad_enabled():
         return
     left, right = (-1, -1) if window is None else window
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.requires_grad:
-            msg = _missing_bwd_cuda(backend, q.dtype, headdim, causal, left, right)
+    for name, x in (("q", q), ("k", k), ("v", v), ("sinks", sinks)):
+        if x is not None and x.requires_grad:
+            msg = _missing_bwd_cuda(backend, q.dtype, headdim, causal, left, right, softcap)
             if msg:
                 raise ValueError(f"{name} requires grad, but {msg}")
             return
 
 
 def select_backend(q: torch.Tensor, headdim: int, dtype: torch.dtype, causal: bool,
-                   backend: str | None = None, *, window: tuple[int, int] | None = None) -> str:
+                   backend: str | None = None, *, window: tuple[int, int] | None = None,
+                   softcap: float = 0.0) -> str:
     """Resolve ``backend`` (None = auto) to one of BACKENDS for inputs like ``q`` with this mask
-    (``causal`` and ``window``, flash-attn's (left, right), -1 unbounded). The public form: checks its
-    arguments, then resolve_backend."""
+    (``causal`` and ``window``, flash-attn's (left, right), -1 unbounded) and softcap. The public form:
+    checks its arguments, then resolve_backend."""
     validation.check_tensor("q", q)
     if isinstance(headdim, bool) or not isinstance(headdim, int):
         raise TypeError(f"headdim must be an int, got {type(headdim).__name__}")
@@ -184,11 +200,13 @@ def select_backend(q: torch.Tensor, headdim: int, dtype: torch.dtype, causal: bo
     if not isinstance(dtype, torch.dtype) or dtype not in validation.REFERENCE_DTYPES:
         raise TypeError(f"dtype must be one of {', '.join(map(str, validation.REFERENCE_DTYPES))}, got {dtype!r}")
     validation.check_flag("causal", causal)
-    return resolve_backend(q, headdim, dtype, causal, backend, window=window)
+    softcap = validation.check_softcap(softcap)
+    return resolve_backend(q, headdim, dtype, causal, backend, window=window, softcap=softcap)
 
 
 def resolve_backend(q: torch.Tensor, headdim: int, dtype: torch.dtype, causal: bool,
-                    backend: str | None = None, *, window: tuple[int, int] | None = None) -> str:
+                    backend: str | None = None, *, window: tuple[int, int] | None = None,
+                    softcap: float = 0.0) -> str:
     """select_backend for arguments an entry point has validated already (flash_attn_func's check_inputs:
     the per-call path does not check q, headdim, dtype and causal twice)."""
     if backend is not None and backend not in BACKENDS:
@@ -200,7 +218,7 @@ def resolve_backend(q: torch.Tensor, headdim: int, dtype: torch.dtype, causal: b
         if backend is None:
             return "reference"
         raise ValueError(f"backend={backend!r} needs CUDA tensors, but q is on {q.device}")
-    return _select_cuda(q.device.index, dtype, headdim, mask_of(causal, window), backend)
+    return _select_cuda(q.device.index, dtype, headdim, mask_of(causal, window), backend, score_mod_of(softcap))
 
 
 def available_backends(device: torch.device | str | int | None = None) -> list[str]:

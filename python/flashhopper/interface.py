@@ -7,54 +7,74 @@ import torch
 
 from . import _autocast, ops  # noqa: F401  (ops: registers the ops flashhopper::fwd / bwd and fwd's autograd)
 from .dispatch import require_bwd_kernel, resolve_backend
-from .validation import check_flag, check_inputs
+from .validation import check_flag, check_inputs, check_sinks, check_softcap, check_window_size
 
 
 @overload
 def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = ...,
-                    causal: bool = ..., return_lse: Literal[False] = ...,
-                    backend: str | None = ..., deterministic: bool = ...) -> torch.Tensor: ...
+                    causal: bool = ..., return_lse: Literal[False] = ..., backend: str | None = ...,
+                    deterministic: bool = ..., window_size: tuple[int, int] = ..., softcap: float = ...,
+                    sinks: torch.Tensor | None = ...) -> torch.Tensor: ...
 
 
 @overload
 def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = ...,
-                    causal: bool = ..., *, return_lse: Literal[True],
-                    backend: str | None = ..., deterministic: bool = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
+                    causal: bool = ..., *, return_lse: Literal[True], backend: str | None = ...,
+                    deterministic: bool = ..., window_size: tuple[int, int] = ..., softcap: float = ...,
+                    sinks: torch.Tensor | None = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
                     causal: bool = False, return_lse: bool = False, backend: str | None = None,
-                    deterministic: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                    deterministic: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact softmax attention, flash-attn layout, differentiable.
 
     q: (batch, seqlen_q, nheads_q, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim), with
     nheads_q a multiple of nheads_kv (grouped-query attention). softmax_scale defaults to
     1/sqrt(headdim). causal masks bottom-right aligned: row i sees key j iff j <= i + seqlen_k - seqlen_q;
-    a row that sees no key gets zeros (and lse -inf).
+    a row that sees no key gets zeros (and lse -inf, or its sink with sinks).
     backend: None picks the fastest compiled kernel for the device (CPU tensors use the reference);
     "sm90", "sm80" or "reference" force one, raising ValueError if it cannot run.
 
+    Model variants, as in flash-attn:
+    - window_size=(left, right): local (sliding-window) attention, row i sees key j iff
+      i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right, -1 = unbounded on that
+      side; with causal the right edge is 0. Key blocks outside the window are skipped, so the time
+      follows the window, not the sequence. (-1, -1) is plain attention.
+    - softcap=c > 0 (Gemma 2): the scaled scores s become c * tanh(s / c) before the softmax.
+    - sinks: float32 tensor (nheads_q,) of learnable sink logits (gpt-oss): each row's softmax
+      denominator gets exp(sink) added with no value, out = sum_j exp(s_j) v_j / (exp(sink) + sum_j
+      exp(s_j)); lse includes it. Differentiable: sinks.grad comes from the same backward.
+
     Returns out (like q), or (out, lse) with lse float32 (batch, nheads_q, seqlen_q), natural log.
 
-    Gradients: autograd (and torch.compile) differentiates through it, w.r.t. q, k and v, through
-    out and lse alike, with the backward kernel of the same backend (dk/dv of a kv head sum over its
-    query-head group). deterministic=True makes those gradients bitwise identical from run to run
-    (at some speed cost); the forward is deterministic either way. When grad mode is on and q, k or v
+    Gradients: autograd (and torch.compile) differentiates through it, w.r.t. q, k, v (and sinks),
+    through out and lse alike, with the backward kernel of the same backend (dk/dv of a kv head sum
+    over its query-head group). deterministic=True makes those gradients bitwise identical from run to
+    run (at some speed cost); the forward is deterministic either way. When grad mode is on and q, k or v
     requires grad, a kernel backend without a compiled backward for this configuration raises
     ValueError here, before the forward runs (saying what to rebuild with).
 
     Autocast, as for SDPA: under ``torch.autocast("cuda")``, q, k and v on CUDA that are float32,
     float16 or bfloat16 are cast to the autocast dtype first, so the kernel of that dtype runs and out
-    comes back in it (lse stays float32); the cast is differentiable, so a float32 leaf gets a float32
-    gradient. float64 and CPU tensors are left as they are (CUDA autocast does not apply to them).
+    comes back in it (lse and sinks stay float32); the cast is differentiable, so a float32 leaf gets a
+    float32 gradient. float64 and CPU tensors are left as they are (CUDA autocast does not apply to them).
     """
     if _autocast.enabled():  # the dtype picks the kernel: cast before validation and dispatch
         q, k, v = _autocast.cast(q, k, v)
     shapes, scale = check_inputs(q, k, v, softmax_scale, causal)
     check_flag("return_lse", return_lse)
     check_flag("deterministic", deterministic)
-    name = resolve_backend(q, shapes.headdim, q.dtype, causal, backend)
-    require_bwd_kernel(name, q, k, v, shapes.headdim, causal)
-    # No local window from here yet (window_left = window_right = -1: unbounded).
-    out, lse = torch.ops.flashhopper.fwd.default(q, k, v, scale, causal, -1, -1, deterministic, name)
+    window = check_window_size(window_size)
+    softcap = check_softcap(softcap)
+    check_sinks(sinks, q)
+    # Windows that are plain causal attention run the causal kernels: (-1, 0), or any (-1, right) with causal.
+    if window is not None and window[0] == -1 and (causal or window[1] == 0):
+        window, causal = None, True
+    name = resolve_backend(q, shapes.headdim, q.dtype, causal, backend, window=window, softcap=softcap)
+    require_bwd_kernel(name, q, k, v, shapes.headdim, causal, window=window, sinks=sinks, softcap=softcap)
+    left, right = (-1, -1) if window is None else window
+    out, lse = torch.ops.flashhopper.fwd.default(q, k, v, scale, causal, left, right, softcap, sinks, deterministic,
+                                                 name)
     return (out, lse) if return_lse else out

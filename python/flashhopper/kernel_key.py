@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 MASKS: tuple[str, ...] = ("none", "causal", "window")
+# What the scores go through before the softmax (cpp/common/score_mod.h): nothing, or Gemma 2's softcap.
+SCORE_MODS: tuple[str, ...] = ("none", "softcap")
 # Build-option spelling (FLASHHOPPER_DTYPES) -> the dtype names the key carries (torch's, without "torch.").
 BUILD_DTYPES: dict[str, str] = {"fp16": "float16", "bf16": "bfloat16", "e4m3": "float8_e4m3fn"}
 ARCHS: tuple[int, ...] = (90, 80)
@@ -25,10 +27,13 @@ class KernelKey:
     headdim_v: int   # of V and O
     mask: str        # "none", "causal", "window" (flash-attn's window_size; causal is its (-1, 0) fast case)
     variant: str = ""  # "" in production; else a named ablation variant (cpp/sm90/variants.h)
+    score_mod: str = "none"  # "none" or "softcap" (its value is a runtime argument)
 
     def __post_init__(self) -> None:
         if self.mask not in MASKS:
             raise ValueError(f"mask must be one of {MASKS}, got {self.mask!r}")
+        if self.score_mod not in SCORE_MODS:
+            raise ValueError(f"score_mod must be one of {SCORE_MODS}, got {self.score_mod!r}")
         if self.dtype not in BUILD_DTYPES.values():
             raise ValueError(f"dtype must be one of {tuple(BUILD_DTYPES.values())}, got {self.dtype!r}")
 
@@ -38,14 +43,16 @@ class KernelKey:
     def describe(self) -> str:
         hd = f"{self.headdim}" if self.headdim_v == self.headdim else f"{self.headdim}/{self.headdim_v}"
         return (f"sm{self.arch} {self.dtype} headdim {hd} mask {self.mask}"
+                + (f" {self.score_mod}" if self.score_mod != "none" else "")
                 + (f" variant {self.variant}" if self.variant else ""))
 
     def file_name(self, mode: str) -> str:
         """The generated translation unit's stem, e.g. fwd_sm90_bf16_hdim128_causal."""
         hd = f"hdim{self.headdim}" + ("" if self.headdim_v == self.headdim else f"v{self.headdim_v}")
         mask = "" if self.mask == "none" else f"_{self.mask}"
+        score_mod = "" if self.score_mod == "none" else f"_{self.score_mod}"
         variant = f"_v-{self.variant}" if self.variant else ""
-        return f"{mode}_sm{self.arch}_{self.short_dtype()}_{hd}{mask}{variant}"
+        return f"{mode}_sm{self.arch}_{self.short_dtype()}_{hd}{mask}{score_mod}{variant}"
 
 
 FIELDS: tuple[str, ...] = tuple(f.name for f in fields(KernelKey))

@@ -42,9 +42,10 @@ def _window_of(window_left: int, window_right: int) -> tuple[int, int] | None:
 
 
 def fill_params(p: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                softmax_scale: float, edges: tuple[int, int] = (-1, -1), counter: int = 0) -> Any:
-    """Write pointers, strides (in elements), sizes and window edges (window_edges) of these tensors
-    into a ``_C.FwdParams``; ``counter`` is the address of the tile counter (0: none)."""
+                softmax_scale: float, edges: tuple[int, int] = (-1, -1), counter: int = 0, softcap: float = 0.0,
+                sinks: torch.Tensor | None = None) -> Any:
+    """Write pointers, strides (in elements), sizes, window edges (window_edges), softcap and sinks of
+    these tensors into a ``_C.FwdParams``; ``counter`` is the address of the tile counter (0: none)."""
     b, sq, hq, d = q.shape
     p.q_ptr, p.k_ptr, p.v_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr()
     p.o_ptr, p.lse_ptr, p.tile_counter = out.data_ptr(), lse.data_ptr(), counter
@@ -53,21 +54,24 @@ def fill_params(p: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
     p.nheads_q, p.nheads_kv, p.headdim, p.headdim_v = hq, k.shape[2], d, v.shape[3]
     p.softmax_scale = softmax_scale
     p.window_left, p.window_right = edges
+    p.softcap, p.sinks_ptr = softcap, (0 if sinks is None else sinks.data_ptr())
     return p
 
 
 def _launch_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                 softmax_scale: float, causal: bool, window: tuple[int, int] | None, arch: int, variant: str = "",
-                max_smem_bytes: int = 0) -> int:
-    key = dispatch.kernel_key(_BACKEND_OF_ARCH[arch], q.dtype, q.shape[3], causal, window, variant)
+                max_smem_bytes: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None) -> int:
+    key = dispatch.kernel_key(_BACKEND_OF_ARCH[arch], q.dtype, q.shape[3], causal, window, variant, softcap)
     entry = dispatch.require_kernel("fwd", key)
     for name, x in (("q", q), ("k", k), ("v", v), ("out", out)):
         validation.check_kernel_layout(name, x)
+    if sinks is not None and not sinks.is_contiguous():
+        sinks = sinks.contiguous()
     stream = _launch.stream(q.device)
     # Masks with a right edge schedule tiles dynamically from the counter; MaskKind none needs none.
     counter = _launch.tile_counter(q.device, stream).data_ptr() if key.mask != "none" else 0
     p = fill_params(_launch.params("FwdParams"), q, k, v, out, lse, softmax_scale,
-                    window_edges(causal, window, q.shape[1], k.shape[1]), counter)
+                    window_edges(causal, window, q.shape[1], k.shape[1]), counter, softcap, sinks)
     _launch.fill_device(p, q)
     p.max_smem_bytes = max_smem_bytes
     return int(_ext.extension().fwd(p, entry.index, stream))  # switches to p.device for the launch and back
@@ -75,15 +79,19 @@ def _launch_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Te
 
 def fwd_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
              softmax_scale: float, causal: bool, arch: int, *, window: tuple[int, int] | None = None,
-             variant: str = "", max_smem_bytes: int = 0) -> int:
+             variant: str = "", max_smem_bytes: int = 0, softcap: float = 0.0,
+             sinks: torch.Tensor | None = None) -> int:
     """Run the arch-``arch`` (90 or 80) forward kernel, writing into caller-provided ``out`` (like q)
     and ``lse`` (float32, contiguous (batch, nheads_q, seqlen_q)). ``window``: flash-attn's (left,
     right), -1 unbounded (with causal, the right edge is 0); ``variant``: a named kernel variant of the
-    build ("" = production). Checks everything first; tests use it to poison the outputs before a run.
+    build ("" = production); ``softcap``, ``sinks`` as in flash_attn_func. Checks everything first;
+    tests use it to poison the outputs before a run.
     ``max_smem_bytes`` as in bwd_into (sm80 tiles). Returns the CTAs launched (0: an empty grid, e.g.
     batch or seqlen_q 0; with seqlen_k 0 the kernel still runs and writes out = 0, lse = -inf)."""
     shapes, _ = validation.check_inputs(q, k, v, softmax_scale, causal)
     window = validation.check_window(window)
+    softcap = validation.check_softcap(softcap)
+    validation.check_sinks(sinks, q)
     validation.check_variant(variant)
     validation.check_arch(arch, tuple(ARCH.values()))
     if not q.is_cuda:
@@ -92,14 +100,17 @@ def fwd_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tenso
     validation.check_kernel_headdim(shapes.headdim)
     validation.check_outputs(q, out, lse)
     validation.check_max_smem_bytes(max_smem_bytes)
-    return _launch_fwd(q, k, v, out, lse, softmax_scale, causal, window, arch, variant, max_smem_bytes)
+    return _launch_fwd(q, k, v, out, lse, softmax_scale, causal, window, arch, variant, max_smem_bytes, softcap,
+                       sinks)
 
 
 def _reference_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                    softmax_scale: float, causal: bool, window: tuple[int, int] | None) -> None:
+                    softmax_scale: float, causal: bool, window: tuple[int, int] | None, softcap: float,
+                    sinks: torch.Tensor | None) -> None:
     # float64 where it is cheap (CPU) or asked for; float32 on the GPU, where float64 is slow.
     dtype = torch.float64 if (not q.is_cuda or q.dtype == torch.float64) else torch.float32
-    ref_out, ref_lse = reference.attention_ref(q, k, v, softmax_scale, causal, window=window, dtype=dtype)
+    ref_out, ref_lse = reference.attention_ref(q, k, v, softmax_scale, causal, window=window, softcap=softcap,
+                                               sinks=sinks, dtype=dtype)
     out.copy_(ref_out)
     lse.copy_(ref_lse)
 
@@ -118,17 +129,19 @@ def _unknown_backend(backend: str) -> ValueError:
 
 
 def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool, window_left: int,
-        window_right: int, deterministic: bool, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+        window_right: int, softcap: float, sinks: Optional[torch.Tensor], deterministic: bool,  # noqa: UP045
+        backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention forward: (out like q, lse float32 (batch, nheads_q, seqlen_q)). ``window_left``,
-    ``window_right``: flash-attn's local window, -1 unbounded ((-1, -1): none). ``backend`` is one of
+    ``window_right``: flash-attn's local window, -1 unbounded ((-1, -1): none); ``softcap`` (0: off) and
+    ``sinks`` (float32 (nheads_q,) or None) as in flash_attn_func. ``backend`` is one of
     "sm90", "sm80", "reference" (already resolved; see dispatch.select_backend). ``deterministic``
     does not change the forward (it is deterministic anyway); autograd keeps it for the backward."""
     out, lse = _empty_outputs(q)
     window = _window_of(window_left, window_right)
     if backend == "reference":
-        _reference_into(q, k, v, out, lse, softmax_scale, causal, window)
+        _reference_into(q, k, v, out, lse, softmax_scale, causal, window, softcap, sinks)
     elif backend in ARCH:
-        _launch_fwd(q, k, v, out, lse, softmax_scale, causal, window, ARCH[backend])
+        _launch_fwd(q, k, v, out, lse, softmax_scale, causal, window, ARCH[backend], softcap=softcap, sinks=sinks)
     else:
         raise _unknown_backend(backend)
     return out, lse
@@ -140,7 +153,8 @@ fwd_op = _op.define("fwd", fwd, autocast=("q", "k", "v"))
 
 @torch.library.register_fake("flashhopper::fwd")
 def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool, window_left: int,
-      window_right: int, deterministic: bool, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+      window_right: int, softcap: float, sinks: Optional[torch.Tensor], deterministic: bool,  # noqa: UP045
+      backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     return _empty_outputs(q)
 
 
@@ -149,10 +163,12 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, c
 def fill_bwd_params(p: Any, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     out: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None, dq: torch.Tensor,
                     dk: torch.Tensor, dv: torch.Tensor, softmax_scale: float, deterministic: bool,
-                    edges: tuple[int, int] = (-1, -1), workspace: int = 0) -> Any:
-    """Write pointers, strides (in elements), sizes and window edges of these tensors into a
+                    edges: tuple[int, int] = (-1, -1), workspace: int = 0, softcap: float = 0.0,
+                    sinks: torch.Tensor | None = None, dsinks_rows: torch.Tensor | None = None) -> Any:
+    """Write pointers, strides (in elements), sizes, window edges and softcap of these tensors into a
     ``_C.BwdParams``; ``dlse`` None is a null pointer (no gradient w.r.t. lse), ``workspace`` the
-    scratch address."""
+    scratch address; with ``sinks``, ``dsinks_rows`` (float32 (batch, nheads_q, seqlen_q)) receives each
+    row's share of the sinks' gradient."""
     b, sq, hq, d = q.shape
     p.q_ptr, p.k_ptr, p.v_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr()
     p.o_ptr, p.do_ptr, p.lse_ptr = out.data_ptr(), dout.data_ptr(), lse.data_ptr()
@@ -165,14 +181,18 @@ def fill_bwd_params(p: Any, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     p.softmax_scale = softmax_scale
     p.window_left, p.window_right = edges
     p.deterministic = deterministic
+    p.softcap = softcap
+    p.sinks_ptr = 0 if sinks is None else sinks.data_ptr()
+    p.dsinks_rows_ptr = 0 if dsinks_rows is None else dsinks_rows.data_ptr()
     return p
 
 
 def _launch_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                 lse: torch.Tensor, dlse: torch.Tensor | None, dq: torch.Tensor, dk: torch.Tensor,
                 dv: torch.Tensor, softmax_scale: float, causal: bool, window: tuple[int, int] | None,
-                deterministic: bool, arch: int, variant: str = "", max_smem_bytes: int = 0) -> int:
-    key = dispatch.kernel_key(_BACKEND_OF_ARCH[arch], q.dtype, q.shape[3], causal, window, variant)
+                deterministic: bool, arch: int, variant: str = "", max_smem_bytes: int = 0, softcap: float = 0.0,
+                sinks: torch.Tensor | None = None, dsinks_rows: torch.Tensor | None = None) -> int:
+    key = dispatch.kernel_key(_BACKEND_OF_ARCH[arch], q.dtype, q.shape[3], causal, window, variant, softcap)
     entry = dispatch.require_kernel("bwd", key)
     for name, x in (("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout), ("dq", dq), ("dk", dk), ("dv", dv)):
         validation.check_kernel_layout(name, x)
@@ -180,8 +200,11 @@ def _launch_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
     if dlse is not None:
         validation.check_lse("dlse", dlse, q)
     C = _ext.extension()
+    if sinks is not None and not sinks.is_contiguous():
+        sinks = sinks.contiguous()
     p = fill_bwd_params(_launch.params("BwdParams"), dout, q, k, v, out, lse, dlse, dq, dk, dv, softmax_scale,
-                        deterministic, window_edges(causal, window, q.shape[1], k.shape[1]))
+                        deterministic, window_edges(causal, window, q.shape[1], k.shape[1]), 0, softcap,
+                        sinks, dsinks_rows)
     _launch.fill_device(p, q)
     p.max_smem_bytes = max_smem_bytes
     # Scratch (the fp32 dQ accumulator, per-row statistics, semaphores), fresh per call: two launches
@@ -197,11 +220,14 @@ def _launch_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
 def bwd_into(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
              lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, softmax_scale: float,
              causal: bool, deterministic: bool, arch: int, dlse: torch.Tensor | None = None, *,
-             window: tuple[int, int] | None = None, variant: str = "", max_smem_bytes: int = 0) -> int:
+             window: tuple[int, int] | None = None, variant: str = "", max_smem_bytes: int = 0,
+             softcap: float = 0.0, sinks: torch.Tensor | None = None, dsinks_rows: torch.Tensor | None = None) -> int:
     """Run the arch-``arch`` (90 or 80) backward, writing into caller-provided ``dq``, ``dk``, ``dv``
     (each like its input; any valid kernel strides). ``out`` and ``lse`` are the forward's (see
     fwd_into), ``dout`` the gradient w.r.t. out, ``dlse`` (optional, float32 like lse) the gradient
-    w.r.t. lse; ``window`` and ``variant`` as in fwd_into. Checks everything first; tests use it to
+    w.r.t. lse; ``window``, ``variant``, ``softcap`` and ``sinks`` as in fwd_into; with sinks,
+    ``dsinks_rows`` (float32, contiguous (batch, nheads_q, seqlen_q)) receives each row's share of the
+    sinks' gradient (sum it over batch and rows). Checks everything first; tests use it to
     poison the gradients before a run. ``max_smem_bytes`` (sm80 only; 0 = the device's limit) picks
     the sm80 tiles as on a GPU with that much shared memory per block: tests run the 99 KB tiles of
     sm_86/sm_89 with it. Returns the main kernel's CTAs (0: no key block or an empty batch; with
@@ -221,19 +247,28 @@ def bwd_into(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         validation.check_lse("dlse", dlse, q)
     validation.check_grads(q, k, v, dq, dk, dv)
     validation.check_max_smem_bytes(max_smem_bytes)
+    softcap = validation.check_softcap(softcap)
+    validation.check_sinks(sinks, q)
+    if (sinks is None) != (dsinks_rows is None):
+        raise ValueError("dsinks_rows must be given exactly when sinks is")
+    if dsinks_rows is not None:
+        validation.check_lse("dsinks_rows", dsinks_rows, q)
     return _launch_bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, softmax_scale, causal, window, deterministic,
-                       arch, variant, max_smem_bytes)
+                       arch, variant, max_smem_bytes, softcap, sinks, dsinks_rows)
 
 
 def _reference_bwd_into(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                         lse: torch.Tensor, dlse: torch.Tensor | None, dq: torch.Tensor, dk: torch.Tensor,
-                        dv: torch.Tensor, softmax_scale: float, causal: bool, window: tuple[int, int] | None) -> None:
+                        dv: torch.Tensor, softmax_scale: float, causal: bool, window: tuple[int, int] | None,
+                        softcap: float, sinks: torch.Tensor | None, dsinks: torch.Tensor) -> None:
     # As _reference_into: float64 on CPU (or for float64 inputs), float32 on the GPU.
     dtype = torch.float64 if (not q.is_cuda or q.dtype == torch.float64) else torch.float32
     grads = reference.attention_bwd_ref(dout, q, k, v, out, lse, softmax_scale, causal, dlse, window=window,
-                                        dtype=dtype)
+                                        softcap=softcap, dtype=dtype)
     for g, ref in zip((dq, dk, dv), grads):
         g.copy_(ref)
+    if sinks is not None:
+        dsinks.copy_(reference.sinks_grad_ref(dout, out, lse, sinks, dlse, dtype=dtype))
 
 
 def _empty_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -242,25 +277,37 @@ def _empty_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[tor
     return tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))  # type: ignore[return-value]
 
 
+def _empty_dsinks(q: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    # (nheads_q,) float32 with sinks; without, an empty placeholder (an op returns a fixed tuple).
+    return torch.empty((q.shape[2] if sinks is not None else 0,), dtype=torch.float32, device=q.device)
+
+
 # Optional[...], not "| None": the op's schema is inferred from these annotations.
 def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
         lse: torch.Tensor, dlse: Optional[torch.Tensor], softmax_scale: float, causal: bool,  # noqa: UP045
-        window_left: int, window_right: int, deterministic: bool,
-        backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Attention backward: (dq, dk, dv), each like its input, contiguous. ``out`` and ``lse`` are the
+        window_left: int, window_right: int, softcap: float, sinks: Optional[torch.Tensor],  # noqa: UP045
+        deterministic: bool, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention backward: (dq, dk, dv, dsinks), dq/dk/dv each like its input, contiguous; dsinks the
+    gradient w.r.t. ``sinks`` (float32 (nheads_q,)), empty without sinks. ``out`` and ``lse`` are the
     forward's outputs, ``dout`` the gradient w.r.t. out, ``dlse`` the gradient w.r.t. lse or None;
-    the mask as in fwd. ``deterministic``: bitwise-identical gradients from run to run (kernels; the
-    reference always is)."""
+    mask, softcap and sinks as in fwd. ``deterministic``: bitwise-identical gradients from run to run
+    (kernels; the reference always is; dsinks is a fixed-order sum either way)."""
     dq, dk, dv = _empty_grads(q, k, v)
+    dsinks = _empty_dsinks(q, sinks)
     window = _window_of(window_left, window_right)
     if backend == "reference":
-        _reference_bwd_into(dout, q, k, v, out, lse, dlse, dq, dk, dv, softmax_scale, causal, window)
+        _reference_bwd_into(dout, q, k, v, out, lse, dlse, dq, dk, dv, softmax_scale, causal, window, softcap,
+                            sinks, dsinks)
     elif backend in ARCH:
+        # Each row's share of d(sinks) from the preprocess kernel, summed here in a fixed order.
+        rows = None if sinks is None else torch.empty_like(lse)
         _launch_bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, softmax_scale, causal, window, deterministic,
-                    ARCH[backend])
+                    ARCH[backend], softcap=softcap, sinks=sinks, dsinks_rows=rows)
+        if rows is not None:
+            torch.sum(rows, dim=(0, 2), out=dsinks)
     else:
         raise _unknown_backend(backend)
-    return dq, dk, dv
+    return dq, dk, dv, dsinks
 
 
 # Nothing cast, as for SDPA's backward ops (autocast does not list them): its inputs are the forward's, in
@@ -273,29 +320,33 @@ bwd_op = _op.define("bwd", bwd, autocast=())
 @torch.library.register_fake("flashhopper::bwd")
 def _(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
       lse: torch.Tensor, dlse: Optional[torch.Tensor], softmax_scale: float, causal: bool,  # noqa: UP045
-      window_left: int, window_right: int, deterministic: bool,
-      backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _empty_grads(q, k, v)
+      window_left: int, window_right: int, softcap: float, sinks: Optional[torch.Tensor],  # noqa: UP045
+      deterministic: bool, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return (*_empty_grads(q, k, v), _empty_dsinks(q, sinks))
 
 
 # --- autograd: fwd's derivative is bwd ---
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
-    q, k, v, softmax_scale, causal, window_left, window_right, deterministic, backend = inputs
+    q, k, v, softmax_scale, causal, window_left, window_right, softcap, sinks, deterministic, backend = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.save_for_backward(q, k, v, out, lse, sinks)
     ctx.softmax_scale, ctx.causal, ctx.deterministic, ctx.backend = softmax_scale, causal, deterministic, backend
     ctx.window = (window_left, window_right)
+    ctx.softcap = softcap
     # An unused output's gradient arrives as None instead of a tensor of zeros: an unused lse (the
     # usual case) then costs the kernel nothing (dlse_ptr = 0) and no memory.
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> tuple[Any, ...]:
-    nones = (None,) * 6  # softmax_scale, causal, window_left, window_right, deterministic, backend
+    # fwd's inputs: q, k, v, softmax_scale, causal, window_left, window_right, softcap, sinks, deterministic, backend
+    def grads(dq: Any, dk: Any, dv: Any, dsinks: Any) -> tuple[Any, ...]:
+        return (dq, dk, dv, None, None, None, None, None, dsinks, None, None)
+
     if dout is None and dlse is None:
-        return (None, None, None, *nones)
-    q, k, v, out, lse = ctx.saved_tensors
+        return grads(None, None, None, None)
+    q, k, v, out, lse, sinks = ctx.saved_tensors
     if dout is None:  # only lse was used
         dout = torch.zeros_like(out)
     elif ctx.backend != "reference" and not validation.kernel_layout_ok(dout):
@@ -304,9 +355,10 @@ def _backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) ->
         dout = dout.clone(memory_format=torch.contiguous_format)
     if dlse is not None:
         dlse = dlse.contiguous()  # the kernels read it densely, like lse (lse.sum() gives stride 0)
-    dq, dk, dv = torch.ops.flashhopper.bwd.default(dout, q, k, v, out, lse, dlse, ctx.softmax_scale, ctx.causal,
-                                                   *ctx.window, ctx.deterministic, ctx.backend)
-    return (dq, dk, dv, *nones)
+    dq, dk, dv, dsinks = torch.ops.flashhopper.bwd.default(dout, q, k, v, out, lse, dlse, ctx.softmax_scale,
+                                                           ctx.causal, *ctx.window, ctx.softcap, sinks,
+                                                           ctx.deterministic, ctx.backend)
+    return grads(dq, dk, dv, dsinks if sinks is not None else None)
 
 
 torch.library.register_autograd("flashhopper::fwd", _backward, setup_context=_setup_context)

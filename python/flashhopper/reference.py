@@ -9,7 +9,10 @@ Conventions shared with the kernels:
 - a local window (flash-attn's ``window_size`` = (left, right), -1 = unbounded): row i sees key j iff
   ``i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right``; with causal as well, the
   right edge is min(right, 0) (causal is the window (-1, 0));
-- a query row that sees no key gets out = 0 and lse = -inf.
+- softcap c > 0 (Gemma 2): the scaled scores s become c * tanh(s / c) before the softmax;
+- sinks (float32, one logit per query head, gpt-oss): each row's softmax denominator gets exp(sink)
+  added, with no value, so out = sum_j exp(s_j) v_j / (exp(sink) + sum_j exp(s_j)) and lse includes it;
+- a query row that sees no key gets out = 0 and lse = -inf (= the sink with sinks).
 """
 from __future__ import annotations
 
@@ -71,11 +74,21 @@ def _heads_first(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch
     return qt, kt, vt
 
 
-def _softmax_rows(scores: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(probabilities, lse) of each row; rows with no visible key give zeros and -inf."""
+def _mod_scores(raw: torch.Tensor, scale: float, softcap: float) -> torch.Tensor:
+    """The scores the softmax takes: raw (q k^T) * scale, then the softcap c * tanh(s / c) if c > 0."""
+    s = raw * scale
+    return softcap * torch.tanh(s / softcap) if softcap > 0 else s
+
+
+def _softmax_rows(scores: torch.Tensor, mask: torch.Tensor | None, sinks: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(probabilities, lse) of each (b, h, row, key) row; rows with no visible key give zeros and -inf
+    (the sink's logit with sinks, which join every row's denominator)."""
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
+    if sinks is not None:
+        lse = torch.logaddexp(lse, sinks.to(lse.dtype)[None, :, None].expand_as(lse))
     # exp(-inf - (-inf)) would be NaN for rows with no key; shifting by 0 there gives exp(-inf) = 0.
     p = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
     return p, lse
@@ -87,11 +100,14 @@ def _rows_per_block(q: torch.Tensor, seqlen_k: int) -> int:
 
 
 def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
-                  causal: bool = False, *, window: tuple[int, int] | None = None,
+                  causal: bool = False, *, window: tuple[int, int] | None = None, softcap: float = 0.0,
+                  sinks: torch.Tensor | None = None,
                   dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact attention computed entirely in ``dtype`` (float64 by default); out and lse in ``dtype``."""
     _, scale = validation.check_inputs(q, k, v, softmax_scale, causal)
     window = validation.check_window(window)
+    softcap = validation.check_softcap(softcap)
+    validation.check_sinks(sinks, q)
     if dtype not in (torch.float32, torch.float64):
         raise TypeError(f"dtype must be torch.float32 or torch.float64 (what the reference computes in), got {dtype}")
     b, sq, h, d = q.shape
@@ -102,16 +118,16 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_sca
     step = _rows_per_block(q, sk)
     for m0 in range(0, sq, step):
         rows = slice(m0, m0 + step)
-        scores = (qt[:, :, rows] @ kt.transpose(-1, -2)) * scale
-        p, lse_rows = _softmax_rows(scores, visible(sq, sk, causal, q.device, rows, window=window))
+        scores = _mod_scores(qt[:, :, rows] @ kt.transpose(-1, -2), scale, softcap)
+        p, lse_rows = _softmax_rows(scores, visible(sq, sk, causal, q.device, rows, window=window), sinks)
         lse[:, :, rows] = lse_rows
         out[:, :, rows] = p @ vt
     return out.transpose(1, 2), lse
 
 
 def attention_lowp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
-                   causal: bool = False, *, window: tuple[int, int] | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+                   causal: bool = False, *, window: tuple[int, int] | None = None, softcap: float = 0.0,
+                   sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention the way plain PyTorch does it in the input's precision: both matmuls in q.dtype
     (bf16/fp16 on GPU), softmax in float32. Its error against attention_ref is the yardstick that
     kernel errors are measured by. Returns out in q.dtype and lse in float32."""
@@ -124,8 +140,8 @@ def attention_lowp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_sc
     step = _rows_per_block(q, sk)
     for m0 in range(0, sq, step):
         rows = slice(m0, m0 + step)
-        scores = (qt[:, :, rows] @ kt.transpose(-1, -2)).float() * scale
-        p, lse_rows = _softmax_rows(scores, visible(sq, sk, causal, q.device, rows, window=window))
+        scores = _mod_scores((qt[:, :, rows] @ kt.transpose(-1, -2)).float(), scale, softcap)
+        p, lse_rows = _softmax_rows(scores, visible(sq, sk, causal, q.device, rows, window=window), sinks)
         lse[:, :, rows] = lse_rows
         out[:, :, rows] = p.to(q.dtype) @ vt
     return out.transpose(1, 2), lse
@@ -201,6 +217,7 @@ def _probs_from_lse(scores: torch.Tensor, lse: torch.Tensor, mask: torch.Tensor 
 def attention_bwd_ref(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                       lse: torch.Tensor, softmax_scale: float | None = None, causal: bool = False,
                       dlse: torch.Tensor | None = None, *, window: tuple[int, int] | None = None,
+                      softcap: float = 0.0,
                       dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of attention w.r.t. q, k, v by the explicit backward formula, entirely in ``dtype``.
 
@@ -208,7 +225,9 @@ def attention_bwd_ref(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     per (batch, query head), with S = q k^T and the forward's P = exp(S * scale - lse):
         D  = rowsum(dout * out) - dlse          dV = P^T dout      dP = dout V^T
         dS = P * (dP - D)                       dQ = scale * dS K  dK = scale * dS^T Q
-    (the dlse term: d lse_i / d S_ij = P_ij * scale). Masked entries and rows that see no key have
+    (the dlse term: d lse_i / d S_ij = P_ij * scale). With a softcap c, P comes from the capped scores
+    c * tanh(S * scale / c) and dS gets the factor 1 - tanh^2. Sinks need nothing here (lse includes
+    them; their own gradient is sinks_grad_ref). Masked entries and rows that see no key have
     P = 0 and contribute nothing; with GQA, dK and dV of a kv head sum over its group of query heads.
     This is what the kernels compute, so out and lse are taken as given rather than recomputed:
     pass exact ones (attention_ref) for the true gradients. Query rows are processed in blocks, as in
@@ -229,10 +248,12 @@ def attention_bwd_ref(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     step = _rows_per_block(q, sk)
     for m0 in range(0, sq, step):
         rows = slice(m0, m0 + step)
-        scores = (qt[:, :, rows] @ kt.transpose(-1, -2)) * scale
+        scores = _mod_scores(qt[:, :, rows] @ kt.transpose(-1, -2), scale, softcap)
         p = _probs_from_lse(scores, lse[:, :, rows], visible(sq, sk, causal, q.device, rows, window=window))
         dv += p.transpose(-1, -2) @ dot[:, :, rows]
         ds = p * (dot[:, :, rows] @ vt.transpose(-1, -2) - delta[:, :, rows, None])
+        if softcap > 0:
+            ds = ds * (1 - (scores / softcap) ** 2)
         dq[:, :, rows] = (ds @ kt) * scale
         dk += (ds.transpose(-1, -2) @ qt[:, :, rows]) * scale
     return dq.transpose(1, 2), _group_sum(dk, hkv).transpose(1, 2), _group_sum(dv, hkv).transpose(1, 2)
@@ -240,7 +261,8 @@ def attention_bwd_ref(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
 
 def attention_bwd_lowp(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        softmax_scale: float | None = None, causal: bool = False, dlse: torch.Tensor | None = None,
-                       *, window: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       *, window: tuple[int, int] | None = None, softcap: float = 0.0,
+                       sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients PyTorch itself computes in the input precision: what autograd through
     attention_lowp gives (the yardstick for the kernels' backward), written out so that it runs
     in blocks of query rows. Autograd through attention_lowp would keep every block's float32
@@ -269,15 +291,31 @@ def attention_bwd_lowp(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     step = _rows_per_block(q, sk)
     for m0 in range(0, sq, step):
         rows = slice(m0, m0 + step)
-        scores = (qt[:, :, rows] @ kt.transpose(-1, -2)).float() * scale
-        p, _ = _softmax_rows(scores, visible(sq, sk, causal, q.device, rows, window=window))
+        scores = _mod_scores((qt[:, :, rows] @ kt.transpose(-1, -2)).float(), scale, softcap)
+        p, _ = _softmax_rows(scores, visible(sq, sk, causal, q.device, rows, window=window), sinks)
         dv += p.to(dt).float().transpose(-1, -2) @ dot[:, :, rows].float()
         dp = (dot[:, :, rows] @ vt.transpose(-1, -2)).float()
         ds = p * (dp - (p * dp).sum(-1, keepdim=True))
         if dlse is not None:
             ds = ds + p * dlse[:, :, rows, None].float()
+        if softcap > 0:
+            ds = ds * (1 - (scores / softcap) ** 2)
         ds = (ds * scale).to(dt)
         dq[:, :, rows] = ds @ kt
         dk += ds.float().transpose(-1, -2) @ qt[:, :, rows].float()
     return (dq.transpose(1, 2), _group_sum(dk, hkv).to(dt).transpose(1, 2),
             _group_sum(dv, hkv).to(dt).transpose(1, 2))
+
+
+def sinks_grad_ref(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor,
+                   dlse: torch.Tensor | None = None, *, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Gradient w.r.t. the sink logits (nheads_q,): the sink's probability in row i is
+    exp(sink - lse_i), and d(loss)/d(sink) = -sum over batch and rows of exp(sink - lse_i) * D_i with
+    D = rowsum(dout * out) - dlse, as for any logit whose value vector is zero. Given the forward's out
+    and lse (which includes the sinks); computed in ``dtype``."""
+    delta = (dout.transpose(1, 2).to(dtype) * out.transpose(1, 2).to(dtype)).sum(-1)  # (b, hq, sq)
+    if dlse is not None:
+        delta = delta - dlse.to(dtype)
+    lse = lse.to(dtype)
+    p_sink = torch.where(torch.isneginf(lse), 0.0, torch.exp(sinks.to(dtype)[None, :, None] - lse))
+    return -(p_sink * delta).sum(dim=(0, 2))

@@ -120,10 +120,50 @@ def check_window(window: Any) -> tuple[int, int] | None:
     if (not isinstance(window, tuple) or len(window) != 2
             or any(isinstance(w, bool) or not isinstance(w, numbers.Integral) for w in window)):
         raise TypeError(f"window must be None or a tuple of two ints (left, right), got {window!r}")
+    return check_window_named("window", window)
+
+
+def check_window_size(window_size: Any) -> tuple[int, int] | None:
+    """flash-attn's ``window_size`` argument: a pair (left, right) of ints (a list is taken too), each -1
+    for unbounded or >= 0; (-1, -1) is no window. Returns None for no window, else the tuple."""
+    if isinstance(window_size, list):
+        window_size = tuple(window_size)
+    if (not isinstance(window_size, tuple) or len(window_size) != 2
+            or any(isinstance(w, bool) or not isinstance(w, numbers.Integral) for w in window_size)):
+        raise TypeError(f"window_size must be a pair of ints (left, right), -1 for unbounded, got {window_size!r}")
+    window = check_window_named("window_size", window_size)
+    return None if window == (-1, -1) else window
+
+
+def check_window_named(name: str, window: tuple[Any, Any]) -> tuple[int, int]:
     left, right = int(window[0]), int(window[1])
     if left < -1 or right < -1:
-        raise ValueError(f"window must be (left, right) with each edge >= 0, or -1 for unbounded, got {window}")
+        raise ValueError(f"{name} must be (left, right) with each edge >= 0, or -1 for unbounded, got {window}")
     return left, right
+
+
+def check_softcap(softcap: Any) -> float:
+    """Gemma 2's logit softcap: 0 (off) or a positive finite float c; scores become c * tanh(scores / c)."""
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a float, got {type(softcap).__name__}")
+    c = float(softcap)
+    if not (math.isfinite(c) and c >= 0):
+        raise ValueError(f"softcap must be 0 (off) or a positive finite float, got {c}")
+    return c
+
+
+def check_sinks(sinks: Any, q: torch.Tensor) -> None:
+    """Learnable sink logits: None, or a float32 tensor of shape (nheads_q,) on q's device."""
+    if sinks is None:
+        return
+    check_tensor("sinks", sinks)
+    hq = q.shape[2]
+    if sinks.dtype != torch.float32:
+        raise TypeError(f"sinks has dtype {sinks.dtype}; it must be float32 (one logit per query head)")
+    if sinks.shape != (hq,):
+        raise ValueError(f"sinks must have shape ({hq},) (one logit per query head), got {tuple(sinks.shape)}")
+    if sinks.device != q.device:
+        raise ValueError(f"sinks is on {sinks.device} but q is on {q.device}")
 
 
 def check_max_smem_bytes(max_smem_bytes: Any) -> None:

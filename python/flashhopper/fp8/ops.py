@@ -92,6 +92,7 @@ def fill_fwd_params(p: Any, q8: FP8Tensor, k8: FP8Tensor, v8: FP8Tensor, out: to
     p.nheads_q, p.nheads_kv, p.headdim, p.headdim_v = hq, k8.nheads, d, d
     p.softmax_scale = softmax_scale
     p.window_left = p.window_right = -1
+    p.softcap, p.sinks_ptr = 0.0, 0  # the params object is shared with the 16-bit forward
     p.max_smem_bytes = 0
     for name, t in (("q", q8), ("k", k8), ("v", v8)):
         _scale_fields(p, name, t)

@@ -57,7 +57,7 @@ from flashhopper.reference import attention_bwd_lowp, attention_bwd_ref, attenti
 from flashhopper.reference_fp8 import attention_fp8_ref
 
 import helpers
-from helpers import assert_grads_match, assert_matches_reference, max_abs_err, rel_err, unconfigured
+from helpers import assert_dsinks_match, assert_grads_match, assert_matches_reference, max_abs_err, rel_err, unconfigured
 from test_fp8_gpu import REF8_LSE_ATOL, REF_REL, quantize_qkv
 from test_reference_bwd import emulated_kernel
 
@@ -66,6 +66,7 @@ FAMILIES: dict[str, tuple[str, int]] = {
     "dense": ("flash_attn_func, auto backend (sm90 on an H100): forward + backward", 2),
     "sm80": ("flash_attn_func(backend='sm80'): forward + backward", 2),
     "deterministic": ("flash_attn_func(deterministic=True): backward twice, bitwise equal", 1),
+    "variants": ("flash_attn_func with window_size / softcap / sinks: forward + backward (sinks too)", 2),
     "fp8": ("flash_attn_fp8_func on bf16/fp16 q, k, v (quantized inside)", 1),
     "fp8-prequantized": ("flash_attn_fp8_func on FP8Tensors (quantize_fp8; strided data)", 1),
     "fp8-into": ("fp8.fwd_fp8_into into guarded out and lse", 1),
@@ -73,7 +74,7 @@ FAMILIES: dict[str, tuple[str, int]] = {
     "ops": ("ops.fwd_into / bwd_into, masks none/causal, variants: guarded outputs", 2),
     "ops-window": ("ops.fwd_into / bwd_into with window kernels: guarded outputs", 2),
 }
-API_FAMILIES = ("dense", "sm80", "deterministic")
+API_FAMILIES = ("dense", "sm80", "deterministic", "variants")
 FP8_FAMILIES = ("fp8", "fp8-prequantized", "fp8-into", "kv-attend")
 OPS_FAMILIES = ("ops", "ops-window")
 # Families in turn, each as often as its weight: configuration i of a seed is of FAMILY_CYCLE[i % len].
@@ -116,6 +117,8 @@ class Target:
     families: tuple[str, ...]  # the ones that run
     not_run: dict[str, str]  # family -> why not
     notes: tuple[str, ...]
+    windows: bool = True  # window kernels built (the variants family draws windows only then)
+    softcap: bool = True  # softcap kernels built (likewise)
 
     @property
     def native(self) -> str | None:
@@ -172,7 +175,8 @@ def device_target() -> Target:
     return Target(torch.device("cuda", torch.cuda.current_device()), dtypes, tuple(info["headdims"]), archs, bwd,
                   edge_lengths(sorted({k[t] for k in kernels for t in ("block_m", "block_n")}), MAX_SEQLEN),
                   MAX_SEQLEN, MAX_ELEMENTS, {key: tuple(v) for key, v in variants.items()},
-                  tuple(f for f in FAMILIES if f not in not_run), not_run, tuple(notes))
+                  tuple(f for f in FAMILIES if f not in not_run), not_run, tuple(notes),
+                  "window" in info["masks"], "softcap" in info.get("score_mods", ()))
 
 
 def smoke_target() -> Target:
@@ -238,6 +242,8 @@ class Config:
     granularity: tuple[str, str, str] = ("block", "block", "block")  # fp8 scales of q, k, v
     v_row_major: bool = False  # fp8: V handed over as (b, s, h, d), brought to V^T on the way
     q_prequantized: bool = False  # kv-attend: q an FP8Tensor too
+    softcap: float = 0.0  # variants: flash_attn_func's softcap
+    sinks: bool = False  # variants: random sink logits (nheads_q,), drawn from data_seed after q, k, v
 
     @property
     def nheads_q(self) -> int:
@@ -258,11 +264,11 @@ class Config:
             parts.append(f"packed[{self.layouts[0]}]")
         else:
             parts += [f"{n}[{lay}]" for n, lay in zip("qkv", self.layouts) if str(lay) != "contiguous"]
-        for name in ("backend", "arch", "window", "variant", "bwd_variant", "max_smem_bytes"):
+        for name in ("backend", "arch", "window", "softcap", "variant", "bwd_variant", "max_smem_bytes"):
             value = getattr(self, name)
             if value not in (None, "", 0):
                 parts.append(f"{name}={value}")
-        parts += [flag for flag, on in (("deterministic", self.deterministic), ("dlse", self.use_dlse),
+        parts += [flag for flag, on in (("sinks", self.sinks), ("deterministic", self.deterministic), ("dlse", self.use_dlse),
                                         ("v-row-major", self.v_row_major), ("q-fp8", self.q_prequantized)) if on]
         if self.family in FP8_FAMILIES:
             parts.append(f"hadamard={self.hadamard_seed}")
@@ -399,8 +405,16 @@ def sample(seed: int, index: int, target: Target, budget: int) -> Config:
             backend = rng.choice((None, "sm80"))
         else:
             backend = None
+        extra: dict[str, Any] = {}
+        if family == "variants":  # each of what the build has, half the time; sinks when nothing else is drawn
+            if target.archs and 80 in target.archs and rng.random() < 0.3:
+                backend = "sm80"
+            window = sample_window(rng, seqlen_q, seqlen_k) if target.windows and rng.random() < 0.5 else None
+            softcap = 2 ** rng.uniform(0, 6) if target.softcap and rng.random() < 0.5 else 0.0
+            sinks = rng.random() < 0.5 or (window is None and softcap == 0.0)
+            extra = {"window": window, "softcap": softcap, "sinks": sinks}
         return dataclasses.replace(base, backend=backend, deterministic=family == "deterministic",
-                                   use_dlse=rng.random() < 0.3, dout_layout=sample_layout(rng))
+                                   use_dlse=rng.random() < 0.3, dout_layout=sample_layout(rng), **extra)
     if family in OPS_FAMILIES:
         arch = rng.choice(target.archs) if target.archs else None
         window = sample_window(rng, seqlen_q, seqlen_k) if family == "ops-window" else None
@@ -557,7 +571,7 @@ class Outcome(NamedTuple):
 
 
 def judge_grads(grads: Sequence[torch.Tensor], dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                v: torch.Tensor, dlse: torch.Tensor | None, cfg: Config) -> Outcome:
+                v: torch.Tensor, dlse: torch.Tensor | None, cfg: Config, sinks: torch.Tensor | None = None) -> Outcome:
     """helpers.assert_grads_match, with one exception. A FlashAttention-style backward rounds where PyTorch's
     does not (D = rowsum(dout * out) from the 16-bit out; P and dS rounded to the dtype for the matmuls);
     with few keys dq and dk are small and those roundings alone can exceed the criterion's bound (2 x
@@ -570,18 +584,18 @@ def judge_grads(grads: Sequence[torch.Tensor], dout: torch.Tensor, q: torch.Tens
     few elements the largest may be a unit off by luck, 1.25 ulp at |dq| 3 in the case that needed it).
     A wrong kernel still fails (the control is faithful; tests/test_fuzz_cpu.py), and NaN, non-zero rows
     without keys and the like fail as before."""
+    variant = {"window": cfg.window, "softcap": cfg.softcap, "sinks": sinks}
     try:
-        return Outcome(criterion(assert_grads_match, grads, dout, q, k, v, cfg.scale, cfg.causal, dlse,
-                                 window=cfg.window))
+        return Outcome(criterion(assert_grads_match, grads, dout, q, k, v, cfg.scale, cfg.causal, dlse, **variant))
     except CheckFailed as failure:
         if math.isinf(failure.ratio):  # NaN, a row without keys not 0, ...: no matter of bounds
             raise
-        control = emulated_kernel(dout, q, k, v, cfg.scale, cfg.causal, dlse, window=cfg.window)
-        lowp = attention_bwd_lowp(dout, q, k, v, cfg.scale, cfg.causal, dlse, window=cfg.window)
+        control = emulated_kernel(dout, q, k, v, cfg.scale, cfg.causal, dlse, **variant)
+        lowp = attention_bwd_lowp(dout, q, k, v, cfg.scale, cfg.causal, dlse, **variant)
         dtype = reference_dtype(q)
-        ref_out, ref_lse = attention_ref(q, k, v, cfg.scale, cfg.causal, window=cfg.window, dtype=dtype)
+        ref_out, ref_lse = attention_ref(q, k, v, cfg.scale, cfg.causal, dtype=dtype, **variant)
         exact = attention_bwd_ref(dout, q, k, v, ref_out, ref_lse, cfg.scale, cfg.causal, dlse, window=cfg.window,
-                                  dtype=dtype)
+                                  softcap=cfg.softcap, dtype=dtype)
         worst = 0.0
         eps = torch.finfo(q.dtype).eps
         for name, g, c, lo, r in zip(("dq", "dk", "dv"), grads, control, lowp, exact):
@@ -654,7 +668,8 @@ def required_kernels(cfg: Config, target: Target) -> list[tuple[str, KernelKey]]
     backend = f"sm{cfg.arch}" if cfg.family in OPS_FAMILIES else (cfg.backend or target.native)
     if backend not in dispatch.ARCH:
         return []
-    key = dispatch.kernel_key(backend, cfg.dtype, cfg.headdim, cfg.causal, cfg.window)
+    window, causal = effective_mask(cfg) if cfg.family in API_FAMILIES else (cfg.window, cfg.causal)
+    key = dispatch.kernel_key(backend, cfg.dtype, cfg.headdim, causal, window, softcap=cfg.softcap)
     need = [("fwd", dataclasses.replace(key, variant=cfg.variant))]
     if target.bwd:
         need.append(("bwd", dataclasses.replace(key, variant=cfg.bwd_variant)))
@@ -675,30 +690,54 @@ def require_kernels(cfg: Config, target: Target) -> None:
     if cfg.family in FP8_FAMILIES and target.archs and not _ext.has_fp8_quantize():
         raise AssertionError("the build has arch 90 but no fp8 quantization kernel (_C.quantize_fp8)")
     if cfg.family in API_FAMILIES and target.archs:  # auto must pick the native family, never fall back quietly
-        chosen = dispatch.select_backend(torch.empty(0, device=target.device), cfg.headdim, cfg.dtype, cfg.causal,
-                                         cfg.backend)
+        window, causal = effective_mask(cfg)
+        chosen = dispatch.select_backend(torch.empty(0, device=target.device), cfg.headdim, cfg.dtype, causal,
+                                         cfg.backend, window=window, softcap=cfg.softcap)
         assert chosen == (cfg.backend or target.native), f"dispatch picks {chosen} for {cfg.summary()}"
 
 
+def effective_mask(cfg: Config) -> tuple[tuple[int, int] | None, bool]:
+    """(window, causal) as flash_attn_func runs them: windows that are plain causal attention run causal."""
+    window, causal = cfg.window, cfg.causal
+    if window is not None and window[0] == -1 and (causal or window[1] == 0):
+        window, causal = None, True
+    return window, causal
+
+
 def run_api(cfg: Config, target: Target) -> Outcome:
-    """dense, sm80, deterministic: flash_attn_func, then its backward through autograd (twice, bitwise
-    equal, when deterministic), on leaf views of the placed inputs."""
+    """dense, sm80, deterministic, variants: flash_attn_func, then its backward through autograd (twice,
+    bitwise equal, when deterministic), on leaf views of the placed inputs; variants pass window_size,
+    softcap and sinks, and judge the sinks' gradient too."""
     q, k, v = make_qkv(cfg, target.device)
+    sinks = None
+    if cfg.sinks:  # around the rows' log-sum-exp, as the GPU tests draw them
+        sinks = torch.randn(cfg.nheads_q, device=target.device) * 2 + math.log(max(cfg.seqlen_k, 1))
     if target.bwd:
-        for x in (q, k, v):
-            x.requires_grad_()
+        for x in (q, k, v, sinks):
+            if x is not None:
+                x.requires_grad_()
+    window, causal = effective_mask(cfg)
     out, lse = flash_attn_func(q, k, v, cfg.softmax_scale, cfg.causal, return_lse=True, backend=cfg.backend,
-                               deterministic=cfg.deterministic)
+                               deterministic=cfg.deterministic, window_size=cfg.window or (-1, -1),
+                               softcap=cfg.softcap, sinks=sinks)
     qd, kd, vd = (x.detach() for x in (q, k, v))
+    sd = None if sinks is None else sinks.detach()
     outcome = Outcome(criterion(assert_matches_reference, out.detach(), lse.detach(), qd, kd, vd, cfg.scale,
-                                cfg.causal))
+                                causal, window=window, softcap=cfg.softcap, sinks=sd))
     if not target.bwd:
         return outcome
     dout = randn_at(q.shape, cfg.dtype, cfg.dout_layout, target.device)
     dlse = torch.randn(lse.shape, device=target.device) if cfg.use_dlse else None
     outputs, upstream = ((out, lse), (dout, dlse)) if dlse is not None else ((out,), (dout,))
-    grads = torch.autograd.grad(outputs, (q, k, v), upstream, retain_graph=cfg.deterministic)
-    outcome |= judge_grads(grads, dout, qd, kd, vd, dlse, cfg)
+    leaves = (q, k, v) if sinks is None else (q, k, v, sinks)
+    grads = torch.autograd.grad(outputs, leaves, upstream, retain_graph=cfg.deterministic)
+    outcome |= judge_grads(grads[:3], dout, qd, kd, vd, dlse, dataclasses.replace(cfg, window=window, causal=causal),
+                           sd)
+    if sinks is not None:
+        try:
+            assert_dsinks_match(grads[3], dout, qd, kd, vd, cfg.scale, causal, window, cfg.softcap, sd, dlse)
+        except AssertionError as e:
+            raise CheckFailed(f"{e}: {cfg.summary()}", math.inf) from None
     if cfg.deterministic:
         assert_same_bits(grads, torch.autograd.grad(outputs, (q, k, v), upstream), cfg.summary())
     return outcome
@@ -817,7 +856,7 @@ def run_kv_attend(cfg: Config, target: Target) -> Outcome:
 
 
 RUNNERS: dict[str, Callable[[Config, Target], Outcome]] = {
-    "dense": run_api, "sm80": run_api, "deterministic": run_api, "fp8": run_fp8,
+    "dense": run_api, "sm80": run_api, "deterministic": run_api, "variants": run_api, "fp8": run_fp8,
     "fp8-prequantized": run_fp8_prequantized, "fp8-into": run_fp8_into, "kv-attend": run_kv_attend,
     "ops": run_ops, "ops-window": run_ops,
 }

@@ -7,7 +7,8 @@ import torch
 
 from flashhopper import _device, _ext, dispatch
 from flashhopper.kernel_key import KernelKey
-from flashhopper.reference import attention_bwd_lowp, attention_bwd_ref, attention_lowp, attention_ref, visible
+from flashhopper.reference import (attention_bwd_lowp, attention_bwd_ref, attention_lowp, attention_ref, sinks_grad_ref,
+                                   visible)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -160,6 +161,29 @@ def assert_grads_match(grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor], d
         assert rel <= 2 * lowp_rel + rtol, f"{name} relative error {rel:.3e} > 2 x {lowp_rel:.3e} + {rtol}: {where}"
     no_key = torch.isneginf(ref_lse).transpose(1, 2)  # (batch, seqlen_q, nheads_q)
     assert (grads[0][no_key] == 0).all(), f"dq rows that see no key are not exactly 0: {where}"
+
+
+def assert_dsinks_match(dsinks: torch.Tensor, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                        v: torch.Tensor, scale: float, causal: bool, window: tuple[int, int] | None, softcap: float,
+                        sinks: torch.Tensor, dlse: torch.Tensor | None = None, atol: float = 1e-3) -> None:
+    """FA3's criterion for d(sinks): the reference is the formula on exact float32 out and lse. The
+    yardstick is the larger error of two low-precision computations: PyTorch's autograd through its
+    low-precision attention with the same sinks, and the same formula on the exact out rounded to the
+    input dtype, as every FlashAttention-style backward has it (D = rowsum(dout * out) from the stored
+    16-bit out; a sum over all rows of those terms, where PyTorch's own D comes from float32 P)."""
+    ref_out, ref_lse = attention_ref(q, k, v, scale, causal, window=window, softcap=softcap, sinks=sinks,
+                                     dtype=torch.float32)
+    ref = sinks_grad_ref(dout, ref_out, ref_lse, sinks, dlse, dtype=torch.float32)
+    rounded = sinks_grad_ref(dout, ref_out.to(q.dtype), ref_lse, sinks, dlse, dtype=torch.float32)
+    s = sinks.detach().clone().requires_grad_()
+    out, lse = attention_lowp(q, k, v, scale, causal, window=window, softcap=softcap, sinks=s)
+    torch.autograd.backward([out, lse], [dout, dlse if dlse is not None else torch.zeros_like(lse)])
+    lowp = s.grad
+    assert not torch.isnan(dsinks).any(), "dsinks has NaN"
+    err, base = max_abs_err(dsinks, ref), max(max_abs_err(lowp, ref), max_abs_err(rounded, ref))
+    assert err <= 2 * base + atol, f"dsinks max-abs error {err:.3e} > 2 x {base:.3e} + {atol}"
+    rel, base_rel = rel_err(dsinks, ref), max(rel_err(lowp, ref), rel_err(rounded, ref))
+    assert rel <= 2 * base_rel + atol, f"dsinks relative error {rel:.3e} > 2 x {base_rel:.3e} + {atol}"
 
 
 def unconfigured(mode: str, key: KernelKey) -> str:

@@ -199,7 +199,10 @@ def test_sampling_bounds_and_alignment() -> None:
         assert c.batch * c.nheads_q * max(c.seqlen_q, 1) * max(c.seqlen_k, 1) <= fuzz.DEFAULT_BUDGET, c
         assert c.batch * c.nheads_q * max(c.seqlen_q, c.seqlen_k, 1) * c.headdim <= fuzz.MAX_ELEMENTS, c
         assert not c.packed or c.seqlen_q == c.seqlen_k, c
-        assert (c.window is not None and c.window != (-1, -1)) == (c.family == "ops-window"), c
+        if c.family != "variants":
+            assert (c.window is not None and c.window != (-1, -1)) == (c.family == "ops-window"), c
+        assert (c.softcap > 0 or c.sinks) <= (c.family == "variants"), c
+        assert c.family != "variants" or c.window is not None or c.softcap > 0 or c.sinks, c
         rows = c.batch * c.nheads_q * c.seqlen_q
         if c.family in fuzz.FP8_FAMILIES and c.seqlen_k and rows:  # enough for fp8's relative error bound
             assert rows >= 8, c  # MIN_FP8_ROWS, or what MAX_ELEMENTS leaves at 16k keys of head dim 256
@@ -211,6 +214,10 @@ def test_sampling_bounds_and_alignment() -> None:
     assert sum(n % 2 for n in lengths) > 0.6 * len(lengths) and sum(n >= 8192 for n in lengths) > 100
     assert max(c.batch for c in configs) > 256 and max(c.group for c in configs) > 16
     assert sum(c.packed for c in configs) > 200 and sum(c.softmax_scale is not None for c in configs) > 400
+    variants = [c for c in configs if c.family == "variants"]  # each option about half the time
+    for drawn in (sum(c.window is not None for c in variants), sum(c.softcap > 0 for c in variants),
+                  sum(c.sinks for c in variants)):
+        assert 0.35 * len(variants) < drawn < 0.8 * len(variants), drawn
 
     # Every placement keeps the kernels' 16-byte alignment (pointer and strides), for any element size.
     meta = torch.device("meta")

@@ -213,14 +213,16 @@ def test_lowp_error_is_the_input_precision(dtype: torch.dtype) -> None:
 
 def emulated_kernel(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                     causal: bool, dlse: torch.Tensor | None = None, bug: str | None = None,
-                    window: tuple[int, int] | None = None) -> Grads:
+                    window: tuple[int, int] | None = None, softcap: float = 0.0,
+                    sinks: torch.Tensor | None = None) -> Grads:
     """A FlashAttention-style backward as the kernels compute it: forward out rounded to q.dtype and
     float32 lse; float32 math on q.dtype operands; P and dS rounded to q.dtype for the dV, dQ, dK
-    matmuls; D = rowsum(dO * O) from the rounded O. ``bug`` injects one mistake."""
+    matmuls; D = rowsum(dO * O) from the rounded O. Softcap and sinks as the kernels have them (P from the
+    capped scores and an LSE that includes the sink; dS times 1 - tanh^2). ``bug`` injects one mistake."""
     dt = q.dtype
     b, sq, hq, d = q.shape
     hkv = k.shape[2]
-    o32, lse = attention_ref(q, k, v, scale, causal, window=window, dtype=torch.float32)
+    o32, lse = attention_ref(q, k, v, scale, causal, window=window, softcap=softcap, sinks=sinks, dtype=torch.float32)
     out = o32.to(dt)
     qt, kt, vt = _heads_first(q, k, v, torch.float32)
     dot = dout.transpose(1, 2).float()
@@ -230,10 +232,15 @@ def emulated_kernel(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     if bug == "D 0.1% off":
         delta = delta * 1.001
     s = qt @ kt.transpose(-1, -2) * (scale * (1.01 if bug == "scale 1% off" else 1.0))
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
     p = _probs_from_lse(s, lse, visible(sq, k.shape[1], causal, q.device,
                                         window=None if bug == "window ignored" else window))
     dv = p.to(dt).float().transpose(-1, -2) @ dot
-    ds = (p * (dot @ vt.transpose(-1, -2) - delta[..., None])).to(dt).float()
+    ds = p * (dot @ vt.transpose(-1, -2) - delta[..., None])
+    if softcap > 0:
+        ds = ds * (1 - (s / softcap) ** 2)
+    ds = ds.to(dt).float()
     dq = (ds @ kt * scale).to(dt).transpose(1, 2)
     dk = _group_sum(ds.transpose(-1, -2) @ qt * scale, hkv).to(dt).transpose(1, 2)
     dv = _group_sum(dv, hkv).to(dt).transpose(1, 2)

@@ -16,13 +16,14 @@ import math
 
 import pytest
 import torch
-from helpers import assert_grads_match, assert_matches_reference, max_abs_err, randn_qkv, rel_err, require_backend
+from helpers import (assert_dsinks_match, assert_grads_match, assert_matches_reference, randn_qkv, rel_err,
+                     require_backend)
 from test_fwd_gpu import BACKENDS
 
 from flashhopper import flash_attn_func
 from flashhopper.dispatch import ARCH
 from flashhopper.ops import bwd_into, fwd_into
-from flashhopper.reference import attention_bwd_ref, attention_lowp, attention_ref, sinks_grad_ref
+from flashhopper.reference import attention_bwd_ref, attention_ref
 
 HDIMS = [64, 128, 256]
 SOFTCAPS = [0.0, 4.0]
@@ -68,29 +69,6 @@ def make_case(case: Case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tor
     if sk > 1:
         s[0] = -30.0
     return q.to(dtype), k, v, (s if sinks else None), 1 / math.sqrt(d)
-
-
-def assert_dsinks_match(dsinks: torch.Tensor, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                        v: torch.Tensor, scale: float, causal: bool, window: tuple[int, int] | None, softcap: float,
-                        sinks: torch.Tensor, dlse: torch.Tensor | None = None, atol: float = 1e-3) -> None:
-    """FA3's criterion for d(sinks): the reference is the formula on exact float32 out and lse. The
-    yardstick is the larger error of two low-precision computations: PyTorch's autograd through its
-    low-precision attention with the same sinks, and the same formula on the exact out rounded to the
-    input dtype, as every FlashAttention-style backward has it (D = rowsum(dout * out) from the stored
-    16-bit out; a sum over all rows of those terms, where PyTorch's own D comes from float32 P)."""
-    ref_out, ref_lse = attention_ref(q, k, v, scale, causal, window=window, softcap=softcap, sinks=sinks,
-                                     dtype=torch.float32)
-    ref = sinks_grad_ref(dout, ref_out, ref_lse, sinks, dlse, dtype=torch.float32)
-    rounded = sinks_grad_ref(dout, ref_out.to(q.dtype), ref_lse, sinks, dlse, dtype=torch.float32)
-    s = sinks.detach().clone().requires_grad_()
-    out, lse = attention_lowp(q, k, v, scale, causal, window=window, softcap=softcap, sinks=s)
-    torch.autograd.backward([out, lse], [dout, dlse if dlse is not None else torch.zeros_like(lse)])
-    lowp = s.grad
-    assert not torch.isnan(dsinks).any(), "dsinks has NaN"
-    err, base = max_abs_err(dsinks, ref), max(max_abs_err(lowp, ref), max_abs_err(rounded, ref))
-    assert err <= 2 * base + atol, f"dsinks max-abs error {err:.3e} > 2 x {base:.3e} + {atol}"
-    rel, base_rel = rel_err(dsinks, ref), max(rel_err(lowp, ref), rel_err(rounded, ref))
-    assert rel <= 2 * base_rel + atol, f"dsinks relative error {rel:.3e} > 2 x {base_rel:.3e} + {atol}"
 
 
 @pytest.mark.gpu

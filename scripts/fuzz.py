@@ -735,7 +735,8 @@ def run_api(cfg: Config, target: Target) -> Outcome:
                            sd)
     if sinks is not None:
         try:
-            assert_dsinks_match(grads[3], dout, qd, kd, vd, cfg.scale, causal, window, cfg.softcap, sd, dlse)
+            assert_dsinks_match(grads[3], dout, qd, kd, vd, cfg.scale, causal, window, cfg.softcap, sd, dlse,
+                                out=out.detach(), lse=lse.detach())
         except AssertionError as e:
             raise CheckFailed(f"{e}: {cfg.summary()}", math.inf) from None
     if cfg.deterministic:

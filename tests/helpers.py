@@ -165,24 +165,41 @@ def assert_grads_match(grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor], d
 
 def assert_dsinks_match(dsinks: torch.Tensor, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                         v: torch.Tensor, scale: float, causal: bool, window: tuple[int, int] | None, softcap: float,
-                        sinks: torch.Tensor, dlse: torch.Tensor | None = None, atol: float = 1e-3) -> None:
-    """FA3's criterion for d(sinks): the reference is the formula on exact float32 out and lse. The
-    yardstick is the larger error of two low-precision computations: PyTorch's autograd through its
-    low-precision attention with the same sinks, and the same formula on the exact out rounded to the
-    input dtype, as every FlashAttention-style backward has it (D = rowsum(dout * out) from the stored
-    16-bit out; a sum over all rows of those terms, where PyTorch's own D comes from float32 P)."""
+                        sinks: torch.Tensor, dlse: torch.Tensor | None = None, atol: float = 1e-3, *,
+                        out: torch.Tensor | None = None, lse: torch.Tensor | None = None) -> None:
+    """d(sinks) = -sum over rows of exp(sink - lse) * (rowsum(dout * out) - dlse) (reference.sinks_grad_ref).
+
+    With ``out`` and ``lse``, the forward's results the backward was given: first, d(sinks) must be that
+    formula applied to them, up to float32 summation (a tight check of the backward's own arithmetic).
+    Then FA3's criterion against the formula on exact float32 out and lse, the yardstick being the largest
+    error of the low-precision alternatives: PyTorch's autograd through its low-precision attention with
+    the same sinks; the formula on the exact out rounded to the input dtype (every FlashAttention-style
+    backward takes D from the stored 16-bit out); and the formula on this forward's out and lse (what an
+    exact backward would make of them: the forward's own error, judged by assert_matches_reference). A
+    sum over all rows of the batch, so these errors add up over many rows."""
     ref_out, ref_lse = attention_ref(q, k, v, scale, causal, window=window, softcap=softcap, sinks=sinks,
                                      dtype=torch.float32)
     ref = sinks_grad_ref(dout, ref_out, ref_lse, sinks, dlse, dtype=torch.float32)
-    rounded = sinks_grad_ref(dout, ref_out.to(q.dtype), ref_lse, sinks, dlse, dtype=torch.float32)
+    baselines = [sinks_grad_ref(dout, ref_out.to(q.dtype), ref_lse, sinks, dlse, dtype=torch.float32)]
     s = sinks.detach().clone().requires_grad_()
-    out, lse = attention_lowp(q, k, v, scale, causal, window=window, softcap=softcap, sinks=s)
-    torch.autograd.backward([out, lse], [dout, dlse if dlse is not None else torch.zeros_like(lse)])
-    lowp = s.grad
+    lo_out, lo_lse = attention_lowp(q, k, v, scale, causal, window=window, softcap=softcap, sinks=s)
+    torch.autograd.backward([lo_out, lo_lse], [dout, dlse if dlse is not None else torch.zeros_like(lo_lse)])
+    baselines.append(s.grad)
     assert not torch.isnan(dsinks).any(), "dsinks has NaN"
-    err, base = max_abs_err(dsinks, ref), max(max_abs_err(lowp, ref), max_abs_err(rounded, ref))
+    if out is not None and lse is not None:
+        given = sinks_grad_ref(dout, out, lse, sinks, dlse, dtype=torch.float32)
+        # Per head: the sum of the terms' magnitudes, the scale of float32 summation error.
+        p_sink = torch.where(torch.isneginf(lse), 0.0, torch.exp(sinks.float()[None, :, None] - lse.float()))
+        d_abs = (dout.float().abs() * out.float().abs()).sum(-1).transpose(1, 2)
+        if dlse is not None:
+            d_abs = d_abs + dlse.float().abs()
+        mags = (p_sink * d_abs).sum(dim=(0, 2))
+        excess = ((dsinks.float() - given).abs() - (1e-4 * mags + 1e-5)).max().item()
+        assert excess <= 0, f"dsinks differs from the formula on the forward's out and lse by {excess:.3e} over 1e-4 x the terms"
+        baselines.append(given)
+    err, base = max_abs_err(dsinks, ref), max(max_abs_err(b, ref) for b in baselines)
     assert err <= 2 * base + atol, f"dsinks max-abs error {err:.3e} > 2 x {base:.3e} + {atol}"
-    rel, base_rel = rel_err(dsinks, ref), max(rel_err(lowp, ref), rel_err(rounded, ref))
+    rel, base_rel = rel_err(dsinks, ref), max(rel_err(b, ref) for b in baselines)
     assert rel <= 2 * base_rel + atol, f"dsinks relative error {rel:.3e} > 2 x {base_rel:.3e} + {atol}"
 
 

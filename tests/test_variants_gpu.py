@@ -102,7 +102,8 @@ def test_variant_fwd_bwd(case: Case, backend: str) -> None:
                                          softcap=softcap, dtype=torch.float32)
         assert rel_err(dv, ref_dv) < 1e-2
     if s is not None:
-        assert_dsinks_match(rows.sum(dim=(0, 2)), dout, q, k, v, scale, causal, window, softcap, s, dlse)
+        assert_dsinks_match(rows.sum(dim=(0, 2)), dout, q, k, v, scale, causal, window, softcap, s, dlse, out=out,
+                            lse=lse)
 
 
 @pytest.mark.gpu
@@ -157,4 +158,5 @@ def test_flash_attn_func_variants_autograd(causal: bool, window_size: tuple[int,
                              sinks=sd)
     assert_grads_match((q.grad, k.grad, v.grad), dout, qd, kd, vd, None, causal_eff, window=window, softcap=5.0,
                        sinks=sd)
-    assert_dsinks_match(sinks.grad, dout, qd, kd, vd, 1 / 8, causal_eff, window, 5.0, sd)
+    assert_dsinks_match(sinks.grad, dout, qd, kd, vd, 1 / 8, causal_eff, window, 5.0, sd, out=out.detach(),
+                        lse=lse.detach())

@@ -52,7 +52,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the criteria and their bounds
 
 from flashhopper import _ext, dispatch, flash_attn_fp8_func, flash_attn_func, fp8, ops, quantize_kv
-from flashhopper.kernel_key import BUILD_DTYPES, KernelKey
+from flashhopper.kernel_key import BUILD_DTYPES, KernelKey, normalize_window
 from flashhopper.reference import attention_bwd_lowp, attention_bwd_ref, attention_ref
 from flashhopper.reference_fp8 import attention_fp8_ref
 
@@ -697,10 +697,8 @@ def require_kernels(cfg: Config, target: Target) -> None:
 
 
 def effective_mask(cfg: Config) -> tuple[tuple[int, int] | None, bool]:
-    """(window, causal) as flash_attn_func runs them: windows that are plain causal attention run causal."""
-    window, causal = cfg.window, cfg.causal
-    if window is not None and window[0] == -1 and (causal or window[1] == 0):
-        window, causal = None, True
+    """(window, causal) as flash_attn_func runs them (kernel_key.normalize_window)."""
+    causal, window = normalize_window(cfg.causal, cfg.window)
     return window, causal
 
 

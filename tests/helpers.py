@@ -55,14 +55,29 @@ def assert_matches_reference(out: torch.Tensor, lse: torch.Tensor, q: torch.Tens
     rel, lowp_rel = rel_err(out, ref), rel_err(lowp, ref)
     assert rel <= 2 * lowp_rel + rtol, f"out relative error {rel:.3e} > 2 x {lowp_rel:.3e} + {rtol}: {where}"
 
-    no_key = torch.isinf(ref_lse)  # (batch, nheads, seqlen_q); only -inf is possible
-    assert torch.equal(torch.isneginf(lse), no_key), f"lse is -inf on other rows than the reference: {where}"
+    no_key = rows_without_keys(q.shape[1], k.shape[1], causal, window, q.device).expand_as(lse)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), \
+        f"lse is -inf on other rows than the reference: {where}"  # rows without keys, unless sinks
     assert (out.transpose(1, 2)[no_key] == 0).all(), f"rows that see no key are not exactly 0: {where}"
-    finite = ~no_key
+    finite = ~torch.isneginf(ref_lse)
     lse_err = max_abs_err(lse[finite], ref_lse[finite])
     lowp_lse_err = max_abs_err(lowp_lse[finite], ref_lse[finite])
     assert lse_err <= 2 * lowp_lse_err + lse_atol, \
         f"lse max-abs error {lse_err:.3e} > 2 x {lowp_lse_err:.3e} + {lse_atol}: {where}"
+
+
+def rows_without_keys(seqlen_q: int, seqlen_k: int, causal: bool, window: tuple[int, int] | None,
+                      device: torch.device | str) -> torch.Tensor:
+    """(seqlen_q,) bool: the query rows that see no key (their out and dq are exactly 0; their lse is -inf,
+    or the sink with sinks). From each row's edges, without building the (seqlen_q, seqlen_k) mask."""
+    left, right = (-1, -1) if window is None else window
+    if causal:
+        right = 0
+    i = torch.arange(seqlen_q, device=device)
+    diag = seqlen_k - seqlen_q
+    lo = torch.clamp(i + diag - left, min=0) if left >= 0 else torch.zeros_like(i)
+    hi = torch.clamp(i + diag + right, max=seqlen_k - 1) if right >= 0 else torch.full_like(i, seqlen_k - 1)
+    return hi < lo
 
 
 def keys_seen(seqlen_q: int, seqlen_k: int, causal: bool, device: torch.device | str,
@@ -159,8 +174,8 @@ def assert_grads_match(grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor], d
         assert err <= 2 * lowp_err + atol, f"{name} max-abs error {err:.3e} > 2 x {lowp_err:.3e} + {atol}: {where}"
         rel, lowp_rel = rel_err(g, r), rel_err(lo, r)
         assert rel <= 2 * lowp_rel + rtol, f"{name} relative error {rel:.3e} > 2 x {lowp_rel:.3e} + {rtol}: {where}"
-    no_key = torch.isneginf(ref_lse).transpose(1, 2)  # (batch, seqlen_q, nheads_q)
-    assert (grads[0][no_key] == 0).all(), f"dq rows that see no key are not exactly 0: {where}"
+    no_key = rows_without_keys(q.shape[1], k.shape[1], causal, window, q.device)[None, :, None]
+    assert (grads[0][no_key.expand(*grads[0].shape[:3])] == 0).all(), f"dq rows that see no key are not exactly 0: {where}"
 
 
 def assert_dsinks_match(dsinks: torch.Tensor, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,

@@ -1,6 +1,7 @@
 // Backward preprocess, shared by the kernel families: per query row, D = rowsum(dO * O) - dLSE
 // (float32) and the LSE in the form the main kernel uses, LSE * log2(e) (+inf where every
-// probability is 0: rows that see no key, and the padding rows up to seqlen_q_rounded). With sinks,
+// probability is 0: rows that see no key without sinks, and the padding rows up to seqlen_q_rounded;
+// with sinks such rows have the sink's finite LSE and their P is 0 by the mask). With sinks,
 // also each row's share of the sinks' gradient (the main kernel needs nothing else for sinks: the
 // LSE includes them).
 // Memory-bound: 16-byte loads, a few threads per row, shuffles to reduce.

@@ -100,8 +100,8 @@ struct OnlineSoftmax {
 // Backward: the probabilities are recomputed from the forward's statistics instead of a running
 // max, P = exp2(S * scale_log2 - lse_log2), and the score gradient is dS = P * (dP - D) with
 // D = rowsum(dO * O) (minus dLSE when the loss uses LSE). Both take the per-query statistic of every
-// element through stat(mi, ni), so the tile can be S or S^T. lse_log2 is +inf for rows with no
-// visible key and for padding rows, which gives P = 0 there.
+// element through stat(mi, ni), so the tile can be S or S^T. lse_log2 is +inf for padding rows and
+// for rows with no visible key (without sinks; with them such rows are masked), which gives P = 0 there.
 template <class TensorS, class Stat>
 CUTE_DEVICE void probs_from_lse(TensorS& s, Stat&& lse_log2, float scale_log2) {
   CUTE_UNROLL

@@ -46,8 +46,8 @@ struct FwdEpilogue {
     }
   }
 
-  // No row of the tile sees a key (causal with seqlen_q > seqlen_k): O = 0, LSE = -inf.
-  // Rows that see no key: O = 0, LSE = empty_lse (-inf, or the head's sink logit).
+  // No row of the tile sees a key (causal with seqlen_q > seqlen_k): O = 0, LSE = empty_lse (-inf, or the
+  // head's sink logit).
   CUTE_DEVICE static void store_empty(Element* o, int64_t o_row_stride, float* lse_row, int seqlen_q, int m_block,
                                       float empty_lse = -INFINITY) {
     int const rows = cute::min(int(kBlockM), seqlen_q - m_block * kBlockM);

@@ -53,7 +53,7 @@ struct FwdMainloop {
   }
 
   // Accumulates the unnormalized O of this CTA's rows into acc_o (zeroed here) and the softmax state;
-  // returns false when no row sees a key (the caller writes O = 0, LSE = -inf).
+  // returns false when no row sees a key (the caller writes O = 0, LSE = -inf or the sink).
   // q, k, v: the batch entry's first row of this head (seq: its bounds).
   template <class FragO, class Softmax>
   CUTE_DEVICE static bool mma(TensorStorage& ts, Element const* q, int64_t q_row_stride, Element const* k,

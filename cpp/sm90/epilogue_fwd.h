@@ -104,9 +104,9 @@ struct FwdEpilogue {
     }
   }
 
-  // A tile whose rows see no key (causal with seqlen_q > seqlen_k): O = 0, LSE = -inf, written
-  // directly (16-byte stores) so that it never touches shared memory the producer may be filling.
-  // Rows that see no key: O = 0, LSE = empty_lse (-inf, or the head's sink logit).
+  // A tile whose rows see no key (causal with seqlen_q > seqlen_k): O = 0, LSE = empty_lse (-inf, or the
+  // head's sink logit), written directly (16-byte stores) so that it never touches shared memory the
+  // producer may be filling.
   CUTE_DEVICE static void store_empty(Params const& p, SeqlenInfo const& seq, int m_block, int head, int batch,
                                       int wg, int thread_idx, float empty_lse = -INFINITY) {
     constexpr int kVec = 16 / sizeof(Element);

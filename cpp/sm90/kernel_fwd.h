@@ -3,7 +3,7 @@
 //   warpgroup 0      producer: lowers its registers (setmaxnreg) and one thread issues all TMA
 //   warpgroups 1..W  consumers: raise their registers; each owns 64 query rows of the tile
 // Each tile's batch entry has its own bounds (the mainloop's seqlen_info and block_info): a tile past
-// the entry's last row is skipped, one whose rows see no key gets O = 0 and LSE = -inf.
+// the entry's last row is skipped, one whose rows see no key gets O = 0 and LSE = -inf (or the sink).
 #pragma once
 
 #include <cute/tensor.hpp>

@@ -70,7 +70,7 @@ int64_t run_fwd_sm90(FwdParams const& params, cudaStream_t stream) {
   if (Scheduler::kNeedsCounter && params.tile_counter == nullptr) {
     throw std::invalid_argument("flashhopper: these kernels need a zeroed int32 tile counter (FwdParams.tile_counter)");
   }
-  // With no keys the kernel never loads K or V (every tile stores O = 0 and LSE = -inf), but their
+  // With no keys the kernel never loads K or V (every tile stores O = 0 and LSE = -inf or the sink), but their
   // tensor maps must still be valid: extents >= 1 and 16-byte strides over real memory, which empty
   // K/V tensors need not have. Q's serve.
   FwdParams p = params;

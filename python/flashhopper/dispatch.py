@@ -164,10 +164,11 @@ def _select_cuda(index: int, dtype: torch.dtype, headdim: int, mask: str, backen
 # The window travels as its two ints: constant-result arguments are best kept scalars.
 @torch.compiler.assume_constant_result
 def _missing_bwd_cuda(backend: str, dtype: torch.dtype, headdim: int, causal: bool, window_left: int,
-                      window_right: int, softcap: float = 0.0) -> str:
-    # _CompiledKernels looks _ext up at call time (tests replace _ext.has_kernel).
+                      window_right: int, score_mod: str = "none") -> str:
+    # _CompiledKernels looks _ext up at call time (tests replace _ext.has_kernel). The softcap travels as
+    # its score mod: which kernel, not its value.
     return missing_bwd_kernel(backend, dtype, headdim, causal, _CompiledKernels("bwd"),
-                              window=(window_left, window_right), softcap=softcap)
+                              window=(window_left, window_right), softcap=1.0 if score_mod == "softcap" else 0.0)
 
 
 def require_bwd_kernel(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, headdim: int,
@@ -180,7 +181,7 @@ def require_bwd_kernel(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.
     left, right = (-1, -1) if window is None else window
     for name, x in (("q", q), ("k", k), ("v", v), ("sinks", sinks)):
         if x is not None and x.requires_grad:
-            msg = _missing_bwd_cuda(backend, q.dtype, headdim, causal, left, right, softcap)
+            msg = _missing_bwd_cuda(backend, q.dtype, headdim, causal, left, right, score_mod_of(softcap))
             if msg:
                 raise ValueError(f"{name} requires grad, but {msg}")
             return

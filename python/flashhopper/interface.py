@@ -7,6 +7,7 @@ import torch
 
 from . import _autocast, ops  # noqa: F401  (ops: registers the ops flashhopper::fwd / bwd and fwd's autograd)
 from .dispatch import require_bwd_kernel, resolve_backend
+from .kernel_key import normalize_window
 from .validation import check_flag, check_inputs, check_sinks, check_softcap, check_window_size
 
 
@@ -69,9 +70,7 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
     window = check_window_size(window_size)
     softcap = check_softcap(softcap)
     check_sinks(sinks, q)
-    # Windows that are plain causal attention run the causal kernels: (-1, 0), or any (-1, right) with causal.
-    if window is not None and window[0] == -1 and (causal or window[1] == 0):
-        window, causal = None, True
+    causal, window = normalize_window(causal, window)
     name = resolve_backend(q, shapes.headdim, q.dtype, causal, backend, window=window, softcap=softcap)
     require_bwd_kernel(name, q, k, v, shapes.headdim, causal, window=window, sinks=sinks, softcap=softcap)
     left, right = (-1, -1) if window is None else window

@@ -66,6 +66,14 @@ def mask_of(causal: bool, window: tuple[int, int] | None = None) -> str:
     return "causal" if causal else "none"
 
 
+def normalize_window(causal: bool, window: tuple[int, int] | None) -> tuple[bool, tuple[int, int] | None]:
+    """(causal, window) as the kernels run a call: a window that is plain causal attention ((-1, 0), or
+    (-1, right) with causal) becomes causal without a window, so that it runs the causal kernels."""
+    if window is not None and window[0] == -1 and (causal or window[1] == 0):
+        return True, None
+    return causal, window
+
+
 def from_dict(d: dict[str, object]) -> KernelKey:
     """The key of an entry of ``_C.kernels()`` (a dict with the key's fields and more)."""
     return KernelKey(**{f: d[f] for f in FIELDS})  # type: ignore[arg-type]

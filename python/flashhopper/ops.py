@@ -87,7 +87,7 @@ def fwd_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tenso
     build ("" = production); ``softcap``, ``sinks`` as in flash_attn_func. Checks everything first;
     tests use it to poison the outputs before a run.
     ``max_smem_bytes`` as in bwd_into (sm80 tiles). Returns the CTAs launched (0: an empty grid, e.g.
-    batch or seqlen_q 0; with seqlen_k 0 the kernel still runs and writes out = 0, lse = -inf)."""
+    batch or seqlen_q 0; with seqlen_k 0 the kernel still runs and writes out = 0, lse = -inf or the sink)."""
     shapes, _ = validation.check_inputs(q, k, v, softmax_scale, causal)
     window = validation.check_window(window)
     softcap = validation.check_softcap(softcap)
@@ -355,6 +355,8 @@ def _backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) ->
         dout = dout.clone(memory_format=torch.contiguous_format)
     if dlse is not None:
         dlse = dlse.contiguous()  # the kernels read it densely, like lse (lse.sum() gives stride 0)
+    # lse holds the sinks already: the kernels need them only for their own gradient.
+    sinks = sinks if ctx.needs_input_grad[8] else None
     dq, dk, dv, dsinks = torch.ops.flashhopper.bwd.default(dout, q, k, v, out, lse, dlse, ctx.softmax_scale,
                                                            ctx.causal, *ctx.window, ctx.softcap, sinks,
                                                            ctx.deterministic, ctx.backend)

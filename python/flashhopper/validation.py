@@ -126,6 +126,8 @@ def check_window(window: Any) -> tuple[int, int] | None:
 def check_window_size(window_size: Any) -> tuple[int, int] | None:
     """flash-attn's ``window_size`` argument: a pair (left, right) of ints (a list is taken too), each -1
     for unbounded or >= 0; (-1, -1) is no window. Returns None for no window, else the tuple."""
+    if window_size == (-1, -1) and type(window_size) is tuple:  # the default, on every call: no checks to make
+        return None
     if isinstance(window_size, list):
         window_size = tuple(window_size)
     if (not isinstance(window_size, tuple) or len(window_size) != 2

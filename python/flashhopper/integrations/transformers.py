@@ -24,6 +24,8 @@ registered for the same name):
   fallback into an error.
 - NotImplementedError where neither can: ``softcap`` and ``s_aux`` (attention sinks; sdpa would ignore
   them), a ``sliding_window`` or packed sequences (``cu_seq_lens_q``/``_k``) that no mask carries.
+  flash_attn_func has softcap, sinks and window_size (issue #23); this backend does not route them to it
+  yet.
 - Everything else is flash_attn_func's: e.g. CUDA tensors must be fp16/bf16 with a head dim the build
   has, or it raises its TypeError/ValueError; CPU tensors run the float64 reference.
 """
@@ -96,16 +98,18 @@ def _check_supported(attention_mask: torch.Tensor | None, sliding_window: int | 
                      kwargs: dict[str, Any]) -> None:
     if softcap is not None:
         raise NotImplementedError(
-            f"softcap={softcap}: flashhopper has no logit softcapping yet (issue #23), and transformers' sdpa "
-            "ignores it; use attn_implementation='eager' for this model")
+            f"softcap={softcap}: this transformers backend does not pass a softcap to flashhopper yet "
+            "(flash_attn_func(softcap=) has it), and transformers' sdpa ignores it; use "
+            "attn_implementation='eager' for this model")
     if kwargs.get("s_aux") is not None:
         raise NotImplementedError(
-            "s_aux: flashhopper has no attention sinks yet (issue #23), and transformers' sdpa ignores them; "
-            "use attn_implementation='eager' for this model")
+            "s_aux: this transformers backend does not pass attention sinks to flashhopper yet "
+            "(flash_attn_func(sinks=) has them), and transformers' sdpa ignores them; use "
+            "attn_implementation='eager' for this model")
     if attention_mask is None and sliding_window is not None:
         raise NotImplementedError(
-            f"sliding_window={sliding_window} without a mask: flashhopper has no public local window yet "
-            "(issue #23); build the model's masks with flashhopper.integrations.transformers.register()")
+            f"sliding_window={sliding_window} without a mask: this transformers backend does not pass a window "
+            "to flashhopper yet; build the model's masks with flashhopper.integrations.transformers.register()")
     if attention_mask is None and any(kwargs.get(n) is not None for n in ("cu_seq_lens_q", "cu_seq_lens_k")):
         raise NotImplementedError(
             "cu_seq_lens_q/cu_seq_lens_k (packed sequences) without a mask: flashhopper has no varlen kernel yet "
@@ -116,7 +120,7 @@ def _fallback_reason(attention_mask: torch.Tensor | None, dropout: float, slidin
                      kwargs: dict[str, Any]) -> str | None:
     """Why this call goes to sdpa; constant strings, so that the default filter warns once per reason."""
     if sliding_window is not None:
-        return "sliding_window (no public local window yet, issue #23)"
+        return "sliding_window (this backend does not pass windows to flash_attn_func yet)"
     if attention_mask is not None:
         return ("an attention mask (padding, packed sequences, a static cache's empty slots or a custom pattern; "
                 "no varlen kernel yet, issue #21)")

@@ -157,12 +157,14 @@ def assert_within_noise(what: str, err: float, sdpa_err: float) -> None:
 
 
 @pytest.fixture
-def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[tuple[int, ...], tuple[int, ...], bool]]:
-    """(q shape, k shape, causal) of each flash_attn_func call the backend makes."""
+def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
+    """(q shape, k shape, causal, window_size, softcap, with sinks) of each flash_attn_func call the backend
+    makes."""
     calls = []
 
     def spy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        calls.append((tuple(q.shape), tuple(k.shape), kwargs["causal"]))
+        calls.append((tuple(q.shape), tuple(k.shape), kwargs["causal"], kwargs["window_size"],
+                      kwargs["softcap"], kwargs["sinks"] is not None))
         return flash_attn_func(q, k, v, **kwargs)
 
     flash_attn_func = fht.flash_attn_func
@@ -193,7 +195,7 @@ def test_logits_match_sdpa(family: str, kernel_calls: list, no_fallback: None) -
     ids = torch.randint(1, 128, (2, 13))
     assert_within_noise("logits", *logits_errors(model, reference_model(model), ids)[:2])
     # Every layer through the kernel, causal, GQA heads as they are (no repeat_kv).
-    assert kernel_calls == [((2, 13, 4, 16), (2, 13, 2, 16), True)] * 2
+    assert [c[:3] for c in kernel_calls] == [((2, 13, 4, 16), (2, 13, 2, 16), True)] * 2
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -202,8 +204,8 @@ def test_greedy_generate_matches_sdpa(family: str, kernel_calls: list, no_fallba
     agreement = greedy_agreement(model, reference_model(model), torch.randint(1, 128, (2, 7)), steps=6)
     assert not agreement.failures, agreement.describe()
     # Prefill, then one token at a time against the DynamicCache (bottom-right causal).
-    assert kernel_calls[:2] == [((2, 7, 4, 16), (2, 7, 2, 16), True)] * 2
-    assert kernel_calls[2::2] == [((2, 1, 4, 16), (2, 8 + i, 2, 16), True) for i in range(5)]
+    assert [c[:3] for c in kernel_calls[:2]] == [((2, 7, 4, 16), (2, 7, 2, 16), True)] * 2
+    assert [c[:3] for c in kernel_calls[2::2]] == [((2, 1, 4, 16), (2, 8 + i, 2, 16), True) for i in range(5)]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -226,14 +228,14 @@ def test_tokens_against_a_cache_run_the_kernel(kernel_calls: list, no_fallback: 
                 logits[implementation] = model(ids[:, 9:], past_key_values=cache).logits
         exact = reference_model(model)(ids).logits[:, 9:]
     assert_within_noise("logits", rel_err(logits[NAME], exact), rel_err(logits["sdpa"], exact))
-    assert kernel_calls[2:] == [((2, 3, 4, 16), (2, 12, 2, 16), True)] * 2
+    assert [c[:3] for c in kernel_calls[2:]] == [((2, 3, 4, 16), (2, 12, 2, 16), True)] * 2
 
 
 def test_bidirectional_runs_the_kernel_non_causal(kernel_calls: list, no_fallback: None) -> None:
     model = tiny_model("llama")
     ids = torch.randint(1, 128, (2, 10))
     assert_within_noise("logits", *logits_errors(model, reference_model(model), ids, is_causal=False)[:2])
-    assert [causal for _, _, causal in kernel_calls] == [False, False]
+    assert [c[2] for c in kernel_calls] == [False, False]
 
 
 # Fallbacks to sdpa: the same computation as attn_implementation="sdpa", with the warning.
@@ -271,15 +273,15 @@ def test_all_ones_mask_runs_the_kernel(kernel_calls: list, no_fallback: None) ->
     assert len(kernel_calls) == 2
 
 
-def test_sliding_window_layers_fall_back_to_sdpa(kernel_calls: list) -> None:
-    """Qwen2 with its last layer sliding (window 4 < 12 tokens): that layer runs sdpa with the window's
-    mask, the first one the kernel."""
+def test_sliding_window_layers_run_the_kernel(kernel_calls: list, no_fallback: None) -> None:
+    """Qwen2 with its last layer sliding (window 4 < 12 tokens): both layers run the kernel, the sliding one
+    with window_size (3, 0) (a query sees itself and the 3 keys before it), and the logits match sdpa's
+    masked attention."""
     model = tiny_model("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=1)
     ids = torch.randint(1, 128, (2, 12))
-    with pytest.warns(fht.SdpaFallbackWarning, match="sliding_window"):
-        errors = logits_errors(model, reference_model(model), ids)
+    errors = logits_errors(model, reference_model(model), ids)
     assert_within_noise("logits", *errors[:2])
-    assert len(kernel_calls) == 1
+    assert [c[3] for c in kernel_calls] == [(-1, -1), (3, 0)]
 
 
 def test_dropout_falls_back_to_sdpa() -> None:
@@ -324,15 +326,75 @@ def test_fallback_keeps_bottom_right_causal() -> None:
 @pytest.mark.parametrize("option, kwargs", [
     ("softcap", {"softcap": 30.0}),
     ("s_aux", {"s_aux": torch.zeros(4)}),
-    ("sliding_window", {"sliding_window": 4}),
-    ("cu_seq_lens_q", {"cu_seq_lens_q": torch.tensor([0, 3, 5])}),
 ])
-def test_unsupported_options_raise(option: str, kwargs: dict[str, Any]) -> None:
+def test_options_sdpa_cannot_run_raise_on_fallback(option: str, kwargs: dict[str, Any]) -> None:
+    """Softcap and sinks reach the kernel; where a call must fall back (here: a padding mask) sdpa would
+    ignore them, so it raises instead."""
     q, k, v = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    mask = torch.ones(1, 1, 5, 5, dtype=torch.bool).tril()
     with pytest.raises(NotImplementedError, match=option):
-        fht.attention_forward(torch.nn.Module(), q, k, v, None, **kwargs)
+        fht.attention_forward(torch.nn.Module(), q, k, v, mask, **kwargs)
 
 
+def test_packed_sequences_without_a_mask_raise() -> None:
+    q, k, v = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    with pytest.raises(NotImplementedError, match="cu_seq_lens_q"):
+        fht.attention_forward(torch.nn.Module(), q, k, v, None, cu_seq_lens_q=torch.tensor([0, 3, 5]))
+
+
+def tiny_variant_model(family: str) -> PreTrainedModel:
+    """Gemma 2 (softcap 50 on the attention logits, sliding window 4 on alternate layers) or gpt-oss (sinks,
+    sliding window 4), tiny and random, float32, eval mode."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM, GptOssConfig, GptOssForCausalLM
+
+    common = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 128, "sliding_window": 4,
+              "initializer_range": 0.2, "pad_token_id": 0, "bos_token_id": None, "eos_token_id": None}
+    if family == "gemma2":
+        model = Gemma2ForCausalLM(Gemma2Config(**common, attn_logit_softcapping=5.0, query_pre_attn_scalar=16))
+    else:
+        model = GptOssForCausalLM(GptOssConfig(**common, num_local_experts=4, num_experts_per_tok=2))
+        with torch.no_grad():  # sinks start at zero: make them matter
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_(0, 2)
+    return model.eval()
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
+def test_softcap_sinks_and_windows_reach_the_kernel(family: str, kernel_calls: list, no_fallback: None) -> None:
+    """Gemma 2's softcap and gpt-oss's sinks, with their sliding layers, against transformers' eager
+    attention (which has both; sdpa ignores them): logits within FA3's criterion of the float64 model (Gemma
+    2), or within float32 noise of eager (gpt-oss: its MoE has no float64 kernel), and the gradients."""
+    model = tiny_variant_model(family)
+    ids = torch.randint(1, 128, (2, 12))
+    ref = copy.deepcopy(model)
+    if family == "gemma2":
+        ref = ref.to(torch.float64)
+    ref.set_attn_implementation("eager")
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        eager = model(ids).logits
+        exact = ref(ids).logits
+    model.set_attn_implementation(NAME)  # not attn(): gpt-oss refuses sdpa, which it would switch back to
+    ours = model(ids).logits
+    ours.float().square().mean().backward()
+    if family == "gemma2":
+        assert_within_noise("logits", rel_err(ours.detach(), exact), rel_err(eager, exact))
+    else:
+        assert rel_err(ours.detach(), eager) < 1e-5
+    windows = [c[3] for c in kernel_calls]
+    assert windows == [(3, 0), (-1, -1)]  # layer 0 sliding, layer 1 full
+    if family == "gemma2":
+        assert all(c[4] == 5.0 for c in kernel_calls)
+    else:
+        assert all(c[5] for c in kernel_calls)
+        sinks = model.model.layers[0].self_attn.sinks
+        assert sinks.grad is not None and sinks.grad.abs().sum() > 0
+    ref.zero_grad()
+    ref(ids).logits.float().square().mean().backward()
+    for (name, p), (_, p_ref) in zip(model.named_parameters(), ref.named_parameters()):
+        if p.grad is not None and p_ref.grad is not None and p_ref.grad.abs().sum() > 0:
+            assert rel_err(p.grad, p_ref.grad) < 1e-4, name
 PAD = torch.tensor([[1, 1, 1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1, 1, 1]], dtype=torch.bool)
 SLIDING, FULL = sliding_window_causal_mask_function(3), bidirectional_mask_function
 

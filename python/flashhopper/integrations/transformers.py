@@ -13,19 +13,20 @@ What runs where, decided per call (the model builds its mask once per forward th
 registered for the same name):
 
 - flashhopper's kernel (``flash_attn_func``, bottom-right causal like flash-attn) whenever every key is
-  real: no padding (attention_mask None or all ones), plain causal or bidirectional attention. That is
-  training and prefill without padding, and generate() with a DynamicCache (one or several new tokens
-  against the cache). GQA runs natively (no repeat_kv); ``scaling`` is the softmax scale.
+  real: no padding (attention_mask None or all ones), plain causal, sliding-window causal (Mistral,
+  Gemma, gpt-oss: ``window_size=(sliding_window - 1, 0)``) or bidirectional attention, with the model's
+  ``softcap`` (Gemma 2) and attention sinks (``s_aux``, gpt-oss) passed on. That is training and prefill
+  without padding, and generate() with a DynamicCache (one or several new tokens against the cache). GQA
+  runs natively (no repeat_kv); ``scaling`` is the softmax scale. Sliding windows and softcap need their
+  kernels in the build (FLASHHOPPER_MASKS / FLASHHOPPER_SCORE_MODS), or flash_attn_func says what to
+  rebuild with.
 - transformers' sdpa attention, with a ``SdpaFallbackWarning`` naming the reason, where sdpa can compute
   what the kernel cannot yet: padded batches and packed sequences (no varlen kernel yet, issue #21),
-  other mask patterns (sliding window layers, static caches' empty slots, custom masks), dropout > 0,
-  a position bias. The result is what attn_implementation="sdpa" gives. Python's default filter shows
-  each reason once per model class; ``warnings.simplefilter("error", SdpaFallbackWarning)`` turns every
-  fallback into an error.
-- NotImplementedError where neither can: ``softcap`` and ``s_aux`` (attention sinks; sdpa would ignore
-  them), a ``sliding_window`` or packed sequences (``cu_seq_lens_q``/``_k``) that no mask carries.
-  flash_attn_func has softcap, sinks and window_size (issue #23); this backend does not route them to it
-  yet.
+  other mask patterns (static caches' empty slots, custom masks), dropout > 0, a position bias. The
+  result is what attn_implementation="sdpa" gives. Python's default filter shows each reason once per
+  model class; ``warnings.simplefilter("error", SdpaFallbackWarning)`` turns every fallback into an error.
+- NotImplementedError where neither can: such a fallback with ``softcap`` or ``s_aux`` (sdpa would ignore
+  them), and packed sequences (``cu_seq_lens_q``/``_k``) that no mask carries.
 - Everything else is flash_attn_func's: e.g. CUDA tensors must be fp16/bf16 with a head dim the build
   has, or it raises its TypeError/ValueError; CPU tensors run the float64 reference.
 """
@@ -41,7 +42,8 @@ from ..interface import flash_attn_func
 try:
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import bidirectional_mask_function, causal_mask_function, sdpa_mask
+    from transformers.masking_utils import (bidirectional_mask_function, causal_mask_function, sdpa_mask,
+                                            sliding_window_causal_mask_function)
 except ImportError as e:
     raise ImportError(
         "flashhopper.integrations.transformers needs Hugging Face transformers 5.x (tested with 5.17): "
@@ -73,16 +75,36 @@ def _all_keys_real(attention_mask: torch.Tensor | None, kv_length: int, kv_offse
     return keys.shape[-1] == kv_length and bool(keys.all())
 
 
+def _sliding_causal(mask_function: Any, local_size: Any) -> bool:
+    """Whether ``mask_function`` is transformers' sliding-window causal pattern of width ``local_size``. Mask
+    functions are closures without an identity to compare, so it is probed where patterns differ: query
+    rows around the first windows, every key up to past them (a chunked pattern, which comes with a
+    local_size too, differs at the chunk edges)."""
+    if isinstance(local_size, bool) or not isinstance(local_size, int) or local_size < 1:
+        return False
+    w = local_size
+    q = torch.tensor([0, 1, w - 1, w, w + 1, 2 * w + 1, 3 * w])[:, None]
+    kv = torch.arange(3 * w + 2)[None, :]
+    zero = torch.zeros((), dtype=torch.long)
+    try:
+        got = mask_function(zero, zero, q, kv)
+    except Exception:  # a function that needs more than indices (e.g. a padding mask's batch lookup)
+        return False
+    return bool(torch.equal(torch.as_tensor(got).expand(q.shape[0], kv.shape[1]),
+                            sliding_window_causal_mask_function(w)(zero, zero, q, kv).expand(q.shape[0], kv.shape[1])))
+
+
 def build_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
                mask_function: Any = causal_mask_function, attention_mask: torch.Tensor | None = None,
                **kwargs: Any) -> torch.Tensor | None:
     """The mask-building function for AttentionMaskInterface (called once per forward with the 2D
     padding mask). None where the kernel computes the pattern itself: every key real and the pattern
-    plain causal with the queries at the last positions of the keys (bottom-right alignment, the
-    kernel's causal) or bidirectional. Otherwise sdpa's boolean (batch, 1, q_length, kv_length) mask,
-    which attention_forward hands to sdpa. Where the caller forbids skipping the mask
-    (allow_is_causal_skip / allow_is_bidirectional_skip False), it is always built."""
-    if mask_function is causal_mask_function:
+    causal (plain, or sliding-window: attention_forward gets the window as ``sliding_window``) with the
+    queries at the last positions of the keys (bottom-right alignment, the kernel's causal) or
+    bidirectional. Otherwise sdpa's boolean (batch, 1, q_length, kv_length) mask, which attention_forward
+    hands to sdpa. Where the caller forbids skipping the mask (allow_is_causal_skip /
+    allow_is_bidirectional_skip False), it is always built."""
+    if mask_function is causal_mask_function or _sliding_causal(mask_function, kwargs.get("local_size")):
         kernel_pattern = (kwargs.get("allow_is_causal_skip", True)
                           and isinstance(q_offset, int) and isinstance(kv_offset, int)  # a tensor: static cache
                           and q_offset + q_length == kv_offset + kv_length)
@@ -94,33 +116,25 @@ def build_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0
     return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, **kwargs)
 
 
-def _check_supported(attention_mask: torch.Tensor | None, sliding_window: int | None, softcap: float | None,
-                     kwargs: dict[str, Any]) -> None:
-    if softcap is not None:
-        raise NotImplementedError(
-            f"softcap={softcap}: this transformers backend does not pass a softcap to flashhopper yet "
-            "(flash_attn_func(softcap=) has it), and transformers' sdpa ignores it; use "
-            "attn_implementation='eager' for this model")
-    if kwargs.get("s_aux") is not None:
-        raise NotImplementedError(
-            "s_aux: this transformers backend does not pass attention sinks to flashhopper yet "
-            "(flash_attn_func(sinks=) has them), and transformers' sdpa ignores them; use "
-            "attn_implementation='eager' for this model")
-    if attention_mask is None and sliding_window is not None:
-        raise NotImplementedError(
-            f"sliding_window={sliding_window} without a mask: this transformers backend does not pass a window "
-            "to flashhopper yet; build the model's masks with flashhopper.integrations.transformers.register()")
+def _check_supported(attention_mask: torch.Tensor | None, kwargs: dict[str, Any]) -> None:
     if attention_mask is None and any(kwargs.get(n) is not None for n in ("cu_seq_lens_q", "cu_seq_lens_k")):
         raise NotImplementedError(
             "cu_seq_lens_q/cu_seq_lens_k (packed sequences) without a mask: flashhopper has no varlen kernel yet "
             "(issue #21); pass position_ids so that the model masks the packed sequences")
 
 
-def _fallback_reason(attention_mask: torch.Tensor | None, dropout: float, sliding_window: int | None,
-                     kwargs: dict[str, Any]) -> str | None:
+def _check_fallback(reason: str, softcap: float | None, kwargs: dict[str, Any]) -> None:
+    """What sdpa cannot compute: it would ignore a softcap or sinks."""
+    for name, value in (("softcap", softcap), ("s_aux", kwargs.get("s_aux"))):
+        if value is not None:
+            raise NotImplementedError(
+                f"{name} with {reason}: flashhopper's kernel cannot run this call and transformers' sdpa, its "
+                "fallback, ignores " + ("a softcap" if name == "softcap" else "attention sinks") +
+                "; use attn_implementation='eager' for this model, or inputs without padding")
+
+
+def _fallback_reason(attention_mask: torch.Tensor | None, dropout: float, kwargs: dict[str, Any]) -> str | None:
     """Why this call goes to sdpa; constant strings, so that the default filter warns once per reason."""
-    if sliding_window is not None:
-        return "sliding_window (this backend does not pass windows to flash_attn_func yet)"
     if attention_mask is not None:
         return ("an attention mask (padding, packed sequences, a static cache's empty slots or a custom pattern; "
                 "no varlen kernel yet, issue #21)")
@@ -139,15 +153,20 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     value (batch, nheads_kv, seqlen_k, headdim), the mask from ``build_mask``; returns
     (out (batch, seqlen_q, nheads_q, headdim), None). Causal unless ``is_causal`` (or, without it,
     ``module.is_causal``) is False. See the module docstring for what falls back to sdpa or raises."""
-    _check_supported(attention_mask, sliding_window, softcap, kwargs)
+    _check_supported(attention_mask, kwargs)
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-    reason = _fallback_reason(attention_mask, dropout, sliding_window, kwargs)
+    reason = _fallback_reason(attention_mask, dropout, kwargs)
     if reason is None:
         # (b, h, s, d) -> (b, s, h, d) as strided views: the last dim stays contiguous, which is all the
-        # kernel needs (with 16-byte aligned strides, true for any head dim that it has).
+        # kernel needs (with 16-byte aligned strides, true for any head dim that it has). transformers'
+        # sliding window W: a query sees itself and the W - 1 keys before it.
+        sinks = kwargs.get("s_aux")
         out = flash_attn_func(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                              softmax_scale=scaling, causal=bool(causal))
+                              softmax_scale=scaling, causal=bool(causal),
+                              window_size=(sliding_window - 1, 0) if sliding_window else (-1, -1),
+                              softcap=softcap or 0.0, sinks=None if sinks is None else sinks.float())
         return out, None
+    _check_fallback(reason, softcap, kwargs)
     warnings.warn(f"flashhopper: {reason}: running transformers' sdpa attention for these calls",
                   SdpaFallbackWarning, stacklevel=2)
     q_len, kv_len = query.shape[2], key.shape[2]

@@ -63,7 +63,7 @@ from test_reference_bwd import emulated_kernel
 
 # name: (what it runs, weight: its share of the configurations)
 FAMILIES: dict[str, tuple[str, int]] = {
-    "dense": ("flash_attn_func, auto backend (sm90 on an H100): forward + backward", 2),
+    "dense": ("flash_attn_func, auto backend (sm90 on Hopper): forward + backward", 2),
     "sm80": ("flash_attn_func(backend='sm80'): forward + backward", 2),
     "deterministic": ("flash_attn_func(deterministic=True): backward twice, bitwise equal", 1),
     "variants": ("flash_attn_func with window_size / softcap / sinks: forward + backward (sinks too)", 2),

@@ -8,7 +8,9 @@
   over sequences as long as the window, with the same number of query tokens; "per work" divides each
   time by the (query, key) pairs it visits (flops.visible_pairs), so 1.0 means time proportional to work;
 - fa3: ours against FlashAttention-3 (--fa3-path, the fa3-full build: window and softcap at head dim 128)
-  on window and softcap rows, forward and backward.
+  on window and softcap rows, forward and backward;
+- headdims: head dims 96 and 192 and the (Q/K, V) pairs 192x128 and 128x64 against head dim 128, TFLOPS
+  counted as 2 * (d + dv) per score, on the FA3-paper grid (16k tokens, about 2048 / d heads).
 
     python bench/bench_variants.py --fa3-path .peers/fa3-full --rounds 3 --out bench/results/variants.json
 """
@@ -53,8 +55,9 @@ def ours(causal: bool, window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
     return lambda q, k, v: flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap)
 
 
-def inputs(batch: int, seqlen: int, heads: int, d: int) -> tuple[torch.Tensor, ...]:
-    q, k, v = (torch.randn(batch, seqlen, heads, d, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+def inputs(batch: int, seqlen: int, heads: int, d: int, dv: int | None = None) -> tuple[torch.Tensor, ...]:
+    q, k, v = (torch.randn(batch, seqlen, heads, dim, dtype=torch.bfloat16, device="cuda")
+               for dim in (d, d, d if dv is None else dv))
     sinks = torch.randn(heads, device="cuda") + math.log(seqlen)
     return q, k, v, sinks
 
@@ -151,9 +154,33 @@ def section_fa3(timer: Callable[[Fn], float], rounds: int) -> list[dict[str, Any
     return rows
 
 
+def section_headdims(timer: Callable[[Fn], float], rounds: int) -> list[dict[str, Any]]:
+    rows = []
+    dims = {"96": (96, 96), "128": (128, 128), "192": (192, 192), "192x128": (192, 128), "128x64": (128, 64)}
+    for mode in ("fwd", "bwd"):
+        for causal in (False, True):
+            for seqlen in (512, 2048, 8192, 16384):
+                batch, fns, flops = 16384 // seqlen, {}, {}
+                for name, (d, dv) in dims.items():
+                    heads = round(2048 / d)
+                    q, k, v, _ = inputs(batch, seqlen, heads, d, dv)
+                    fns[name] = timeable(mode, ours(causal), q, k, v)
+                    flops[name] = attention_flops(batch, seqlen, seqlen, heads, d, causal, mode, headdim_v=dv)
+                ms = interleaved(fns, timer, rounds)
+                tf = {name: tflops(flops[name], ms[name]) for name in dims}
+                rows.append({"section": "headdims", "mode": mode, "causal": causal, "seqlen": seqlen, "batch": batch,
+                             **{f"ms_{n}": t for n, t in ms.items()}, **{f"tflops_{n}": t for n, t in tf.items()},
+                             **{f"{n}_over_128": tf[n] / tf["128"] for n in dims if n != "128"}})
+                print(f"headdims {mode} {'causal' if causal else 'full'} {seqlen}: "
+                      + ", ".join(f"{n} {tf[n]:.0f}" + ("" if n == "128" else f" (x{tf[n] / tf['128']:.2f})")
+                                  for n in dims) + " TFLOPS", flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sections", nargs="*", choices=("cost", "window", "fa3"), default=["cost", "window", "fa3"])
+    ap.add_argument("--sections", nargs="*", choices=("cost", "window", "fa3", "headdims"),
+                    default=["cost", "window", "fa3", "headdims"])
     ap.add_argument("--fa3-path", type=Path, help=f"FA3 build with window and softcap (default: ${fa3.ENV})")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--warmup-ms", type=float, default=25)
@@ -167,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         fa3.set_path(args.fa3_path)
     timing, timer = make_timer(args.warmup_ms, args.rep_ms)
     rows: list[dict[str, Any]] = []
-    for name, fn in (("cost", section_cost), ("window", section_window), ("fa3", section_fa3)):
+    for name, fn in (("cost", section_cost), ("window", section_window), ("fa3", section_fa3),
+                     ("headdims", section_headdims)):
         if name not in args.sections:
             continue
         if name == "fa3" and not fa3.configured():

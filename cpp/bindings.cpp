@@ -209,6 +209,7 @@ PYBIND11_MODULE(_C, m) {
     d["modes"] = c.modes;
     d["dtypes"] = c.dtypes;
     d["headdims"] = c.headdims;
+    d["headdim_pairs"] = c.headdim_pairs;
     d["masks"] = c.masks;
     d["variants"] = c.variants;
     d["score_mods"] = c.score_mods;

@@ -44,7 +44,8 @@ struct BwdEntry {
 struct BuildConfig {
   std::vector<int> archs;
   std::vector<std::string> modes, dtypes, masks, variants, score_mods;
-  std::vector<int> headdims;
+  std::vector<int> headdims;                         // Q/K head dims with V's the same
+  std::vector<std::vector<int>> headdim_pairs;       // (Q/K, V) head dims that differ
 };
 
 // Defined in the generated registry.cpp.

@@ -53,13 +53,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the
 
 from flashhopper import _ext, dispatch, flash_attn_fp8_func, flash_attn_func, fp8, ops, quantize_kv
 from flashhopper.kernel_key import BUILD_DTYPES, KernelKey, normalize_window
-from flashhopper.reference import attention_bwd_lowp, attention_bwd_ref, attention_ref
+from flashhopper.reference import attention_ref
 from flashhopper.reference_fp8 import attention_fp8_ref
 
 import helpers
-from helpers import assert_dsinks_match, assert_grads_match, assert_matches_reference, max_abs_err, rel_err, unconfigured
+from helpers import assert_dsinks_match, assert_grads_match, assert_matches_reference, control_ratio, max_abs_err, rel_err, unconfigured
 from test_fp8_gpu import REF8_LSE_ATOL, REF_REL, quantize_qkv
-from test_reference_bwd import emulated_kernel
 
 # name: (what it runs, weight: its share of the configurations)
 FAMILIES: dict[str, tuple[str, int]] = {
@@ -572,49 +571,20 @@ class Outcome(NamedTuple):
 
 def judge_grads(grads: Sequence[torch.Tensor], dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor, dlse: torch.Tensor | None, cfg: Config, sinks: torch.Tensor | None = None) -> Outcome:
-    """helpers.assert_grads_match, with one exception. A FlashAttention-style backward rounds where PyTorch's
-    does not (D = rowsum(dout * out) from the 16-bit out; P and dS rounded to the dtype for the matmuls);
-    with few keys dq and dk are small and those roundings alone can exceed the criterion's bound (2 x
-    PyTorch's error vs the exact gradients): a faithful emulation of them (the control:
-    tests/test_reference_bwd.py's emulated_kernel) fails it on some 7% of inputs with seqlen 2, and a kernel
-    that rounds the same way, independently, fails it as often. So where the criterion fails on bounds, the
-    gradients are judged again with the baseline of FA3's criterion widened to the larger of the two
-    low-precision errors, PyTorch's and the control's: each gradient within 2 x that + the slack (relative
-    norm error; max-abs error elementwise, with 1.5 units in the last place of each element on top: with
-    few elements the largest may be a unit off by luck, 1.25 ulp at |dq| 3 in the case that needed it).
-    A wrong kernel still fails (the control is faithful; tests/test_fuzz_cpu.py), and NaN, non-zero rows
-    without keys and the like fail as before."""
+    """helpers.assert_grads_match, where a failure on bounds is judged again against a FlashAttention-style
+    emulation (helpers.control_ratio says why and how); NaN, non-zero rows without keys and the like fail
+    as before."""
     variant = {"window": cfg.window, "softcap": cfg.softcap, "sinks": sinks}
     try:
         return Outcome(criterion(assert_grads_match, grads, dout, q, k, v, cfg.scale, cfg.causal, dlse, **variant))
     except CheckFailed as failure:
         if math.isinf(failure.ratio):  # NaN, a row without keys not 0, ...: no matter of bounds
             raise
-        control = emulated_kernel(dout, q, k, v, cfg.scale, cfg.causal, dlse, **variant)
-        lowp = attention_bwd_lowp(dout, q, k, v, cfg.scale, cfg.causal, dlse, **variant)
-        dtype = reference_dtype(q)
-        ref_out, ref_lse = attention_ref(q, k, v, cfg.scale, cfg.causal, dtype=dtype, **variant)
-        exact = attention_bwd_ref(dout, q, k, v, ref_out, ref_lse, cfg.scale, cfg.causal, dlse, window=cfg.window,
-                                  softcap=cfg.softcap, dtype=dtype)
-        worst = 0.0
-        eps = torch.finfo(q.dtype).eps
-        for name, g, c, lo, r in zip(("dq", "dk", "dv"), grads, control, lowp, exact):
-            r = r.float()
-            # Elementwise: 2 x the baselines' max-abs error, plus 1.5 units in the last place of the element
-            # itself (its final rounding to the dtype and one of dS's): with a few thousand elements, where the
-            # largest ones land a unit lower is luck, and the baselines' maxima need not sit on them.
-            ulp = eps * torch.exp2(torch.floor(torch.log2(r.abs().clamp_min(1e-30))))
-            base = 2 * max(max_abs_err(c, r), max_abs_err(lo, r))
-            excess = ((g.float() - r).abs() / (base + 1.5 * ulp + SLACK)).nan_to_num(math.inf).max().item() \
-                if g.numel() else 0.0
-            err, bound = rel_err(g, r), 2 * max(rel_err(c, r), rel_err(lo, r)) + SLACK
-            for what, ratio in (("max-abs (elementwise)", excess), ("relative", err / bound)):
-                if not ratio <= 1:  # NaN fails too
-                    raise CheckFailed(f"{failure}; against the FlashAttention-style emulation too: {name}'s {what} "
-                                      f"error is {ratio:.3g} x its bound (2 x max(emulation's, PyTorch's) "
-                                      f"[+ 1.5 ulp] + {SLACK})", ratio) from None
-                worst = max(worst, ratio)
-        return Outcome(worst, by_control=True)
+        ratio, what = control_ratio(tuple(grads), dout, q, k, v, cfg.scale, cfg.causal, dlse, slack=SLACK,
+                                    **variant)
+        if not ratio <= 1:  # NaN fails too
+            raise CheckFailed(f"{failure}; against the FlashAttention-style emulation too: {what}", ratio) from None
+        return Outcome(ratio, by_control=True)
 
 
 def check_fp8(out: torch.Tensor, lse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -2,6 +2,8 @@
 tests' gate (require_backend: skip what cannot run here or was not built by choice, fail what is missing)."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -178,6 +180,62 @@ def assert_grads_match(grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor], d
     assert (grads[0][no_key.expand(*grads[0].shape[:3])] == 0).all(), f"dq rows that see no key are not exactly 0: {where}"
 
 
+def control_ratio(grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor], dout: torch.Tensor, q: torch.Tensor,
+                  k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool,
+                  dlse: torch.Tensor | None = None, *, window: tuple[int, int] | None = None, softcap: float = 0.0,
+                  sinks: torch.Tensor | None = None, slack: float = 1e-4) -> tuple[float, str]:
+    """FA3's criterion with its baseline widened by a control, for gradients that failed it on bounds.
+
+    A FlashAttention-style backward rounds where PyTorch's does not (D = rowsum(dout * out) from the 16-bit
+    out; P and dS rounded to the dtype for the matmuls); with few keys dq and dk are small and those
+    roundings alone can exceed the criterion's bound (2 x PyTorch's error vs the exact gradients): a
+    faithful emulation of them (the control: tests/test_reference_bwd.py's emulated_kernel) fails it on
+    some 7% of inputs with seqlen 2, and the kernels, rounding the same way independently, fail it on
+    1-2 of 40 random inputs of 17 keys at every head dim (docs/perf-notes.md, #23 head dims). So each
+    gradient is judged against 2 x the larger of the two low-precision errors, PyTorch's and the
+    control's, plus the slack (relative norm error; max-abs error elementwise, with 1.5 units in the last
+    place of each element on top: with few elements the largest may be a unit off by luck). A wrong
+    kernel still fails (the control is faithful; tests/test_fuzz_cpu.py). Returns the worst error / bound
+    ratio (pass: <= 1) and what it was."""
+    from test_reference_bwd import emulated_kernel  # imports this module
+
+    variant = {"window": window, "softcap": softcap, "sinks": sinks}
+    control = emulated_kernel(dout, q, k, v, softmax_scale, causal, dlse, **variant)
+    lowp = attention_bwd_lowp(dout, q, k, v, softmax_scale, causal, dlse, **variant)
+    dtype = torch.float32 if q.is_cuda else torch.float64
+    ref_out, ref_lse = attention_ref(q, k, v, softmax_scale, causal, dtype=dtype, **variant)
+    exact = attention_bwd_ref(dout, q, k, v, ref_out, ref_lse, softmax_scale, causal, dlse, window=window,
+                              softcap=softcap, dtype=dtype)
+    worst, what = 0.0, ""
+    eps = torch.finfo(q.dtype).eps
+    for name, g, c, lo, r in zip(("dq", "dk", "dv"), grads, control, lowp, exact):
+        r = r.float()
+        ulp = eps * torch.exp2(torch.floor(torch.log2(r.abs().clamp_min(1e-30))))
+        base = 2 * max(max_abs_err(c, r), max_abs_err(lo, r))
+        excess = ((g.float() - r).abs() / (base + 1.5 * ulp + slack)).nan_to_num(math.inf).max().item() \
+            if g.numel() else 0.0
+        err, bound = rel_err(g, r), 2 * max(rel_err(c, r), rel_err(lo, r)) + slack
+        for kind, ratio in (("max-abs (elementwise)", excess), ("relative", err / bound)):
+            if not ratio <= worst:  # NaN counts as the worst
+                worst, what = ratio, (f"{name}'s {kind} error is {ratio:.3g} x its bound (2 x max(emulation's, "
+                                      f"PyTorch's) [+ 1.5 ulp] + {slack})")
+    return worst, what
+
+
+def assert_grads_match_or_control(grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor], dout: torch.Tensor,
+                                  q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
+                                  causal: bool, dlse: torch.Tensor | None = None, **variant) -> None:
+    """assert_grads_match; a failure on bounds (not NaN, shapes or rows without keys) is judged again by
+    control_ratio, for grids whose inputs have few keys."""
+    try:
+        assert_grads_match(grads, dout, q, k, v, softmax_scale, causal, dlse, **variant)
+    except AssertionError as failure:
+        if " > 2 x " not in str(failure):
+            raise
+        ratio, what = control_ratio(grads, dout, q, k, v, softmax_scale, causal, dlse, **variant)
+        assert ratio <= 1, f"{failure}; against the FlashAttention-style emulation too: {what}"
+
+
 def assert_dsinks_match(dsinks: torch.Tensor, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                         v: torch.Tensor, scale: float, causal: bool, window: tuple[int, int] | None, softcap: float,
                         sinks: torch.Tensor, dlse: torch.Tensor | None = None, atol: float = 1e-3, *,
@@ -224,16 +282,19 @@ def unconfigured(mode: str, key: KernelKey) -> str:
     info = _ext.build_info()
     if not info:
         return ""
+    hdims = info["headdims"] + [f"{d}x{dv}" for d, dv in info.get("headdim_pairs", [])]
+    hdim = key.headdim if key.headdim_v == key.headdim else f"{key.headdim}x{key.headdim_v}"
     wanted = [("FLASHHOPPER_ARCHS", info["archs"], key.arch), ("FLASHHOPPER_MODES", info["modes"], mode),
               ("FLASHHOPPER_DTYPES", info["dtypes"], key.short_dtype()),
-              ("FLASHHOPPER_HDIMS", info["headdims"], key.headdim), ("FLASHHOPPER_MASKS", info["masks"], key.mask),
+              ("FLASHHOPPER_HDIMS", hdims, hdim), ("FLASHHOPPER_MASKS", info["masks"], key.mask),
               ("FLASHHOPPER_SCORE_MODS", info.get("score_mods", ["none"]), key.score_mod)]
     return "; ".join(f"configure {option} with {value}" for option, have, value in wanted if value not in have)
 
 
 def require_backend(backend: str, dtype: torch.dtype, headdim: int, causal: bool,
                     device: str | torch.device = "cuda", mode: str = "fwd",
-                    window: tuple[int, int] | None = None, softcap: float = 0.0) -> None:
+                    window: tuple[int, int] | None = None, softcap: float = 0.0,
+                    headdim_v: int | None = None) -> None:
     """Skip when ``backend`` cannot run here (another GPU family) or the build was not configured with
     the kernel (mode "bwd": the forward's and the backward's). Fail when the build was configured with
     it and it is missing, or when dispatch refuses a kernel the build has: a broken build or a dispatch
@@ -244,7 +305,7 @@ def require_backend(backend: str, dtype: torch.dtype, headdim: int, causal: bool
     if not dispatch.runs_on(backend, info.capability):
         pytest.skip(f"{backend} kernels do not run on {info.name} (compute capability "
                     f"{info.capability[0]}.{info.capability[1]})")
-    key = dispatch.kernel_key(backend, dtype, headdim, causal, window, softcap=softcap)
+    key = dispatch.kernel_key(backend, dtype, headdim, causal, window, softcap=softcap, headdim_v=headdim_v)
     for m in ("fwd",) if mode == "fwd" else ("fwd", "bwd"):
         if _ext.kernel(m, key) is not None:
             continue
@@ -258,6 +319,6 @@ def require_backend(backend: str, dtype: torch.dtype, headdim: int, causal: bool
         pytest.skip(f"no {m} kernel {key.describe()}: {reason}")
     try:
         dispatch.select_backend(torch.empty(0, device=dev), headdim, dtype, causal, backend, window=window,
-                                softcap=softcap)
+                                softcap=softcap, headdim_v=headdim_v)
     except ValueError as e:
         pytest.fail(f"dispatch refuses {backend} for {key.describe()}, which the build has: {e}")

@@ -15,12 +15,13 @@ import math
 
 import pytest
 import torch
-from helpers import assert_grads_match, randn_qkv, require_backend
+from helpers import assert_grads_match, assert_grads_match_or_control, randn_qkv, require_backend
 from test_fwd_gpu import BACKENDS, NHEADS_Q, WindowCase, case_id, grid, native, window_case_id, window_grid
 
 from flashhopper import flash_attn_func
 from flashhopper.dispatch import ARCH
 from flashhopper.ops import bwd_into, fwd_into
+from flashhopper.validation import KERNEL_HEADDIMS
 
 Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -58,7 +59,9 @@ def test_bwd(case: tuple[int, int, int, bool, int, int, torch.dtype], backend: s
     out, lse = forward(q, k, v, scale, causal, backend)
     dout = torch.randn_like(q)
     grads = backward(dout, q, k, v, out, lse, scale, causal, backend)
-    assert_grads_match(grads, dout, q, k, v, scale, causal)
+    # The grid has 1 and 17 keys, where FA3's criterion alone fails FlashAttention-style roundings now and
+    # then (helpers.control_ratio).
+    assert_grads_match_or_control(grads, dout, q, k, v, scale, causal)
 
 
 @pytest.mark.gpu
@@ -94,7 +97,7 @@ def test_bwd_window_deterministic(window: tuple[int, int], backend: str) -> None
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("headdim", [64, 128, 256])
+@pytest.mark.parametrize("headdim", KERNEL_HEADDIMS)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", [(2, 100, 130, 8, 2), (1, 130, 100, 4, 4), (3, 17, 1, 4, 1)])
 def test_bwd_float64_reference(shape: tuple[int, int, int, int, int], causal: bool, headdim: int,
@@ -110,7 +113,7 @@ def test_bwd_float64_reference(shape: tuple[int, int, int, int, int], causal: bo
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("headdim", [64, 128, 256])
+@pytest.mark.parametrize("headdim", KERNEL_HEADDIMS)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize(("sq", "sk", "hq", "hkv"), [(1000, 1000, 4, 4), (255, 700, 4, 1), (700, 130, 4, 2)])
 def test_bwd_sm80_small_smem_tiles(sq: int, sk: int, hq: int, hkv: int, causal: bool, headdim: int) -> None:
@@ -217,7 +220,7 @@ def test_compile_forward_backward(causal: bool) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("headdim", [64, 128, 256])
+@pytest.mark.parametrize("headdim", KERNEL_HEADDIMS)
 @pytest.mark.parametrize("causal", [False, True])
 def test_strided_inputs_and_grads(headdim: int, causal: bool, backend: str) -> None:
     # q, k, v sliced from one packed (batch, seqlen, 3, nheads, headdim) tensor; out, dout and dq,

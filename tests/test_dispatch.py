@@ -117,8 +117,8 @@ def test_variants_are_never_chosen() -> None:
 def test_kernel_inputs_checked_first() -> None:
     with pytest.raises(TypeError, match=r"^q has dtype torch.float32"):
         choose(H100, build(90), dtype=torch.float32)
-    with pytest.raises(ValueError, match=r"^q head dim 96"):
-        choose(H100, build(90), headdim=96)
+    with pytest.raises(ValueError, match=r"^q head dim 80"):
+        choose(H100, build(90), headdim=80)
 
 
 def test_select_backend_on_cpu() -> None:
@@ -221,7 +221,7 @@ def test_gpu_tests_fail_on_a_configured_missing_kernel(monkeypatch: pytest.Monke
     refused: list[str] = []
 
     def select(q: Any, headdim: int, dtype: torch.dtype, causal: bool, backend: str | None = None, *,
-               window: tuple[int, int] | None = None, softcap: float = 0.0) -> str:
+               window: tuple[int, int] | None = None, softcap: float = 0.0, headdim_v: int | None = None) -> str:
         if refused:
             raise ValueError(refused[0])
         return str(backend)

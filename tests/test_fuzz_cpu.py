@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import assert_grads_match_or_control
+from test_reference_bwd import emulated_kernel
 
 from flashhopper import validation
 
@@ -141,7 +143,7 @@ def test_gradients_judged_against_the_control() -> None:
     for _ in range(200):
         q, k, v = (x.to(torch.bfloat16) for x in helpers_randn(cfg))
         dout = torch.randn_like(q)
-        control = fuzz.emulated_kernel(dout, q, k, v, cfg.scale, True)
+        control = emulated_kernel(dout, q, k, v, cfg.scale, True)
         try:
             fuzz.criterion(fuzz.assert_grads_match, control, dout, q, k, v, cfg.scale, True, None)
         except fuzz.CheckFailed:
@@ -168,6 +170,12 @@ def test_gradients_judged_against_the_control() -> None:
     nan_dv.view(-1)[-1] = math.nan
     with pytest.raises(AssertionError):
         fuzz.judge_grads((*control[:2], nan_dv), dout, q, k, v, None, cfg)
+    # The GPU grid tests' form of the same judgement (helpers.assert_grads_match_or_control).
+    assert_grads_match_or_control(control, dout, q, k, v, cfg.scale, True)
+    with pytest.raises(AssertionError, match="against the FlashAttention-style emulation too"):
+        assert_grads_match_or_control((control[0], control[1] * 1.5, control[2]), dout, q, k, v, cfg.scale, True)
+    with pytest.raises(AssertionError, match="has NaN|is nan x its bound"):
+        assert_grads_match_or_control((*control[:2], nan_dv), dout, q, k, v, cfg.scale, True)
 
 
 def helpers_randn(cfg: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -20,9 +20,10 @@ from helpers import assert_matches_reference, randn_qkv, require_backend
 from flashhopper import flash_attn_func
 from flashhopper.dispatch import ARCH
 from flashhopper.ops import fwd_into
+from flashhopper.validation import KERNEL_HEADDIMS
 
 SEQLENS = [1, 17, 128, 255, 1000, 4096, 8193]
-HDIMS = [64, 128, 256]
+HDIMS = list(KERNEL_HEADDIMS)
 NHEADS_Q = 8
 # Rotated through the grid: (GQA ratio nheads_q/nheads_kv, batch, dtype).
 ROTATED = list(itertools.product([1, 4, 8], [1, 3], [torch.bfloat16, torch.float16]))

@@ -7,7 +7,7 @@ options. A kind that does not apply to a callable says why in NOT_APPLICABLE; a 
 without a row, or a row without one of its kinds, fails test_every_public_callable_has_a_row.
 
 Checks that need a data pointer run right before a launch, so their rows (and those about what only the
-kernels refuse, e.g. head dim 96) are GPU rows (marked gpu, skipped without CUDA). tests/test_validation.py
+kernels refuse, e.g. head dim 80) are GPU rows (marked gpu, skipped without CUDA). tests/test_validation.py
 and tests/test_fp8_cpu.py test the checks themselves in depth; this file is the per-function table.
 """
 from __future__ import annotations
@@ -158,8 +158,8 @@ CASES: dict[str, list[Case]] = {
              lambda: flash_attn_func(*qkv(), return_lse="yes")),
         Case("option", "softmax_scale", TypeError, r"^softmax_scale must be a float",
              lambda: flash_attn_func(*qkv(), softmax_scale=1j)),
-        gpu("option", "head dim 96", ValueError, r"^q head dim 96 is not supported by the flashhopper kernels",
-            lambda: flash_attn_func(*qkv(96, gpu=True)), dense_kernel),
+        gpu("option", "head dim 80", ValueError, r"^q head dim 80 is not supported by the flashhopper kernels",
+            lambda: flash_attn_func(*qkv(80, gpu=True)), dense_kernel),
         Case("option", "window_size", TypeError, r"^window_size must be a pair of ints",
              lambda: flash_attn_func(*qkv(), window_size=(8,))),
         Case("option", "window_size edge", ValueError, r"^window_size must be \(left, right\)",

@@ -62,9 +62,9 @@ def test_kernel_dtypes() -> None:
 
 
 def test_kernel_headdims() -> None:
-    for d in (64, 128, 256):
+    for d in (64, 96, 128, 192, 256):
         validation.check_kernel_headdim(d)
-    for d in (32, 96, 512):
+    for d in (32, 80, 512):
         with raises(ValueError, "q"):
             validation.check_kernel_headdim(d)
 

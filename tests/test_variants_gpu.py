@@ -24,8 +24,9 @@ from flashhopper import flash_attn_func
 from flashhopper.dispatch import ARCH
 from flashhopper.ops import bwd_into, fwd_into
 from flashhopper.reference import attention_bwd_ref, attention_ref
+from flashhopper.validation import KERNEL_HEADDIMS
 
-HDIMS = [64, 128, 256]
+HDIMS = list(KERNEL_HEADDIMS)
 SOFTCAPS = [0.0, 4.0]
 # (causal, window): the masks each variant meets; (-1, 0)-style windows are causal (tests/test_fwd_gpu.py
 # has the window grid itself).

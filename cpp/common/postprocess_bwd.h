@@ -173,7 +173,7 @@ void launch_convert_dkv(BwdParams const& p, BwdWorkspace const& ws, int num_sms,
                                  p.dk_head_stride, p.batch, p.seqlen_k, p.nheads_kv, p.headdim, 1.f},
                                 num_sms, stream);
   launch_convert_accum<Element>({ws.at<float>(p.workspace, ws.dv_accum), p.dv_ptr, p.dv_batch_stride, p.dv_row_stride,
-                                 p.dv_head_stride, p.batch, p.seqlen_k, p.nheads_kv, p.headdim, 1.f},
+                                 p.dv_head_stride, p.batch, p.seqlen_k, p.nheads_kv, p.headdim_v, 1.f},
                                 num_sms, stream);
   check_launch(cudaGetLastError(), "backward dK/dV postprocess launch");
 }

@@ -38,9 +38,12 @@ template <class Element, int kHeadDim>
 struct BwdPreprocess {
   static constexpr int kThreads = 256;
   static constexpr int kVec = 16 / sizeof(Element);
-  static constexpr int kThreadsPerRow = kHeadDim / kVec;
+  static constexpr int kVecsPerRow = kHeadDim / kVec;
+  // A power of two (the shuffle reduction) dividing the row's vectors: 96 and 192 take 3 vectors each.
+  static constexpr int kThreadsPerRow = (kVecsPerRow & -kVecsPerRow) < 32 ? (kVecsPerRow & -kVecsPerRow) : 32;
+  static constexpr int kVecsPerThread = kVecsPerRow / kThreadsPerRow;
   static constexpr int kRowsPerBlock = kThreads / kThreadsPerRow;
-  static_assert(kHeadDim % kVec == 0 && kThreadsPerRow <= 32 && (kThreadsPerRow & (kThreadsPerRow - 1)) == 0);
+  static_assert(kHeadDim % kVec == 0 && kVecsPerRow % kThreadsPerRow == 0);
 
   static dim3 grid(BwdPreprocessParams const& p, int batch) {
     return dim3((p.seqlen_q_rounded + kRowsPerBlock - 1) / kRowsPerBlock, p.nheads, batch);
@@ -62,13 +65,14 @@ __global__ void __launch_bounds__(BwdPreprocess<Element, kHeadDim>::kThreads)
                     head * p.o_head_stride + part * Cfg::kVec;
     auto const* d = static_cast<Element const*>(p.dout) + batch * p.do_batch_stride + row * p.do_row_stride +
                     head * p.do_head_stride + part * Cfg::kVec;
-    Vec const ov = *reinterpret_cast<Vec const*>(o);
-    Vec const dv = *reinterpret_cast<Vec const*>(d);
     cutlass::NumericArrayConverter<float, Element, Cfg::kVec> to_float;
-    auto const of = to_float(ov);
-    auto const df = to_float(dv);
 #pragma unroll
-    for (int i = 0; i < Cfg::kVec; ++i) dot += of[i] * df[i];
+    for (int j = 0; j < Cfg::kVecsPerThread; ++j) {
+      auto const of = to_float(reinterpret_cast<Vec const*>(o)[j * Cfg::kThreadsPerRow]);
+      auto const df = to_float(reinterpret_cast<Vec const*>(d)[j * Cfg::kThreadsPerRow]);
+#pragma unroll
+      for (int i = 0; i < Cfg::kVec; ++i) dot += of[i] * df[i];
+    }
   }
 #pragma unroll
   for (int offset = Cfg::kThreadsPerRow / 2; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xffffffff, dot, offset);

@@ -21,7 +21,7 @@ struct BwdWorkspace {
   size_t lse_log2 = 0, dpsum = 0;                      // float (batch, nheads_q, seqlen_q_rounded)
   size_t zero_begin = 0;                               // --- zeroed from here ---
   size_t dq_accum = 0;                                 // float (batch, nheads_q, seqlen_q_rounded, headdim)
-  size_t dk_accum = 0, dv_accum = 0;                   // GQA: float (batch, nheads_kv, seqlen_k, headdim)
+  size_t dk_accum = 0, dv_accum = 0;                   // GQA: float (batch, nheads_kv, seqlen_k, headdim[_v])
   size_t dq_semaphore = 0;                             // int per (batch, head, query block): key blocks
                                                        // whose dQ additions have landed (sm90 counts
                                                        // them always, sm80 when deterministic)
@@ -50,7 +50,7 @@ struct BwdWorkspace {
     w.dq_accum = take(bq * w.seqlen_q_rounded * p.headdim * sizeof(float));
     if (w.gqa) {
       w.dk_accum = take(bkv * p.seqlen_k * p.headdim * sizeof(float));
-      w.dv_accum = take(bkv * p.seqlen_k * p.headdim * sizeof(float));
+      w.dv_accum = take(bkv * p.seqlen_k * p.headdim_v * sizeof(float));
     }
     w.dq_semaphore = take(bq * ceil_div(p.seqlen_q, kBlockM) * sizeof(int));
     w.dq_ticket = take(sizeof(int));
@@ -68,8 +68,10 @@ struct BwdWorkspace {
 
 
 // What every backward launcher needs of its parameters (the Python layer checks them first).
-inline void check_bwd_params(BwdParams const& p, int head_dim) {
-  if (p.headdim != head_dim) throw std::invalid_argument("flashhopper: head dim does not match the kernel");
+inline void check_bwd_params(BwdParams const& p, int head_dim, int head_dim_v) {
+  if (p.headdim != head_dim || p.headdim_v != head_dim_v) {
+    throw std::invalid_argument("flashhopper: head dim does not match the kernel");
+  }
   if (p.batch < 0 || p.seqlen_q < 0 || p.seqlen_k < 0 || p.nheads_q < 0 || p.nheads_kv < 0) {
     throw std::invalid_argument("flashhopper: negative sizes");
   }

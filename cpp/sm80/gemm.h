@@ -42,11 +42,16 @@ CUTE_HOST_DEVICE constexpr auto transposed(Layout const& l) {
 using LdsmN = SM75_U32x4_LDSM_N;  // operand stored K-contiguous
 using LdsmT = SM75_U16x8_LDSM_T;  // operand stored with K strided (transposed on the way)
 
-// 16-byte cp.async per thread; a row of 64 elements takes 8 threads.
-template <class Element, int kNumThreads>
+// Threads of the 16-byte-per-thread copies between global memory and (rows, kCols) tiles, one
+// SmemAtom width per row of threads: 64 columns take 8 threads; 32 (head dim 96, 1.5 x 64) take 4.
+template <int kNumThreads, int kCols>
+using GmemThreadLayout = std::conditional_t<kCols % 64 == 0, Layout<Shape<Int<kNumThreads / 8>, _8>, Stride<_8, _1>>,
+                                            Layout<Shape<Int<kNumThreads / 4>, _4>, Stride<_4, _1>>>;
+
+// 16-byte cp.async per thread.
+template <class Element, int kNumThreads, int kCols>
 using GmemCopy = decltype(make_tiled_copy(Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>, Element>{},
-                                          Layout<Shape<Int<kNumThreads / 8>, _8>, Stride<_8, _1>>{},
-                                          Layout<Shape<_1, _8>>{}));
+                                          GmemThreadLayout<kNumThreads, kCols>{}, Layout<Shape<_1, _8>>{}));
 
 // One (batch, head)'s rows as (seqlen, headdim).
 template <int kHeadDim, class T>
@@ -82,8 +87,9 @@ CUTE_DEVICE void copy_rows(TiledCopy const& tiled_copy, Src const& src, Dst&& ds
 template <int kNumThreads, class STile, class GTile>
 CUTE_DEVICE void store_rows(STile const& s, GTile&& g, int valid_rows) {
   using Element = typename STile::value_type;
+  constexpr int kCols = decltype(size<1>(s))::value;
   auto s2g = make_tiled_copy(Copy_Atom<UniversalCopy<cute::uint128_t>, Element>{},
-                             Layout<Shape<Int<kNumThreads / 8>, _8>, Stride<_8, _1>>{}, Layout<Shape<_1, _8>>{});
+                             GmemThreadLayout<kNumThreads, kCols>{}, Layout<Shape<_1, _8>>{});
   auto thr = s2g.get_thread_slice(threadIdx.x);
   Tensor ts = thr.partition_S(s);
   Tensor tg = thr.partition_D(g);

@@ -56,7 +56,7 @@ int64_t run_bwd(BwdParams const& p, cudaStream_t stream) {
   using Element = typename C::Element;
   using Tile = typename C::Tile;
   using Kernel = typename C::Kernel;
-  check_bwd_params(p, Config::kHeadDim);
+  check_bwd_params(p, Config::kHeadDim, Config::kHeadDimV);
   if (int64_t(p.batch) * p.nheads_q == 0) return 0;  // no heads: every gradient is empty
   // Offsets inside a query block are 32-bit (sm80::block_rows).
   if (std::max(p.q_row_stride, p.do_row_stride) > INT32_MAX / Tile::kBlockM)
@@ -65,7 +65,7 @@ int64_t run_bwd(BwdParams const& p, cudaStream_t stream) {
   int const num_sms = p.num_sms > 0 ? p.num_sms : device_info(p.device).num_sms;
 
   auto const score_mod = make_score_mod<typename ScoreModOf<Config::kScoreMod>::type>(p.softmax_scale, p.softcap);
-  launch_bwd_preprocess<Element, Config::kHeadDim>(p, ws, stream);
+  launch_bwd_preprocess<Element, Config::kHeadDimV>(p, ws, stream);
 
   dim3 const grid(ceil_div(p.seqlen_k, Tile::kBlockN), p.nheads_q, p.batch);
   int64_t const ctas = int64_t(grid.x) * grid.y * grid.z;

@@ -72,6 +72,10 @@ struct BwdMainloop {
   static constexpr MaskKind kMask = kMask_;
   using BlockInfoT = BlockInfo<kBlockM, kBlockN, kMask>;
   static_assert(kStagesQ == 1 || kStagesQ == 2);
+  // The head dim in whole swizzle atoms (SmemAtom: 64 or 32 columns), and the warps that split it
+  // (dK / dV, dQ) tile it exactly: the dQ accumulator's fragment order has no padding.
+  static_assert(kHeadDim % 32 == 0 && kHeadDim % (16 * (kNumWarps / TileSize::kWarpsNdKV)) == 0 &&
+                kHeadDim % (16 * (kNumWarps / TileSize::kWarpsMdQ)) == 0);
 
   using D = Int<kHeadDim>;
   using BM = Int<kBlockM>;
@@ -84,7 +88,7 @@ struct BwdMainloop {
   using SmemLayoutQ = SmemLayout<kBlockM, kHeadDim>;
   using SmemLayoutKV = SmemLayout<kBlockN, kHeadDim>;
   using SmemLayoutP = SmemLayout<kBlockM, kBlockN>;
-  using GmemCopy = sm80::GmemCopy<Element, kNumThreads>;
+  using GmemCopy = sm80::GmemCopy<Element, kNumThreads, kHeadDim>;
 
   struct TensorStorage {
     cute::array_aligned<Element, cosize_v<SmemLayoutQ> * kStagesQ, 128> smem_q;

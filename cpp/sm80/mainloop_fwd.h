@@ -29,7 +29,8 @@ struct FwdMainloop {
   static constexpr MaskKind kMask = kMask_;
   using BlockInfoT = BlockInfo<kBlockM, kBlockN, kMask>;
   static constexpr int kNumThreads = TileSize::kNumWarps * 32;
-  static_assert(kHeadDim % 64 == 0 && kBlockM % (16 * TileSize::kNumWarps) == 0);
+  // The head dim in whole swizzle atoms (SmemAtom: 64 or 32 columns).
+  static_assert(kHeadDim % 32 == 0 && kBlockM % (16 * TileSize::kNumWarps) == 0);
 
   using D = Int<kHeadDim>;
   using BM = Int<kBlockM>;
@@ -39,7 +40,7 @@ struct FwdMainloop {
   using TiledMma = sm80::TiledMma<Element, TileSize::kNumWarps, 1>;
   using SmemLayoutQ = SmemLayout<kBlockM, kHeadDim>;
   using SmemLayoutKV = SmemLayout<kBlockN, kHeadDim>;
-  using GmemCopy = sm80::GmemCopy<Element, kNumThreads>;
+  using GmemCopy = sm80::GmemCopy<Element, kNumThreads, kHeadDim>;
 
   struct TensorStorage {
     cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 128> smem_q;  // O is staged here at the end

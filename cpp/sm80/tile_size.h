@@ -40,9 +40,19 @@ struct FwdTileSize<64, kCausal, 99> {  // 48 KB
   static constexpr int kNumWarps = 4;
 };
 template <bool kCausal>
+struct FwdTileSize<96, kCausal, 99> {  // 48 KB; a starting point from FA2's choices, not yet measured here
+  using type = FwdTileSize;
+  static constexpr int kBlockM = 128, kBlockN = 64, kNumWarps = 4;
+};
+template <bool kCausal>
 struct FwdTileSize<128, kCausal, 99> {  // 64 KB
   using type = FwdTileSize;
   static constexpr int kBlockM = 128, kBlockN = 64, kNumWarps = 4;
+};
+template <bool kCausal>
+struct FwdTileSize<192, kCausal, 99> {  // 96 KB; a starting point from FA2's choices, not yet measured here
+  using type = FwdTileSize;
+  static constexpr int kBlockM = 128, kBlockN = 64, kNumWarps = 8;
 };
 template <bool kCausal>
 struct FwdTileSize<256, kCausal, 99> {  // 96 KB
@@ -84,6 +94,20 @@ struct BwdTileSize<64, kCausal, 99> {  // 88 KB
   static constexpr int kBlockM = 64, kBlockN = 128, kNumWarps = 8, kStagesQ = 2;
   static constexpr int kWarpsMSdP = 2, kWarpsNdKV = 4, kWarpsMdQ = 4;
 };
+// Head dim 96: hd128's tiles, but dQ (and at 99 KB dK / dV) on 4 warps along the rows, so that
+// the other two split 96 columns into 3 x 32.
+template <bool kCausal>
+struct BwdTileSize<96, kCausal, 163> {  // 116 KB; a starting point from FA2's choices, not yet measured here
+  using type = BwdTileSize;
+  static constexpr int kBlockM = 64, kBlockN = 128, kNumWarps = 8, kStagesQ = 2;
+  static constexpr int kWarpsMSdP = 2, kWarpsNdKV = 4, kWarpsMdQ = 4;
+};
+template <bool kCausal>
+struct BwdTileSize<96, kCausal, 99> {  // 76 KB; a starting point from FA2's choices, not yet measured here
+  using type = BwdTileSize;
+  static constexpr int kBlockM = 64, kBlockN = 64, kNumWarps = 8, kStagesQ = 2;
+  static constexpr int kWarpsMSdP = 2, kWarpsNdKV = 4, kWarpsMdQ = 4;
+};
 template <bool kCausal>
 struct BwdTileSize<128, kCausal, 163> {  // 144 KB
   using type = BwdTileSize;
@@ -94,6 +118,19 @@ template <bool kCausal>
 struct BwdTileSize<128, kCausal, 99> {  // 96 KB
   using type = BwdTileSize;
   static constexpr int kBlockM = 64, kBlockN = 64, kNumWarps = 8, kStagesQ = 2;
+  static constexpr int kWarpsMSdP = 2, kWarpsNdKV = 2, kWarpsMdQ = 2;
+};
+// Head dim 192: hd256's tiles; double-buffered Q fits 163 KB too.
+template <bool kCausal>
+struct BwdTileSize<192, kCausal, 163> {  // 136 KB; a starting point from FA2's choices, not yet measured here
+  using type = BwdTileSize;
+  static constexpr int kBlockM = 64, kBlockN = 64, kNumWarps = 8, kStagesQ = 2;
+  static constexpr int kWarpsMSdP = 4, kWarpsNdKV = 2, kWarpsMdQ = 2;
+};
+template <bool kCausal>
+struct BwdTileSize<192, kCausal, 99> {  // 64 KB; a starting point from hd256's tiles, not yet measured here
+  using type = BwdTileSize;
+  static constexpr int kBlockM = 32, kBlockN = 32, kNumWarps = 4, kStagesQ = 2;
   static constexpr int kWarpsMSdP = 2, kWarpsNdKV = 2, kWarpsMdQ = 2;
 };
 template <bool kCausal>

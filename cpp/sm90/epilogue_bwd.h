@@ -23,21 +23,22 @@ template <class Mainloop>
 struct BwdEpilogue {
   static_assert(Mainloop::Seqlens::kTmaClipsRows, "entries sharing the row mode need a row-predicated dK/dV store");
   using Element = typename Mainloop::Element;
-  static constexpr int kHeadDim = Mainloop::kHeadDim, kBlockN = Mainloop::kBlockN;
+  static constexpr int kHeadDim = Mainloop::kHeadDim, kHeadDimV = Mainloop::kHeadDimV, kBlockN = Mainloop::kBlockN;
   static constexpr bool kdKVSwapAB = Mainloop::kdKVSwapAB;
   using D = Int<kHeadDim>;
+  using DV = Int<kHeadDimV>;
   using BN = Int<kBlockN>;
-  using TiledMmadKV = typename Mainloop::TiledMmadKV;
-  using ShapedKV = typename Mainloop::ShapedKV;
   using SmemLayoutK = typename Mainloop::SmemLayoutK;
-  using SmemLayoutKt = typename Mainloop::SmemLayoutKt;
+  using SmemLayoutV = typename Mainloop::SmemLayoutV;
   using ShapeQKV = typename Mainloop::ShapeQKV;
   using StrideQKV = typename Mainloop::StrideQKV;
   using GmemTensor = decltype(make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)), ShapeQKV{}, StrideQKV{}));
-  using TMA_dKV = decltype(make_tma_copy(SM90_TMA_STORE{}, GmemTensor{}, SmemLayoutK{}, Shape<BN, D>{}, _1{}));
+  using TMA_dK = decltype(make_tma_copy(SM90_TMA_STORE{}, GmemTensor{}, SmemLayoutK{}, Shape<BN, D>{}, _1{}));
+  using TMA_dV = decltype(make_tma_copy(SM90_TMA_STORE{}, GmemTensor{}, SmemLayoutV{}, Shape<BN, DV>{}, _1{}));
 
   struct Params {
-    TMA_dKV tma_dk, tma_dv;  // over dk/dv as (seqlen_k, headdim, nheads_q, batch); used without GQA
+    TMA_dK tma_dk;  // over dk/dv as (seqlen_k, headdim[_v], nheads_q, batch); used without GQA
+    TMA_dV tma_dv;
     ShapeQKV shape_dkv;
     float* dk_accum;  // GQA: (batch, nheads_kv, seqlen_k, headdim) float32, zeroed
     float* dv_accum;
@@ -48,9 +49,9 @@ struct BwdEpilogue {
   static Params make_params(Element* dk, StrideQKV stride_dk, Element* dv, StrideQKV stride_dv, ShapeQKV shape_dkv,
                             float* dk_accum, float* dv_accum, int* dkv_semaphore, int heads_ratio, int nheads_kv) {
     auto mdK = make_tensor(make_gmem_ptr(dk), shape_dkv, stride_dk);
-    auto mdV = make_tensor(make_gmem_ptr(dv), shape_dkv, stride_dv);
+    auto mdV = make_tensor(make_gmem_ptr(dv), Mainloop::shape_v_of(shape_dkv), stride_dv);
     return {make_tma_copy(SM90_TMA_STORE{}, mdK, SmemLayoutK{}, Shape<BN, D>{}, _1{}),
-            make_tma_copy(SM90_TMA_STORE{}, mdV, SmemLayoutK{}, Shape<BN, D>{}, _1{}),
+            make_tma_copy(SM90_TMA_STORE{}, mdV, SmemLayoutV{}, Shape<BN, DV>{}, _1{}),
             shape_dkv,
             dk_accum,
             dv_accum,
@@ -65,8 +66,8 @@ struct BwdEpilogue {
     cute::prefetch_tma_descriptor(p.tma_dv.get_tma_descriptor());
   }
 
-  template <class FragdKV, class TensorStorage>
-  CUTE_DEVICE static void store(Params const& p, FragdKV const& tdKrdK, FragdKV const& tdVrdV, TensorStorage& ts,
+  template <class FragdK, class FragdV, class TensorStorage>
+  CUTE_DEVICE static void store(Params const& p, FragdK const& tdKrdK, FragdV const& tdVrdV, TensorStorage& ts,
                                 int thread_idx, SeqlenInfo const& seq, int n_block, int head, int batch) {
     if (p.heads_ratio == 1) {
       store_tma(p, tdKrdK, tdVrdV, ts, thread_idx, seq, n_block, head);
@@ -75,39 +76,44 @@ struct BwdEpilogue {
     }
   }
 
-  template <class FragdKV, class TensorStorage>
-  CUTE_DEVICE static void store_tma(Params const& p, FragdKV const& tdKrdK, FragdKV const& tdVrdV, TensorStorage& ts,
+  // One accumulator (dK or dV) into its staging buffer (K's or V's), through stmatrix; dK^T / dV^T
+  // accumulators go through the transposed view with its transposing form.
+  template <class TiledMma, class SmemLayout, class Frag>
+  CUTE_DEVICE static void stage(Frag const& acc, typename Mainloop::Element* smem, int thread_idx) {
+    Tensor r = convert_type<Element>(acc);
+    using StoreAtom = std::conditional_t<kdKVSwapAB, SM90_U16x8_STSM_T, SM90_U32x4_STSM_N>;
+    auto smem_copy = make_tiled_copy_C(Copy_Atom<StoreAtom, Element>{}, TiledMma{});
+    auto thr_copy = smem_copy.get_thread_slice(thread_idx);
+    Tensor s = [&] {  // the buffer in the accumulator's (row, col) order
+      if constexpr (kdKVSwapAB) {
+        return make_tensor(make_smem_ptr(smem), composition(SmemLayout{}, make_ordered_layout(
+                                                                             Shape<decltype(size<1>(SmemLayout{})), BN>{},
+                                                                             Step<_2, _1>{})));
+      } else {
+        return make_tensor(make_smem_ptr(smem), SmemLayout{});
+      }
+    }();
+    copy(smem_copy, thr_copy.retile_S(r), thr_copy.partition_D(s));
+  }
+
+  template <class FragdK, class FragdV, class TensorStorage>
+  CUTE_DEVICE static void store_tma(Params const& p, FragdK const& tdKrdK, FragdV const& tdVrdV, TensorStorage& ts,
                                     int thread_idx, SeqlenInfo const& seq, int n_block, int head) {
-    Tensor sdK = make_tensor(make_smem_ptr(ts.smem_k.data()), SmemLayoutK{});
-    Tensor sdV = make_tensor(make_smem_ptr(ts.smem_v.data()), SmemLayoutK{});
     // Both warpgroups' last GEMMs (which read K and V) have completed before anyone overwrites them.
     cutlass::arch::NamedBarrier::sync(Mainloop::kNumMmaThreads, kBwdEpilogue);
-    Tensor rdK = convert_type<Element>(tdKrdK);
-    Tensor rdV = convert_type<Element>(tdVrdV);
-    // stmatrix; dK^T / dV^T accumulators go through the transposed view with its transposing form.
-    using StoreAtom = std::conditional_t<kdKVSwapAB, SM90_U16x8_STSM_T, SM90_U32x4_STSM_N>;
-    auto smem_copy = make_tiled_copy_C(Copy_Atom<StoreAtom, Element>{}, TiledMmadKV{});
-    auto thr_copy = smem_copy.get_thread_slice(thread_idx);
-    auto as_acc = [&](auto* ptr) {  // the buffer in the accumulator's (row, col) order
-      if constexpr (kdKVSwapAB) {
-        return make_tensor(make_smem_ptr(ptr), SmemLayoutKt{});
-      } else {
-        return make_tensor(make_smem_ptr(ptr), SmemLayoutK{});
-      }
-    };
-    copy(smem_copy, thr_copy.retile_S(rdK), thr_copy.partition_D(as_acc(ts.smem_k.data())));
-    copy(smem_copy, thr_copy.retile_S(rdV), thr_copy.partition_D(as_acc(ts.smem_v.data())));
+    stage<typename Mainloop::TiledMmadK, SmemLayoutK>(tdKrdK, ts.smem_k.data(), thread_idx);
+    stage<typename Mainloop::TiledMmadV, SmemLayoutV>(tdVrdV, ts.smem_v.data(), thread_idx);
     cutlass::arch::fence_view_async_shared();  // generic-proxy writes, read next by TMA
     cutlass::arch::NamedBarrier::sync(Mainloop::kNumMmaThreads, kBwdEpilogue);
     if (thread_idx == 0) {
       Tensor sdK1 = make_tensor(make_smem_ptr(ts.smem_k.data()), typename Mainloop::SmemLayoutKStaged{});
-      Tensor sdV1 = make_tensor(make_smem_ptr(ts.smem_v.data()), typename Mainloop::SmemLayoutKStaged{});
-      auto rows = [&](auto const& tma) {
-        return local_tile(entry_rows(tma.get_tma_tensor(p.shape_dkv), seq.offset_k, head, seq.batch_coord),
-                          Shape<BN, D>{}, make_coord(_, _0{}));
+      Tensor sdV1 = make_tensor(make_smem_ptr(ts.smem_v.data()), typename Mainloop::SmemLayoutVStaged{});
+      auto rows = [&](auto const& tma, auto const& shape, auto dim) {
+        return local_tile(entry_rows(tma.get_tma_tensor(shape), seq.offset_k, head, seq.batch_coord),
+                          Shape<BN, decltype(dim)>{}, make_coord(_, _0{}));
       };
-      Tensor gdK = rows(p.tma_dk);
-      Tensor gdV = rows(p.tma_dv);
+      Tensor gdK = rows(p.tma_dk, p.shape_dkv, D{});
+      Tensor gdV = rows(p.tma_dv, Mainloop::shape_v_of(p.shape_dkv), DV{});
       auto k_parts = tma_partition(p.tma_dk, _0{}, Layout<_1>{}, group_modes<0, 2>(sdK1), group_modes<0, 2>(gdK));
       auto v_parts = tma_partition(p.tma_dv, _0{}, Layout<_1>{}, group_modes<0, 2>(sdV1), group_modes<0, 2>(gdV));
       copy(p.tma_dk, get<1>(k_parts)(_, 0), get<0>(k_parts)(_, n_block));
@@ -117,14 +123,30 @@ struct BwdEpilogue {
     }
   }
 
-  template <class FragdKV>
-  CUTE_DEVICE static void store_atomic(Params const& p, FragdKV const& tdKrdK, FragdKV const& tdVrdV, int thread_idx,
+  // One accumulator's share added into its float32 sums (kDim columns per key).
+  template <class TiledMma, int kDim, class Frag>
+  CUTE_DEVICE static void add_rows(Frag const& acc, float* dst, int keys, int thread_idx) {
+    Tensor c = TiledMma{}.get_thread_slice(thread_idx).partition_C(
+        make_identity_tensor(typename Mainloop::template ShapedKVOf<Int<kDim>>{}));
+    if constexpr (!kdKVSwapAB) {  // rows are keys: 16-byte reductions along the head dim
+      red_add_rows_v4(acc, c, keys, [&](int key, int col) { return dst + key * kDim + col; });
+    } else {  // dK^T: adjacent accumulator columns are keys, not contiguous in memory
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc); ++i) {
+        int const key = int(get<1>(c(i))), col = int(get<0>(c(i)));
+        if (key < keys) red_add(dst + key * kDim + col, acc(i));
+      }
+    }
+  }
+
+  template <class FragdK, class FragdV>
+  CUTE_DEVICE static void store_atomic(Params const& p, FragdK const& tdKrdK, FragdV const& tdVrdV, int thread_idx,
                                        SeqlenInfo const& seq, int n_block, int head, int batch) {
     int const kv_head = head / p.heads_ratio;
     int const wg = thread_idx / cutlass::NumThreadsPerWarpGroup;
-    int64_t const offset = (int64_t(batch) * p.nheads_kv + kv_head) * int64_t(p.seqlen_k) * kHeadDim;
-    float* dk_bh = p.dk_accum + offset;
-    float* dv_bh = p.dv_accum + offset;
+    int64_t const bh_rows = (int64_t(batch) * p.nheads_kv + kv_head) * int64_t(p.seqlen_k);
+    float* dk_bh = p.dk_accum + bh_rows * kHeadDim;
+    float* dv_bh = p.dv_accum + bh_rows * kHeadDimV;
     int* sem = p.dkv_semaphore == nullptr
                    ? nullptr
                    : p.dkv_semaphore + (int64_t(batch) * p.nheads_kv + kv_head) * ceil_div(p.seqlen_k, kBlockN) + n_block;
@@ -135,23 +157,11 @@ struct BwdEpilogue {
       if (thread_idx % cutlass::NumThreadsPerWarpGroup == 0) wait_at_least(sem, 2 * (head % p.heads_ratio));
       cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup, barrier);
     }
-    Tensor tdKVc = TiledMmadKV{}.get_thread_slice(thread_idx).partition_C(make_identity_tensor(ShapedKV{}));
     int const keys = seq.seqlen_k - n_block * kBlockN;  // valid rows of this key block
-    float* dk_n = dk_bh + int64_t(n_block) * kBlockN * kHeadDim;
-    float* dv_n = dv_bh + int64_t(n_block) * kBlockN * kHeadDim;
-    if constexpr (!kdKVSwapAB) {  // rows are keys: 16-byte reductions along the head dim
-      red_add_rows_v4(tdKrdK, tdKVc, keys, [&](int key, int col) { return dk_n + key * kHeadDim + col; });
-      red_add_rows_v4(tdVrdV, tdKVc, keys, [&](int key, int col) { return dv_n + key * kHeadDim + col; });
-    } else {  // dK^T: adjacent accumulator columns are keys, not contiguous in memory
-      CUTE_UNROLL
-      for (int i = 0; i < size(tdKrdK); ++i) {
-        int const key = int(get<1>(tdKVc(i))), col = int(get<0>(tdKVc(i)));
-        if (key < keys) {
-          red_add(dk_n + key * kHeadDim + col, tdKrdK(i));
-          red_add(dv_n + key * kHeadDim + col, tdVrdV(i));
-        }
-      }
-    }
+    add_rows<typename Mainloop::TiledMmadK, kHeadDim>(tdKrdK, dk_bh + int64_t(n_block) * kBlockN * kHeadDim, keys,
+                                                      thread_idx);
+    add_rows<typename Mainloop::TiledMmadV, kHeadDimV>(tdVrdV, dv_bh + int64_t(n_block) * kBlockN * kHeadDimV, keys,
+                                                       thread_idx);
     if (sem != nullptr) {
       __threadfence();
       cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup, barrier);

@@ -22,16 +22,18 @@ namespace flashhopper::sm90 {
 
 using namespace cute;
 
-// SmemLayoutO: (64, headdim, warpgroup, stage): Q's stages, or O's own buffer (kOwnBuffer, one stage).
-template <class Element, int kHeadDim, int kNumMmaWG, class SmemLayoutO, class TiledMmaPV, bool kOwnBuffer,
-          class Seqlens>
+// kHeadDim: O's (V's) head dim. SmemLayoutO: one warpgroup's (64, headdim) O; its slot for (warpgroup, stage)
+// starts kSlotElems * (stage * kNumMmaWG + warpgroup) elements into the buffer: Q's stages (a slot per
+// warpgroup's Q slice), or O's own buffer (kOwnBuffer, one stage).
+template <class Element, int kHeadDim, int kNumMmaWG, class SmemLayoutO, int kSlotElems, class TiledMmaPV,
+          bool kOwnBuffer, class Seqlens>
 struct FwdEpilogue {
   static_assert(Seqlens::kTmaClipsRows, "entries sharing the row mode need a row-predicated O store here");
   using D = Int<kHeadDim>;
   using ShapeO = Shape<int32_t, int32_t, int32_t, int32_t>;  // (seqlen_q, headdim, head, batch)
   using StrideO = Stride<int64_t, _1, int64_t, int64_t>;
   using GmemTensor = decltype(make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)), ShapeO{}, StrideO{}));
-  using TMA_O = decltype(make_tma_copy(SM90_TMA_STORE{}, GmemTensor{}, take<0, 2>(SmemLayoutO{}), Shape<_64, D>{}, _1{}));
+  using TMA_O = decltype(make_tma_copy(SM90_TMA_STORE{}, GmemTensor{}, SmemLayoutO{}, Shape<_64, D>{}, _1{}));
 
   struct Params {
     TMA_O tma_o;
@@ -49,7 +51,7 @@ struct FwdEpilogue {
 
   static Params make_params(Element* o, ShapeO shape_o, StrideO stride_o, float* lse) {
     auto mO = make_tensor(make_gmem_ptr(o), shape_o, stride_o);
-    return {make_tma_copy(SM90_TMA_STORE{}, mO, take<0, 2>(SmemLayoutO{}), Shape<_64, D>{}, _1{}), shape_o, o,
+    return {make_tma_copy(SM90_TMA_STORE{}, mO, SmemLayoutO{}, Shape<_64, D>{}, _1{}), shape_o, o,
             stride_o, lse};
   }
 
@@ -64,7 +66,7 @@ struct FwdEpilogue {
   template <class FragO, class LSE>
   CUTE_DEVICE static void store(Params const& p, FragO const& tOrO, LSE const& lse, Element* smem_o, int stage,
                                 SeqlenInfo const& seq, int m_block, int head, int batch, int wg, int thread_idx) {
-    Tensor sO = make_tensor(make_smem_ptr(smem_o), SmemLayoutO{});  // (64, D, wg, stage)
+    Tensor sO = make_tensor(make_smem_ptr(smem_o + kSlotElems * (stage * kNumMmaWG + wg)), SmemLayoutO{});  // (64, D)
     Tensor tOrO_out = convert_type<Element>(tOrO);
     if constexpr (kOwnBuffer) {
       // The previous tile's store must have read the buffer (issued a whole tile ago: no wait in practice).
@@ -75,15 +77,15 @@ struct FwdEpilogue {
     auto smem_copy = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, TiledMmaPV{});
     auto thr_copy = smem_copy.get_thread_slice(thread_idx);
     Tensor tRrO = thr_copy.retile_S(tOrO_out);
-    Tensor tRsO = thr_copy.partition_D(sO);  // (CPY, CPY_M, CPY_N, wg, q_stage)
-    copy(smem_copy, tRrO, tRsO(_, _, _, wg, stage));
+    Tensor tRsO = thr_copy.partition_D(sO);  // (CPY, CPY_M, CPY_N)
+    copy(smem_copy, tRrO, tRsO);
     cutlass::arch::fence_view_async_shared();  // make the generic-proxy writes visible to TMA
     epilogue_barrier_sync(wg);
     if (thread_idx == 0) {
       Tensor mO = rows_of(p.tma_o.get_tma_tensor(p.shape_o), seq, head);
       Tensor gO = local_tile(mO, Shape<_64, D>{}, make_coord(_, _0{}));  // (64, D, m64)
       auto parts = tma_partition(p.tma_o, _0{}, Layout<_1>{}, group_modes<0, 2>(sO), group_modes<0, 2>(gO));
-      copy(p.tma_o, get<1>(parts)(_, wg, stage), get<0>(parts)(_, m_block * kNumMmaWG + wg));
+      copy(p.tma_o, get<1>(parts), get<0>(parts)(_, m_block * kNumMmaWG + wg));
       tma_store_arrive();
     }
     store_lse(p, lse, seq, m_block, head, batch, wg, thread_idx);

@@ -69,8 +69,8 @@ struct BwdKernel {
     // Barriers are initialized by warp 0 inside the pipeline constructors.
     auto pipeline_kv = make_pipeline<PipelineKV>(ss.barriers.pipeline_kv, Mainloop::kKVBytes, is_producer, is_loader);
     auto pipeline_q = make_pipeline<Pipeline>(ss.barriers.pipeline_q, Mainloop::kQStageBytes, is_producer, is_loader);
-    // dO with its D: the same sizes as Q with its LSE.
-    auto pipeline_do = make_pipeline<PipelinedO>(ss.barriers.pipeline_do, Mainloop::kQStageBytes, is_producer, is_loader);
+    // dO with its D (headdim_v columns).
+    auto pipeline_do = make_pipeline<PipelinedO>(ss.barriers.pipeline_do, Mainloop::kdOStageBytes, is_producer, is_loader);
     __syncthreads();  // barrier initialization is visible to every thread
 
     // The dQ postprocess may start once every CTA has started: it only waits on blocks that resident
@@ -93,8 +93,8 @@ struct BwdKernel {
     } else {
       cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
       int const thread_idx = threadIdx.x - cutlass::NumThreadsPerWarpGroup;  // 0..255 over both warpgroups
-      Tensor tdKrdK = partition_fragment_C(typename Mainloop::TiledMmadKV{}, typename Mainloop::ShapedKV{});
-      Tensor tdVrdV = partition_fragment_C(typename Mainloop::TiledMmadKV{}, typename Mainloop::ShapedKV{});
+      Tensor tdKrdK = partition_fragment_C(typename Mainloop::TiledMmadK{}, typename Mainloop::ShapedK{});
+      Tensor tdVrdV = partition_fragment_C(typename Mainloop::TiledMmadV{}, typename Mainloop::ShapedV{});
       clear(tdKrdK);
       clear(tdVrdV);
       Mainloop::mma(params.mainloop, pipeline_kv, pipeline_q, pipeline_do, ss, tdKrdK, tdVrdV, thread_idx, seq, bi,

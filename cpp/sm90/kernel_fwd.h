@@ -87,11 +87,12 @@ struct FwdKernel {
 
     // Barriers are initialized by warp 0 inside the pipeline constructors.
     typename Pipeline::Params kv_params;
-    kv_params.transaction_bytes = Mainloop::kKVStageBytes;
+    kv_params.transaction_bytes = Mainloop::kKStageBytes;
     kv_params.role = is_producer ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
     kv_params.is_leader = is_producer && thread_idx == 0;
     kv_params.num_consumers = Mainloop::kNumMmaThreads;
     Pipeline pipeline_k(ss.barriers.pipeline_k, kv_params, Shape<_1, _1, _1>{});
+    kv_params.transaction_bytes = Mainloop::kVStageBytes;
     Pipeline pipeline_v(ss.barriers.pipeline_v, kv_params, Shape<_1, _1, _1>{});
 
     typename PipelineQ::Params q_params;
@@ -180,7 +181,7 @@ struct FwdKernel {
                                 Mainloop::sink_log2(params.mainloop, w.head) * float(M_LN2));
           continue;
         }
-        Tensor tOrO = partition_fragment_C(typename Mainloop::TiledMmaPV{}, Shape<_64, Int<Mainloop::kHeadDim>>{});
+        Tensor tOrO = partition_fragment_C(typename Mainloop::TiledMmaPV{}, Shape<_64, Int<Mainloop::kHeadDimV>>{});
         clear(tOrO);
         typename Mainloop::Softmax softmax(params.mainloop.scale_log2);
 

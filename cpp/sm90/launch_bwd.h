@@ -38,11 +38,10 @@ namespace sm90 {
 
 template <class Config>
 struct BwdConfig {
-  static_assert(Config::kHeadDimV == Config::kHeadDim, "a V head dim of its own is not built yet");
   using Element = typename ElementOf<Config::kDType>::type;
-  using Tile = typename BwdTileOf<typename Config::Variant, Config::kHeadDim>::type;
+  using Tile = typename BwdTileOf<typename Config::Variant, Config::kHeadDim, Config::kHeadDimV>::type;
   template <bool kDeterministic>
-  using Mainloop = BwdMainloop<Element, Config::kHeadDim, Tile, Config::kMask, kDeterministic,
+  using Mainloop = BwdMainloop<Element, Config::kHeadDim, Config::kHeadDimV, Tile, Config::kMask, kDeterministic,
                                typename ScoreModOf<Config::kScoreMod>::type>;
 };
 
@@ -127,13 +126,13 @@ int64_t run_bwd_sm90(BwdParams const& p, cudaStream_t stream) {
   using C = sm90::BwdConfig<Config>;
   using Element = typename C::Element;
   using Tile = typename C::Tile;
-  check_bwd_params(p, Config::kHeadDim);
+  check_bwd_params(p, Config::kHeadDim, Config::kHeadDimV);
   if (int64_t(p.batch) * p.nheads_q == 0) return 0;  // no heads: every gradient is empty
   BwdWorkspace const ws = BwdWorkspace::make<Tile::kBlockM, Tile::kBlockN>(p);
   DeviceInfo const& dev = device_info(p.device);
   int const num_sms = p.num_sms > 0 ? p.num_sms : dev.num_sms;
 
-  launch_bwd_preprocess<Element, Config::kHeadDim>(p, ws, stream);
+  launch_bwd_preprocess<Element, Config::kHeadDimV>(p, ws, stream);
   // The deterministic mode has its own instantiation where dQ would be added from registers: it
   // keeps the dQ writer (mainloop_bwd.h).
   using Mainloop = typename C::template Mainloop<false>;

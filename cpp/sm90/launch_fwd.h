@@ -30,19 +30,17 @@ namespace sm90 {
 
 template <class Config>
 struct FwdConfig {
-  static_assert(Config::kHeadDimV == Config::kHeadDim, "a V head dim of its own is not built yet");
   using Element = typename ElementOf<Config::kDType>::type;
-  using Tile = typename FwdTileOf<typename Config::Variant, Config::kHeadDim, Config::kDType>::type;
+  using Tile = typename FwdTileOf<typename Config::Variant, Config::kHeadDim, Config::kDType, Config::kHeadDimV>::type;
   using ScoreMod = typename ScoreModOf<Config::kScoreMod>::type;
   static_assert(Config::kDType != DType::kFloat8E4M3 || Config::kScoreMod == ScoreModKind::kNone,
                 "the fp8 kernels have no score mod");
-  using Mainloop = FwdMainloop<Element, Config::kHeadDim, Tile, Config::kMask, ScoreMod>;
+  using Mainloop = FwdMainloop<Element, Config::kHeadDim, Config::kHeadDimV, Tile, Config::kMask, ScoreMod>;
   using ElementOut = typename Mainloop::ElementOut;
   static constexpr bool kFp8 = Mainloop::kFp8;
   // FP8 stages O in a buffer of its own; 16-bit O goes through the Q stage the tile used.
-  using SmemLayoutO = std::conditional_t<kFp8, typename Mainloop::SmemLayoutO, typename Mainloop::SmemLayoutQ>;
-  using Epilogue = FwdEpilogue<ElementOut, Config::kHeadDim, Mainloop::kNumMmaWG, SmemLayoutO,
-                               typename Mainloop::TiledMmaPV, kFp8, typename Mainloop::Seqlens>;
+  using Epilogue = FwdEpilogue<ElementOut, Config::kHeadDimV, Mainloop::kNumMmaWG, typename Mainloop::SmemLayoutO,
+                               Mainloop::kOSlotElems, typename Mainloop::TiledMmaPV, kFp8, typename Mainloop::Seqlens>;
   // Tiles whose cost varies (a mask with a right edge) are handed out heaviest first, dynamically.
   using Scheduler = std::conditional_t<Config::kMask != MaskKind::kNone, DynamicTileScheduler, StaticTileScheduler>;
   using Kernel = FwdKernel<Mainloop, Epilogue, Scheduler>;
@@ -63,7 +61,9 @@ int64_t run_fwd_sm90(FwdParams const& params, cudaStream_t stream) {
   using ElementOut = typename C::ElementOut;
   constexpr bool kFp8 = C::kFp8;
 
-  if (params.headdim != Config::kHeadDim) throw std::invalid_argument("flashhopper: head dim does not match the kernel");
+  if (params.headdim != Config::kHeadDim || params.headdim_v != Config::kHeadDimV) {
+    throw std::invalid_argument("flashhopper: head dim does not match the kernel");
+  }
   int const num_m_blocks = ceil_div(params.seqlen_q, Tile::kBlockM);
   int64_t const total_tiles = int64_t(num_m_blocks) * params.nheads_q * params.batch;
   if (total_tiles == 0) return 0;  // no query rows: an empty grid, nothing to launch
@@ -124,10 +124,11 @@ int64_t run_fwd_sm90(FwdParams const& params, cudaStream_t stream) {
                             static_cast<Element const*>(p.v_ptr), stride_v, shape_k, p.softmax_scale,
                             UniformSeqlens{p.seqlen_q, p.seqlen_k}, p.window_left, p.window_right, p.sinks_ptr,
                             make_score_mod<typename C::ScoreMod>(p.softmax_scale, p.softcap), {}, descale),
-      Epilogue::make_params(static_cast<ElementOut*>(p.o_ptr), shape_q,
+      Epilogue::make_params(static_cast<ElementOut*>(p.o_ptr),
+                            typename Mainloop::ShapeQKV{p.seqlen_q, p.headdim_v, p.nheads_q, p.batch},
                             stride(p.o_row_stride, p.o_head_stride, p.o_batch_stride), p.lse_ptr),
       sm90::make_tile_scheduler_params(num_m_blocks, p.batch, p.nheads_q, p.nheads_q / p.nheads_kv,
-                                       int64_t(p.seqlen_k) * p.headdim * 2 * int64_t(sizeof(Element)),
+                                       int64_t(p.seqlen_k) * (p.headdim + p.headdim_v) * int64_t(sizeof(Element)),
                                        dev.l2_bytes > 0 ? dev.l2_bytes : int64_t(50) << 20, p.tile_counter)};
 
   auto kernel = &sm90::fwd_kernel<Kernel>;

@@ -63,7 +63,7 @@ CUTE_DEVICE auto fragment_ab(ThrMma const& thr, TensorT const& t) {
 enum class DqPath { kWriterBulk, kConsumerRed };
 
 // kDeterministic: the instantiation the deterministic mode runs (the writer path at every head dim).
-template <class Element_, int kHeadDim_, class Tile, MaskKind kMask_, bool kDeterministic = false,
+template <class Element_, int kHeadDim_, int kHeadDimV_, class Tile, MaskKind kMask_, bool kDeterministic = false,
           class ScoreMod_ = ScoreModIdentity, class KVBlocks_ = ContiguousKVBlocks, class Seqlens_ = UniformSeqlens>
 struct BwdMainloop {
   using Element = Element_;
@@ -71,6 +71,7 @@ struct BwdMainloop {
   using KVBlocks = KVBlocks_;
   using Seqlens = Seqlens_;
   static constexpr int kHeadDim = kHeadDim_, kBlockM = Tile::kBlockM, kBlockN = Tile::kBlockN;
+  static constexpr int kHeadDimV = kHeadDimV_;  // of V, O, dO and dV
   static constexpr int kStages = Tile::kStages, kStagesdO = Tile::kStagesdO, kStagesdS = Tile::kStagesdS;
   static constexpr MaskKind kMask = kMask_;
   static constexpr bool kSdPSwapAB = Tile::kSdPSwapAB, kdKVSwapAB = Tile::kdKVSwapAB;
@@ -92,6 +93,7 @@ struct BwdMainloop {
   using MaskT = Mask<kBlockN, kMask>;
 
   using D = Int<kHeadDim>;
+  using DV = Int<kHeadDimV>;
   using BM = Int<kBlockM>;
   using BN = Int<kBlockN>;
   // dQ is computed in kdQSlices column slices, each split over the two warpgroups.
@@ -107,14 +109,28 @@ struct BwdMainloop {
                                               AtomLayoutSdP{}));
   // dV, dK (kBlockN x headdim, split over keys) or dV^T, dK^T (headdim x kBlockN, split over the
   // head dim), K = kBlockM.
-  using ShapedKV = std::conditional_t<kdKVSwapAB, Shape<D, BN>, Shape<BN, D>>;
-  using AtomShapedKV = std::conditional_t<kdKVSwapAB, Shape<_64, BN, BM>, Shape<Int<kBlockN / 2>, D, BM>>;
-  using TiledMmadKV = decltype(make_tiled_mma(
-      std::conditional_t<
-          kdKVRegsA,
-          decltype(GMMA::rs_op_selector<Element, Element, float, AtomShapedKV, GMMA::Major::K, GMMA::Major::MN>()),
-          decltype(GMMA::ss_op_selector<Element, Element, float, AtomShapedKV, GMMA::Major::MN, GMMA::Major::MN>())>{},
-      Layout<Shape<_2, _1, _1>>{}));
+  // dK^T's warpgroups split the head dim when each gets whole 64-row atoms, else the keys (tile_size.h);
+  // dV^T (headdim_v rows) is split the same way.
+  static constexpr bool kdKVSplitKeys = kdKVSwapAB && (kHeadDim % 128 != 0 || kHeadDimV % 128 != 0);
+  static_assert(!kdKVSplitKeys || (kHeadDim % 64 == 0 && kHeadDimV % 64 == 0 && kBlockN % 16 == 0),
+                "whole atoms, 8-key columns per WG");
+  template <class Dim>
+  using ShapedKVOf = std::conditional_t<kdKVSwapAB, Shape<Dim, BN>, Shape<BN, Dim>>;
+  template <class Dim>
+  using AtomShapedKVOf = std::conditional_t<kdKVSwapAB, Shape<_64, Int<kdKVSplitKeys ? kBlockN / 2 : kBlockN>, BM>,
+                                            Shape<Int<kBlockN / 2>, Dim, BM>>;
+  template <class Dim>
+  using TiledMmadKVOf = decltype(make_tiled_mma(
+      std::conditional_t<kdKVRegsA,
+                         decltype(GMMA::rs_op_selector<Element, Element, float, AtomShapedKVOf<Dim>, GMMA::Major::K,
+                                                       GMMA::Major::MN>()),
+                         decltype(GMMA::ss_op_selector<Element, Element, float, AtomShapedKVOf<Dim>, GMMA::Major::MN,
+                                                       GMMA::Major::MN>())>{},
+      std::conditional_t<kdKVSplitKeys, Layout<Shape<_1, _2, _1>>, Layout<Shape<_2, _1, _1>>>{}));
+  using ShapedK = ShapedKVOf<D>;
+  using ShapedV = ShapedKVOf<DV>;
+  using TiledMmadK = TiledMmadKVOf<D>;
+  using TiledMmadV = TiledMmadKVOf<DV>;
   // dQ = dS K (kBlockM x headdim), one slice of DSlice columns at a time, split over the head dim.
   // dS is stored the way the S accumulator holds it (adjacent pairs contiguous), so as dQ's A
   // operand it is MN-major when S was S^T.
@@ -130,16 +146,27 @@ struct BwdMainloop {
   // ---- Shared memory --------------------------------------------------------------------------
   using SmemAtomQ = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, BM, D>());
   using SmemLayoutQ = decltype(tile_to_shape(SmemAtomQ{}, Shape<BM, D, Int<kStages>>{}));
-  using SmemLayoutdO = decltype(tile_to_shape(SmemAtomQ{}, Shape<BM, D, Int<kStagesdO>>{}));
+  using SmemAtomdO = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, BM, DV>());
+  using SmemLayoutdO = decltype(tile_to_shape(SmemAtomdO{}, Shape<BM, DV, Int<kStagesdO>>{}));
   // Q^T and dO^T views (headdim, kBlockM, stage) of the same bytes, for the dK and dV GEMMs.
   using SmemLayoutQt = decltype(composition(SmemLayoutQ{}, make_ordered_layout(Shape<D, BM, Int<kStages>>{},
                                                                                Step<_2, _1, _3>{})));
-  using SmemLayoutdOt = decltype(composition(SmemLayoutdO{}, make_ordered_layout(Shape<D, BM, Int<kStagesdO>>{},
+  using SmemLayoutdOt = decltype(composition(SmemLayoutdO{}, make_ordered_layout(Shape<DV, BM, Int<kStagesdO>>{},
                                                                                  Step<_2, _1, _3>{})));
-  using SmemAtomKV = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, BN, D>());
+  // K^T is dQ's MN-major B operand, a warpgroup's DQCols columns at a time: those must be whole swizzle
+  // atoms or lie inside one. At head dim 96 (48 columns) the 64-byte swizzle's 32-column atoms do
+  // neither, so K and V take the 32-byte swizzle there.
+  using KVAtomCols = std::conditional_t<kHeadDim % 64 == 0, D, DQCols>;
+  using SmemAtomKV =
+      decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, BN, KVAtomCols>());
   using SmemLayoutK = decltype(tile_to_shape(SmemAtomKV{}, Shape<BN, D>{}));
-  using SmemLayoutV = SmemLayoutK;
-  using SmemLayoutKStaged = decltype(tile_to_shape(SmemAtomKV{}, Shape<BN, D, _1>{}));  // for the TMA partition
+  using SmemAtomV = std::conditional_t<
+      kHeadDimV == kHeadDim, SmemAtomKV,
+      decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, BN, DV>())>;
+  using SmemLayoutV = decltype(tile_to_shape(SmemAtomV{}, Shape<BN, DV>{}));
+  // The same layouts with a stage mode of size 1, for the TMA partition.
+  using SmemLayoutKStaged = decltype(tile_to_shape(SmemAtomKV{}, Shape<BN, D, _1>{}));
+  using SmemLayoutVStaged = decltype(tile_to_shape(SmemAtomV{}, Shape<BN, DV, _1>{}));
   using SmemLayoutKt = decltype(composition(SmemLayoutK{}, make_ordered_layout(Shape<D, BN>{}, Step<_2, _1>{})));
   // P and dS as the S accumulator tile (ShapeSdP), its second mode contiguous; and transposed.
   static constexpr int kSdPRows = size<0>(ShapeSdP{}), kSdPCols = size<1>(ShapeSdP{});
@@ -165,12 +192,15 @@ struct BwdMainloop {
   using ShapeQKV = Shape<int32_t, int32_t, int32_t, int32_t>;  // (seqlen, headdim, head, batch)
   using StrideQKV = Stride<int64_t, _1, int64_t, int64_t>;
   using GmemTensor = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{}, StrideQKV{}));
-  using TMA_QdO = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutQ{}), Shape<BM, D>{}, _1{}));
-  using TMA_KV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutK{}, Shape<BN, D>{}, _1{}));
+  using TMA_Q = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutQ{}), Shape<BM, D>{}, _1{}));
+  using TMA_dO = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutdO{}), Shape<BM, DV>{}, _1{}));
+  using TMA_K = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutK{}, Shape<BN, D>{}, _1{}));
+  using TMA_V = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutV{}, Shape<BN, DV>{}, _1{}));
 
-  static constexpr uint32_t kKVBytes = uint32_t(2 * size(SmemLayoutK{}) * sizeof(Element));
+  static constexpr uint32_t kKVBytes = uint32_t((size(SmemLayoutK{}) + size(SmemLayoutV{})) * sizeof(Element));
   static constexpr uint32_t kRowStatBytes = uint32_t(kBlockM * sizeof(float));  // LSE or D of one query block
   static constexpr uint32_t kQStageBytes = uint32_t(size(take<0, 2>(SmemLayoutQ{})) * sizeof(Element)) + kRowStatBytes;
+  static constexpr uint32_t kdOStageBytes = uint32_t(size(take<0, 2>(SmemLayoutdO{})) * sizeof(Element)) + kRowStatBytes;
 
   using PipelineKV = cutlass::PipelineTmaAsync<1>;
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;      // Q + LSE
@@ -206,9 +236,11 @@ struct BwdMainloop {
   };
 
   struct Params {
-    TMA_QdO tma_q, tma_do;
-    TMA_KV tma_k, tma_v;
-    ShapeQKV shape_q, shape_k;
+    TMA_Q tma_q;
+    TMA_dO tma_do;
+    TMA_K tma_k;
+    TMA_V tma_v;
+    ShapeQKV shape_q, shape_k;  // (rows, headdim, heads, batch); dO and V have headdim_v
     float const* lse_log2;  // (batch, head, seqlen_q_rounded): LSE * log2(e), +inf where P must be 0
     float const* dpsum;     // (batch, head, seqlen_q_rounded): rowsum(dO * O) - dLSE, 0 on padding rows
     float* dq_accum;        // (batch, head, m_blocks, kBlockM x headdim) float32 in fragment order, zeroed
@@ -228,6 +260,11 @@ struct BwdMainloop {
     return {s, p.window_left, p.window_right};
   }
 
+  // A (rows, headdim, heads, batch) shape with headdim_v instead: dO's of Q's, V's of K's.
+  CUTE_HOST_DEVICE static ShapeQKV shape_v_of(ShapeQKV const& s) {
+    return {get<0>(s), int(kHeadDimV), get<2>(s), get<3>(s)};
+  }
+
   static Params make_params(Element const* q, StrideQKV stride_q, Element const* dout, StrideQKV stride_do,
                             ShapeQKV shape_q, Element const* k, StrideQKV stride_k, Element const* v,
                             StrideQKV stride_v, ShapeQKV shape_k, float const* lse_log2, float const* dpsum,
@@ -235,13 +272,13 @@ struct BwdMainloop {
                             float softmax_scale, Seqlens seqlens, int window_left, int window_right,
                             ScoreMod score_mod = {}, typename KVBlocks::Params kv_blocks = {}) {
     auto mQ = make_tensor(make_gmem_ptr(q), shape_q, stride_q);
-    auto mdO = make_tensor(make_gmem_ptr(dout), shape_q, stride_do);
+    auto mdO = make_tensor(make_gmem_ptr(dout), shape_v_of(shape_q), stride_do);
     auto mK = make_tensor(make_gmem_ptr(k), shape_k, stride_k);
-    auto mV = make_tensor(make_gmem_ptr(v), shape_k, stride_v);
+    auto mV = make_tensor(make_gmem_ptr(v), shape_v_of(shape_k), stride_v);
     return {make_tma_copy(SM90_TMA_LOAD{}, mQ, take<0, 2>(SmemLayoutQ{}), Shape<BM, D>{}, _1{}),
-            make_tma_copy(SM90_TMA_LOAD{}, mdO, take<0, 2>(SmemLayoutdO{}), Shape<BM, D>{}, _1{}),
+            make_tma_copy(SM90_TMA_LOAD{}, mdO, take<0, 2>(SmemLayoutdO{}), Shape<BM, DV>{}, _1{}),
             make_tma_copy(SM90_TMA_LOAD{}, mK, SmemLayoutK{}, Shape<BN, D>{}, _1{}),
-            make_tma_copy(SM90_TMA_LOAD{}, mV, SmemLayoutV{}, Shape<BN, D>{}, _1{}),
+            make_tma_copy(SM90_TMA_LOAD{}, mV, SmemLayoutV{}, Shape<BN, DV>{}, _1{}),
             shape_q,
             shape_k,
             lse_log2,
@@ -298,19 +335,19 @@ struct BwdMainloop {
     Tensor sdO = make_tensor(make_smem_ptr(ts.smem_do.data()), SmemLayoutdO{});
     // K and V have no stage mode; the same layout with one of size 1, for the TMA partitioning.
     Tensor sK = make_tensor(make_smem_ptr(ts.smem_k.data()), SmemLayoutKStaged{});
-    Tensor sV = make_tensor(make_smem_ptr(ts.smem_v.data()), SmemLayoutKStaged{});
-    auto q_rows = [&](auto const& tma) {
-      return local_tile(entry_rows(tma.get_tma_tensor(p.shape_q), seq.offset_q, head, seq.batch_coord),
-                        Shape<BM, D>{}, make_coord(_, _0{}));
+    Tensor sV = make_tensor(make_smem_ptr(ts.smem_v.data()), SmemLayoutVStaged{});
+    auto q_rows = [&](auto const& tma, ShapeQKV const& shape, auto dim) {
+      return local_tile(entry_rows(tma.get_tma_tensor(shape), seq.offset_q, head, seq.batch_coord),
+                        Shape<BM, decltype(dim)>{}, make_coord(_, _0{}));
     };
-    auto kv_rows = [&](auto const& tma) {
-      return local_tile(entry_rows(tma.get_tma_tensor(p.shape_k), seq.offset_k, kv_head, seq.batch_coord),
-                        Shape<BN, D>{}, make_coord(_, _0{}));
+    auto kv_rows = [&](auto const& tma, ShapeQKV const& shape, auto dim) {
+      return local_tile(entry_rows(tma.get_tma_tensor(shape), seq.offset_k, kv_head, seq.batch_coord),
+                        Shape<BN, decltype(dim)>{}, make_coord(_, _0{}));
     };
-    Tensor gQ = q_rows(p.tma_q);
-    Tensor gdO = q_rows(p.tma_do);
-    Tensor gK = kv_rows(p.tma_k);
-    Tensor gV = kv_rows(p.tma_v);
+    Tensor gQ = q_rows(p.tma_q, p.shape_q, D{});
+    Tensor gdO = q_rows(p.tma_do, shape_v_of(p.shape_q), DV{});
+    Tensor gK = kv_rows(p.tma_k, p.shape_k, D{});
+    Tensor gV = kv_rows(p.tma_v, shape_v_of(p.shape_k), DV{});
     auto q_parts = tma_partition(p.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
     auto do_parts = tma_partition(p.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
     auto k_parts = tma_partition(p.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
@@ -410,9 +447,9 @@ struct BwdMainloop {
   // ---------------------------------------------------------------------------------------------
   // Consumers: both warpgroups, thread_idx 0..255. Accumulates dK (unscaled until the end) and dV
   // into the caller's zeroed fragments. Returns false if no query block sees this key block.
-  template <class FragdKV>
+  template <class FragdK, class FragdV>
   CUTE_DEVICE static bool mma(Params const& p, PipelineKV& pipeline_kv, Pipeline& pipeline_q, PipelinedO& pipeline_do,
-                              TensorStorage& ts, FragdKV& tdKrdK, FragdKV& tdVrdV, int thread_idx,
+                              TensorStorage& ts, FragdK& tdKrdK, FragdV& tdVrdV, int thread_idx,
                               SeqlenInfo const& seq, BlockInfoT const& bi, int n_block, int head, int batch) {
     int const m_begin = bi.m_block_min(n_block), m_end = bi.m_block_max(n_block);
     if (m_end <= m_begin) return false;
@@ -438,10 +475,12 @@ struct BwdMainloop {
     Tensor sdSt = make_tensor(make_smem_ptr(ts.smem_ds.data()), SmemLayoutPdSt{});
 
     TiledMmaSdP mma_sdp;
-    TiledMmadKV mma_dkv;
+    TiledMmadK mma_dk;
+    TiledMmadV mma_dv;
     TiledMmadQ mma_dq;
     auto thr_sdp = mma_sdp.get_thread_slice(thread_idx);
-    auto thr_dkv = mma_dkv.get_thread_slice(thread_idx);
+    auto thr_dk = mma_dk.get_thread_slice(thread_idx);
+    auto thr_dv = mma_dv.get_thread_slice(thread_idx);
     auto thr_dq = mma_dq.get_thread_slice(thread_idx);
 
     // Operand descriptors, stage mode last where there is one.
@@ -449,8 +488,8 @@ struct BwdMainloop {
     Tensor tSrK = fragment_ab<kSdPSwapAB>(thr_sdp, sK);
     Tensor tdPrdO = fragment_ab<!kSdPSwapAB>(thr_sdp, sdO);
     Tensor tdPrV = fragment_ab<kSdPSwapAB>(thr_sdp, sV);
-    Tensor tdVrdO = fragment_ab<kdKVSwapAB>(thr_dkv, sdOt);
-    Tensor tdKrQ = fragment_ab<kdKVSwapAB>(thr_dkv, sQt);
+    Tensor tdVrdO = fragment_ab<kdKVSwapAB>(thr_dv, sdOt);
+    Tensor tdKrQ = fragment_ab<kdKVSwapAB>(thr_dk, sQt);
     Tensor tdQrdS = thr_dq.partition_fragment_A(sdSq);
 
     auto smem_copy_pds = make_tiled_copy_C(SmemCopyAtomPdS{}, mma_sdp);
@@ -532,7 +571,7 @@ struct BwdMainloop {
       // dV += P^T dO needs only P: with P^T in registers it goes out now and runs under the dS math.
       if constexpr (kdKVRegsA) {
         Tensor tdVrP = make_tensor(rP.data(), acc_layout_as_a_operand(rP.layout()));
-        wgmma<false, -1>(mma_dkv, tdVrP, tdVrdO(_, _, _, stage_do), tdVrdV);
+        wgmma<false, -1>(mma_dv, tdVrP, tdVrdO(_, _, _, stage_do), tdVrdV);
       }
 
       auto const dpsum = stat(ts.smem_dpsum.data() + stage_do * kBlockM);
@@ -556,8 +595,8 @@ struct BwdMainloop {
       cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBwdPdS);
       if constexpr (!kdKVRegsA) {
         Tensor sPt = make_tensor(make_smem_ptr(ts.smem_p.data()), SmemLayoutPdSt{});
-        Tensor tdVrP = thr_dkv.partition_fragment_B(sPt);
-        wgmma<false, -1>(mma_dkv, tdVrdO(_, _, _, stage_do), tdVrP(_, _, _, stage_ds), tdVrdV);
+        Tensor tdVrP = thr_dv.partition_fragment_B(sPt);
+        wgmma<false, -1>(mma_dv, tdVrdO(_, _, _, stage_do), tdVrP(_, _, _, stage_ds), tdVrdV);
       }
       // dQ slices, with dK issued after the first: dQ_0, dK, dQ_1, ...
       auto issue_dq = [&](auto& tdQrdQ, int slice) {
@@ -567,10 +606,10 @@ struct BwdMainloop {
       auto issue_dk = [&]() {
         if constexpr (kdKVRegsA) {
           Tensor tdKrdS = make_tensor(rdS.data(), acc_layout_as_a_operand(rdS.layout()));
-          wgmma<false, -1>(mma_dkv, tdKrdS, tdKrQ(_, _, _, stage_q), tdKrdK);
+          wgmma<false, -1>(mma_dk, tdKrdS, tdKrQ(_, _, _, stage_q), tdKrdK);
         } else {
-          Tensor tdKrdS = thr_dkv.partition_fragment_B(sdSt);
-          wgmma<false, -1>(mma_dkv, tdKrQ(_, _, _, stage_q), tdKrdS(_, _, _, stage_ds), tdKrdK);
+          Tensor tdKrdS = thr_dk.partition_fragment_B(sdSt);
+          wgmma<false, -1>(mma_dk, tdKrQ(_, _, _, stage_q), tdKrdS(_, _, _, stage_ds), tdKrdK);
         }
       };
 

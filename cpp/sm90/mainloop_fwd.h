@@ -47,7 +47,7 @@ namespace flashhopper::sm90 {
 using namespace cute;
 
 // Tile: an FwdTileSize (block sizes, pipeline depths, ping-pong), possibly a variant's (variants.h).
-template <class Element_, int kHeadDim_, class Tile, MaskKind kMask_, class ScoreMod_ = ScoreModIdentity,
+template <class Element_, int kHeadDim_, int kHeadDimV_, class Tile, MaskKind kMask_, class ScoreMod_ = ScoreModIdentity,
           class KVBlocks_ = ContiguousKVBlocks, class Seqlens_ = UniformSeqlens>
 struct FwdMainloop {
   using Element = Element_;
@@ -60,6 +60,9 @@ struct FwdMainloop {
   static constexpr int kMaxOffset = kFp8 ? 8 : 0;
   using Softmax = OnlineSoftmax<2, kMaxOffset>;
   static constexpr int kHeadDim = kHeadDim_, kBlockM = Tile::kBlockM, kBlockN = Tile::kBlockN;
+  static constexpr int kHeadDimV = kHeadDimV_;  // of V and O
+  // 16-bit O is staged in Q's slice (64 x headdim); FP8's V^T and scale blocks assume one head dim.
+  static_assert(kHeadDimV <= kHeadDim && (!kFp8 || kHeadDimV == kHeadDim));
   static constexpr int kStages = Tile::kStages, kQStages = Tile::kQStages;
   static constexpr MaskKind kMask = kMask_;
   static constexpr int kNumMmaWG = kBlockM / 64;
@@ -70,11 +73,12 @@ struct FwdMainloop {
   using MaskT = Mask<kBlockN, kMask>;
 
   using D = Int<kHeadDim>;
+  using DV = Int<kHeadDimV>;
   using BN = Int<kBlockN>;
 
-  // GEMMs of one consumer warpgroup: S(64 x BN) = Q(64 x D) K^T, O(64 x D) += P(64 x BN) V.
+  // GEMMs of one consumer warpgroup: S(64 x BN) = Q(64 x D) K^T, O(64 x DV) += P(64 x BN) V.
   using TiledMmaQK = decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, Shape<_64, BN, D>>()));
-  using TiledMmaPV = decltype(make_tiled_mma(GMMA::rs_op_selector<Element, Element, float, Shape<_64, D, BN>,
+  using TiledMmaPV = decltype(make_tiled_mma(GMMA::rs_op_selector<Element, Element, float, Shape<_64, DV, BN>,
                                                                    GMMA::Major::K, kFp8 ? GMMA::Major::K : GMMA::Major::MN>()));
 
   // Q: one 64-row slice per consumer warpgroup, kQStages tiles deep. The 16-bit epilogue stages O in
@@ -83,18 +87,22 @@ struct FwdMainloop {
   using SmemLayoutQ = decltype(tile_to_shape(SmemAtomQ{}, Shape<_64, D, Int<kNumMmaWG>, Int<kQStages>>{}));
   using SmemAtomKV = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, BN, D>());
   using SmemLayoutK = decltype(tile_to_shape(SmemAtomKV{}, Shape<BN, D, Int<kStages>>{}));
-  // V as PV's B operand, (headdim, keys). 16-bit: V's own tiles read MN-major (headdim contiguous).
+  // V as PV's B operand, (headdim_v, keys). 16-bit: V's own tiles read MN-major (headdim contiguous).
   // FP8: V^T tiles, K-major (keys contiguous), as loaded.
-  using SmemAtomVt = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, D, BN>());
+  using SmemAtomV = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, BN, DV>());
+  using SmemLayoutV16 = decltype(tile_to_shape(SmemAtomV{}, Shape<BN, DV, Int<kStages>>{}));
+  using SmemAtomVt = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, DV, BN>());
   using SmemLayoutVt = std::conditional_t<
-      kFp8, decltype(tile_to_shape(SmemAtomVt{}, Shape<D, BN, Int<kStages>>{})),
-      decltype(composition(SmemLayoutK{}, make_ordered_layout(Shape<D, BN, Int<kStages>>{}, Step<_2, _1, _3>{})))>;
-  // The V stages as TMA writes them: V tiles (keys, headdim), or for FP8 V^T tiles (headdim, keys).
-  using SmemLayoutV = std::conditional_t<kFp8, SmemLayoutVt, SmemLayoutK>;
-  using TileV = std::conditional_t<kFp8, Shape<D, BN>, Shape<BN, D>>;
-  // FP8: O (bfloat16) staged for its TMA store, 64 rows per consumer warpgroup.
-  using SmemAtomO = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, ElementOut, _64, D>());
-  using SmemLayoutO = decltype(tile_to_shape(SmemAtomO{}, Shape<_64, D, Int<kNumMmaWG>, _1>{}));
+      kFp8, decltype(tile_to_shape(SmemAtomVt{}, Shape<DV, BN, Int<kStages>>{})),
+      decltype(composition(SmemLayoutV16{}, make_ordered_layout(Shape<DV, BN, Int<kStages>>{}, Step<_2, _1, _3>{})))>;
+  // The V stages as TMA writes them: V tiles (keys, headdim_v), or for FP8 V^T tiles (headdim, keys).
+  using SmemLayoutV = std::conditional_t<kFp8, SmemLayoutVt, SmemLayoutV16>;
+  using TileV = std::conditional_t<kFp8, Shape<DV, BN>, Shape<BN, DV>>;
+  // O of one consumer warpgroup as the epilogue stages it (64 x headdim_v): 16-bit in that warpgroup's
+  // slice of the Q stage the tile used (kOSlotElems apart), FP8 (bfloat16 O) in a buffer of its own.
+  using SmemAtomO = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, ElementOut, _64, DV>());
+  using SmemLayoutO = decltype(tile_to_shape(SmemAtomO{}, Shape<_64, DV>{}));
+  static constexpr int kOSlotElems = kFp8 ? 64 * kHeadDimV : 64 * kHeadDim;
 
   // Global tensors as (rows, headdim, head, batch); FP8's V^T as (headdim, keys, head, batch).
   using ShapeQKV = Shape<int32_t, int32_t, int32_t, int32_t>;
@@ -105,7 +113,8 @@ struct FwdMainloop {
   using TMA_V = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutV{}), TileV{}, _1{}));
 
   static constexpr uint32_t kQStageBytes = uint32_t(size(take<0, 3>(SmemLayoutQ{})) * sizeof(Element));
-  static constexpr uint32_t kKVStageBytes = uint32_t(size(take<0, 2>(SmemLayoutK{})) * sizeof(Element));
+  static constexpr uint32_t kKStageBytes = uint32_t(size(take<0, 2>(SmemLayoutK{})) * sizeof(Element));
+  static constexpr uint32_t kVStageBytes = uint32_t(size(take<0, 2>(SmemLayoutV{})) * sizeof(Element));
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = typename Pipeline::PipelineState;
@@ -119,7 +128,7 @@ struct FwdMainloop {
     cute::array_aligned<Element, cosize_v<SmemLayoutV>, 1024> smem_v;
   };
   struct TensorStorageFp8 : TensorStorage16 {
-    cute::array_aligned<ElementOut, cosize_v<SmemLayoutO>, 1024> smem_o;
+    cute::array_aligned<ElementOut, kNumMmaWG * kOSlotElems, 1024> smem_o;
   };
   using TensorStorage = std::conditional_t<kFp8, TensorStorageFp8, TensorStorage16>;
   struct BarrierStorage {
@@ -145,7 +154,7 @@ struct FwdMainloop {
     TMA_Q tma_q;
     TMA_K tma_k;
     TMA_V tma_v;
-    ShapeQKV shape_q, shape_k, shape_v;  // shape_v: V's, or for FP8's V^T (headdim, keys padded to 16)
+    ShapeQKV shape_q, shape_k, shape_v;  // shape_v: V's (keys, headdim_v), or FP8's V^T (headdim, keys padded to 16)
     int heads_ratio;                     // query heads per kv head (GQA/MQA)
     float scale_log2;                    // of the softmax's exp2, after the score mod
     Seqlens seqlens;
@@ -178,7 +187,7 @@ struct FwdMainloop {
     // holds them permuted (a key below seqlen_k may sit at a position above it).
     ShapeQKV const shape_v = kFp8 ? ShapeQKV{get<1>(shape_k), (get<0>(shape_k) + 15) / 16 * 16, get<2>(shape_k),
                                              get<3>(shape_k)}
-                                  : shape_k;
+                                  : ShapeQKV{get<0>(shape_k), kHeadDimV, get<2>(shape_k), get<3>(shape_k)};
     auto mV = make_tensor(make_gmem_ptr(v), shape_v, stride_v);
     return {make_tma_copy(SM90_TMA_LOAD{}, mQ, take<0, 2>(SmemLayoutQ{}), Shape<_64, D>{}, _1{}),
             make_tma_copy(SM90_TMA_LOAD{}, mK, take<0, 2>(SmemLayoutK{}), Shape<BN, D>{}, _1{}),
@@ -227,7 +236,7 @@ struct FwdMainloop {
       Tensor mV4 = p.tma_v.get_tma_tensor(p.shape_v);
       if constexpr (kFp8) {  // V^T: the keys are the second mode
         Tensor mV = domain_offset(make_coord(_0{}, seq.offset_k), mV4(_, _, kv_head, seq.batch_coord));
-        return local_tile(mV, TileV{}, make_coord(_0{}, _));  // (D, BN, n)
+        return local_tile(mV, TileV{}, make_coord(_0{}, _));  // (DV, BN, n)
       } else {
         return local_tile(entry_rows(mV4, seq.offset_k, kv_head, seq.batch_coord), TileV{}, make_coord(_, _0{}));
       }

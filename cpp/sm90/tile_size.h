@@ -10,7 +10,8 @@
 
 namespace flashhopper::sm90 {
 
-template <int kHeadDim, DType kDType>
+// kHeadDimV: V's (and O's) head dim where it differs from Q/K's.
+template <int kHeadDim, DType kDType, int kHeadDimV = kHeadDim>
 struct FwdTileSize;
 
 struct FwdTileDefaults {
@@ -21,6 +22,13 @@ struct FwdTileDefaults {
 template <DType kDType>
 struct FwdTileSize<64, kDType> : FwdTileDefaults {
   static constexpr int kBlockM = 192, kBlockN = 128, kStages = 3, kQStages = 2;
+};
+
+// Head dim 96: the 64's layout (three consumer warpgroups); 96 columns take the 64-byte swizzle.
+// A starting point (FA3 uses 192 x 144), measured in docs/perf-notes.md.
+template <DType kDType>
+struct FwdTileSize<96, kDType> : FwdTileDefaults {
+  static constexpr int kBlockM = 192, kBlockN = 96, kStages = 2, kQStages = 2;
 };
 
 // 128 x 128 with two Q stages beat 128 x 176 (FA3's) and three K/V stages (perf-notes, v3 ablations).
@@ -35,6 +43,22 @@ template <DType kDType>
 struct FwdTileSize<256, kDType> : FwdTileDefaults {
   static constexpr int kBlockM = 128, kBlockN = 80, kStages = 2, kQStages = 1;
 };
+
+// Head dim 192: O takes 96 registers per thread, S 56 at 112 keys; Q 48 KB, K and V 2 x 42 KB each.
+// A starting point (FA3's choice), measured in docs/perf-notes.md.
+template <DType kDType>
+struct FwdTileSize<192, kDType> : FwdTileDefaults {
+  static constexpr int kBlockM = 128, kBlockN = 112, kStages = 2, kQStages = 1;
+};
+
+// Q/K 192, V 128 (DeepSeek-V3's prefill): O as at head dim 128, 128 keys; Q 48 KB, K 2 x 48 KB, V 2 x 32 KB.
+// Q/K 128, V 64: head dim 128's tiles. Starting points (FA3's), measured in docs/perf-notes.md.
+template <DType kDType>
+struct FwdTileSize<192, kDType, 128> : FwdTileDefaults {
+  static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2, kQStages = 1;
+};
+template <DType kDType>
+struct FwdTileSize<128, kDType, 64> : FwdTileSize<128, kDType> {};
 
 // FP8 (e4m3): half the bytes per K/V tile, the same registers per score. kBlockN must be a multiple of
 // 32 (the fp8 PV GEMM's k) and is also the K/V scale block the kernel needs (docs/fp8.md). O has its
@@ -63,11 +87,12 @@ struct FwdTileSize<256, DType::kFloat8E4M3> : FwdTileDefaults {
 //    dV += P^T dO and dK += dS^T Q (no trip through shared memory); only dS is stored, for dQ.
 //  - otherwise (head dim 256, where one warpgroup cannot hold 64 keys x 256 of both dK and dV):
 //    S = Q K^T split over keys, P and dS go through shared memory, and dV^T = dO^T P,
-//    dK^T = Q^T dS split over the head dim (kdKVSwapAB), 128 head-dim rows per warpgroup.
+//    dK^T = Q^T dS (kdKVSwapAB), split over the head dim where each warpgroup gets whole 64-row
+//    WGMMA atoms (256: 128 rows each), over the keys otherwise (192: all rows, half the keys each).
 // dQ = dS K (64 x headdim) is split over the head dim, in kdQSlices column slices, and summed over the
 // key blocks in a float32 buffer (mainloop_bwd.h: DqPath).
 // kStages: Q (with its LSE) stages; kStagesdO: dO (with D) stages; kStagesdS: P/dS buffers.
-template <int kHeadDim>
+template <int kHeadDim, int kHeadDimV = kHeadDim>
 struct BwdTileSize;
 
 template <>
@@ -83,6 +108,29 @@ struct BwdTileSize<128> {
   static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2, kStagesdO = 2, kStagesdS = 2, kdQSlices = 1;
   static constexpr bool kSdPSwapAB = true, kdKVSwapAB = false;
 };
+
+// Head dim 96: head dim 128's layout (dK and dV take 48 registers each per thread).
+template <>
+struct BwdTileSize<96> {
+  static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2, kStagesdO = 2, kStagesdS = 2, kdQSlices = 1;
+  static constexpr bool kSdPSwapAB = true, kdKVSwapAB = false;
+};
+
+// Head dim 192: with S^T, one warpgroup would hold 64 keys x 192 of both dK and dV (192 registers).
+// Head dim 256's layout instead, the keys split: dK^T/dV^T of 48 keys per warpgroup take 144
+// registers, dQ goes in three 64-column slices. A starting point (FA3 uses 64 x 96 too).
+template <>
+struct BwdTileSize<192> {
+  static constexpr int kBlockM = 64, kBlockN = 96, kStages = 2, kStagesdO = 1, kStagesdS = 1, kdQSlices = 3;
+  static constexpr bool kSdPSwapAB = false, kdKVSwapAB = true;
+};
+
+// Q/K 192, V 128: head dim 192's layout (dV^T of 48 keys per warpgroup takes 48 registers, where dK^T
+// takes 72). Q/K 128, V 64: head dim 128's.
+template <>
+struct BwdTileSize<192, 128> : BwdTileSize<192> {};
+template <>
+struct BwdTileSize<128, 64> : BwdTileSize<128> {};
 
 // Head dim 256: 80 keys per CTA (20% less Q/dO traffic per FLOP than 64; dK^T/dV^T take 160
 // registers), dQ in four 32-column slices to fit the registers; one dO stage, released mid-iteration

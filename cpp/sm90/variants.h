@@ -11,13 +11,13 @@
 namespace flashhopper::sm90 {
 
 // The forward tiles of a variant: the production table unless the variant overrides it.
-template <class Variant, int kHeadDim, DType kDType>
+template <class Variant, int kHeadDim, DType kDType, int kHeadDimV = kHeadDim>
 struct FwdTileOf {
-  using type = FwdTileSize<kHeadDim, kDType>;
+  using type = FwdTileSize<kHeadDim, kDType, kHeadDimV>;
 };
-template <class Variant, int kHeadDim>
+template <class Variant, int kHeadDim, int kHeadDimV = kHeadDim>
 struct BwdTileOf {
-  using type = BwdTileSize<kHeadDim>;
+  using type = BwdTileSize<kHeadDim, kHeadDimV>;
 };
 
 namespace variant {
@@ -33,9 +33,9 @@ struct NoPingPong {
 
 }  // namespace variant
 
-template <int kHeadDim, DType kDType>
-struct FwdTileOf<variant::NoPingPong, kHeadDim, kDType> {
-  using type = variant::NoPingPong::Tile<FwdTileSize<kHeadDim, kDType>>;
+template <int kHeadDim, DType kDType, int kHeadDimV>
+struct FwdTileOf<variant::NoPingPong, kHeadDim, kDType, kHeadDimV> {
+  using type = variant::NoPingPong::Tile<FwdTileSize<kHeadDim, kDType, kHeadDimV>>;
 };
 
 }  // namespace flashhopper::sm90

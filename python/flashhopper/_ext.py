@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from .kernel_key import KernelKey, from_dict
+from .kernel_key import FP8_HEADDIMS, KernelKey, from_dict
 
 _module: ModuleType | None = None
 _error: str | None = None
@@ -97,13 +97,17 @@ def configured(mode: str, key: KernelKey) -> bool:
     """Whether the build was asked for this production kernel (FLASHHOPPER_ARCHS, _MODES, _DTYPES, _HDIMS,
     _MASKS, _SCORE_MODS): then its absence is a broken build or a wrong key, not a configuration choice (the
     GPU tests fail on it rather than skip). The fp8 (e4m3) dtype is built as a Hopper forward only, without
-    score mods (cpp/generate_kernels.py: FAMILIES); variants are ablation builds, never required."""
+    score mods, at FP8_HEADDIMS (cpp/generate_kernels.py); variants are ablation builds, never required."""
     info = build_info()
     if not info or key.variant:
         return False
     dtype = key.short_dtype()
-    if dtype == "e4m3" and (key.arch != 90 or mode != "fwd" or key.score_mod != "none"):
+    if dtype == "e4m3" and (key.arch != 90 or mode != "fwd" or key.score_mod != "none"
+                            or key.headdim not in FP8_HEADDIMS):
         return False
-    return (key.arch in info["archs"] and mode in info["modes"] and dtype in info["dtypes"]
-            and key.headdim in info["headdims"] and key.headdim_v == key.headdim and key.mask in info["masks"]
-            and key.score_mod in info.get("score_mods", ["none"]))
+    if key.headdim_v == key.headdim:
+        hdims = key.headdim in info["headdims"]
+    else:  # (Q/K, V) pairs: Hopper 16-bit kernels only
+        hdims = key.arch == 90 and [key.headdim, key.headdim_v] in info.get("headdim_pairs", [])
+    return (key.arch in info["archs"] and mode in info["modes"] and dtype in info["dtypes"] and hdims
+            and key.mask in info["masks"] and key.score_mod in info.get("score_mods", ["none"]))

@@ -30,15 +30,18 @@ def visible_pairs(seqlen_q: int, seqlen_k: int, causal: bool, window: tuple[int,
 
 
 def attention_flops(batch: int, seqlen_q: int, seqlen_k: int, nheads: int, headdim: int,
-                    causal: bool = False, mode: Mode = "fwd", window: tuple[int, int] | None = None) -> float:
-    """FLOPs of one attention call; ``nheads`` is the number of query heads. With ``window`` (not
-    (-1, -1)), 4 * headdim FLOPs per visited pair (visible_pairs) instead of the causal convention."""
+                    causal: bool = False, mode: Mode = "fwd", window: tuple[int, int] | None = None,
+                    headdim_v: int | None = None) -> float:
+    """FLOPs of one attention call; ``nheads`` is the number of query heads. 2 * (headdim + headdim_v)
+    per score (QK^T and PV; headdim_v defaults to headdim: the FA convention's 4 * headdim). With
+    ``window`` (not (-1, -1)), per visited pair (visible_pairs) instead of the causal convention."""
     if mode not in _MODE_FACTOR:
         raise ValueError(f"mode must be one of {sorted(_MODE_FACTOR)}, got {mode!r}")
+    per_score = 2.0 * (headdim + (headdim if headdim_v is None else headdim_v))
     if window is not None and tuple(window) != (-1, -1):
-        fwd = 4.0 * batch * nheads * visible_pairs(seqlen_q, seqlen_k, causal, window) * headdim
+        fwd = batch * nheads * visible_pairs(seqlen_q, seqlen_k, causal, window) * per_score
         return fwd * _MODE_FACTOR[mode]
-    fwd = 4.0 * batch * nheads * seqlen_q * seqlen_k * headdim
+    fwd = batch * nheads * seqlen_q * seqlen_k * per_score
     if causal:
         fwd /= 2
     return fwd * _MODE_FACTOR[mode]

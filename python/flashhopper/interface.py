@@ -32,7 +32,8 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
     """Exact softmax attention, flash-attn layout, differentiable.
 
     q: (batch, seqlen_q, nheads_q, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim), with
-    nheads_q a multiple of nheads_kv (grouped-query attention). softmax_scale defaults to
+    nheads_q a multiple of nheads_kv (grouped-query attention); v may have a head dim of its own (the
+    kernels: Q/K 192 with V 128, Q/K 128 with V 64), which out then has. softmax_scale defaults to
     1/sqrt(headdim). causal masks bottom-right aligned: row i sees key j iff j <= i + seqlen_k - seqlen_q;
     a row that sees no key gets zeros (and lse -inf, or its sink with sinks).
     backend: None picks the fastest compiled kernel for the device (CPU tensors use the reference);
@@ -48,7 +49,7 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
       denominator gets exp(sink) added with no value, out = sum_j exp(s_j) v_j / (exp(sink) + sum_j
       exp(s_j)); lse includes it. Differentiable: sinks.grad comes from the same backward.
 
-    Returns out (like q), or (out, lse) with lse float32 (batch, nheads_q, seqlen_q), natural log.
+    Returns out (like q, with v's head dim), or (out, lse) with lse float32 (batch, nheads_q, seqlen_q), natural log.
 
     Gradients: autograd (and torch.compile) differentiates through it, w.r.t. q, k, v (and sinks),
     through out and lse alike, with the backward kernel of the same backend (dk/dv of a kv head sum
@@ -71,7 +72,8 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
     softcap = check_softcap(softcap)
     check_sinks(sinks, q)
     causal, window = normalize_window(causal, window)
-    name = resolve_backend(q, shapes.headdim, q.dtype, causal, backend, window=window, softcap=softcap)
+    name = resolve_backend(q, shapes.headdim, q.dtype, causal, backend, window=window, softcap=softcap,
+                           headdim_v=shapes.headdim_v)
     require_bwd_kernel(name, q, k, v, shapes.headdim, causal, window=window, sinks=sinks, softcap=softcap)
     left, right = (-1, -1) if window is None else window
     out, lse = torch.ops.flashhopper.fwd.default(q, k, v, scale, causal, left, right, softcap, sinks, deterministic,

@@ -17,6 +17,23 @@ SCORE_MODS: tuple[str, ...] = ("none", "softcap")
 BUILD_DTYPES: dict[str, str] = {"fp16": "float16", "bf16": "bfloat16", "e4m3": "float8_e4m3fn"}
 ARCHS: tuple[int, ...] = (90, 80)
 MODES: tuple[str, ...] = ("fwd", "bwd")
+# Head dims (of Q/K, and V) with kernels; the FP8 forward (its tiles, V transpose and scale blocks) has
+# the FA3-paper three.
+HEADDIMS: tuple[int, ...] = (64, 96, 128, 192, 256)
+FP8_HEADDIMS: tuple[int, ...] = (64, 128, 256)
+# (Q/K, V) head dims that differ, Hopper 16-bit kernels only: DeepSeek-V3's prefill, and 128 / 64. Build
+# option spelling "192x128" (FLASHHOPPER_HDIMS).
+HEADDIM_PAIRS: tuple[tuple[int, int], ...] = ((192, 128), (128, 64))
+
+
+def parse_headdim(token: str) -> tuple[int, int]:
+    """A FLASHHOPPER_HDIMS entry as (Q/K, V) head dims: "128" -> (128, 128), "192x128" -> (192, 128)."""
+    qk, _, v = token.partition("x")
+    pair = (int(qk), int(v or qk))
+    if (pair[0] == pair[1] and pair[0] not in HEADDIMS) or (pair[0] != pair[1] and pair not in HEADDIM_PAIRS):
+        raise ValueError(f"head dims {token!r}: the kernels have {', '.join(map(str, HEADDIMS))} and "
+                         f"{', '.join(f'{a}x{b}' for a, b in HEADDIM_PAIRS)}")
+    return pair
 
 
 @dataclass(frozen=True)

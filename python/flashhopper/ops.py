@@ -61,7 +61,8 @@ def fill_params(p: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
 def _launch_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                 softmax_scale: float, causal: bool, window: tuple[int, int] | None, arch: int, variant: str = "",
                 max_smem_bytes: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None) -> int:
-    key = dispatch.kernel_key(_BACKEND_OF_ARCH[arch], q.dtype, q.shape[3], causal, window, variant, softcap)
+    key = dispatch.kernel_key(_BACKEND_OF_ARCH[arch], q.dtype, q.shape[3], causal, window, variant, softcap,
+                              v.shape[3])
     entry = dispatch.require_kernel("fwd", key)
     for name, x in (("q", q), ("k", k), ("v", v), ("out", out)):
         validation.check_kernel_layout(name, x)
@@ -97,8 +98,8 @@ def fwd_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tenso
     if not q.is_cuda:
         raise ValueError(f"q is on {q.device}; the flashhopper kernels need CUDA tensors")
     validation.check_kernel_dtype("q", q.dtype)
-    validation.check_kernel_headdim(shapes.headdim)
-    validation.check_outputs(q, out, lse)
+    validation.check_kernel_headdim(shapes.headdim, shapes.headdim_v)
+    validation.check_outputs(q, out, lse, v)
     validation.check_max_smem_bytes(max_smem_bytes)
     return _launch_fwd(q, k, v, out, lse, softmax_scale, causal, window, arch, variant, max_smem_bytes, softcap,
                        sinks)
@@ -115,11 +116,11 @@ def _reference_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
     lse.copy_(ref_lse)
 
 
-def _empty_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    b, sq, hq, d = q.shape
+def _empty_outputs(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    b, sq, hq, _ = q.shape
     # Always contiguous, in the real and the fake implementation alike, so compiled graphs see the
-    # strides they will get.
-    out = torch.empty((b, sq, hq, d), dtype=q.dtype, device=q.device)
+    # strides they will get. out has v's head dim.
+    out = torch.empty((b, sq, hq, v.shape[3]), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
     return out, lse
 
@@ -131,12 +132,12 @@ def _unknown_backend(backend: str) -> ValueError:
 def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool, window_left: int,
         window_right: int, softcap: float, sinks: Optional[torch.Tensor], deterministic: bool,  # noqa: UP045
         backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention forward: (out like q, lse float32 (batch, nheads_q, seqlen_q)). ``window_left``,
+    """Attention forward: (out like q with v's head dim, lse float32 (batch, nheads_q, seqlen_q)). ``window_left``,
     ``window_right``: flash-attn's local window, -1 unbounded ((-1, -1): none); ``softcap`` (0: off) and
     ``sinks`` (float32 (nheads_q,) or None) as in flash_attn_func. ``backend`` is one of
     "sm90", "sm80", "reference" (already resolved; see dispatch.select_backend). ``deterministic``
     does not change the forward (it is deterministic anyway); autograd keeps it for the backward."""
-    out, lse = _empty_outputs(q)
+    out, lse = _empty_outputs(q, v)
     window = _window_of(window_left, window_right)
     if backend == "reference":
         _reference_into(q, k, v, out, lse, softmax_scale, causal, window, softcap, sinks)
@@ -155,7 +156,7 @@ fwd_op = _op.define("fwd", fwd, autocast=("q", "k", "v"))
 def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool, window_left: int,
       window_right: int, softcap: float, sinks: Optional[torch.Tensor], deterministic: bool,  # noqa: UP045
       backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return _empty_outputs(q)
+    return _empty_outputs(q, v)
 
 
 # --- backward ---
@@ -192,7 +193,8 @@ def _launch_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
                 dv: torch.Tensor, softmax_scale: float, causal: bool, window: tuple[int, int] | None,
                 deterministic: bool, arch: int, variant: str = "", max_smem_bytes: int = 0, softcap: float = 0.0,
                 sinks: torch.Tensor | None = None, dsinks_rows: torch.Tensor | None = None) -> int:
-    key = dispatch.kernel_key(_BACKEND_OF_ARCH[arch], q.dtype, q.shape[3], causal, window, variant, softcap)
+    key = dispatch.kernel_key(_BACKEND_OF_ARCH[arch], q.dtype, q.shape[3], causal, window, variant, softcap,
+                              v.shape[3])
     entry = dispatch.require_kernel("bwd", key)
     for name, x in (("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout), ("dq", dq), ("dk", dk), ("dv", dv)):
         validation.check_kernel_layout(name, x)
@@ -240,8 +242,8 @@ def bwd_into(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     if not q.is_cuda:
         raise ValueError(f"q is on {q.device}; the flashhopper kernels need CUDA tensors")
     validation.check_kernel_dtype("q", q.dtype)
-    validation.check_kernel_headdim(shapes.headdim)
-    validation.check_outputs(q, out, lse)
+    validation.check_kernel_headdim(shapes.headdim, shapes.headdim_v)
+    validation.check_outputs(q, out, lse, v)
     validation.check_dout(dout, out)
     if dlse is not None:
         validation.check_lse("dlse", dlse, q)

@@ -1,8 +1,8 @@
 """Slow truths the kernels are tested against, in the flash-attn layout.
 
-q is (batch, seqlen_q, nheads_q, headdim); k and v are (batch, seqlen_k, nheads_kv, headdim). Every
-forward function returns ``(out, lse)``: out like q, lse of shape (batch, nheads_q, seqlen_q), natural
-log; every backward function returns ``(dq, dk, dv)``, each like its input.
+q is (batch, seqlen_q, nheads_q, headdim); k and v are (batch, seqlen_k, nheads_kv, headdim), v's head dim
+possibly its own. Every forward function returns ``(out, lse)``: out like q (with v's head dim), lse of
+shape (batch, nheads_q, seqlen_q), natural log; every backward function returns ``(dq, dk, dv)``, each like its input.
 Conventions shared with the kernels:
 - grouped-query attention: query head h reads kv head ``h // (nheads_q // nheads_kv)``;
 - causal is bottom-right aligned: query row i sees key j iff ``j <= i + seqlen_k - seqlen_q``;
@@ -113,7 +113,7 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_sca
     b, sq, h, d = q.shape
     sk = k.shape[1]
     qt, kt, vt = _heads_first(q, k, v, dtype)
-    out = torch.empty(b, h, sq, d, dtype=dtype, device=q.device)
+    out = torch.empty(b, h, sq, v.shape[3], dtype=dtype, device=q.device)
     lse = torch.empty(b, h, sq, dtype=dtype, device=q.device)
     step = _rows_per_block(q, sk)
     for m0 in range(0, sq, step):
@@ -135,7 +135,7 @@ def attention_lowp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_sc
     b, sq, h, d = q.shape
     sk = k.shape[1]
     qt, kt, vt = _heads_first(q, k, v, q.dtype)
-    out = torch.empty(b, h, sq, d, dtype=q.dtype, device=q.device)
+    out = torch.empty(b, h, sq, v.shape[3], dtype=q.dtype, device=q.device)
     lse = torch.empty(b, h, sq, dtype=torch.float32, device=q.device)
     step = _rows_per_block(q, sk)
     for m0 in range(0, sq, step):
@@ -166,14 +166,14 @@ def attention_tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_m: 
     offset = sk - sq  # row i's diagonal is key i + offset
     left, right = _edges(causal, window)
     qt, kt, vt = _heads_first(q, k, v, dtype)
-    out = torch.empty(b, h, sq, d, dtype=dtype, device=q.device)
+    out = torch.empty(b, h, sq, v.shape[3], dtype=dtype, device=q.device)
     lse = torch.empty(b, h, sq, dtype=dtype, device=q.device)
     for m0 in range(0, sq, block_m):
         m1 = min(m0 + block_m, sq)
         q_blk = qt[:, :, m0:m1]
         m = torch.full((b, h, m1 - m0), float("-inf"), dtype=dtype, device=q.device)
         l = torch.zeros_like(m)
-        acc = torch.zeros(b, h, m1 - m0, d, dtype=dtype, device=q.device)
+        acc = torch.zeros(b, h, m1 - m0, v.shape[3], dtype=dtype, device=q.device)
         # Keys past the last row's right edge or before the first row's left edge are invisible to
         # the whole block. Blocks stay aligned to multiples of block_n, as in the kernels.
         n_end = sk if right is None else min(sk, max(0, m1 + offset + right))
@@ -244,7 +244,7 @@ def attention_bwd_ref(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
         delta = delta - dlse.to(dtype)
     dq = torch.empty(b, hq, sq, d, dtype=dtype, device=q.device)
     dk = torch.zeros(b, hq, sk, d, dtype=dtype, device=q.device)  # per query head; summed per group below
-    dv = torch.zeros(b, hq, sk, d, dtype=dtype, device=q.device)
+    dv = torch.zeros(b, hq, sk, v.shape[3], dtype=dtype, device=q.device)
     step = _rows_per_block(q, sk)
     for m0 in range(0, sq, step):
         rows = slice(m0, m0 + step)
@@ -287,7 +287,7 @@ def attention_bwd_lowp(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     dot = dout.transpose(1, 2).to(dt)
     dq = torch.empty(b, hq, sq, d, dtype=dt, device=q.device)
     dk = torch.zeros(b, hq, sk, d, dtype=torch.float32, device=q.device)
-    dv = torch.zeros(b, hq, sk, d, dtype=torch.float32, device=q.device)
+    dv = torch.zeros(b, hq, sk, v.shape[3], dtype=torch.float32, device=q.device)
     step = _rows_per_block(q, sk)
     for m0 in range(0, sq, step):
         rows = slice(m0, m0 + step)

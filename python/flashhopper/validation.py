@@ -15,10 +15,12 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .kernel_key import HEADDIM_PAIRS, HEADDIMS
+
 KERNEL_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
 # The reference computes in float32/float64 whatever the input, so it takes these too.
 REFERENCE_DTYPES: tuple[torch.dtype, ...] = KERNEL_DTYPES + (torch.float32, torch.float64)
-KERNEL_HEADDIMS: tuple[int, ...] = (64, 128, 256)
+KERNEL_HEADDIMS: tuple[int, ...] = HEADDIMS
 # TMA: global addresses and every non-innermost stride must be multiples of 16 bytes.
 TMA_ALIGN_BYTES = 16
 
@@ -29,7 +31,8 @@ class Shapes(NamedTuple):
     seqlen_k: int
     nheads_q: int
     nheads_kv: int
-    headdim: int
+    headdim: int    # of q and k
+    headdim_v: int  # of v and out
 
 
 def _names(dtypes: tuple[torch.dtype, ...]) -> str:
@@ -64,21 +67,26 @@ def check_same_device(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None
             raise ValueError(f"{name} is on {x.device} but q is on {q.device}; q, k and v must share one device")
 
 
-def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Shapes:
-    """Shapes of (batch, seqlen_q, nheads_q, headdim) q and (batch, seqlen_k, nheads_kv, headdim) k/v."""
+def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, v_headdim_of_its_own: bool = False) -> Shapes:
+    """Shapes of (batch, seqlen_q, nheads_q, headdim) q and (batch, seqlen_k, nheads_kv, headdim) k/v;
+    with ``v_headdim_of_its_own`` v's last dim may differ (out then has v's)."""
     b, sq, hq, d = q.shape
     _, sk, hkv, _ = k.shape
     if k.shape[0] != b:
         raise ValueError(f"k batch size {k.shape[0]} does not match q batch size {b}")
     if k.shape[3] != d:
         raise ValueError(f"k head dim {k.shape[3]} does not match q head dim {d}")
-    if v.shape != k.shape:
-        raise ValueError(f"v shape {tuple(v.shape)} must equal k shape {tuple(k.shape)}")
     if d < 1:
         raise ValueError(f"q head dim must be positive, got shape {tuple(q.shape)}")
+    if v_headdim_of_its_own:
+        if v.shape[:3] != k.shape[:3] or v.shape[3] < 1:
+            raise ValueError(f"v shape {tuple(v.shape)} must equal k shape {tuple(k.shape)} but for the head dim "
+                             "(positive)")
+    elif v.shape != k.shape:
+        raise ValueError(f"v shape {tuple(v.shape)} must equal k shape {tuple(k.shape)}")
     if (hkv == 0 and hq != 0) or (hkv > 0 and hq % hkv != 0):
         raise ValueError(f"q nheads {hq} must be a multiple of k/v nheads {hkv} (grouped-query attention)")
-    return Shapes(b, sq, sk, hq, hkv, d)
+    return Shapes(b, sq, sk, hq, hkv, d, v.shape[3])
 
 
 def check_softmax_scale(softmax_scale: Any) -> float:
@@ -105,7 +113,7 @@ def check_inputs(q: Any, k: Any, v: Any, softmax_scale: Any, causal: Any) -> tup
     # Devices first: under CUDA autocast only the CUDA ones were cast, and the device is the mistake.
     check_same_device(q, k, v)
     check_same_dtype(q, k, v)
-    shapes = check_shapes(q, k, v)
+    shapes = check_shapes(q, k, v, v_headdim_of_its_own=True)
     scale = 1.0 / math.sqrt(shapes.headdim) if softmax_scale is None else check_softmax_scale(softmax_scale)
     check_flag("causal", causal)
     return shapes, scale
@@ -192,11 +200,18 @@ def check_kernel_dtype(name: str, dtype: torch.dtype) -> None:
             "(backend='reference' also takes float32/float64)")
 
 
-def check_kernel_headdim(headdim: int) -> None:
-    if headdim not in KERNEL_HEADDIMS:
+def check_kernel_headdim(headdim: int, headdim_v: int | None = None) -> None:
+    """Q/K's head dim (and V's, where it differs) is one the kernels have."""
+    if headdim_v is None or headdim_v == headdim:
+        if headdim not in KERNEL_HEADDIMS:
+            raise ValueError(
+                f"q head dim {headdim} is not supported by the flashhopper kernels "
+                f"(supported: {', '.join(map(str, KERNEL_HEADDIMS))}); backend='reference' takes any head dim")
+    elif (headdim, headdim_v) not in HEADDIM_PAIRS:
         raise ValueError(
-            f"q head dim {headdim} is not supported by the flashhopper kernels "
-            f"(supported: {', '.join(map(str, KERNEL_HEADDIMS))}); backend='reference' takes any head dim")
+            f"q/k head dim {headdim} with v head dim {headdim_v} is not supported by the flashhopper kernels "
+            f"(supported: equal head dims, and {', '.join(f'{a}/{b}' for a, b in HEADDIM_PAIRS)}); "
+            "backend='reference' takes any head dims")
 
 
 def kernel_strides(x: torch.Tensor) -> tuple[int, int, int]:
@@ -269,9 +284,16 @@ def check_like(name: str, x: Any, like_name: str, like: torch.Tensor) -> None:
             f"{like_name} is {tuple(like.shape)} {like.dtype} {like.device}")
 
 
-def check_outputs(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
-    """Caller-provided out (like q) and lse (float32, contiguous (batch, nheads_q, seqlen_q))."""
-    check_like("out", out, "q", q)
+def check_outputs(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, v: torch.Tensor | None = None) -> None:
+    """Caller-provided out (like q, with v's head dim) and lse (float32, contiguous (batch, nheads_q, seqlen_q))."""
+    if v is None or v.shape[3] == q.shape[3]:
+        check_like("out", out, "q", q)
+    else:
+        check_tensor("out", out)
+        want = (*q.shape[:3], v.shape[3])
+        if tuple(out.shape) != want or out.dtype != q.dtype or out.device != q.device:
+            raise ValueError(f"out must be {want} (q's shape with v's head dim) {q.dtype} {q.device}: got "
+                             f"{tuple(out.shape)} {out.dtype} {out.device}")
     check_lse("lse", lse, q)
 
 

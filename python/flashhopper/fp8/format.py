@@ -9,9 +9,10 @@ from typing import Any, NamedTuple
 import torch
 
 from .. import validation
+from ..kernel_key import FP8_HEADDIMS
 
 FP8_DTYPE = torch.float8_e4m3fn
-HEADDIMS: tuple[int, ...] = (64, 128, 256)
+HEADDIMS: tuple[int, ...] = FP8_HEADDIMS
 GRANULARITIES: tuple[str, ...] = ("block", "head", "tensor")
 # V^T: within each aligned group of 16 keys, position l holds key VT_ORDER[l] (docs/fp8.md).
 VT_GROUP = 16

@@ -21,6 +21,7 @@ import math
 import torch
 
 from . import validation
+from .dropout import Dropout, keep_mask
 
 # Scores are materialized one block of query rows at a time, at most this many elements per
 # block, so that the float64 reference fits in GPU memory at seqlen 8k and beyond.
@@ -101,9 +102,11 @@ def _rows_per_block(q: torch.Tensor, seqlen_k: int) -> int:
 
 def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
                   causal: bool = False, *, window: tuple[int, int] | None = None, softcap: float = 0.0,
-                  sinks: torch.Tensor | None = None,
+                  sinks: torch.Tensor | None = None, dropout: Dropout | None = None,
                   dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact attention computed entirely in ``dtype`` (float64 by default); out and lse in ``dtype``."""
+    """Exact attention computed entirely in ``dtype`` (float64 by default); out and lse in ``dtype``.
+    ``dropout``: P's dropped scores zeroed and the kept ones scaled, after the softmax (flashhopper.dropout
+    says which); the lse is the softmax's."""
     _, scale = validation.check_inputs(q, k, v, softmax_scale, causal)
     window = validation.check_window(window)
     softcap = validation.check_softcap(softcap)
@@ -121,8 +124,16 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_sca
         scores = _mod_scores(qt[:, :, rows] @ kt.transpose(-1, -2), scale, softcap)
         p, lse_rows = _softmax_rows(scores, visible(sq, sk, causal, q.device, rows, window=window), sinks)
         lse[:, :, rows] = lse_rows
-        out[:, :, rows] = p @ vt
+        out[:, :, rows] = _dropped(p, dropout, sq, sk, rows) @ vt
     return out.transpose(1, 2), lse
+
+
+def _dropped(p: torch.Tensor, dropout: Dropout | None, seqlen_q: int, seqlen_k: int, rows: slice) -> torch.Tensor:
+    """P (b, h, rows, keys) after dropout: dropped entries 0, kept ones times the scale."""
+    if dropout is None:
+        return p
+    keep = keep_mask(dropout, p.shape[0], p.shape[1], seqlen_q, seqlen_k, p.device, rows)
+    return torch.where(keep, p * dropout.scale(), 0.0)
 
 
 def attention_lowp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
@@ -217,7 +228,7 @@ def _probs_from_lse(scores: torch.Tensor, lse: torch.Tensor, mask: torch.Tensor 
 def attention_bwd_ref(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                       lse: torch.Tensor, softmax_scale: float | None = None, causal: bool = False,
                       dlse: torch.Tensor | None = None, *, window: tuple[int, int] | None = None,
-                      softcap: float = 0.0,
+                      softcap: float = 0.0, dropout: Dropout | None = None,
                       dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of attention w.r.t. q, k, v by the explicit backward formula, entirely in ``dtype``.
 
@@ -227,7 +238,8 @@ def attention_bwd_ref(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
         dS = P * (dP - D)                       dQ = scale * dS K  dK = scale * dS^T Q
     (the dlse term: d lse_i / d S_ij = P_ij * scale). With a softcap c, P comes from the capped scores
     c * tanh(S * scale / c) and dS gets the factor 1 - tanh^2. Sinks need nothing here (lse includes
-    them; their own gradient is sinks_grad_ref). Masked entries and rows that see no key have
+    them; their own gradient is sinks_grad_ref). With dropout (mask M, scale s) dV = (s M * P)^T dout and
+    dS = P * (s M * dP - D), D as above (out is the dropped output). Masked entries and rows that see no key have
     P = 0 and contribute nothing; with GQA, dK and dV of a kv head sum over its group of query heads.
     This is what the kernels compute, so out and lse are taken as given rather than recomputed:
     pass exact ones (attention_ref) for the true gradients. Query rows are processed in blocks, as in
@@ -250,8 +262,9 @@ def attention_bwd_ref(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
         rows = slice(m0, m0 + step)
         scores = _mod_scores(qt[:, :, rows] @ kt.transpose(-1, -2), scale, softcap)
         p = _probs_from_lse(scores, lse[:, :, rows], visible(sq, sk, causal, q.device, rows, window=window))
-        dv += p.transpose(-1, -2) @ dot[:, :, rows]
-        ds = p * (dot[:, :, rows] @ vt.transpose(-1, -2) - delta[:, :, rows, None])
+        dv += _dropped(p, dropout, sq, sk, rows).transpose(-1, -2) @ dot[:, :, rows]
+        # With dropout the gradient reaching P is dP's kept entries, scaled (D = rowsum(dout * out) holds as is).
+        ds = p * (_dropped(dot[:, :, rows] @ vt.transpose(-1, -2), dropout, sq, sk, rows) - delta[:, :, rows, None])
         if softcap > 0:
             ds = ds * (1 - (scores / softcap) ** 2)
         dq[:, :, rows] = (ds @ kt) * scale

@@ -245,3 +245,16 @@ def test_gpu_tests_fail_on_a_configured_missing_kernel(monkeypatch: pytest.Monke
     refused.append("a dispatch bug")
     with pytest.raises(pytest.fail.Exception, match="dispatch refuses sm80 .* a dispatch bug"):
         helpers.require_backend("sm80", BF16, 128, True, device="cuda:0")
+
+
+
+def test_headdim_pairs_dispatch() -> None:
+    # (Q/K, V) head dims that differ: keyed on both, Hopper kernels only (the hint says so on an A100).
+    pair = {KernelKey(90, "bfloat16", 192, 128, m) for m in ("none", "causal")}
+    assert choose_kernel(H100, 0, BF16, 192, "causal", None, pair, headdim_v=128) == "sm90"
+    with pytest.raises(ValueError, match=r"Hopper \(sm90\) 16-bit kernels only"):
+        choose_kernel(A100, 0, BF16, 192, "none", None, pair, headdim_v=128)
+    with pytest.raises(ValueError, match=r"^q/k head dim 192 with v head dim 64 is not supported"):
+        choose_kernel(H100, 0, BF16, 192, "none", None, pair, headdim_v=64)
+    with pytest.raises(ValueError, match=r"FLASHHOPPER_HDIMS=192x128 "):
+        choose_kernel(H100, 0, BF16, 192, "none", None, build(90), headdim_v=128)

@@ -106,3 +106,24 @@ def test_flash_attn_func_autograd(d: int, dv: int) -> None:
     q0, k0, v0 = (x.detach() for x in (q, k, v))
     assert_matches_reference(out.detach(), lse.detach(), q0, k0, v0, 1 / math.sqrt(d), True)
     assert_grads_match_or_control((q.grad, k.grad, v.grad), dout, q0, k0, v0, 1 / math.sqrt(d), True, dlse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d, dv", HEADDIM_PAIRS)
+def test_deterministic_backward(d: int, dv: int) -> None:
+    # GQA: dK/dV of a kv head summed over its query heads in a fixed order, dQ's key blocks too.
+    require_backend("sm90", torch.bfloat16, d, False, mode="bwd", headdim_v=dv)
+    q, k, v = qkv(2, 777, 1300, 8, 2, d, dv, torch.bfloat16, "cuda")
+    scale = 1 / math.sqrt(d)
+    out = torch.empty(2, 777, 8, dv, dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty(2, 8, 777, device="cuda")
+    fwd_into(q, k, v, out, lse, scale, False, ARCH["sm90"])
+    dout = torch.randn_like(out)
+    runs = []
+    for _ in range(3):
+        grads = tuple(torch.full_like(x, math.nan) for x in (q, k, v))
+        bwd_into(dout, q, k, v, out, lse, *grads, scale, False, True, ARCH["sm90"])
+        runs.append(grads)
+    for other in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], other)), "gradients differ between deterministic runs"
+    assert_grads_match_or_control(runs[0], dout, q, k, v, scale, False)

@@ -68,6 +68,10 @@ def _describe(key: KernelKey) -> str:
 
 
 def _rebuild_hint(backends: tuple[str, ...], key: KernelKey, modes: str | None = None) -> str:
+    if key.headdim_v != key.headdim and (key.arch != 90 or key.variant):
+        # The generator builds (Q/K, V) pairs for the Hopper production kernels only.
+        return ("Q/K and V head dims that differ have Hopper (sm90) 16-bit kernels only; pass "
+                "backend='reference' (or run on an H100/H200)")
     archs = ";".join(str(ARCH[b]) for b in backends)
     mode = f" FLASHHOPPER_MODES={modes}" if modes else ""
     # The default FLASHHOPPER_MASKS is none;causal: a window kernel has to be asked for by name.

@@ -69,9 +69,7 @@ int64_t run_fwd(FwdParams const& p, cudaStream_t stream) {
 
 template <class Config>
 int64_t run_fwd_sm80(FwdParams const& p, cudaStream_t stream) {
-  if (p.headdim != Config::kHeadDim || p.headdim_v != Config::kHeadDimV) {
-    throw std::invalid_argument("flashhopper: head dim does not match the kernel");
-  }
+  if (p.headdim != Config::kHeadDim) throw std::invalid_argument("flashhopper: head dim does not match the kernel");
   switch (sm80::smem_class<sm80::FwdConfig, Config>(p)) {
     case 227: return sm80::run_fwd<Config, 227>(p, stream);
     case 163: return sm80::run_fwd<Config, 163>(p, stream);

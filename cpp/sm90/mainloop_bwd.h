@@ -72,8 +72,6 @@ struct BwdMainloop {
   using Seqlens = Seqlens_;
   static constexpr int kHeadDim = kHeadDim_, kBlockM = Tile::kBlockM, kBlockN = Tile::kBlockN;
   static constexpr int kHeadDimV = kHeadDimV_;  // of V, O, dO and dV
-  // Without query rows the launcher points dO's tensor map at K (valid memory of >= headdim_v columns).
-  static_assert(kHeadDimV <= kHeadDim);
   static constexpr int kStages = Tile::kStages, kStagesdO = Tile::kStagesdO, kStagesdS = Tile::kStagesdS;
   static constexpr MaskKind kMask = kMask_;
   static constexpr bool kSdPSwapAB = Tile::kSdPSwapAB, kdKVSwapAB = Tile::kdKVSwapAB;

@@ -10,7 +10,9 @@
 - fa3: ours against FlashAttention-3 (--fa3-path, the fa3-full build: window and softcap at head dim 128)
   on window and softcap rows, forward and backward;
 - headdims: head dims 96 and 192 and the (Q/K, V) pairs 192x128 and 128x64 against head dim 128, TFLOPS
-  counted as 2 * (d + dv) per score, on the FA3-paper grid (16k tokens, about 2048 / d heads).
+  counted as 2 * (d + dv) per score, on the FA3-paper grid (16k tokens, about 2048 / d heads);
+- dropout: dropout_p = 0.1 against none, forward, backward and the two together (a training step's
+  attention), on the cost section's grid.
 
     python bench/bench_variants.py --fa3-path .peers/fa3-full --rounds 3 --out bench/results/variants.json
 """
@@ -48,8 +50,10 @@ def timeable(mode: str, call: Callable[..., torch.Tensor], q: torch.Tensor, k: t
     return lambda: torch.autograd.grad(out, leaves + extra, dout, retain_graph=True)
 
 
-def ours(causal: bool, window: tuple[int, int] = (-1, -1), softcap: float = 0.0, with_sinks: bool = False
-         ) -> Callable[..., torch.Tensor]:
+def ours(causal: bool, window: tuple[int, int] = (-1, -1), softcap: float = 0.0, with_sinks: bool = False,
+         dropout_p: float = 0.0) -> Callable[..., torch.Tensor]:
+    if dropout_p > 0:
+        return lambda q, k, v: flash_attn_func(q, k, v, causal=causal, dropout_p=dropout_p)
     if with_sinks:
         return lambda q, k, v, s: flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap, sinks=s)
     return lambda q, k, v: flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap)
@@ -177,10 +181,36 @@ def section_headdims(timer: Callable[[Fn], float], rounds: int) -> list[dict[str
     return rows
 
 
+def section_dropout(timer: Callable[[Fn], float], rounds: int) -> list[dict[str, Any]]:
+    rows = []
+    for d in (64, 128, 256):
+        for causal in (False, True):
+            for seqlen in (2048, 8192):
+                batch, heads = 16384 // seqlen, 2048 // d
+                q, k, v, _ = inputs(batch, seqlen, heads, d)
+                fns = {f"{name}_{mode}": timeable(mode, ours(causal, dropout_p=p), q, k, v)
+                       for name, p in (("plain", 0.0), ("dropout", 0.1)) for mode in ("fwd", "bwd")}
+                ms = interleaved(fns, timer, rounds)
+                row: dict[str, Any] = {"section": "dropout", "headdim": d, "causal": causal, "seqlen": seqlen,
+                                       "batch": batch, "nheads": heads, **{f"ms_{n}": t for n, t in ms.items()}}
+                for mode in ("fwd", "bwd"):
+                    row[f"{mode}_dropout_over_plain"] = ms[f"dropout_{mode}"] / ms[f"plain_{mode}"]
+                    row[f"tflops_plain_{mode}"] = tflops(attention_flops(batch, seqlen, seqlen, heads, d, causal, mode),
+                                                         ms[f"plain_{mode}"])
+                row["fwdbwd_dropout_over_plain"] = ((ms["dropout_fwd"] + ms["dropout_bwd"])
+                                                    / (ms["plain_fwd"] + ms["plain_bwd"]))
+                rows.append(row)
+                print(f"dropout d{d} {'causal' if causal else 'full'} {seqlen}: plain fwd {row['tflops_plain_fwd']:.0f} / "
+                      f"bwd {row['tflops_plain_bwd']:.0f} TFLOPS; dropout 0.1 x{row['fwd_dropout_over_plain']:.3f} fwd, "
+                      f"x{row['bwd_dropout_over_plain']:.3f} bwd, x{row['fwdbwd_dropout_over_plain']:.3f} fwd+bwd",
+                      flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sections", nargs="*", choices=("cost", "window", "fa3", "headdims"),
-                    default=["cost", "window", "fa3", "headdims"])
+    ap.add_argument("--sections", nargs="*", choices=("cost", "window", "fa3", "headdims", "dropout"),
+                    default=["cost", "window", "fa3", "headdims", "dropout"])
     ap.add_argument("--fa3-path", type=Path, help=f"FA3 build with window and softcap (default: ${fa3.ENV})")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--warmup-ms", type=float, default=25)
@@ -195,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     timing, timer = make_timer(args.warmup_ms, args.rep_ms)
     rows: list[dict[str, Any]] = []
     for name, fn in (("cost", section_cost), ("window", section_window), ("fa3", section_fa3),
-                     ("headdims", section_headdims)):
+                     ("headdims", section_headdims), ("dropout", section_dropout)):
         if name not in args.sections:
             continue
         if name == "fa3" and not fa3.configured():

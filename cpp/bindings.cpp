@@ -213,8 +213,10 @@ PYBIND11_MODULE(_C, m) {
     d["masks"] = c.masks;
     d["variants"] = c.variants;
     d["score_mods"] = c.score_mods;
+    d["dropout"] = c.dropout;
     return d;
-  }, "What this build was configured with (FLASHHOPPER_ARCHS, _MODES, _DTYPES, _HDIMS, _MASKS, _VARIANTS).");
+  }, "What this build was configured with (FLASHHOPPER_ARCHS, _MODES, _DTYPES, _HDIMS, _MASKS, _VARIANTS, "
+     "_SCORE_MODS, _DROPOUT).");
 
   m.def("block_ranges", &block_ranges, py::arg("block_m"), py::arg("block_n"), py::arg("mask"), py::arg("seqlen_q"),
         py::arg("seqlen_k"), py::arg("window_left") = -1, py::arg("window_right") = -1,

@@ -8,7 +8,8 @@ python/flashhopper/kernel_key.py's KernelKey (loaded by path: the build has no t
 cpp/common/kernel_key.h.
 
     python cpp/generate_kernels.py --out build/gen --archs 90 80 --modes fwd bwd --dtypes bf16 fp16 \\
-        --hdims 64 96 128 192 256 --masks none causal --variants no-pingpong --score-mods none softcap
+        --hdims 64 96 128 192 256 --masks none causal --variants no-pingpong --score-mods none softcap \\
+        --dropout off on
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ class Family(NamedTuple):
     tiles: str
     workspace: str | None = None  # backward: the workspace-size function, instantiated alongside
     dtypes: tuple[str, ...] = ("fp16", "bf16")  # element types the family has kernels for
-    score_mod_dtypes: tuple[str, ...] = ("fp16", "bf16")  # those with score mods (softcap)
+    score_mod_dtypes: tuple[str, ...] = ("fp16", "bf16")  # those with score mods (softcap) and dropout
 
 
 FAMILIES = {
@@ -65,7 +66,8 @@ VARIANTS = {
 
 def cpp_config(key: kk.KernelKey) -> str:
     args = [str(key.arch), f"DType::{CPP_DTYPES[key.dtype]}", str(key.headdim), str(key.headdim_v),
-            f"MaskKind::{CPP_MASKS[key.mask]}", f"ScoreModKind::{CPP_SCORE_MODS[key.score_mod]}"]
+            f"MaskKind::{CPP_MASKS[key.mask]}", f"ScoreModKind::{CPP_SCORE_MODS[key.score_mod]}",
+            "true" if key.dropout else "false"]
     if key.variant:
         args.append(VARIANTS[key.variant].cpp)
     return f"KernelConfig<{', '.join(args)}>"
@@ -87,6 +89,8 @@ def main() -> None:
     ap.add_argument("--masks", nargs="*", choices=kk.MASKS, default=["none", "causal"])
     ap.add_argument("--variants", nargs="*", choices=list(VARIANTS), default=[])
     ap.add_argument("--score-mods", nargs="*", choices=kk.SCORE_MODS, default=["none"])
+    ap.add_argument("--dropout", nargs="*", choices=kk.DROPOUTS, default=["off"],
+                    help="off: kernels without dropout; on: with it (16-bit, beside each configuration)")
     args = ap.parse_args()
     families = []
     for a in args.archs:
@@ -103,18 +107,18 @@ def main() -> None:
     entries: dict[str, list[str]] = {m: [] for m in kk.MODES}
     aliases: list[str] = []  # the registry's name for each configuration
     sources = []
-    for (arch, mode, fam), dtype, (hdim, hdim_v), mask, score_mod, variant in itertools.product(
-            families, args.dtypes, args.hdims, args.masks, args.score_mods, [""] + args.variants):
+    for (arch, mode, fam), dtype, (hdim, hdim_v), mask, score_mod, dropout, variant in itertools.product(
+            families, args.dtypes, args.hdims, args.masks, args.score_mods, args.dropout, [""] + args.variants):
         if dtype not in fam.dtypes or (dtype == "e4m3" and hdim not in kk.FP8_HEADDIMS):  # e.g. e4m3: forward only
             continue
         if hdim_v != hdim and (arch != 90 or dtype == "e4m3" or variant):  # pairs: Hopper 16-bit kernels
             continue
-        if score_mod != "none" and (dtype not in fam.score_mod_dtypes or variant):
+        if (score_mod != "none" or dropout == "on") and (dtype not in fam.score_mod_dtypes or variant):
             continue
         if variant and ((arch, mode) not in VARIANTS[variant].families or dtype not in VARIANTS[variant].dtypes
                         or mask not in VARIANTS[variant].masks):
             continue
-        key = kk.KernelKey(arch, kk.BUILD_DTYPES[dtype], hdim, hdim_v, mask, variant, score_mod)
+        key = kk.KernelKey(arch, kk.BUILD_DTYPES[dtype], hdim, hdim_v, mask, variant, score_mod, dropout == "on")
         config = cpp_config(key)
         params = "FwdParams" if mode == "fwd" else "BwdParams"
         lines = [f"using Config = {config};",
@@ -147,7 +151,7 @@ def main() -> None:
         "BuildConfig const& build_config() {\n"
         "  static BuildConfig const config{"
         f"{{{', '.join(map(str, args.archs))}}}, {strings(args.modes)}, {strings(args.dtypes)}, "
-        f"{strings(args.masks)}, {strings(args.variants)}, {strings(args.score_mods)}, "
+        f"{strings(args.masks)}, {strings(args.variants)}, {strings(args.score_mods)}, {strings(args.dropout)}, "
         f"{{{', '.join(str(d) for d, dv in args.hdims if d == dv)}}}, "
         f"{{{', '.join(f'{{{d}, {dv}}}' for d, dv in args.hdims if d != dv)}}}}};\n"
         "  return config;\n}\n")

@@ -19,6 +19,7 @@ import torch
 import flashhopper
 from flashhopper import _ext
 from flashhopper.kernel_key import from_dict
+from flashhopper.dropout import from_rng_state, new_rng_state
 from flashhopper.ops import bwd_into, fwd_into
 from flashhopper.reference import attention_bwd_ref, attention_ref, sinks_grad_ref
 
@@ -52,11 +53,12 @@ def main() -> None:
                     help="sm80: pick tiles as on a GPU with this much shared memory per block (101376: sm_86/sm_89)")
     ap.add_argument("--softcap", type=float, default=0.0, help="check the softcap kernels, with this softcap")
     ap.add_argument("--sinks", action="store_true", help="run with random sink logits (and check their gradient)")
+    ap.add_argument("--dropout", type=float, default=0.0, help="check the dropout kernels, with this dropout_p")
     args = ap.parse_args()
     score_mod = "softcap" if args.softcap > 0 else "none"  # --softcap checks the softcap kernels
     keys = sorted((from_dict(k) for k in flashhopper.compiled_kernels()
                    if k["mode"] == "bwd" and k["arch"] == args.arch and k["dtype"] in args.dtypes
-                   and k["score_mod"] == score_mod),
+                   and k["score_mod"] == score_mod and k["dropout"] == (args.dropout > 0)),
                   key=lambda key: (key.dtype, key.headdim, key.mask, key.variant))
     # The backward needs the forward's out and lse: the production kernel of the same mask.
     missing_fwd = [key for key in keys if not _ext.has_kernel("fwd", dataclasses.replace(key, variant=""))]
@@ -80,7 +82,10 @@ def main() -> None:
             out = torch.full_like(q, math.nan)
             lse = torch.full((b, hq, sq), math.nan, device="cuda")
             sinks = torch.randn(hq, device="cuda") * 2 if args.sinks else None
-            fwd_into(q, k, v, out, lse, scale, causal, key.arch, window=window, softcap=args.softcap, sinks=sinks)
+            rng = new_rng_state(q.device) if args.dropout > 0 else None
+            drop = from_rng_state(args.dropout, rng) if rng is not None else None
+            fwd_into(q, k, v, out, lse, scale, causal, key.arch, window=window, softcap=args.softcap, sinks=sinks,
+                     dropout_p=args.dropout, dropout_rng=rng)
             dout = torch.randn_like(q)
 
             def run() -> tuple[torch.Tensor, ...]:
@@ -88,15 +93,15 @@ def main() -> None:
                 rows = None if sinks is None else torch.full_like(lse, math.nan)
                 bwd_into(dout, q, k, v, out, lse, dq, dk, dv, scale, causal, args.deterministic, key.arch,
                          window=window, variant=key.variant, max_smem_bytes=args.max_smem_bytes,
-                         softcap=args.softcap, sinks=sinks, dsinks_rows=rows)
+                         softcap=args.softcap, sinks=sinks, dsinks_rows=rows, dropout_p=args.dropout, dropout_rng=rng)
                 return (dq, dk, dv) if rows is None else (dq, dk, dv, rows.sum(dim=(0, 2)))
 
             grads = run()
             same = not args.deterministic or all(torch.equal(a, c) for a, c in zip(grads, run()))
             ref_out, ref_lse = attention_ref(q, k, v, scale, causal, window=window, softcap=args.softcap,
-                                             sinks=sinks, dtype=torch.float32)
+                                             sinks=sinks, dropout=drop, dtype=torch.float32)
             ref = attention_bwd_ref(dout, q, k, v, ref_out, ref_lse, scale, causal, window=window,
-                                    softcap=args.softcap, dtype=torch.float32)
+                                    softcap=args.softcap, dropout=drop, dtype=torch.float32)
             if sinks is not None:
                 ref = (*ref, sinks_grad_ref(dout, ref_out, ref_lse, sinks, dtype=torch.float32))
             errs = [((g.float() - r).norm() / r.norm().clamp_min(1e-30)).item() for g, r in zip(grads, ref)]

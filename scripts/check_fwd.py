@@ -19,6 +19,7 @@ import torch
 import flashhopper
 from flashhopper import fp8
 from flashhopper.kernel_key import BUILD_DTYPES, KernelKey, from_dict
+from flashhopper.dropout import from_rng_state, new_rng_state
 from flashhopper.ops import fwd_into
 from flashhopper.reference import attention_ref
 
@@ -37,8 +38,8 @@ def shapes(small: bool) -> list[Shape]:
 
 
 def run(key: KernelKey, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-        window: tuple[int, int] | None, softcap: float = 0.0, sinks: torch.Tensor | None = None
-        ) -> tuple[torch.Tensor, torch.Tensor]:
+        window: tuple[int, int] | None, softcap: float = 0.0, sinks: torch.Tensor | None = None,
+        dropout_p: float = 0.0, dropout_rng: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of the kernel of ``key`` on q, k, v (bf16 inputs, quantized here, for an fp8 key)."""
     causal = key.mask == "causal"
     b, sq, hq, _ = q.shape
@@ -46,7 +47,7 @@ def run(key: KernelKey, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     if key.dtype != "float8_e4m3fn":
         out = torch.full_like(q, math.nan)
         fwd_into(q, k, v, out, lse, scale, causal, key.arch, window=window, variant=key.variant, softcap=softcap,
-                 sinks=sinks)
+                 sinks=sinks, dropout_p=dropout_p, dropout_rng=dropout_rng)
         return out, lse
     tiles = fp8.kernel_tiles(key.headdim, causal)
     assert tiles is not None, f"the build lists {key.describe()} but fp8.kernel_tiles does not find it"
@@ -66,11 +67,12 @@ def main() -> None:
     ap.add_argument("--arch", type=int, choices=[90, 80], default=90, help="kernel family (80 runs on Hopper too)")
     ap.add_argument("--softcap", type=float, default=0.0, help="check the softcap kernels, with this softcap")
     ap.add_argument("--sinks", action="store_true", help="run the 16-bit kernels with random sink logits")
+    ap.add_argument("--dropout", type=float, default=0.0, help="check the dropout kernels, with this dropout_p")
     args = ap.parse_args()
     score_mod = "softcap" if args.softcap > 0 else "none"  # --softcap checks the softcap kernels
     keys = sorted((from_dict(k) for k in flashhopper.compiled_kernels()
                    if k["mode"] == "fwd" and k["arch"] == args.arch and k["dtype"] in args.dtypes
-                   and k["score_mod"] == score_mod),
+                   and k["score_mod"] == score_mod and k["dropout"] == (args.dropout > 0)),
                   key=lambda key: (key.dtype, key.headdim, key.mask, key.variant))
     if not keys:
         raise SystemExit(f"no sm{args.arch} forward kernel for {args.dtypes} in this build: nothing to check")
@@ -94,9 +96,11 @@ def main() -> None:
             v = torch.randn(b, sk, hk, d, device="cuda", dtype=dtype)
             softcap = 0.0 if is_fp8 else args.softcap
             sinks = torch.randn(hq, device="cuda") * 2 if args.sinks and not is_fp8 else None
-            out, lse = run(key, q, k, v, 1 / math.sqrt(d), window, softcap, sinks)
+            rng = new_rng_state(q.device) if args.dropout > 0 else None
+            out, lse = run(key, q, k, v, 1 / math.sqrt(d), window, softcap, sinks, args.dropout, rng)
+            drop = from_rng_state(args.dropout, rng) if rng is not None else None
             ref, ref_lse = attention_ref(q, k, v, None, key.mask == "causal", window=window, softcap=softcap,
-                                         sinks=sinks, dtype=torch.float32)
+                                         sinks=sinks, dropout=drop, dtype=torch.float32)
             err = ((out.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
             finite = torch.isfinite(ref_lse)
             lse_err = (lse[finite] - ref_lse[finite]).abs().max().item() if finite.any() else 0.0

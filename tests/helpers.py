@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from flashhopper import _device, _ext, dispatch
+from flashhopper.dropout import Dropout
 from flashhopper.kernel_key import KernelKey
 from flashhopper.reference import (attention_bwd_lowp, attention_bwd_ref, attention_lowp, attention_ref, sinks_grad_ref,
                                    visible)
@@ -38,15 +39,17 @@ def assert_matches_reference(out: torch.Tensor, lse: torch.Tensor, q: torch.Tens
                              v: torch.Tensor, softmax_scale: float | None, causal: bool,
                              atol: float = 1e-4, rtol: float = 1e-4, lse_atol: float = 1e-4, *,
                              window: tuple[int, int] | None = None, softcap: float = 0.0,
-                             sinks: torch.Tensor | None = None) -> None:
+                             sinks: torch.Tensor | None = None, dropout: Dropout | None = None) -> None:
     """A low-precision result passes iff it is at most twice as far from exact (float64) attention
     as PyTorch's own attention in the input precision is, plus a small slack: in max-abs error
     and in relative norm error, for out and for the finite lse rows. Rows that see no key must be
     exactly 0 with lse exactly -inf (with sinks: lse is the sink). NaN never passes. ``window``,
-    ``softcap``, ``sinks``: the variant the result was computed with (flash_attn_func's arguments)."""
+    ``softcap``, ``sinks``, ``dropout``: the variant the result was computed with (flash_attn_func's arguments;
+    dropout: the draw, flashhopper.dropout)."""
     ref, ref_lse = attention_ref(q, k, v, softmax_scale, causal, window=window, softcap=softcap, sinks=sinks,
-                                 dtype=torch.float64)
-    lowp, lowp_lse = attention_lowp(q, k, v, softmax_scale, causal, window=window, softcap=softcap, sinks=sinks)
+                                 dropout=dropout, dtype=torch.float64)
+    lowp, lowp_lse = attention_lowp(q, k, v, softmax_scale, causal, window=window, softcap=softcap, sinks=sinks,
+                                    dropout=dropout)
     where = (f"shape q {tuple(q.shape)} k {tuple(k.shape)} {q.dtype} causal={causal} window={window} "
              f"softcap={softcap} sinks={'yes' if sinks is not None else 'no'}")
 
@@ -132,7 +135,8 @@ def assert_grads_match(grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor], d
                        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None,
                        causal: bool, dlse: torch.Tensor | None = None, ref_dtype: torch.dtype | None = None,
                        atol: float = 1e-4, rtol: float = 1e-4, *, window: tuple[int, int] | None = None,
-                       softcap: float = 0.0, sinks: torch.Tensor | None = None) -> None:
+                       softcap: float = 0.0, sinks: torch.Tensor | None = None,
+                       dropout: Dropout | None = None) -> None:
     """Backward counterpart of assert_matches_reference. Low-precision gradients (dq, dk, dv) pass
     iff each is at most twice as far from the reference gradients as PyTorch's own backward in the
     input precision is (reference.attention_bwd_lowp, i.e. autograd through attention_lowp), plus a
@@ -150,11 +154,12 @@ def assert_grads_match(grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor], d
     if ref_dtype is None:
         ref_dtype = torch.float32 if q.is_cuda else torch.float64
     ref_out, ref_lse = attention_ref(q, k, v, scale, causal, window=window, softcap=softcap, sinks=sinks,
-                                     dtype=ref_dtype)
+                                     dropout=dropout, dtype=ref_dtype)
     ref = attention_bwd_ref(dout, q, k, v, ref_out, ref_lse, scale, causal, dlse, window=window, softcap=softcap,
-                            dtype=ref_dtype)
+                            dropout=dropout, dtype=ref_dtype)
     del ref_out
-    lowp = attention_bwd_lowp(dout, q, k, v, scale, causal, dlse, window=window, softcap=softcap, sinks=sinks)
+    lowp = attention_bwd_lowp(dout, q, k, v, scale, causal, dlse, window=window, softcap=softcap, sinks=sinks,
+                              dropout=dropout)
     where = (f"shape q {tuple(q.shape)} k {tuple(k.shape)} {q.dtype} causal={causal} window={window} "
              f"softcap={softcap} sinks={'yes' if sinks is not None else 'no'} dlse={'yes' if dlse is not None else 'no'}")
     vanishing: dict[str, torch.Tensor] = {}
@@ -183,7 +188,8 @@ def assert_grads_match(grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor], d
 def control_ratio(grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor], dout: torch.Tensor, q: torch.Tensor,
                   k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool,
                   dlse: torch.Tensor | None = None, *, window: tuple[int, int] | None = None, softcap: float = 0.0,
-                  sinks: torch.Tensor | None = None, slack: float = 1e-4) -> tuple[float, str]:
+                  sinks: torch.Tensor | None = None, dropout: Dropout | None = None,
+                  slack: float = 1e-4) -> tuple[float, str]:
     """FA3's criterion with its baseline widened by a control, for gradients that failed it on bounds.
 
     A FlashAttention-style backward rounds where PyTorch's does not (D = rowsum(dout * out) from the 16-bit
@@ -199,13 +205,13 @@ def control_ratio(grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor], dout: 
     ratio (pass: <= 1) and what it was."""
     from test_reference_bwd import emulated_kernel  # imports this module
 
-    variant = {"window": window, "softcap": softcap, "sinks": sinks}
+    variant = {"window": window, "softcap": softcap, "sinks": sinks, "dropout": dropout}
     control = emulated_kernel(dout, q, k, v, softmax_scale, causal, dlse, **variant)
     lowp = attention_bwd_lowp(dout, q, k, v, softmax_scale, causal, dlse, **variant)
     dtype = torch.float32 if q.is_cuda else torch.float64
     ref_out, ref_lse = attention_ref(q, k, v, softmax_scale, causal, dtype=dtype, **variant)
     exact = attention_bwd_ref(dout, q, k, v, ref_out, ref_lse, softmax_scale, causal, dlse, window=window,
-                              softcap=softcap, dtype=dtype)
+                              softcap=softcap, dropout=dropout, dtype=dtype)
     worst, what = 0.0, ""
     eps = torch.finfo(q.dtype).eps
     for name, g, c, lo, r in zip(("dq", "dk", "dv"), grads, control, lowp, exact):
@@ -287,14 +293,15 @@ def unconfigured(mode: str, key: KernelKey) -> str:
     wanted = [("FLASHHOPPER_ARCHS", info["archs"], key.arch), ("FLASHHOPPER_MODES", info["modes"], mode),
               ("FLASHHOPPER_DTYPES", info["dtypes"], key.short_dtype()),
               ("FLASHHOPPER_HDIMS", hdims, hdim), ("FLASHHOPPER_MASKS", info["masks"], key.mask),
-              ("FLASHHOPPER_SCORE_MODS", info.get("score_mods", ["none"]), key.score_mod)]
+              ("FLASHHOPPER_SCORE_MODS", info.get("score_mods", ["none"]), key.score_mod),
+              ("FLASHHOPPER_DROPOUT", info.get("dropout", ["off"]), "on" if key.dropout else "off")]
     return "; ".join(f"configure {option} with {value}" for option, have, value in wanted if value not in have)
 
 
 def require_backend(backend: str, dtype: torch.dtype, headdim: int, causal: bool,
                     device: str | torch.device = "cuda", mode: str = "fwd",
                     window: tuple[int, int] | None = None, softcap: float = 0.0,
-                    headdim_v: int | None = None) -> None:
+                    headdim_v: int | None = None, dropout: bool = False) -> None:
     """Skip when ``backend`` cannot run here (another GPU family) or the build was not configured with
     the kernel (mode "bwd": the forward's and the backward's). Fail when the build was configured with
     it and it is missing, or when dispatch refuses a kernel the build has: a broken build or a dispatch
@@ -305,7 +312,8 @@ def require_backend(backend: str, dtype: torch.dtype, headdim: int, causal: bool
     if not dispatch.runs_on(backend, info.capability):
         pytest.skip(f"{backend} kernels do not run on {info.name} (compute capability "
                     f"{info.capability[0]}.{info.capability[1]})")
-    key = dispatch.kernel_key(backend, dtype, headdim, causal, window, softcap=softcap, headdim_v=headdim_v)
+    key = dispatch.kernel_key(backend, dtype, headdim, causal, window, softcap=softcap, headdim_v=headdim_v,
+                              dropout=dropout)
     for m in ("fwd",) if mode == "fwd" else ("fwd", "bwd"):
         if _ext.kernel(m, key) is not None:
             continue
@@ -319,6 +327,6 @@ def require_backend(backend: str, dtype: torch.dtype, headdim: int, causal: bool
         pytest.skip(f"no {m} kernel {key.describe()}: {reason}")
     try:
         dispatch.select_backend(torch.empty(0, device=dev), headdim, dtype, causal, backend, window=window,
-                                softcap=softcap, headdim_v=headdim_v)
+                                softcap=softcap, headdim_v=headdim_v, dropout=dropout)
     except ValueError as e:
         pytest.fail(f"dispatch refuses {backend} for {key.describe()}, which the build has: {e}")

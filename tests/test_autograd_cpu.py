@@ -138,7 +138,7 @@ def test_deterministic_flag() -> None:
 @pytest.fixture
 def no_bwd_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     # Pretend dispatch chose sm90 for these CPU tensors, on a build whose backward kernels are missing.
-    monkeypatch.setattr(interface, "resolve_backend", lambda q, headdim, dtype, causal, backend=None, window=None, softcap=0.0, headdim_v=None: "sm90")
+    monkeypatch.setattr(interface, "resolve_backend", lambda q, headdim, dtype, causal, backend=None, window=None, softcap=0.0, headdim_v=None, dropout=False: "sm90")
     monkeypatch.setattr(_ext, "has_kernel", lambda mode, key: mode == "fwd")
     monkeypatch.setattr(_ext, "extension_error", lambda: None)
 

@@ -8,6 +8,7 @@ from helpers import assert_matches_reference, randn_qkv, rel_err
 
 import flashhopper  # noqa: F401  (registers the op)
 from flashhopper import flash_attn_func
+from flashhopper.dropout import new_rng_state
 from flashhopper.reference import attention_ref
 
 pytestmark = pytest.mark.skipif(not torch._dynamo.is_dynamo_supported(),
@@ -43,13 +44,16 @@ def test_fake_impl_shapes_bwd() -> None:
 
 @pytest.mark.parametrize(("window", "softcap", "with_sinks"), [((-1, -1), 0.0, False), ((3, 2), 0.0, False),
                                                               ((-1, -1), 2.5, True)])
-def test_opcheck(window: tuple[int, int], softcap: float, with_sinks: bool) -> None:
+@pytest.mark.parametrize("dropout_p", [0.0, 0.25])
+def test_opcheck(window: tuple[int, int], softcap: float, with_sinks: bool, dropout_p: float) -> None:
     # torch's own consistency checks of a custom op: schema, fake vs real, dispatch under tracing, and
-    # (fwd) that its autograd formula is registered the way torch expects.
+    # (fwd) that its autograd formula is registered the way torch expects. Dropout: its (seed, offset) are an
+    # input, so the op is a function of its inputs like any other.
     q, k, v = (x.requires_grad_() for x in randn_qkv(2, 9, 11, 4, 2, 16))
     sinks = torch.randn(4).requires_grad_() if with_sinks else None
+    rng = new_rng_state(q.device) if dropout_p > 0 else None
     torch.library.opcheck(torch.ops.flashhopper.fwd.default,
-                          (q, k, v, 0.3, True, *window, softcap, sinks, False, "reference"),
+                          (q, k, v, 0.3, True, *window, softcap, sinks, False, "reference", dropout_p, rng),
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static",
                                       "test_autograd_registration", "test_aot_dispatch_dynamic"))
 
@@ -57,14 +61,18 @@ def test_opcheck(window: tuple[int, int], softcap: float, with_sinks: bool) -> N
 @pytest.mark.parametrize(("window", "softcap", "with_sinks"), [((-1, -1), 0.0, False), ((3, 2), 0.0, False),
                                                               ((-1, -1), 2.5, True)])
 @pytest.mark.parametrize("with_dlse", [False, True])
-def test_opcheck_bwd(with_dlse: bool, window: tuple[int, int], softcap: float, with_sinks: bool) -> None:
+@pytest.mark.parametrize("dropout_p", [0.0, 0.25])
+def test_opcheck_bwd(with_dlse: bool, window: tuple[int, int], softcap: float, with_sinks: bool,
+                     dropout_p: float) -> None:
     q, k, v = randn_qkv(2, 9, 11, 4, 2, 16)
     sinks = torch.randn(4) if with_sinks else None
-    out, lse = torch.ops.flashhopper.fwd.default(q, k, v, 0.3, True, *window, softcap, sinks, False, "reference")
+    rng = new_rng_state(q.device) if dropout_p > 0 else None
+    out, lse = torch.ops.flashhopper.fwd.default(q, k, v, 0.3, True, *window, softcap, sinks, False, "reference",
+                                                 dropout_p, rng)
     dlse = torch.randn_like(lse) if with_dlse else None
     torch.library.opcheck(torch.ops.flashhopper.bwd.default,
                           (torch.randn_like(out), q, k, v, out, lse, dlse, 0.3, True, *window, softcap, sinks, False,
-                           "reference"),
+                           "reference", dropout_p, rng),
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
 
 

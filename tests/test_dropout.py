@@ -1,6 +1,6 @@
-"""Attention dropout's definition (flashhopper.dropout) and the reference with it: Philox4x32-10 against
-Random123's known answers, the mask's layout, keep rate and determinism, and the reference's forward and
-backward with a dropout mask (float64 gradcheck, the expectation over seeds)."""
+"""Attention dropout's definition (flashhopper.dropout) and the reference with it: Philox4x32-R (at 10
+rounds) against Random123's known answers, the mask's layout, keep rate and determinism, and the
+reference's forward and backward with a dropout mask (float64 gradcheck, the expectation over seeds)."""
 from __future__ import annotations
 
 import math
@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from flashhopper.dropout import Dropout, keep_mask, philox4x32
+from flashhopper import flash_attn_func
+from flashhopper.dropout import ROUNDS, Dropout, from_rng_state, keep_mask, new_rng_state, philox4x32
 from flashhopper.reference import attention_bwd_ref, attention_ref, visible
 
 # Random123's kat_vectors for philox4x32_10: (counter, key) -> output.
@@ -29,7 +30,7 @@ def test_one_score_from_the_definition() -> None:
     # a = (5 % 8) // 2 = 2, b = 2; positions r = 2 * (5 >= 8) + 5 % 2 = 1, c = 1: byte 4 r + c = 5.
     d = Dropout(0.3, 0x0123456789ABCDEF, 11)
     words = philox4x32((torch.tensor(2 * 4 + 2), torch.tensor(1 * 4 + 2), torch.tensor(1 * 3 + 2),
-                        torch.tensor(11)), (0x89ABCDEF, 0x01234567))
+                        torch.tensor(11)), (0x89ABCDEF, 0x01234567), ROUNDS)
     byte = (int(words[1]) >> 8) & 0xFF
     mask = keep_mask(d, 2, 3, 40, 50)
     assert bool(mask[1, 2, 21, 37]) == (byte >= round(0.3 * 256))
@@ -142,3 +143,36 @@ def test_groups_are_whole_in_both_accumulator_layouts() -> None:
             for g in {group(q, k) for q, k in cells}:
                 owners.setdefault(g, []).append(sum(group(q, k) == g for q, k in cells))
         assert len(owners) == 16 and all(counts == [8, 8] for counts in owners.values()), owners
+
+
+# --- the public path on CPU (the reference runs the ops) ---
+
+def test_flash_attn_func_draws_from_the_generator() -> None:
+    q, k, v = (torch.randn(2, 33, 4, 8, dtype=torch.float64) for _ in range(3))
+
+    def run(seed: int) -> tuple[torch.Tensor, ...]:
+        return flash_attn_func(q, k, v, causal=True, return_lse=True, dropout_p=0.3,
+                               generator=torch.Generator().manual_seed(seed), return_dropout_mask=True)
+
+    out, lse, mask = run(5)
+    again, other = run(5), run(6)
+    assert all(torch.equal(a, b) for a, b in zip((out, lse, mask), again))
+    assert not torch.equal(mask, other[2])
+    d = from_rng_state(0.3, new_rng_state(q.device, torch.Generator().manual_seed(5)))
+    assert torch.equal(mask, keep_mask(d, 2, 4, 33, 33))
+    assert torch.allclose(out, dense_dropped_attention(q, k, v, True, d), atol=1e-12)
+    assert torch.equal(lse, flash_attn_func(q, k, v, causal=True, return_lse=True)[1])
+    plain = flash_attn_func(q, k, v, causal=True, return_dropout_mask=True)
+    assert bool(plain[1].all())  # no dropout: every score kept
+
+
+def test_flash_attn_func_dropout_gradcheck() -> None:
+    # Autograd through the op (the reference's backward with the saved (seed, offset)) against finite
+    # differences, with one mask: each call draws from a generator seeded alike.
+    torch.manual_seed(3)
+    q = torch.randn(1, 9, 2, 4, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 11, 1, 4, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 11, 1, 4, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda a, b, c: flash_attn_func(a, b, c, causal=True, dropout_p=0.4, generator=torch.Generator().manual_seed(1)),
+        (q, k, v))

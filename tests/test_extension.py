@@ -26,9 +26,10 @@ def test_kernel_list() -> None:
         assert k["dtype"] in ("bfloat16", "float16", "float8_e4m3fn") and k["headdim"] in KERNEL_HEADDIMS
         assert k["headdim_v"] == k["headdim"]  # a V head dim of its own is not built yet
         assert k["mask"] in ("none", "causal", "window") and isinstance(k["variant"], str)
-        assert k["score_mod"] in ("none", "softcap")
-        if k["dtype"] == "float8_e4m3fn":  # forward only, Hopper only, no score mod; the PV GEMM's k is 32
+        assert k["score_mod"] in ("none", "softcap") and isinstance(k["dropout"], bool)
+        if k["dtype"] == "float8_e4m3fn":  # forward only, Hopper only, no score mod or dropout; the PV GEMM's k is 32
             assert k["mode"] == "fwd" and k["arch"] == 90 and k["block_n"] % 32 == 0 and k["score_mod"] == "none"
+            assert not k["dropout"]
         assert "causal" not in k  # the mask kind says it
         assert isinstance(k["block_m"], int) and isinstance(k["block_n"], int)
         assert _ext.kernel(k["mode"], from_dict(k)) == _ext.Entry(k["index"], k["block_m"], k["block_n"])

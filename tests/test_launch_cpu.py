@@ -30,16 +30,16 @@ class FakeC:
         pass
 
     def __init__(self) -> None:
-        rows = [(mode, arch, dtype, mask, score_mod) for mode in ("fwd", "bwd") for arch in (90, 80)
+        rows = [(mode, arch, dtype, mask, score_mod, dropout) for mode in ("fwd", "bwd") for arch in (90, 80)
                 for dtype in ("bfloat16", "float16") for mask in ("none", "causal", "window")
-                for score_mod in ("none", "softcap")]
+                for score_mod in ("none", "softcap") for dropout in (False, True)]
         self.table: list[dict[str, Any]] = []
-        for mode, arch, dtype, mask, score_mod in rows:
+        for mode, arch, dtype, mask, score_mod, dropout in rows:
             for headdim in (64, 128):
                 index = sum(k["mode"] == mode for k in self.table)
                 self.table.append({"mode": mode, "index": index, "arch": arch, "dtype": dtype, "headdim": headdim,
                                    "headdim_v": headdim, "mask": mask, "variant": "", "score_mod": score_mod,
-                                   "block_m": 128, "block_n": 64})
+                                   "dropout": dropout, "block_m": 128, "block_n": 64})
         self.calls: list[Call] = []
         self.bwd_calls: list[Call] = []
         self.workspace_queries: list[tuple[dict[str, Any], int]] = []

@@ -11,6 +11,7 @@ import pytest
 import torch
 from helpers import assert_grads_match, randn_qkv, rel_err
 
+from flashhopper.dropout import Dropout, keep_mask
 from flashhopper.reference import (_group_sum, _heads_first, _probs_from_lse, attention_bwd_lowp, attention_bwd_ref,
                                    attention_lowp, attention_ref, visible)
 
@@ -214,15 +215,17 @@ def test_lowp_error_is_the_input_precision(dtype: torch.dtype) -> None:
 def emulated_kernel(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                     causal: bool, dlse: torch.Tensor | None = None, bug: str | None = None,
                     window: tuple[int, int] | None = None, softcap: float = 0.0,
-                    sinks: torch.Tensor | None = None) -> Grads:
+                    sinks: torch.Tensor | None = None, dropout: Dropout | None = None) -> Grads:
     """A FlashAttention-style backward as the kernels compute it: forward out rounded to q.dtype and
     float32 lse; float32 math on q.dtype operands; P and dS rounded to q.dtype for the dV, dQ, dK
     matmuls; D = rowsum(dO * O) from the rounded O. Softcap and sinks as the kernels have them (P from the
-    capped scores and an LSE that includes the sink; dS times 1 - tanh^2). ``bug`` injects one mistake."""
+    capped scores and an LSE that includes the sink; dS times 1 - tanh^2). Dropout as the kernels have it: dV
+    from s P rounded and masked, dS = P (s M dP - D). ``bug`` injects one mistake."""
     dt = q.dtype
     b, sq, hq, d = q.shape
     hkv = k.shape[2]
-    o32, lse = attention_ref(q, k, v, scale, causal, window=window, softcap=softcap, sinks=sinks, dtype=torch.float32)
+    o32, lse = attention_ref(q, k, v, scale, causal, window=window, softcap=softcap, sinks=sinks, dropout=dropout,
+                             dtype=torch.float32)
     out = o32.to(dt)
     qt, kt, vt = _heads_first(q, k, v, torch.float32)
     dot = dout.transpose(1, 2).float()
@@ -236,8 +239,14 @@ def emulated_kernel(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         s = softcap * torch.tanh(s / softcap)
     p = _probs_from_lse(s, lse, visible(sq, k.shape[1], causal, q.device,
                                         window=None if bug == "window ignored" else window))
-    dv = p.to(dt).float().transpose(-1, -2) @ dot
-    ds = p * (dot @ vt.transpose(-1, -2) - delta[..., None])
+    dp = dot @ vt.transpose(-1, -2)
+    if dropout is not None:
+        keep = keep_mask(dropout, b, hq, sq, k.shape[1], q.device)
+        dv = torch.where(keep, (p * dropout.scale()).to(dt).float(), 0.0).transpose(-1, -2) @ dot
+        dp = torch.where(keep, dp * dropout.scale(), 0.0)
+    else:
+        dv = p.to(dt).float().transpose(-1, -2) @ dot
+    ds = p * (dp - delta[..., None])
     if softcap > 0:
         ds = ds * (1 - (s / softcap) ** 2)
     ds = ds.to(dt).float()
@@ -296,3 +305,35 @@ def test_assertion_rejects_a_broken_kernel(bug: str, case: tuple[Any, ...], with
     grads = emulated_kernel(dout, q, k, v, 1 / math.sqrt(d), causal, dlse, bug=bug, window=window)
     with pytest.raises(AssertionError):
         assert_grads_match(grads, dout, q, k, v, None, causal, dlse, window=window)
+
+
+# --- dropout: the low-precision yardstick and the emulated kernel with a mask ---
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(("seqlens", "nheads"), [((40, 70), (4, 4)), ((70, 40), (4, 2))])
+def test_lowp_with_dropout_equals_autograd(seqlens: tuple[int, int], nheads: tuple[int, int], causal: bool) -> None:
+    d = Dropout(0.3, 11, 2)
+    q, k, v = randn_qkv(2, *seqlens, *nheads, 32, dtype=torch.bfloat16)
+    dout = torch.randn(q.shape, dtype=torch.bfloat16)
+    got = attention_bwd_lowp(dout, q, k, v, 0.2, causal, dropout=d)
+    want = autograd_grads(q, k, v, dout, None, 0.2, causal,
+                          fwd=lambda *a, window=None: attention_lowp(*a, window=window, dropout=d))
+    out, lse = attention_ref(q, k, v, 0.2, causal, dropout=d)
+    exact = attention_bwd_ref(dout, q, k, v, out, lse, 0.2, causal, dropout=d)
+    for name, g, w, e in zip(("dq", "dk", "dv"), got, want, exact):
+        same_roundings = name == "dq" or nheads[0] == nheads[1]
+        assert rel_err(g, w) <= (0.1 if same_roundings else 1.0) * rel_err(w, e), name
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[4]])
+def test_dropout_assertion_accepts_the_kernel_and_rejects_a_mask_mistake(case: tuple[Any, ...]) -> None:
+    b, sq, sk, hq, hkv, d, causal, window = case
+    q, k, v = randn_qkv(b, sq, sk, hq, hkv, d, dtype=torch.bfloat16)
+    dout = torch.randn(q.shape, dtype=torch.bfloat16)
+    drop = Dropout(0.2, 5, 9)
+    grads = emulated_kernel(dout, q, k, v, 1 / math.sqrt(d), causal, dropout=drop)
+    assert_grads_match(grads, dout, q, k, v, None, causal, dropout=drop)
+    # Another draw's mask (the kernels' backward regenerating the wrong one) fails.
+    wrong = emulated_kernel(dout, q, k, v, 1 / math.sqrt(d), causal, dropout=drop._replace(offset=10))
+    with pytest.raises(AssertionError):
+        assert_grads_match(wrong, dout, q, k, v, None, causal, dropout=drop)

@@ -158,13 +158,13 @@ def assert_within_noise(what: str, err: float, sdpa_err: float) -> None:
 
 @pytest.fixture
 def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
-    """(q shape, k shape, causal, window_size, softcap, with sinks) of each flash_attn_func call the backend
-    makes."""
+    """(q shape, k shape, causal, window_size, softcap, with sinks, dropout_p) of each flash_attn_func call the
+    backend makes."""
     calls = []
 
     def spy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         calls.append((tuple(q.shape), tuple(k.shape), kwargs["causal"], kwargs["window_size"],
-                      kwargs["softcap"], kwargs["sinks"] is not None))
+                      kwargs["softcap"], kwargs["sinks"] is not None, kwargs["dropout_p"]))
         return flash_attn_func(q, k, v, **kwargs)
 
     flash_attn_func = fht.flash_attn_func
@@ -284,14 +284,27 @@ def test_sliding_window_layers_run_the_kernel(kernel_calls: list, no_fallback: N
     assert [c[3] for c in kernel_calls] == [(-1, -1), (3, 0)]
 
 
-def test_dropout_falls_back_to_sdpa() -> None:
+def test_dropout_runs_the_kernel(kernel_calls: list, no_fallback: None) -> None:
+    """Training with attention dropout goes to flash_attn_func(dropout_p=): repeatable under one seed, other
+    draws under another, none in eval mode."""
     model = tiny_model("llama", attention_dropout=0.5).train()
     ids = torch.randint(1, 128, (2, 10))
-    torch.manual_seed(1)
-    with pytest.warns(fht.SdpaFallbackWarning, match="dropout"), attn(model, NAME):
-        ours = model(ids).logits
-    torch.manual_seed(1)
-    assert torch.equal(ours, model(ids).logits)  # the same dropout draws: the very same sdpa calls
+    with attn(model, NAME):
+        torch.manual_seed(1)
+        first = model(ids).logits
+        torch.manual_seed(1)
+        again = model(ids).logits
+        torch.manual_seed(2)
+        other = model(ids).logits
+        model.eval()
+        plain = model(ids).logits
+    assert torch.equal(first, again) and not torch.equal(first, other) and not torch.equal(first, plain)
+    assert {c[6] for c in kernel_calls} == {0.5, 0.0}
+    with attn(model, NAME):
+        torch.manual_seed(1)
+        model.train()
+        model(ids).logits.sum().backward()  # through the op's backward with the same draws
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
 
 
 def test_static_cache_falls_back_to_sdpa(kernel_calls: list) -> None:

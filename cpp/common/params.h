@@ -33,6 +33,9 @@ inline const char* dtype_name(DType d) {
 // indexed by kv head, a zero stride broadcasting (per-head or per-tensor scales).
 // tile_counter: kernels whose mask has a right edge (causal, window) take tiles from this int32
 // counter: zero before the first launch, and every launch leaves it at zero again. One per stream (kernels on two streams must not share it).
+// dropout_threshold (kernels with dropout, common/dropout.h): scores whose random byte is below it are
+// dropped (round(dropout_p * 256); 0 = none), the kept ones scaled by 256 / (256 - threshold);
+// dropout_rng: device int64 (seed, offset) of the draws (python/flashhopper/dropout.py defines them).
 // num_sms: multiprocessors for a persistent grid (0: the launcher asks the device). max_smem_bytes:
 // sm80 kernels pick their tiles as on a device with this much shared memory per block (0: this
 // device's limit); tests run the 99 KB tiles of sm_86/sm_89 on larger GPUs with it.
@@ -47,6 +50,7 @@ inline const char* dtype_name(DType d) {
   X(int, headdim, 0) X(int, headdim_v, 0) X(float, softmax_scale, 1.f)                                   \
   X(int, window_left, -1) X(int, window_right, -1)                                                       \
   X(float, softcap, 0.f) X(const float*, sinks_ptr, nullptr)                                             \
+  X(const int64_t*, dropout_rng, nullptr) X(int, dropout_threshold, 0)                                   \
   X(int64_t, v_dim_stride, 0)                                                                            \
   X(const float*, q_scale_ptr, nullptr) X(const float*, k_scale_ptr, nullptr)                            \
   X(const float*, v_scale_ptr, nullptr)                                                                  \
@@ -64,7 +68,7 @@ inline const char* dtype_name(DType d) {
 // 256-byte aligned, not shared with a concurrent launch (the fp32 dQ accumulator, the per-row
 // statistics of the preprocess kernel). deterministic: bitwise-identical gradients from run to run,
 // the fp32 accumulations across CTAs (dQ, and dK/dV under GQA) in a fixed order, enforced by
-// semaphores in the workspace. window_*, softcap, num_sms, max_smem_bytes as in the forward (lse already
+// semaphores in the workspace. window_*, softcap, dropout_*, num_sms, max_smem_bytes as in the forward (lse already
 // holds the sinks, so the main kernel needs no sinks_ptr). With sinks_ptr, the preprocess also writes
 // dsinks_rows_ptr (float32, (batch, nheads_q, seqlen_q) contiguous): each row's share of the sinks'
 // gradient, -exp(sink - lse) * (rowsum(dO * O) - dLSE), which the caller sums over batch and rows.
@@ -85,6 +89,7 @@ inline const char* dtype_name(DType d) {
   X(int, headdim, 0) X(int, headdim_v, 0) X(float, softmax_scale, 1.f)                                   \
   X(int, window_left, -1) X(int, window_right, -1) X(bool, deterministic, false)                         \
   X(float, softcap, 0.f) X(const float*, sinks_ptr, nullptr) X(float*, dsinks_rows_ptr, nullptr)         \
+  X(const int64_t*, dropout_rng, nullptr) X(int, dropout_threshold, 0)                                   \
   X(int, device, 0) X(int, num_sms, 0) X(int, max_smem_bytes, 0)
 
 // One pass of FP8 quantization (docs/fp8.md): x (batch, seqlen, nheads, headdim) in fp16/bf16 (dtype)

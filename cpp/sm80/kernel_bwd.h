@@ -41,6 +41,7 @@ struct BwdKernel {
     int window_left, window_right;
     float scale_log2, softmax_scale;
     typename Mainloop::ScoreMod score_mod;
+    typename Mainloop::Dropout dropout;
   };
 
   CUTE_DEVICE static void run(Params const& p, char* smem) {
@@ -62,7 +63,8 @@ struct BwdKernel {
                                        p.dq_semaphore == nullptr
                                            ? nullptr
                                            : p.dq_semaphore + bh * (p.seqlen_q_rounded / Mainloop::kBlockM),
-                                       seq, p.window_left, p.window_right, p.scale_log2, p.score_mod};
+                                       seq, p.window_left, p.window_right, p.scale_log2, p.score_mod, p.dropout,
+                                       int(bh)};
 
     typename Mainloop::TiledMmadKV mma_dkv;
     Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<Mainloop::kBlockN>, Int<Mainloop::kHeadDim>>{});

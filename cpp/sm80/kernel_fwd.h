@@ -36,6 +36,7 @@ struct FwdKernel {
     float const* sinks;  // (nheads_q,) sink logits, or nullptr
     float scale_log2;  // of the softmax's exp2, after the score mod
     typename Mainloop::ScoreMod score_mod;
+    typename Mainloop::Dropout dropout;
   };
 
   CUTE_DEVICE static void run(Params const& p, char* smem) {
@@ -60,12 +61,16 @@ struct FwdKernel {
     constexpr int kRows = decltype(size<0>(rowcol(acc_o)))::value;
     OnlineSoftmax<kRows> softmax(p.scale_log2);
     if (!Mainloop::mma(ts, q, p.q_row_stride, k, p.k_row_stride, v, p.v_row_stride, seq, p.window_left,
-                       p.window_right, p.score_mod, m_block, acc_o, softmax)) {
+                       p.window_right, p.score_mod, p.dropout, batch * p.nheads_q + head, m_block, acc_o, softmax)) {
       Epilogue::store_empty(o, p.o_row_stride, lse, seq.seqlen_q, m_block, sink_log2 * float(M_LN2));
       return;
     }
     cute::array<float, kRows> row_lse;
-    auto const inv_sum = softmax.finalize(row_lse, sink_log2);
+    auto inv_sum = softmax.finalize(row_lse, sink_log2);
+    if constexpr (Mainloop::Dropout::kEnabled) {
+      CUTE_UNROLL
+      for (int mi = 0; mi < kRows; ++mi) inv_sum[mi] *= p.dropout.scale();
+    }
     Tensor out = rowcol(acc_o);
     OnlineSoftmax<kRows>::rescale(out, inv_sum);
     Epilogue::store(ts, acc_o, row_lse, o, p.o_row_stride, lse, seq.seqlen_q, m_block);

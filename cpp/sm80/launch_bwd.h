@@ -39,7 +39,7 @@ struct BwdConfig {
   using Element = typename ElementOf<Config::kDType>::type;
   using Tile = typename BwdTileSize<Config::kHeadDim, Config::kMask != MaskKind::kNone, kSmemKB>::type;
   using Mainloop = BwdMainloop<Element, Config::kHeadDim, Tile, Config::kMask,
-                               typename ScoreModOf<Config::kScoreMod>::type>;
+                               typename ScoreModOf<Config::kScoreMod>::type, DropoutOf<Config::kDropout>>;
   using Kernel = BwdKernel<Mainloop>;
   static_assert(Kernel::kSmemBytes <= kSmemKB * 1024, "the tiles must fit their shared-memory class");
 };
@@ -65,6 +65,7 @@ int64_t run_bwd(BwdParams const& p, cudaStream_t stream) {
   int const num_sms = p.num_sms > 0 ? p.num_sms : device_info(p.device).num_sms;
 
   auto const score_mod = make_score_mod<typename ScoreModOf<Config::kScoreMod>::type>(p.softmax_scale, p.softcap);
+  auto const dropout = make_dropout<typename C::Mainloop::Dropout>(p.dropout_rng, p.dropout_threshold);
   launch_bwd_preprocess<Element, Config::kHeadDimV>(p, ws, stream);
 
   dim3 const grid(ceil_div(p.seqlen_k, Tile::kBlockN), p.nheads_q, p.batch);
@@ -88,7 +89,7 @@ int64_t run_bwd(BwdParams const& p, cudaStream_t stream) {
         p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride,
         UniformSeqlens{p.seqlen_q, p.seqlen_k}, ws.seqlen_q_rounded, p.nheads_q, p.nheads_kv,
         p.window_left, p.window_right, score_mod.softmax_scale_log2(float(p.softmax_scale * M_LOG2E)),
-        p.softmax_scale, score_mod};
+        p.softmax_scale, score_mod, dropout};
     auto kernel = &bwd_kernel<Kernel>;
     check_launch(set_max_dynamic_smem_once(kernel, p.device, Kernel::kSmemBytes), "cudaFuncSetAttribute");
     kernel<<<grid, Kernel::kNumThreads, Kernel::kSmemBytes, stream>>>(kp);

@@ -32,7 +32,7 @@ struct FwdConfig {
   using Element = typename ElementOf<Config::kDType>::type;
   using Tile = typename FwdTileSize<Config::kHeadDim, Config::kMask != MaskKind::kNone, kSmemKB>::type;
   using Kernel = FwdKernel<FwdMainloop<Element, Config::kHeadDim, Tile, Config::kMask,
-                                       typename ScoreModOf<Config::kScoreMod>::type>>;
+                                       typename ScoreModOf<Config::kScoreMod>::type, DropoutOf<Config::kDropout>>>;
   static_assert(Kernel::kSmemBytes <= kSmemKB * 1024, "the tiles must fit their shared-memory class");
 };
 
@@ -47,6 +47,7 @@ int64_t run_fwd(FwdParams const& p, cudaStream_t stream) {
     throw std::invalid_argument("flashhopper: K/V row stride too large for the sm80 kernels");
   dim3 const grid(ceil_div(p.seqlen_q, Tile::kBlockM), p.nheads_q, p.batch);
   auto const score_mod = make_score_mod<typename ScoreModOf<Config::kScoreMod>::type>(p.softmax_scale, p.softcap);
+  auto const dropout = make_dropout<DropoutOf<Config::kDropout>>(p.dropout_rng, p.dropout_threshold);
   if (int64_t(grid.x) * grid.y * grid.z == 0) return 0;  // no query rows: an empty grid
 
   typename Kernel::Params const kp{static_cast<Element const*>(p.q_ptr), static_cast<Element const*>(p.k_ptr),
@@ -57,7 +58,7 @@ int64_t run_fwd(FwdParams const& p, cudaStream_t stream) {
                                    p.o_batch_stride, p.o_row_stride, p.o_head_stride,
                                    UniformSeqlens{p.seqlen_q, p.seqlen_k}, p.nheads_q, p.nheads_q / p.nheads_kv,
                                    p.window_left, p.window_right, p.sinks_ptr,
-                                   score_mod.softmax_scale_log2(float(p.softmax_scale * M_LOG2E)), score_mod};
+                                   score_mod.softmax_scale_log2(float(p.softmax_scale * M_LOG2E)), score_mod, dropout};
   auto kernel = &fwd_kernel<Kernel>;
   cudaError_t err = set_max_dynamic_smem_once(kernel, p.device, Kernel::kSmemBytes);
   if (err != cudaSuccess) throw std::runtime_error(std::string("flashhopper: cudaFuncSetAttribute: ") + cudaGetErrorString(err));

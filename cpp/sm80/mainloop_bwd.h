@@ -16,6 +16,7 @@
 
 #include "../common/block_info.h"
 #include "../common/mask.h"
+#include "../common/dropout.h"
 #include "../common/score_mod.h"
 #include "../common/semaphore.h"
 #include "../common/seqlen.h"
@@ -62,10 +63,12 @@ CUTE_DEVICE void red_add_fragment_order(Frag const& acc, float* tile, int part =
   }
 }
 
-template <class Element_, int kHeadDim_, class TileSize, MaskKind kMask_, class ScoreMod_ = ScoreModIdentity>
+template <class Element_, int kHeadDim_, class TileSize, MaskKind kMask_, class ScoreMod_ = ScoreModIdentity,
+          class Dropout_ = DropoutNone>
 struct BwdMainloop {
   using Element = Element_;
   using ScoreMod = ScoreMod_;
+  using Dropout = Dropout_;  // common/dropout.h: the forward's keep mask, drawn again per tile
   static constexpr int kHeadDim = kHeadDim_, kBlockM = TileSize::kBlockM, kBlockN = TileSize::kBlockN;
   static constexpr int kNumWarps = TileSize::kNumWarps, kNumThreads = kNumWarps * 32;
   static constexpr int kStagesQ = TileSize::kStagesQ;
@@ -111,6 +114,8 @@ struct BwdMainloop {
     int window_left, window_right;
     float scale_log2;
     ScoreMod score_mod;
+    Dropout dropout;
+    int bh;  // batch * nheads_q + head (dropout's draws)
   };
 
   // Accumulates this key block's dK (unscaled: dS^T Q) and dV into the zeroed acc_dk, acc_dv and adds
@@ -179,6 +184,13 @@ struct BwdMainloop {
     Tensor tScS_rc = rowcol(tScS);
     constexpr int kRows = decltype(size<0>(rowcol(acc_s)))::value;
     Mask<kBlockN, kMask> const mask{args.seq, args.window_left, args.window_right};
+    // Dropout: a warp's columns are whole 16-key blocks only when no other warp splits the keys
+    // (TiledMma interleaves warps by 8 columns).
+    constexpr bool kDropGroupsWhole = kNumWarps == TileSize::kWarpsMSdP;
+    auto const drop = [&] {
+      if constexpr (Dropout::kEnabled) return args.dropout.stream(args.bh);
+      else return 0;
+    }();
 
     // Prologue: K, V, the first Q and dO in flight together.
     copy_rows(gmem_copy, gthr.partition_S(gK), gthr.partition_D(sK), tKcK, k_rows);
@@ -214,12 +226,34 @@ struct BwdMainloop {
       }
       Tensor scores = rowcol(acc_s);
       probs_from_lse(scores, [&](int mi, int) { return lse[mi]; }, args.scale_log2);
+      // Dropout: dV takes Pd = s P where kept, 0 where dropped; dS takes both (DropoutPhilox::grad_scores).
+      auto const rPd = [&] {
+        if constexpr (Dropout::kEnabled) {
+          Tensor sp = make_tensor<float>(acc_s.layout());
+          CUTE_UNROLL
+          for (int i = 0; i < size(sp); ++i) sp(i) = acc_s(i) * args.dropout.scale();
+          Tensor d = convert_type<Element>(sp);
+          Dropout::template apply<false, kDropGroupsWhole>(drop, rowcol(d), tScS_rc, m_block * kBlockM,
+                                                           n_block * kBlockN);
+          return d;
+        } else {
+          return 0;
+        }
+      }();
       clear(acc_dp);
       gemm_ss<LdsmN, LdsmN>(mma_sdp, acc_dp, sdO, sV);  // dP = dO V^T
       Tensor dp = rowcol(acc_dp);
-      grad_scores(scores, dp, [&](int mi, int) { return dsum[mi]; });  // dS = P (dP - D)
+      if constexpr (Dropout::kEnabled) {
+        args.dropout.grad_scores(scores, rowcol(rPd), dp, [&](int mi, int) { return dsum[mi]; });  // P (Z s dP - D)
+      } else {
+        grad_scores(scores, dp, [&](int mi, int) { return dsum[mi]; });  // dS = P (dP - D)
+      }
       args.score_mod.chain(dp, scores, [&](int mi, int) { return lse[mi]; });
-      store_fragment(mma_sdp, convert_type<Element>(acc_s), sP);
+      if constexpr (Dropout::kEnabled) {
+        store_fragment(mma_sdp, rPd, sP);
+      } else {
+        store_fragment(mma_sdp, convert_type<Element>(acc_s), sP);
+      }
       store_fragment(mma_sdp, convert_type<Element>(acc_dp), sdS);
       __syncthreads();  // P, dS complete
 

@@ -11,6 +11,7 @@
 
 #include "../common/block_info.h"
 #include "../common/mask.h"
+#include "../common/dropout.h"
 #include "../common/score_mod.h"
 #include "../common/seqlen.h"
 #include "../common/softmax.h"
@@ -21,10 +22,12 @@ namespace flashhopper::sm80 {
 
 using namespace cute;
 
-template <class Element_, int kHeadDim_, class TileSize, MaskKind kMask_, class ScoreMod_ = ScoreModIdentity>
+template <class Element_, int kHeadDim_, class TileSize, MaskKind kMask_, class ScoreMod_ = ScoreModIdentity,
+          class Dropout_ = DropoutNone>
 struct FwdMainloop {
   using Element = Element_;
   using ScoreMod = ScoreMod_;
+  using Dropout = Dropout_;  // common/dropout.h: P's dropped scores zeroed before the PV GEMM
   static constexpr int kHeadDim = kHeadDim_, kBlockM = TileSize::kBlockM, kBlockN = TileSize::kBlockN;
   static constexpr MaskKind kMask = kMask_;
   using BlockInfoT = BlockInfo<kBlockM, kBlockN, kMask>;
@@ -55,12 +58,12 @@ struct FwdMainloop {
 
   // Accumulates the unnormalized O of this CTA's rows into acc_o (zeroed here) and the softmax state;
   // returns false when no row sees a key (the caller writes O = 0, LSE = -inf or the sink).
-  // q, k, v: the batch entry's first row of this head (seq: its bounds).
+  // q, k, v: the batch entry's first row of this head (seq: its bounds); bh: batch * nheads + head (dropout).
   template <class FragO, class Softmax>
   CUTE_DEVICE static bool mma(TensorStorage& ts, Element const* q, int64_t q_row_stride, Element const* k,
                               int64_t k_row_stride, Element const* v, int64_t v_row_stride, SeqlenInfo const& seq,
-                              int window_left, int window_right, ScoreMod const& score_mod, int m_block, FragO& acc_o,
-                              Softmax& softmax) {
+                              int window_left, int window_right, ScoreMod const& score_mod, Dropout const& dropout,
+                              int bh, int m_block, FragO& acc_o, Softmax& softmax) {
     BlockInfoT const info{seq, window_left, window_right};
     int const n_block_max = info.n_block_max(m_block);
     int const n_block_min = info.n_block_min(m_block);
@@ -103,6 +106,10 @@ struct FwdMainloop {
     Tensor tScS = rowcol(thr_mma.partition_C(make_identity_tensor(Shape<BM, BN>{})));
     Mask<kBlockN, kMask> const mask{seq, window_left, window_right};
     int const row_offset = m_block * kBlockM;
+    auto const drop = [&] {
+      if constexpr (Dropout::kEnabled) return dropout.stream(bh);
+      else return 0;
+    }();
 
     // Prologue: Q and the last K block in flight together.
     int n_block = n_block_max - 1;
@@ -140,6 +147,9 @@ struct FwdMainloop {
       Tensor o = rowcol(acc_o);
       Softmax::rescale(o, o_scale);
       Tensor p16 = convert_type<Element>(acc_s);
+      if constexpr (Dropout::kEnabled) {  // the softmax's sums saw every score
+        Dropout::template apply<false, true>(drop, rowcol(p16), tScS, row_offset, n_block * kBlockN);
+      }
       Tensor tOrP = make_tensor(p16.data(), acc_layout_as_a_operand(p16.layout()));
       gemm_rs<LdsmT>(tiled_mma, acc_o, tOrP, sVt);  // O += P V_n
     };

@@ -195,7 +195,7 @@ struct FwdKernel {
 
         cute::array<float, 2> lse;
         auto inv_sum = softmax.finalize(lse, Mainloop::sink_log2(params.mainloop, w.head));
-        if constexpr (Mainloop::kFp8) {
+        if constexpr (Mainloop::kFp8 || Mainloop::Dropout::kEnabled) {
           inv_sum[0] *= o_descale;
           inv_sum[1] *= o_descale;
         }

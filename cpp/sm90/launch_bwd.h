@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "../common/block_info.h"
 #include "../common/device_info.h"
@@ -39,10 +40,11 @@ namespace sm90 {
 template <class Config>
 struct BwdConfig {
   using Element = typename ElementOf<Config::kDType>::type;
-  using Tile = typename BwdTileOf<typename Config::Variant, Config::kHeadDim, Config::kHeadDimV>::type;
+  using Tile = std::conditional_t<Config::kDropout, BwdDropoutTileSize<Config::kHeadDim, Config::kHeadDimV>,
+                                  typename BwdTileOf<typename Config::Variant, Config::kHeadDim, Config::kHeadDimV>::type>;
   template <bool kDeterministic>
   using Mainloop = BwdMainloop<Element, Config::kHeadDim, Config::kHeadDimV, Tile, Config::kMask, kDeterministic,
-                               typename ScoreModOf<Config::kScoreMod>::type>;
+                               typename ScoreModOf<Config::kScoreMod>::type, DropoutOf<Config::kDropout>>;
 };
 
 // Steps 3 and 4 with one mainloop instantiation.
@@ -84,7 +86,8 @@ int64_t launch_bwd_main(BwdParams const& params, BwdWorkspace const& ws, int num
                               static_cast<Element const*>(p.v_ptr), stride(p.v_row_stride, p.v_head_stride, p.v_batch_stride),
                               shape_k, lse_log2, dpsum, dq_accum, dq_sem, p.deterministic, ws.seqlen_q_rounded,
                               p.softmax_scale, UniformSeqlens{p.seqlen_q, p.seqlen_k}, p.window_left, p.window_right,
-                              make_score_mod<typename Mainloop::ScoreMod>(p.softmax_scale, p.softcap)),
+                              make_score_mod<typename Mainloop::ScoreMod>(p.softmax_scale, p.softcap), {},
+                              make_dropout<typename Mainloop::Dropout>(p.dropout_rng, p.dropout_threshold)),
         // Without GQA, dK/dV go straight to the outputs, one per query head.
         Epilogue::make_params(static_cast<Element*>(p.dk_ptr), stride(p.dk_row_stride, p.dk_head_stride, p.dk_batch_stride),
                               static_cast<Element*>(p.dv_ptr), stride(p.dv_row_stride, p.dv_head_stride, p.dv_batch_stride),

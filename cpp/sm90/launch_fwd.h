@@ -35,7 +35,8 @@ struct FwdConfig {
   using ScoreMod = typename ScoreModOf<Config::kScoreMod>::type;
   static_assert(Config::kDType != DType::kFloat8E4M3 || Config::kScoreMod == ScoreModKind::kNone,
                 "the fp8 kernels have no score mod");
-  using Mainloop = FwdMainloop<Element, Config::kHeadDim, Config::kHeadDimV, Tile, Config::kMask, ScoreMod>;
+  using Dropout = DropoutOf<Config::kDropout>;
+  using Mainloop = FwdMainloop<Element, Config::kHeadDim, Config::kHeadDimV, Tile, Config::kMask, ScoreMod, Dropout>;
   using ElementOut = typename Mainloop::ElementOut;
   static constexpr bool kFp8 = Mainloop::kFp8;
   // FP8 stages O in a buffer of its own; 16-bit O goes through the Q stage the tile used.
@@ -123,7 +124,8 @@ int64_t run_fwd_sm90(FwdParams const& params, cudaStream_t stream) {
                             stride(p.k_row_stride, p.k_head_stride, p.k_batch_stride),
                             static_cast<Element const*>(p.v_ptr), stride_v, shape_k, p.softmax_scale,
                             UniformSeqlens{p.seqlen_q, p.seqlen_k}, p.window_left, p.window_right, p.sinks_ptr,
-                            make_score_mod<typename C::ScoreMod>(p.softmax_scale, p.softcap), {}, descale),
+                            make_score_mod<typename C::ScoreMod>(p.softmax_scale, p.softcap), {}, descale,
+                            make_dropout<typename C::Dropout>(p.dropout_rng, p.dropout_threshold)),
       Epilogue::make_params(static_cast<ElementOut*>(p.o_ptr),
                             typename Mainloop::ShapeQKV{p.seqlen_q, p.headdim_v, p.nheads_q, p.batch},
                             stride(p.o_row_stride, p.o_head_stride, p.o_batch_stride), p.lse_ptr),

@@ -35,6 +35,7 @@
 
 #include "../common/block_info.h"
 #include "../common/dq_frag_layout.h"
+#include "../common/dropout.h"
 #include "../common/mask.h"
 #include "../common/score_mod.h"
 #include "../common/semaphore.h"
@@ -64,10 +65,12 @@ enum class DqPath { kWriterBulk, kConsumerRed };
 
 // kDeterministic: the instantiation the deterministic mode runs (the writer path at every head dim).
 template <class Element_, int kHeadDim_, int kHeadDimV_, class Tile, MaskKind kMask_, bool kDeterministic = false,
-          class ScoreMod_ = ScoreModIdentity, class KVBlocks_ = ContiguousKVBlocks, class Seqlens_ = UniformSeqlens>
+          class ScoreMod_ = ScoreModIdentity, class Dropout_ = DropoutNone, class KVBlocks_ = ContiguousKVBlocks,
+          class Seqlens_ = UniformSeqlens>
 struct BwdMainloop {
   using Element = Element_;
   using ScoreMod = ScoreMod_;
+  using Dropout = Dropout_;  // common/dropout.h: the forward's keep mask, drawn again per tile
   using KVBlocks = KVBlocks_;
   using Seqlens = Seqlens_;
   static constexpr int kHeadDim = kHeadDim_, kBlockM = Tile::kBlockM, kBlockN = Tile::kBlockN;
@@ -253,6 +256,7 @@ struct BwdMainloop {
     int window_left, window_right;
     ScoreMod score_mod;
     typename KVBlocks::Params kv_blocks;
+    Dropout dropout;
   };
 
   CUTE_DEVICE static SeqlenInfo seqlen_info(Params const& p, int batch) { return p.seqlens(batch); }
@@ -270,7 +274,7 @@ struct BwdMainloop {
                             StrideQKV stride_v, ShapeQKV shape_k, float const* lse_log2, float const* dpsum,
                             float* dq_accum, int* dq_semaphore, bool deterministic, int seqlen_q_rounded,
                             float softmax_scale, Seqlens seqlens, int window_left, int window_right,
-                            ScoreMod score_mod = {}, typename KVBlocks::Params kv_blocks = {}) {
+                            ScoreMod score_mod = {}, typename KVBlocks::Params kv_blocks = {}, Dropout dropout = {}) {
     auto mQ = make_tensor(make_gmem_ptr(q), shape_q, stride_q);
     auto mdO = make_tensor(make_gmem_ptr(dout), shape_v_of(shape_q), stride_do);
     auto mK = make_tensor(make_gmem_ptr(k), shape_k, stride_k);
@@ -294,7 +298,8 @@ struct BwdMainloop {
             window_left,
             window_right,
             score_mod,
-            kv_blocks};
+            kv_blocks,
+            dropout};
   }
 
   CUTE_DEVICE static void prefetch_descriptors(Params const& p) {
@@ -510,6 +515,13 @@ struct BwdMainloop {
 
     MaskT const mask{seq, p.window_left, p.window_right};
     bool const seqlen_mask = (n_block + 1) * kBlockN > seq.seqlen_k;  // the last key block has padding
+    // Dropout: the S^T tile's columns (queries) are whole per warpgroup; an S tile's keys are split over
+    // the warpgroups, whose halves hold whole 16-key blocks unless kBlockN / 2 is not a multiple of 16.
+    constexpr bool kDropGroupsWhole = kSdPSwapAB || (kBlockN / 2) % 16 == 0;
+    auto const drop = [&] {
+      if constexpr (Dropout::kEnabled) return p.dropout.stream(batch * get<2>(p.shape_q) + head);
+      else return 0;
+    }();
 
     PipelineState read_q;
     PipelineStatedO read_do;
@@ -568,9 +580,27 @@ struct BwdMainloop {
       Tensor scores = rowcol(tSrS);
       probs_from_lse(scores, lse, p.scale_log2);
       Tensor rP = convert_type<Element>(tSrS);
+      // Dropout: dV takes Pd = s P where kept, 0 where dropped; dS takes both (DropoutPhilox::grad_scores).
+      // For the dV GEMM from registers Pd is made from the float P; for the one through shared memory (head
+      // dims 192, 256) from the 16-bit P. (Made after the dP wait instead, head dim 256 spilled as much.)
+      auto dropped = [&](auto const& src) {
+        Tensor d = make_tensor<Element>(src.layout());
+        CUTE_UNROLL
+        for (int i = 0; i < size(d); ++i) d(i) = Element(float(src(i)) * p.dropout.scale());
+        if constexpr (Dropout::kEnabled) {  // (DropoutNone has no apply: the generic lambda still names it)
+          Dropout::template apply<kSdPSwapAB, kDropGroupsWhole>(drop, rowcol(d), tScS_rc, m_block * kBlockM,
+                                                                n_block * kBlockN);
+        }
+        return d;
+      };
+      auto rPd = [&] {
+        if constexpr (Dropout::kEnabled && kdKVRegsA) return dropped(tSrS);
+        else if constexpr (Dropout::kEnabled) return dropped(rP);
+        else return rP;
+      }();
       // dV += P^T dO needs only P: with P^T in registers it goes out now and runs under the dS math.
       if constexpr (kdKVRegsA) {
-        Tensor tdVrP = make_tensor(rP.data(), acc_layout_as_a_operand(rP.layout()));
+        Tensor tdVrP = make_tensor(rPd.data(), acc_layout_as_a_operand(rPd.layout()));
         wgmma<false, -1>(mma_dv, tdVrP, tdVrdO(_, _, _, stage_do), tdVrdV);
       }
 
@@ -580,14 +610,18 @@ struct BwdMainloop {
       Tensor dscores = rowcol(tdPrdP);
       // dS from the 16-bit P (the dV operand, as PyTorch's own 16-bit backward has it): the float32
       // P is dead by now, which keeps the register budget.
-      grad_scores(rowcol(rP), dscores, dpsum);
+      if constexpr (Dropout::kEnabled) {
+        p.dropout.grad_scores(rowcol(rP), rowcol(rPd), dscores, dpsum);
+      } else {
+        grad_scores(rowcol(rP), dscores, dpsum);
+      }
       p.score_mod.chain(dscores, rowcol(rP), lse);
       Tensor rdS = convert_type<Element>(tdPrdP);
       // With one dS (and P) buffer, both warpgroups must be done with the previous block's GEMMs.
       if constexpr (kStagesdS == 1) cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBwdPdS);
       if constexpr (!kdKVRegsA) {
         Tensor sP = make_tensor(make_smem_ptr(ts.smem_p.data()), SmemLayoutPdS{});
-        copy(smem_copy_pds, thr_copy_pds.retile_S(rP), thr_copy_pds.partition_D(sP)(_, _, _, stage_ds));
+        copy(smem_copy_pds, thr_copy_pds.retile_S(rPd), thr_copy_pds.partition_D(sP)(_, _, _, stage_ds));
       }
       copy(smem_copy_pds, thr_copy_pds.retile_S(rdS), tdSsdS(_, _, _, stage_ds));
       // dS (and P) written by both warpgroups, visible to the tensor cores.

@@ -33,6 +33,7 @@
 #include <type_traits>
 
 #include "../common/block_info.h"
+#include "../common/dropout.h"
 #include "../common/mask.h"
 #include "../common/score_mod.h"
 #include "../common/seqlen.h"
@@ -48,10 +49,11 @@ using namespace cute;
 
 // Tile: an FwdTileSize (block sizes, pipeline depths, ping-pong), possibly a variant's (variants.h).
 template <class Element_, int kHeadDim_, int kHeadDimV_, class Tile, MaskKind kMask_, class ScoreMod_ = ScoreModIdentity,
-          class KVBlocks_ = ContiguousKVBlocks, class Seqlens_ = UniformSeqlens>
+          class Dropout_ = DropoutNone, class KVBlocks_ = ContiguousKVBlocks, class Seqlens_ = UniformSeqlens>
 struct FwdMainloop {
   using Element = Element_;
   using ScoreMod = ScoreMod_;
+  using Dropout = Dropout_;  // common/dropout.h: P's dropped scores zeroed before the PV GEMM
   using KVBlocks = KVBlocks_;
   using Seqlens = Seqlens_;
   static constexpr bool kFp8 = sizeof(Element) == 1;
@@ -63,6 +65,7 @@ struct FwdMainloop {
   static constexpr int kHeadDimV = kHeadDimV_;  // of V and O
   // 16-bit O is staged in Q's slice (64 x headdim); FP8's V^T and scale blocks assume one head dim.
   static_assert(kHeadDimV <= kHeadDim && (!kFp8 || kHeadDimV == kHeadDim));
+  static_assert(!kFp8 || !Dropout::kEnabled, "dropout is for training: 16-bit kernels only");
   static constexpr int kStages = Tile::kStages, kQStages = Tile::kQStages;
   static constexpr MaskKind kMask = kMask_;
   static constexpr int kNumMmaWG = kBlockM / 64;
@@ -163,6 +166,7 @@ struct FwdMainloop {
     ScoreMod score_mod;
     typename KVBlocks::Params kv_blocks;
     Descales descale;                    // FP8 only
+    Dropout dropout;
   };
 
   // The head's sink logit in the softmax's exp2 units (OnlineSoftmax::finalize), -inf without sinks.
@@ -180,7 +184,8 @@ struct FwdMainloop {
   static Params make_params(Element const* q, StrideQKV stride_q, ShapeQKV shape_q, Element const* k,
                             StrideQKV stride_k, Element const* v, StrideQKV stride_v, ShapeQKV shape_k,
                             float softmax_scale, Seqlens seqlens, int window_left, int window_right,
-                            float const* sinks = nullptr, ScoreMod score_mod = {}, typename KVBlocks::Params kv_blocks = {}, Descales descale = {}) {
+                            float const* sinks = nullptr, ScoreMod score_mod = {}, typename KVBlocks::Params kv_blocks = {},
+                            Descales descale = {}, Dropout dropout = {}) {
     auto mQ = make_tensor(make_gmem_ptr(q), shape_q, stride_q);
     auto mK = make_tensor(make_gmem_ptr(k), shape_k, stride_k);
     // FP8's V^T: (headdim, keys); the TMA bound is the padded key count, since a group of 16 keys
@@ -203,7 +208,8 @@ struct FwdMainloop {
             sinks,
             score_mod,
             kv_blocks,
-            descale};
+            descale,
+            dropout};
   }
 
   CUTE_DEVICE static void prefetch_descriptors(Params const& p) {
@@ -286,7 +292,8 @@ struct FwdMainloop {
   // into `softmax`; K/V stages are released as they are consumed, the Q stage by the epilogue.
   // on_first_issue() runs once the first S GEMM is on the tensor cores (the kernel releases the
   // previous tile's Q stage there).
-  // Returns the factor the finished O still needs (FP8: the V descale of the last key block; else 1).
+  // Returns the factor the finished O still needs (FP8: the V descale of the last key block; dropout:
+  // 1 / keep probability; else 1).
   template <class FragO, class OnFirstIssue>
   CUTE_DEVICE static float mma(Params const& p, Pipeline& pipeline_k, Pipeline& pipeline_v,
                                PipelineState& read_k, PipelineState& read_v, TensorStorage& ts,
@@ -338,7 +345,14 @@ struct FwdMainloop {
       }
     }();
 
-    auto to_p = [&] {
+    // Dropout for the (batch, head) of the tile, applied to P after the softmax, whose sums saw every score.
+    // (Drawing a block's random bytes while its S GEMM runs instead measured no faster at head dims 64 and
+    // 128 and 0.1x slower at 256: docs/perf-notes.md.)
+    auto const drop = [&] {
+      if constexpr (Dropout::kEnabled) return p.dropout.stream(batch * get<2>(p.shape_q) + head);
+      else return 0;
+    }();
+    auto to_p = [&](int n) {
       if constexpr (kFp8) {
         static_assert(kBlockN % 32 == 0);
         cutlass::NumericArrayConverter<Element, float, 4> convert;
@@ -359,6 +373,9 @@ struct FwdMainloop {
         }
       } else {
         Tensor p16 = convert_type<Element>(tSrS);
+        if constexpr (Dropout::kEnabled) {
+          Dropout::template apply<false, true>(drop, rowcol(p16), tScS, row_offset, n * kBlockN);
+        }
         CUTE_UNROLL
         for (int i = 0; i < size(tOrP); ++i) tOrP(i) = p16(i);
       }
@@ -416,7 +433,7 @@ struct FwdMainloop {
     p.score_mod.apply(scores);
     mask.template apply<true, true, true>(scores, tScS, row_offset, n_block);
     softmax.template update<true, true>(scores, qk_scale(n_block));
-    to_p();
+    to_p(n_block);
 
     // S_n is issued together with O += P_{n+1} V_{n+1}; the softmax of S_n runs while the PV GEMM
     // is still on the tensor cores, and O is rescaled once it has finished.
@@ -436,7 +453,7 @@ struct FwdMainloop {
       warpgroup_wait<0>();
       release_v();
       rescale_o(o_scale, vd);
-      to_p();
+      to_p(n);
     };
     constexpr bool kLeftEdge = BlockInfoT::kHasLeft;
     for (--n_block; n_block >= n_right; --n_block) step(n_block, cute::true_type{}, cute::bool_constant<kLeftEdge>{});
@@ -449,7 +466,7 @@ struct FwdMainloop {
     Sched::arrive(wg);
     warpgroup_wait<0>();
     release_v();
-    return v_descale_prev;
+    return v_descale_prev * p.dropout.scale();
   }
 };
 

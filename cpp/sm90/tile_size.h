@@ -141,4 +141,14 @@ struct BwdTileSize<256> {
   static constexpr bool kSdPSwapAB = false, kdKVSwapAB = true;
 };
 
+// Kernels with dropout (common/dropout.h): the plain tiles, except head dim 256's 80 keys, split 40 / 40 between
+// the warpgroups, which leave a thread's 8-key chunks in halves of the Philox groups (one draw per 8 of its
+// scores, not 16) and spilled 130-145 bytes; 64 keys (32 each: whole groups, dK^T/dV^T in 128 registers).
+template <int kHeadDim, int kHeadDimV = kHeadDim>
+struct BwdDropoutTileSize : BwdTileSize<kHeadDim, kHeadDimV> {};
+template <>
+struct BwdDropoutTileSize<256> : BwdTileSize<256> {
+  static constexpr int kBlockN = 64;
+};
+
 }  // namespace flashhopper::sm90

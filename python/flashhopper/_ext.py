@@ -87,7 +87,7 @@ def has_fp8_quantize() -> bool:
 
 
 def build_info() -> dict[str, Any]:
-    """What this build was configured with (archs, modes, dtypes, headdims, masks, variants, score_mods; {}
+    """What this build was configured with (archs, modes, dtypes, headdims, masks, variants, score_mods, dropout; {}
     without _C)."""
     mod = _load()
     return {} if mod is None else dict(mod.build_info())
@@ -95,14 +95,14 @@ def build_info() -> dict[str, Any]:
 
 def configured(mode: str, key: KernelKey) -> bool:
     """Whether the build was asked for this production kernel (FLASHHOPPER_ARCHS, _MODES, _DTYPES, _HDIMS,
-    _MASKS, _SCORE_MODS): then its absence is a broken build or a wrong key, not a configuration choice (the
+    _MASKS, _SCORE_MODS, _DROPOUT): then its absence is a broken build or a wrong key, not a configuration choice (the
     GPU tests fail on it rather than skip). The fp8 (e4m3) dtype is built as a Hopper forward only, without
-    score mods, at FP8_HEADDIMS (cpp/generate_kernels.py); variants are ablation builds, never required."""
+    score mods or dropout, at FP8_HEADDIMS (cpp/generate_kernels.py); variants are ablation builds, never required."""
     info = build_info()
     if not info or key.variant:
         return False
     dtype = key.short_dtype()
-    if dtype == "e4m3" and (key.arch != 90 or mode != "fwd" or key.score_mod != "none"
+    if dtype == "e4m3" and (key.arch != 90 or mode != "fwd" or key.score_mod != "none" or key.dropout
                             or key.headdim not in FP8_HEADDIMS):
         return False
     if key.headdim_v == key.headdim:
@@ -110,4 +110,5 @@ def configured(mode: str, key: KernelKey) -> bool:
     else:  # (Q/K, V) pairs: Hopper 16-bit kernels only
         hdims = key.arch == 90 and [key.headdim, key.headdim_v] in info.get("headdim_pairs", [])
     return (key.arch in info["archs"] and mode in info["modes"] and dtype in info["dtypes"] and hdims
-            and key.mask in info["masks"] and key.score_mod in info.get("score_mods", ["none"]))
+            and key.mask in info["masks"] and key.score_mod in info.get("score_mods", ["none"])
+            and ("on" if key.dropout else "off") in info.get("dropout", ["off"]))

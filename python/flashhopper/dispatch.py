@@ -41,22 +41,22 @@ def score_mod_of(softcap: float) -> str:
 
 def kernel_key(backend: str, dtype: torch.dtype, headdim: int, causal: bool,
                window: tuple[int, int] | None = None, variant: str = "", softcap: float = 0.0,
-               headdim_v: int | None = None) -> KernelKey:
+               headdim_v: int | None = None, dropout: bool = False) -> KernelKey:
     """The KernelKey of a call on kernel family ``backend`` ("sm90" or "sm80"); V's head dim is q's unless
     ``headdim_v`` says otherwise. ``window``: flash-attn's (left, right), -1 unbounded; it makes the mask
     "window" unless (-1, -1). ``softcap`` > 0 needs a softcap kernel (the value itself is a runtime
-    argument)."""
-    return _key(backend, dtype, headdim, mask_of(causal, window), variant, score_mod_of(softcap), headdim_v)
+    argument); ``dropout`` (dropout_p > 0) a dropout kernel."""
+    return _key(backend, dtype, headdim, mask_of(causal, window), variant, score_mod_of(softcap), headdim_v, dropout)
 
 
 # Cached: every launch asks, and a key's construction validates its fields (host time of small calls).
 @functools.lru_cache(maxsize=1024)
 def _key(backend: str, dtype: torch.dtype, headdim: int, mask: str, variant: str = "",
-         score_mod: str = "none", headdim_v: int | None = None) -> KernelKey:
+         score_mod: str = "none", headdim_v: int | None = None, dropout: bool = False) -> KernelKey:
     if backend not in ARCH:
         raise ValueError(f"backend must be one of {', '.join(map(repr, ARCH))} for a kernel, got {backend!r}")
     return KernelKey(ARCH[backend], str(dtype).removeprefix("torch."), headdim,
-                     headdim if headdim_v is None else headdim_v, mask, variant, score_mod)
+                     headdim if headdim_v is None else headdim_v, mask, variant, score_mod, dropout)
 
 
 def _describe(key: KernelKey) -> str:
@@ -64,6 +64,7 @@ def _describe(key: KernelKey) -> str:
     mask = {"none": "non-causal", "causal": "causal", "window": "windowed (local)"}[key.mask]
     hd = f"{key.headdim}" if key.headdim_v == key.headdim else f"{key.headdim}/{key.headdim_v}"
     return (f"{key.dtype} headdim {hd} {mask}" + (" with softcap" if key.score_mod == "softcap" else "")
+            + (" with dropout" if key.dropout else "")
             + (f" variant {key.variant}" if key.variant else ""))
 
 
@@ -78,17 +79,18 @@ def _rebuild_hint(backends: tuple[str, ...], key: KernelKey, modes: str | None =
     masks = " FLASHHOPPER_MASKS=none;causal;window" if key.mask == "window" else ""
     # Likewise the default FLASHHOPPER_SCORE_MODS is none.
     score_mods = " FLASHHOPPER_SCORE_MODS=none;softcap" if key.score_mod == "softcap" else ""
+    dropout = " FLASHHOPPER_DROPOUT=off;on" if key.dropout else ""  # likewise (default off)
     variant = f" FLASHHOPPER_VARIANTS={key.variant}" if key.variant else ""
     hdims = f"{key.headdim}" if key.headdim_v == key.headdim else f"{key.headdim}x{key.headdim_v}"
     hint = (f"rebuild with FLASHHOPPER_ARCHS={archs}{mode} FLASHHOPPER_DTYPES={key.short_dtype()} "
-            f"FLASHHOPPER_HDIMS={hdims}{masks}{score_mods}{variant} (or a superset), or pass backend='reference'")
+            f"FLASHHOPPER_HDIMS={hdims}{masks}{score_mods}{dropout}{variant} (or a superset), or pass backend='reference'")
     err = _ext.extension_error()
     return hint + (f"; the compiled extension did not import: {err}" if err else "")
 
 
 def choose_kernel(info: DeviceInfo, index: int, dtype: torch.dtype, headdim: int, mask: str,
                   backend: str | None, kernels: Container[KernelKey], score_mod: str = "none",
-                  headdim_v: int | None = None) -> str:
+                  headdim_v: int | None = None, dropout: bool = False) -> str:
     """Pure decision for a CUDA device: the kernel backend to use for a call of this dtype, head dim (and
     V's, None: the same), mask kind (kernel_key.mask_of) and score mod, given the forward kernels
     ``kernels``; or ValueError saying why none."""
@@ -102,31 +104,31 @@ def choose_kernel(info: DeviceInfo, index: int, dtype: torch.dtype, headdim: int
         if not runs_on(backend, info.capability):
             need = "9.0 (Hopper)" if backend == "sm90" else "8.0-9.x"
             raise ValueError(f"backend={backend!r} needs compute capability {need}; q is on {where}")
-        key = _key(backend, dtype, headdim, mask, "", score_mod, headdim_v)
+        key = _key(backend, dtype, headdim, mask, "", score_mod, headdim_v, dropout)
         if key not in kernels:
             raise ValueError(f"backend={backend!r}: this build has no {backend} kernel for {_describe(key)}; "
                              f"{_rebuild_hint((backend,), key)}")
         return backend
     usable = tuple(b for b in _AUTO_ORDER if runs_on(b, info.capability))
     for b in usable:
-        if _key(b, dtype, headdim, mask, "", score_mod, headdim_v) in kernels:
+        if _key(b, dtype, headdim, mask, "", score_mod, headdim_v, dropout) in kernels:
             return b
     if not usable:
         raise ValueError(f"q is on {where}, which no flashhopper kernel family supports "
                          "(sm90 needs 9.0, sm80 needs 8.x-9.x); pass backend='reference'")
-    key = _key(usable[0], dtype, headdim, mask, "", score_mod, headdim_v)
+    key = _key(usable[0], dtype, headdim, mask, "", score_mod, headdim_v, dropout)
     raise ValueError(f"q: this build has no {' or '.join(usable)} kernel for {_describe(key)} on {where}; "
                      f"{_rebuild_hint(usable, key)}")
 
 
 def missing_bwd_kernel(backend: str, dtype: torch.dtype, headdim: int, causal: bool,
                        kernels: Container[KernelKey], *, window: tuple[int, int] | None = None,
-                       softcap: float = 0.0, headdim_v: int | None = None) -> str:
+                       softcap: float = 0.0, headdim_v: int | None = None, dropout: bool = False) -> str:
     """Pure decision: "" when ``kernels`` (backward kernels) has the backward for this forward
     configuration, otherwise why not and what to rebuild with. The reference needs no kernel."""
     if backend not in ARCH:
         return ""
-    key = kernel_key(backend, dtype, headdim, causal, window, softcap=softcap, headdim_v=headdim_v)
+    key = kernel_key(backend, dtype, headdim, causal, window, softcap=softcap, headdim_v=headdim_v, dropout=dropout)
     if key in kernels:
         return ""
     # A fwd-only build (FLASHHOPPER_MODES=fwd) is the likely cause: the hint names both modes, so
@@ -162,9 +164,9 @@ class _CompiledKernels:
 # mask kind) are already guarded, and the device query inside could not be traced.
 @torch.compiler.assume_constant_result
 def _select_cuda(index: int, dtype: torch.dtype, headdim: int, mask: str, backend: str | None,
-                 score_mod: str = "none", headdim_v: int | None = None) -> str:
+                 score_mod: str = "none", headdim_v: int | None = None, dropout: bool = False) -> str:
     return choose_kernel(_device.device_info(index), index, dtype, headdim, mask, backend, _CompiledKernels(),
-                         score_mod, headdim_v)
+                         score_mod, headdim_v, dropout)
 
 
 # Returns the message rather than raising: under torch.compile, a ValueError raised inside an
@@ -173,17 +175,18 @@ def _select_cuda(index: int, dtype: torch.dtype, headdim: int, mask: str, backen
 # The window travels as its two ints: constant-result arguments are best kept scalars.
 @torch.compiler.assume_constant_result
 def _missing_bwd_cuda(backend: str, dtype: torch.dtype, headdim: int, causal: bool, window_left: int,
-                      window_right: int, score_mod: str = "none", headdim_v: int | None = None) -> str:
+                      window_right: int, score_mod: str = "none", headdim_v: int | None = None,
+                      dropout: bool = False) -> str:
     # _CompiledKernels looks _ext up at call time (tests replace _ext.has_kernel). The softcap travels as
     # its score mod: which kernel, not its value.
     return missing_bwd_kernel(backend, dtype, headdim, causal, _CompiledKernels("bwd"),
                               window=(window_left, window_right), softcap=1.0 if score_mod == "softcap" else 0.0,
-                              headdim_v=headdim_v)
+                              headdim_v=headdim_v, dropout=dropout)
 
 
 def require_bwd_kernel(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, headdim: int,
                        causal: bool, *, window: tuple[int, int] | None = None,
-                       sinks: torch.Tensor | None = None, softcap: float = 0.0) -> None:
+                       sinks: torch.Tensor | None = None, softcap: float = 0.0, dropout: bool = False) -> None:
     """ValueError, at forward time, when autograd will ask ``backend`` for a backward this build lacks:
     grad mode is on and q, k, v (or sinks) requires grad. Better now than after the whole forward graph ran."""
     if backend not in ARCH or not torch.is_grad_enabled():
@@ -191,7 +194,8 @@ def require_bwd_kernel(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.
     left, right = (-1, -1) if window is None else window
     for name, x in (("q", q), ("k", k), ("v", v), ("sinks", sinks)):
         if x is not None and x.requires_grad:
-            msg = _missing_bwd_cuda(backend, q.dtype, headdim, causal, left, right, score_mod_of(softcap), v.shape[3])
+            msg = _missing_bwd_cuda(backend, q.dtype, headdim, causal, left, right, score_mod_of(softcap), v.shape[3],
+                                    dropout)
             if msg:
                 raise ValueError(f"{name} requires grad, but {msg}")
             return
@@ -199,10 +203,11 @@ def require_bwd_kernel(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.
 
 def select_backend(q: torch.Tensor, headdim: int, dtype: torch.dtype, causal: bool,
                    backend: str | None = None, *, window: tuple[int, int] | None = None,
-                   softcap: float = 0.0, headdim_v: int | None = None) -> str:
+                   softcap: float = 0.0, headdim_v: int | None = None, dropout: bool = False) -> str:
     """Resolve ``backend`` (None = auto) to one of BACKENDS for inputs like ``q`` with this mask
     (``causal`` and ``window``, flash-attn's (left, right), -1 unbounded), softcap and V head dim
-    (``headdim_v``, None: ``headdim``). The public form: checks its arguments, then resolve_backend."""
+    (``headdim_v``, None: ``headdim``) and dropout (a kernel with it). The public form: checks its arguments,
+    then resolve_backend."""
     validation.check_tensor("q", q)
     if isinstance(headdim, bool) or not isinstance(headdim, int):
         raise TypeError(f"headdim must be an int, got {type(headdim).__name__}")
@@ -214,12 +219,14 @@ def select_backend(q: torch.Tensor, headdim: int, dtype: torch.dtype, causal: bo
     softcap = validation.check_softcap(softcap)
     if headdim_v is not None and (isinstance(headdim_v, bool) or not isinstance(headdim_v, int) or headdim_v < 1):
         raise ValueError(f"headdim_v must be a positive int or None, got {headdim_v!r}")
-    return resolve_backend(q, headdim, dtype, causal, backend, window=window, softcap=softcap, headdim_v=headdim_v)
+    validation.check_flag("dropout", dropout)
+    return resolve_backend(q, headdim, dtype, causal, backend, window=window, softcap=softcap, headdim_v=headdim_v,
+                           dropout=dropout)
 
 
 def resolve_backend(q: torch.Tensor, headdim: int, dtype: torch.dtype, causal: bool,
                     backend: str | None = None, *, window: tuple[int, int] | None = None,
-                    softcap: float = 0.0, headdim_v: int | None = None) -> str:
+                    softcap: float = 0.0, headdim_v: int | None = None, dropout: bool = False) -> str:
     """select_backend for arguments an entry point has validated already (flash_attn_func's check_inputs:
     the per-call path does not check q, headdim, dtype and causal twice)."""
     if backend is not None and backend not in BACKENDS:
@@ -232,7 +239,7 @@ def resolve_backend(q: torch.Tensor, headdim: int, dtype: torch.dtype, causal: b
             return "reference"
         raise ValueError(f"backend={backend!r} needs CUDA tensors, but q is on {q.device}")
     return _select_cuda(q.device.index, dtype, headdim, mask_of(causal, window), backend, score_mod_of(softcap),
-                        headdim_v)
+                        headdim_v, dropout)
 
 
 def available_backends(device: torch.device | str | int | None = None) -> list[str]:

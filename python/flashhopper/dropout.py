@@ -1,14 +1,15 @@
 """Attention dropout's random numbers, defined once: which (query, key) scores of which head are kept.
 
 The kernels are to regenerate the mask in the backward from (seed, offset) instead of storing it, so the
-mask is a pure function of the score's coordinates, computed with Philox4x32-10 (Salmon et al., SC'11;
-the generator of cuRAND and of PyTorch's CUDA RNG), counter-based:
+mask is a pure function of the score's coordinates, computed with Philox4x32-7 (Salmon et al., SC'11:
+Philox4x32 with 7 rounds passes TestU01's BigCrush; cuRAND and PyTorch run 10, FlashAttention's
+dropout 7, which the kernels' cost asks for: cpp/common/dropout.h), counter-based:
 
 - the scores of one (batch, head) form 16 x 16 blocks; a block's 256 scores form 16 groups of 16,
   group (a, b) = rows {2a, 2a+1, 2a+8, 2a+9} x columns {2b, 2b+1, 2b+8, 2b+9} of the block (a, b in
   0..3). Such a group is what two threads hold in a 16 x 16 WGMMA / mma.sync accumulator tile, whether
   the kernel computes S or S^T (the backward's layout), so each thread draws for its own scores;
-- one Philox call per group: key (seed low 32 bits, seed high 32 bits), counter (block column * 4 + b,
+- one Philox4x32-7 call per group: key (seed low 32 bits, seed high 32 bits), counter (block column * 4 + b,
   block row * 4 + a, batch * nheads + head, offset), where rows are query rows and columns keys; its
   four 32-bit outputs are 16 bytes, little-endian;
 - score (r, c) of the group (r, c in 0..3: r = 2 * (row in block >= 8) + row % 2, likewise c) takes byte
@@ -18,6 +19,9 @@ the generator of cuRAND and of PyTorch's CUDA RNG), counter-based:
 
 Dropout applies to P after the softmax (its normalizer sees every score), before P V, as in
 FlashAttention; the LSE is unaffected.
+
+The (seed, offset) of a call live on its device (new_rng_state), drawn from a torch generator by a
+device op, so that a CUDA graph draws fresh ones on every replay and the backward reads the forward's.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ import torch
 _M0, _M1 = 0xD2511F53, 0xCD9E8D57  # Philox4x32 multipliers
 _W0, _W1 = 0x9E3779B9, 0xBB67AE85  # Weyl key increments
 _MASK32 = 0xFFFFFFFF
+ROUNDS = 7  # of the dropout's Philox (philox4x32 itself is the general Philox4x32-R)
 
 
 class Dropout(NamedTuple):
@@ -87,9 +92,21 @@ def keep_mask(dropout: Dropout, batch: int, nheads: int, seqlen_q: int, seqlen_k
     row_group, r = split(rows)
     col_group, c = split(cols)
     words = philox4x32((col_group.view(1, 1, 1, -1), row_group.view(1, 1, -1, 1), bh, torch.tensor(dropout.offset)),
-                       (dropout.seed & _MASK32, (dropout.seed >> 32) & _MASK32))
+                       (dropout.seed & _MASK32, (dropout.seed >> 32) & _MASK32), ROUNDS)
     byte_index = (4 * r.view(-1, 1) + c.view(1, -1)).expand(seqlen_q, seqlen_k)  # 0..15
     word = torch.stack(torch.broadcast_tensors(*words), dim=-1)  # (b, h, sq, sk, 4)
     chosen = torch.gather(word, -1, (byte_index // 4).expand(*word.shape[:-1]).unsqueeze(-1)).squeeze(-1)
     byte = (chosen >> (8 * (byte_index % 4))) & 0xFF
     return byte >= dropout.threshold()
+
+
+def new_rng_state(device: torch.device, generator: torch.Generator | None = None) -> torch.Tensor:
+    """A call's dropout state: int64 (seed, offset) on ``device``, drawn from ``generator`` (None: the
+    device's default generator) by a device op (no host synchronization; a CUDA graph replays the draw)."""
+    return torch.randint(-(2**63), 2**63 - 1, (2,), dtype=torch.int64, device=device, generator=generator)
+
+
+def from_rng_state(p: float, rng: torch.Tensor) -> Dropout:
+    """The Dropout of probability ``p`` whose (seed, offset) ``rng`` holds (reads it: a host copy)."""
+    seed, offset = (int(x) for x in rng.tolist())
+    return Dropout(p, seed & 0xFFFFFFFFFFFFFFFF, offset & _MASK32)

@@ -7,28 +7,41 @@ import torch
 
 from . import _autocast, ops  # noqa: F401  (ops: registers the ops flashhopper::fwd / bwd and fwd's autograd)
 from .dispatch import require_bwd_kernel, resolve_backend
+from .dropout import from_rng_state, keep_mask, new_rng_state
 from .kernel_key import normalize_window
-from .validation import check_flag, check_inputs, check_sinks, check_softcap, check_window_size
+from .validation import (check_dropout_p, check_flag, check_generator, check_inputs, check_sinks, check_softcap,
+                         check_window_size)
 
 
 @overload
 def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = ...,
                     causal: bool = ..., return_lse: Literal[False] = ..., backend: str | None = ...,
                     deterministic: bool = ..., window_size: tuple[int, int] = ..., softcap: float = ...,
-                    sinks: torch.Tensor | None = ...) -> torch.Tensor: ...
+                    sinks: torch.Tensor | None = ..., dropout_p: float = ..., generator: torch.Generator | None = ...,
+                    return_dropout_mask: Literal[False] = ...) -> torch.Tensor: ...
 
 
 @overload
 def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = ...,
                     causal: bool = ..., *, return_lse: Literal[True], backend: str | None = ...,
                     deterministic: bool = ..., window_size: tuple[int, int] = ..., softcap: float = ...,
-                    sinks: torch.Tensor | None = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
+                    sinks: torch.Tensor | None = ..., dropout_p: float = ..., generator: torch.Generator | None = ...,
+                    return_dropout_mask: Literal[False] = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = ...,
+                    causal: bool = ..., return_lse: bool = ..., backend: str | None = ...,
+                    deterministic: bool = ..., window_size: tuple[int, int] = ..., softcap: float = ...,
+                    sinks: torch.Tensor | None = ..., dropout_p: float = ..., generator: torch.Generator | None = ...,
+                    *, return_dropout_mask: Literal[True]) -> tuple[torch.Tensor, ...]: ...
 
 
 def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
                     causal: bool = False, return_lse: bool = False, backend: str | None = None,
                     deterministic: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                    sinks: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                    sinks: torch.Tensor | None = None, dropout_p: float = 0.0, generator: torch.Generator | None = None,
+                    return_dropout_mask: bool = False) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Exact softmax attention, flash-attn layout, differentiable.
 
     q: (batch, seqlen_q, nheads_q, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim), with
@@ -48,8 +61,19 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
     - sinks: float32 tensor (nheads_q,) of learnable sink logits (gpt-oss): each row's softmax
       denominator gets exp(sink) added with no value, out = sum_j exp(s_j) v_j / (exp(sink) + sum_j
       exp(s_j)); lse includes it. Differentiable: sinks.grad comes from the same backward.
+    - dropout_p > 0 (training; pass 0 in eval, as with flash-attn): each probability of P is dropped
+      with probability dropout_p (rounded to a multiple of 1/256) after the softmax and the kept ones
+      scaled by 1 / keep probability, fused into the kernels (flashhopper.dropout defines which: a
+      Philox counter of (seed, offset) and the score's position). The (seed, offset) are drawn on q's
+      device from ``generator`` (None: the device's default generator, so torch.manual_seed makes a run
+      repeatable) by a device op, as torch's own random ops draw (CUDA graph replays included); the
+      backward regenerates the same mask.
+      lse is not affected by dropout. return_dropout_mask=True appends the bool keep mask (batch,
+      nheads_q, seqlen_q, seqlen_k), computed from the definition (for tests: memory of the full
+      matrix, and a host read of the seed).
 
-    Returns out (like q, with v's head dim), or (out, lse) with lse float32 (batch, nheads_q, seqlen_q), natural log.
+    Returns out (like q, with v's head dim), or (out, lse) with lse float32 (batch, nheads_q, seqlen_q), natural log;
+    with return_dropout_mask, the keep mask after them.
 
     Gradients: autograd (and torch.compile) differentiates through it, w.r.t. q, k, v (and sinks),
     through out and lse alike, with the backward kernel of the same backend (dk/dv of a kv head sum
@@ -71,11 +95,28 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
     window = check_window_size(window_size)
     softcap = check_softcap(softcap)
     check_sinks(sinks, q)
+    dropout_p = check_dropout_p(dropout_p)
+    check_generator(generator, q)
+    check_flag("return_dropout_mask", return_dropout_mask)
     causal, window = normalize_window(causal, window)
+    dropout = dropout_p > 0
     name = resolve_backend(q, shapes.headdim, q.dtype, causal, backend, window=window, softcap=softcap,
-                           headdim_v=shapes.headdim_v)
-    require_bwd_kernel(name, q, k, v, shapes.headdim, causal, window=window, sinks=sinks, softcap=softcap)
+                           headdim_v=shapes.headdim_v, dropout=dropout)
+    require_bwd_kernel(name, q, k, v, shapes.headdim, causal, window=window, sinks=sinks, softcap=softcap,
+                       dropout=dropout)
     left, right = (-1, -1) if window is None else window
-    out, lse = torch.ops.flashhopper.fwd.default(q, k, v, scale, causal, left, right, softcap, sinks, deterministic,
-                                                 name)
-    return (out, lse) if return_lse else out
+    if not dropout:  # the op's schema defaults: no dropout arguments on the common path
+        out, lse = torch.ops.flashhopper.fwd.default(q, k, v, scale, causal, left, right, softcap, sinks,
+                                                     deterministic, name)
+        rng = None
+    else:
+        rng = new_rng_state(q.device, generator)
+        out, lse = torch.ops.flashhopper.fwd.default(q, k, v, scale, causal, left, right, softcap, sinks,
+                                                     deterministic, name, dropout_p, rng)
+    result = (out, lse) if return_lse else (out,)
+    if return_dropout_mask:
+        b, sq, hq, _ = q.shape
+        mask = (keep_mask(from_rng_state(dropout_p, rng), b, hq, sq, k.shape[1], q.device) if rng is not None
+                else torch.ones((b, hq, sq, k.shape[1]), dtype=torch.bool, device=q.device))
+        result = (*result, mask)
+    return result if len(result) > 1 else result[0]

@@ -13,6 +13,8 @@ from dataclasses import dataclass, fields
 MASKS: tuple[str, ...] = ("none", "causal", "window")
 # What the scores go through before the softmax (cpp/common/score_mod.h): nothing, or Gemma 2's softcap.
 SCORE_MODS: tuple[str, ...] = ("none", "softcap")
+# Attention dropout (cpp/common/dropout.h) compiled in or not: build-option spelling (FLASHHOPPER_DROPOUT).
+DROPOUTS: tuple[str, ...] = ("off", "on")
 # Build-option spelling (FLASHHOPPER_DTYPES) -> the dtype names the key carries (torch's, without "torch.").
 BUILD_DTYPES: dict[str, str] = {"fp16": "float16", "bf16": "bfloat16", "e4m3": "float8_e4m3fn"}
 ARCHS: tuple[int, ...] = (90, 80)
@@ -45,6 +47,7 @@ class KernelKey:
     mask: str        # "none", "causal", "window" (flash-attn's window_size; causal is its (-1, 0) fast case)
     variant: str = ""  # "" in production; else a named ablation variant (cpp/sm90/variants.h)
     score_mod: str = "none"  # "none" or "softcap" (its value is a runtime argument)
+    dropout: bool = False    # P's scores dropped at random (training; p and the seed are runtime arguments)
 
     def __post_init__(self) -> None:
         if self.mask not in MASKS:
@@ -61,6 +64,7 @@ class KernelKey:
         hd = f"{self.headdim}" if self.headdim_v == self.headdim else f"{self.headdim}/{self.headdim_v}"
         return (f"sm{self.arch} {self.dtype} headdim {hd} mask {self.mask}"
                 + (f" {self.score_mod}" if self.score_mod != "none" else "")
+                + (" dropout" if self.dropout else "")
                 + (f" variant {self.variant}" if self.variant else ""))
 
     def file_name(self, mode: str) -> str:
@@ -69,7 +73,8 @@ class KernelKey:
         mask = "" if self.mask == "none" else f"_{self.mask}"
         score_mod = "" if self.score_mod == "none" else f"_{self.score_mod}"
         variant = f"_v-{self.variant}" if self.variant else ""
-        return f"{mode}_sm{self.arch}_{self.short_dtype()}_{hd}{mask}{score_mod}{variant}"
+        dropout = "_dropout" if self.dropout else ""
+        return f"{mode}_sm{self.arch}_{self.short_dtype()}_{hd}{mask}{score_mod}{dropout}{variant}"
 
 
 FIELDS: tuple[str, ...] = tuple(f.name for f in fields(KernelKey))

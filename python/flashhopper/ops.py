@@ -17,6 +17,7 @@ from typing import Any, Optional
 import torch
 
 from . import _ext, _launch, _op, dispatch, reference, validation
+from .dropout import Dropout, from_rng_state
 from .dispatch import ARCH
 from .kernel_key import mask_of
 
@@ -41,10 +42,25 @@ def _window_of(window_left: int, window_right: int) -> tuple[int, int] | None:
     return None if (window_left, window_right) == (-1, -1) else (window_left, window_right)
 
 
+def _dropout_on(dropout_p: float, dropout_rng: torch.Tensor | None) -> bool:
+    """Whether a call drops scores: p > 0 with its (seed, offset) state (flash_attn_func draws one then)."""
+    return dropout_p > 0 and dropout_rng is not None
+
+
+def _fill_dropout(p: Any, dropout_p: float, dropout_rng: torch.Tensor | None) -> None:
+    on = _dropout_on(dropout_p, dropout_rng)
+    p.dropout_threshold = Dropout(dropout_p, 0, 0).threshold() if on else 0
+    p.dropout_rng = dropout_rng.data_ptr() if on else 0  # type: ignore[union-attr]
+
+
+def _reference_dropout(dropout_p: float, dropout_rng: torch.Tensor | None) -> Dropout | None:
+    return from_rng_state(dropout_p, dropout_rng) if _dropout_on(dropout_p, dropout_rng) else None  # type: ignore[arg-type]
+
+
 def fill_params(p: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                 softmax_scale: float, edges: tuple[int, int] = (-1, -1), counter: int = 0, softcap: float = 0.0,
-                sinks: torch.Tensor | None = None) -> Any:
-    """Write pointers, strides (in elements), sizes, window edges (window_edges), softcap and sinks of
+                sinks: torch.Tensor | None = None, dropout_p: float = 0.0, dropout_rng: torch.Tensor | None = None) -> Any:
+    """Write pointers, strides (in elements), sizes, window edges (window_edges), softcap, sinks and dropout of
     these tensors into a ``_C.FwdParams``; ``counter`` is the address of the tile counter (0: none)."""
     b, sq, hq, d = q.shape
     p.q_ptr, p.k_ptr, p.v_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr()
@@ -55,14 +71,16 @@ def fill_params(p: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
     p.softmax_scale = softmax_scale
     p.window_left, p.window_right = edges
     p.softcap, p.sinks_ptr = softcap, (0 if sinks is None else sinks.data_ptr())
+    _fill_dropout(p, dropout_p, dropout_rng)
     return p
 
 
 def _launch_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                 softmax_scale: float, causal: bool, window: tuple[int, int] | None, arch: int, variant: str = "",
-                max_smem_bytes: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None) -> int:
+                max_smem_bytes: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None,
+                dropout_p: float = 0.0, dropout_rng: torch.Tensor | None = None) -> int:
     key = dispatch.kernel_key(_BACKEND_OF_ARCH[arch], q.dtype, q.shape[3], causal, window, variant, softcap,
-                              v.shape[3])
+                              v.shape[3], _dropout_on(dropout_p, dropout_rng))
     entry = dispatch.require_kernel("fwd", key)
     for name, x in (("q", q), ("k", k), ("v", v), ("out", out)):
         validation.check_kernel_layout(name, x)
@@ -72,7 +90,8 @@ def _launch_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Te
     # Masks with a right edge schedule tiles dynamically from the counter; MaskKind none needs none.
     counter = _launch.tile_counter(q.device, stream).data_ptr() if key.mask != "none" else 0
     p = fill_params(_launch.params("FwdParams"), q, k, v, out, lse, softmax_scale,
-                    window_edges(causal, window, q.shape[1], k.shape[1]), counter, softcap, sinks)
+                    window_edges(causal, window, q.shape[1], k.shape[1]), counter, softcap, sinks, dropout_p,
+                    dropout_rng)
     _launch.fill_device(p, q)
     p.max_smem_bytes = max_smem_bytes
     return int(_ext.extension().fwd(p, entry.index, stream))  # switches to p.device for the launch and back
@@ -81,11 +100,12 @@ def _launch_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Te
 def fwd_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
              softmax_scale: float, causal: bool, arch: int, *, window: tuple[int, int] | None = None,
              variant: str = "", max_smem_bytes: int = 0, softcap: float = 0.0,
-             sinks: torch.Tensor | None = None) -> int:
+             sinks: torch.Tensor | None = None, dropout_p: float = 0.0, dropout_rng: torch.Tensor | None = None) -> int:
     """Run the arch-``arch`` (90 or 80) forward kernel, writing into caller-provided ``out`` (like q)
     and ``lse`` (float32, contiguous (batch, nheads_q, seqlen_q)). ``window``: flash-attn's (left,
     right), -1 unbounded (with causal, the right edge is 0); ``variant``: a named kernel variant of the
-    build ("" = production); ``softcap``, ``sinks`` as in flash_attn_func. Checks everything first;
+    build ("" = production); ``softcap``, ``sinks`` as in flash_attn_func; ``dropout_p`` with ``dropout_rng``
+    (flashhopper.dropout.new_rng_state) drops scores as flashhopper.dropout defines. Checks everything first;
     tests use it to poison the outputs before a run.
     ``max_smem_bytes`` as in bwd_into (sm80 tiles). Returns the CTAs launched (0: an empty grid, e.g.
     batch or seqlen_q 0; with seqlen_k 0 the kernel still runs and writes out = 0, lse = -inf or the sink)."""
@@ -93,6 +113,9 @@ def fwd_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tenso
     window = validation.check_window(window)
     softcap = validation.check_softcap(softcap)
     validation.check_sinks(sinks, q)
+    dropout_p = validation.check_dropout_p(dropout_p)
+    if dropout_rng is not None:
+        validation.check_dropout_rng(dropout_rng, q)
     validation.check_variant(variant)
     validation.check_arch(arch, tuple(ARCH.values()))
     if not q.is_cuda:
@@ -102,16 +125,16 @@ def fwd_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tenso
     validation.check_outputs(q, out, lse, v)
     validation.check_max_smem_bytes(max_smem_bytes)
     return _launch_fwd(q, k, v, out, lse, softmax_scale, causal, window, arch, variant, max_smem_bytes, softcap,
-                       sinks)
+                       sinks, dropout_p, dropout_rng)
 
 
 def _reference_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                     softmax_scale: float, causal: bool, window: tuple[int, int] | None, softcap: float,
-                    sinks: torch.Tensor | None) -> None:
+                    sinks: torch.Tensor | None, dropout: Dropout | None = None) -> None:
     # float64 where it is cheap (CPU) or asked for; float32 on the GPU, where float64 is slow.
     dtype = torch.float64 if (not q.is_cuda or q.dtype == torch.float64) else torch.float32
     ref_out, ref_lse = reference.attention_ref(q, k, v, softmax_scale, causal, window=window, softcap=softcap,
-                                               sinks=sinks, dtype=dtype)
+                                               sinks=sinks, dropout=dropout, dtype=dtype)
     out.copy_(ref_out)
     lse.copy_(ref_lse)
 
@@ -131,18 +154,23 @@ def _unknown_backend(backend: str) -> ValueError:
 
 def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool, window_left: int,
         window_right: int, softcap: float, sinks: Optional[torch.Tensor], deterministic: bool,  # noqa: UP045
-        backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+        backend: str, dropout_p: float = 0.0,
+        dropout_rng: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: UP045
     """Attention forward: (out like q with v's head dim, lse float32 (batch, nheads_q, seqlen_q)). ``window_left``,
     ``window_right``: flash-attn's local window, -1 unbounded ((-1, -1): none); ``softcap`` (0: off) and
     ``sinks`` (float32 (nheads_q,) or None) as in flash_attn_func. ``backend`` is one of
     "sm90", "sm80", "reference" (already resolved; see dispatch.select_backend). ``deterministic``
-    does not change the forward (it is deterministic anyway); autograd keeps it for the backward."""
+    does not change the forward (it is deterministic anyway); autograd keeps it for the backward.
+    ``dropout_p`` > 0 with ``dropout_rng`` (int64 (seed, offset) on q's device) drops scores of P
+    (flashhopper.dropout); the backward takes the same two."""
     out, lse = _empty_outputs(q, v)
     window = _window_of(window_left, window_right)
     if backend == "reference":
-        _reference_into(q, k, v, out, lse, softmax_scale, causal, window, softcap, sinks)
+        _reference_into(q, k, v, out, lse, softmax_scale, causal, window, softcap, sinks,
+                        _reference_dropout(dropout_p, dropout_rng))
     elif backend in ARCH:
-        _launch_fwd(q, k, v, out, lse, softmax_scale, causal, window, ARCH[backend], softcap=softcap, sinks=sinks)
+        _launch_fwd(q, k, v, out, lse, softmax_scale, causal, window, ARCH[backend], softcap=softcap, sinks=sinks,
+                    dropout_p=dropout_p, dropout_rng=dropout_rng)
     else:
         raise _unknown_backend(backend)
     return out, lse
@@ -155,7 +183,8 @@ fwd_op = _op.define("fwd", fwd, autocast=("q", "k", "v"))
 @torch.library.register_fake("flashhopper::fwd")
 def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool, window_left: int,
       window_right: int, softcap: float, sinks: Optional[torch.Tensor], deterministic: bool,  # noqa: UP045
-      backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+      backend: str, dropout_p: float = 0.0,
+      dropout_rng: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: UP045
     return _empty_outputs(q, v)
 
 
@@ -165,8 +194,9 @@ def fill_bwd_params(p: Any, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                     out: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None, dq: torch.Tensor,
                     dk: torch.Tensor, dv: torch.Tensor, softmax_scale: float, deterministic: bool,
                     edges: tuple[int, int] = (-1, -1), workspace: int = 0, softcap: float = 0.0,
-                    sinks: torch.Tensor | None = None, dsinks_rows: torch.Tensor | None = None) -> Any:
-    """Write pointers, strides (in elements), sizes, window edges and softcap of these tensors into a
+                    sinks: torch.Tensor | None = None, dsinks_rows: torch.Tensor | None = None,
+                    dropout_p: float = 0.0, dropout_rng: torch.Tensor | None = None) -> Any:
+    """Write pointers, strides (in elements), sizes, window edges, softcap and dropout of these tensors into a
     ``_C.BwdParams``; ``dlse`` None is a null pointer (no gradient w.r.t. lse), ``workspace`` the
     scratch address; with ``sinks``, ``dsinks_rows`` (float32 (batch, nheads_q, seqlen_q)) receives each
     row's share of the sinks' gradient."""
@@ -185,6 +215,7 @@ def fill_bwd_params(p: Any, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     p.softcap = softcap
     p.sinks_ptr = 0 if sinks is None else sinks.data_ptr()
     p.dsinks_rows_ptr = 0 if dsinks_rows is None else dsinks_rows.data_ptr()
+    _fill_dropout(p, dropout_p, dropout_rng)
     return p
 
 
@@ -192,9 +223,10 @@ def _launch_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
                 lse: torch.Tensor, dlse: torch.Tensor | None, dq: torch.Tensor, dk: torch.Tensor,
                 dv: torch.Tensor, softmax_scale: float, causal: bool, window: tuple[int, int] | None,
                 deterministic: bool, arch: int, variant: str = "", max_smem_bytes: int = 0, softcap: float = 0.0,
-                sinks: torch.Tensor | None = None, dsinks_rows: torch.Tensor | None = None) -> int:
+                sinks: torch.Tensor | None = None, dsinks_rows: torch.Tensor | None = None,
+                dropout_p: float = 0.0, dropout_rng: torch.Tensor | None = None) -> int:
     key = dispatch.kernel_key(_BACKEND_OF_ARCH[arch], q.dtype, q.shape[3], causal, window, variant, softcap,
-                              v.shape[3])
+                              v.shape[3], _dropout_on(dropout_p, dropout_rng))
     entry = dispatch.require_kernel("bwd", key)
     for name, x in (("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout), ("dq", dq), ("dk", dk), ("dv", dv)):
         validation.check_kernel_layout(name, x)
@@ -206,7 +238,7 @@ def _launch_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
         sinks = sinks.contiguous()
     p = fill_bwd_params(_launch.params("BwdParams"), dout, q, k, v, out, lse, dlse, dq, dk, dv, softmax_scale,
                         deterministic, window_edges(causal, window, q.shape[1], k.shape[1]), 0, softcap,
-                        sinks, dsinks_rows)
+                        sinks, dsinks_rows, dropout_p, dropout_rng)
     _launch.fill_device(p, q)
     p.max_smem_bytes = max_smem_bytes
     # Scratch (the fp32 dQ accumulator, per-row statistics, semaphores), fresh per call: two launches
@@ -223,11 +255,12 @@ def bwd_into(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
              lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, softmax_scale: float,
              causal: bool, deterministic: bool, arch: int, dlse: torch.Tensor | None = None, *,
              window: tuple[int, int] | None = None, variant: str = "", max_smem_bytes: int = 0,
-             softcap: float = 0.0, sinks: torch.Tensor | None = None, dsinks_rows: torch.Tensor | None = None) -> int:
+             softcap: float = 0.0, sinks: torch.Tensor | None = None, dsinks_rows: torch.Tensor | None = None,
+             dropout_p: float = 0.0, dropout_rng: torch.Tensor | None = None) -> int:
     """Run the arch-``arch`` (90 or 80) backward, writing into caller-provided ``dq``, ``dk``, ``dv``
     (each like its input; any valid kernel strides). ``out`` and ``lse`` are the forward's (see
     fwd_into), ``dout`` the gradient w.r.t. out, ``dlse`` (optional, float32 like lse) the gradient
-    w.r.t. lse; ``window``, ``variant``, ``softcap`` and ``sinks`` as in fwd_into; with sinks,
+    w.r.t. lse; ``window``, ``variant``, ``softcap``, ``sinks`` and dropout as in fwd_into; with sinks,
     ``dsinks_rows`` (float32, contiguous (batch, nheads_q, seqlen_q)) receives each row's share of the
     sinks' gradient (sum it over batch and rows). Checks everything first; tests use it to
     poison the gradients before a run. ``max_smem_bytes`` (sm80 only; 0 = the device's limit) picks
@@ -255,18 +288,22 @@ def bwd_into(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         raise ValueError("dsinks_rows must be given exactly when sinks is")
     if dsinks_rows is not None:
         validation.check_lse("dsinks_rows", dsinks_rows, q)
+    dropout_p = validation.check_dropout_p(dropout_p)
+    if dropout_rng is not None:
+        validation.check_dropout_rng(dropout_rng, q)
     return _launch_bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, softmax_scale, causal, window, deterministic,
-                       arch, variant, max_smem_bytes, softcap, sinks, dsinks_rows)
+                       arch, variant, max_smem_bytes, softcap, sinks, dsinks_rows, dropout_p, dropout_rng)
 
 
 def _reference_bwd_into(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                         lse: torch.Tensor, dlse: torch.Tensor | None, dq: torch.Tensor, dk: torch.Tensor,
                         dv: torch.Tensor, softmax_scale: float, causal: bool, window: tuple[int, int] | None,
-                        softcap: float, sinks: torch.Tensor | None, dsinks: torch.Tensor) -> None:
+                        softcap: float, sinks: torch.Tensor | None, dsinks: torch.Tensor,
+                        dropout: Dropout | None = None) -> None:
     # As _reference_into: float64 on CPU (or for float64 inputs), float32 on the GPU.
     dtype = torch.float64 if (not q.is_cuda or q.dtype == torch.float64) else torch.float32
     grads = reference.attention_bwd_ref(dout, q, k, v, out, lse, softmax_scale, causal, dlse, window=window,
-                                        softcap=softcap, dtype=dtype)
+                                        softcap=softcap, dropout=dropout, dtype=dtype)
     for g, ref in zip((dq, dk, dv), grads):
         g.copy_(ref)
     if sinks is not None:
@@ -288,23 +325,26 @@ def _empty_dsinks(q: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
 def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
         lse: torch.Tensor, dlse: Optional[torch.Tensor], softmax_scale: float, causal: bool,  # noqa: UP045
         window_left: int, window_right: int, softcap: float, sinks: Optional[torch.Tensor],  # noqa: UP045
-        deterministic: bool, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        deterministic: bool, backend: str, dropout_p: float = 0.0,
+        dropout_rng: Optional[torch.Tensor] = None,  # noqa: UP045
+        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention backward: (dq, dk, dv, dsinks), dq/dk/dv each like its input, contiguous; dsinks the
     gradient w.r.t. ``sinks`` (float32 (nheads_q,)), empty without sinks. ``out`` and ``lse`` are the
     forward's outputs, ``dout`` the gradient w.r.t. out, ``dlse`` the gradient w.r.t. lse or None;
-    mask, softcap and sinks as in fwd. ``deterministic``: bitwise-identical gradients from run to run
+    mask, softcap, sinks and dropout (the forward's p and state) as in fwd. ``deterministic``: bitwise-identical gradients from run to run
     (kernels; the reference always is; dsinks is a fixed-order sum either way)."""
     dq, dk, dv = _empty_grads(q, k, v)
     dsinks = _empty_dsinks(q, sinks)
     window = _window_of(window_left, window_right)
     if backend == "reference":
         _reference_bwd_into(dout, q, k, v, out, lse, dlse, dq, dk, dv, softmax_scale, causal, window, softcap,
-                            sinks, dsinks)
+                            sinks, dsinks, _reference_dropout(dropout_p, dropout_rng))
     elif backend in ARCH:
         # Each row's share of d(sinks) from the preprocess kernel, summed here in a fixed order.
         rows = None if sinks is None else torch.empty_like(lse)
         _launch_bwd(dout, q, k, v, out, lse, dlse, dq, dk, dv, softmax_scale, causal, window, deterministic,
-                    ARCH[backend], softcap=softcap, sinks=sinks, dsinks_rows=rows)
+                    ARCH[backend], softcap=softcap, sinks=sinks, dsinks_rows=rows, dropout_p=dropout_p,
+                    dropout_rng=dropout_rng)
         if rows is not None:
             torch.sum(rows, dim=(0, 2), out=dsinks)
     else:
@@ -323,16 +363,21 @@ bwd_op = _op.define("bwd", bwd, autocast=())
 def _(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
       lse: torch.Tensor, dlse: Optional[torch.Tensor], softmax_scale: float, causal: bool,  # noqa: UP045
       window_left: int, window_right: int, softcap: float, sinks: Optional[torch.Tensor],  # noqa: UP045
-      deterministic: bool, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+      deterministic: bool, backend: str, dropout_p: float = 0.0,
+      dropout_rng: Optional[torch.Tensor] = None,  # noqa: UP045
+      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return (*_empty_grads(q, k, v), _empty_dsinks(q, sinks))
 
 
 # --- autograd: fwd's derivative is bwd ---
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
-    q, k, v, softmax_scale, causal, window_left, window_right, softcap, sinks, deterministic, backend = inputs
+    (q, k, v, softmax_scale, causal, window_left, window_right, softcap, sinks, deterministic, backend,
+     *dropout) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, sinks)
+    dropout_p, dropout_rng = dropout
+    ctx.save_for_backward(q, k, v, out, lse, sinks, dropout_rng)
+    ctx.dropout_p = dropout_p
     ctx.softmax_scale, ctx.causal, ctx.deterministic, ctx.backend = softmax_scale, causal, deterministic, backend
     ctx.window = (window_left, window_right)
     ctx.softcap = softcap
@@ -342,13 +387,14 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor
 
 
 def _backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> tuple[Any, ...]:
-    # fwd's inputs: q, k, v, softmax_scale, causal, window_left, window_right, softcap, sinks, deterministic, backend
+    # fwd's inputs: q, k, v, softmax_scale, causal, window_left, window_right, softcap, sinks, deterministic, backend,
+    # dropout_p, dropout_rng
     def grads(dq: Any, dk: Any, dv: Any, dsinks: Any) -> tuple[Any, ...]:
-        return (dq, dk, dv, None, None, None, None, None, dsinks, None, None)
+        return (dq, dk, dv, None, None, None, None, None, dsinks, None, None, None, None)
 
     if dout is None and dlse is None:
         return grads(None, None, None, None)
-    q, k, v, out, lse, sinks = ctx.saved_tensors
+    q, k, v, out, lse, sinks, dropout_rng = ctx.saved_tensors
     if dout is None:  # only lse was used
         dout = torch.zeros_like(out)
     elif ctx.backend != "reference" and not validation.kernel_layout_ok(dout):
@@ -361,7 +407,7 @@ def _backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) ->
     sinks = sinks if ctx.needs_input_grad[8] else None
     dq, dk, dv, dsinks = torch.ops.flashhopper.bwd.default(dout, q, k, v, out, lse, dlse, ctx.softmax_scale,
                                                            ctx.causal, *ctx.window, ctx.softcap, sinks,
-                                                           ctx.deterministic, ctx.backend)
+                                                           ctx.deterministic, ctx.backend, ctx.dropout_p, dropout_rng)
     return grads(dq, dk, dv, dsinks if sinks is not None else None)
 
 

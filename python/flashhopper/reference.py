@@ -138,9 +138,9 @@ def _dropped(p: torch.Tensor, dropout: Dropout | None, seqlen_q: int, seqlen_k: 
 
 def attention_lowp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
                    causal: bool = False, *, window: tuple[int, int] | None = None, softcap: float = 0.0,
-                   sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   sinks: torch.Tensor | None = None, dropout: Dropout | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention the way plain PyTorch does it in the input's precision: both matmuls in q.dtype
-    (bf16/fp16 on GPU), softmax in float32. Its error against attention_ref is the yardstick that
+    (bf16/fp16 on GPU), softmax in float32 (dropout, as attention_ref's, on the float32 P). Its error against attention_ref is the yardstick that
     kernel errors are measured by. Returns out in q.dtype and lse in float32."""
     scale = default_scale(q.shape[-1]) if softmax_scale is None else softmax_scale
     b, sq, h, d = q.shape
@@ -154,7 +154,7 @@ def attention_lowp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_sc
         scores = _mod_scores((qt[:, :, rows] @ kt.transpose(-1, -2)).float(), scale, softcap)
         p, lse_rows = _softmax_rows(scores, visible(sq, sk, causal, q.device, rows, window=window), sinks)
         lse[:, :, rows] = lse_rows
-        out[:, :, rows] = p.to(q.dtype) @ vt
+        out[:, :, rows] = _dropped(p, dropout, sq, sk, rows).to(q.dtype) @ vt
     return out.transpose(1, 2), lse
 
 
@@ -275,7 +275,8 @@ def attention_bwd_ref(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
 def attention_bwd_lowp(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        softmax_scale: float | None = None, causal: bool = False, dlse: torch.Tensor | None = None,
                        *, window: tuple[int, int] | None = None, softcap: float = 0.0,
-                       sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       sinks: torch.Tensor | None = None,
+                       dropout: Dropout | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients PyTorch itself computes in the input precision: what autograd through
     attention_lowp gives (the yardstick for the kernels' backward), written out so that it runs
     in blocks of query rows. Autograd through attention_lowp would keep every block's float32
@@ -306,8 +307,9 @@ def attention_bwd_lowp(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         rows = slice(m0, m0 + step)
         scores = _mod_scores((qt[:, :, rows] @ kt.transpose(-1, -2)).float(), scale, softcap)
         p, _ = _softmax_rows(scores, visible(sq, sk, causal, q.device, rows, window=window), sinks)
-        dv += p.to(dt).float().transpose(-1, -2) @ dot[:, :, rows].float()
-        dp = (dot[:, :, rows] @ vt.transpose(-1, -2)).float()
+        dv += _dropped(p, dropout, sq, sk, rows).to(dt).float().transpose(-1, -2) @ dot[:, :, rows].float()
+        # dP w.r.t. P: through the dropout's mask and scale (autograd's D below is rowsum(P * that)).
+        dp = _dropped((dot[:, :, rows] @ vt.transpose(-1, -2)).float(), dropout, sq, sk, rows)
         ds = p * (dp - (p * dp).sum(-1, keepdim=True))
         if dlse is not None:
             ds = ds + p * dlse[:, :, rows, None].float()

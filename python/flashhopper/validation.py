@@ -162,6 +162,35 @@ def check_softcap(softcap: Any) -> float:
     return c
 
 
+def check_dropout_p(dropout_p: Any) -> float:
+    """Attention dropout's probability: a float in [0, 1] (0: off; flashhopper.dropout rounds it to 1/256)."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
+    p = float(dropout_p)
+    if not (0.0 <= p <= 1.0):
+        raise ValueError(f"dropout_p must be in [0, 1], got {p}")
+    return p
+
+
+def check_generator(generator: Any, q: torch.Tensor) -> None:
+    """Dropout's random source: None (the device's default generator) or a torch.Generator of q's device type."""
+    if generator is None:
+        return
+    if not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    if generator.device.type != q.device.type:
+        raise ValueError(f"generator is on {generator.device} but q is on {q.device}: dropout draws its seed "
+                         "on q's device")
+
+
+def check_dropout_rng(rng: Any, q: torch.Tensor) -> None:
+    """A call's dropout state (flashhopper.dropout.new_rng_state): int64 (2,) on q's device."""
+    check_tensor("dropout_rng", rng)
+    if rng.dtype != torch.int64 or rng.shape != (2,) or rng.device != q.device:
+        raise ValueError(f"dropout_rng must be an int64 tensor of shape (2,) (seed, offset) on {q.device}, got "
+                         f"{rng.dtype} {tuple(rng.shape)} on {rng.device}")
+
+
 def check_sinks(sinks: Any, q: torch.Tensor) -> None:
     """Learnable sink logits: None, or a float32 tensor of shape (nheads_q,) on q's device."""
     if sinks is None:

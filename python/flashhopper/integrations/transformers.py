@@ -15,14 +15,14 @@ registered for the same name):
 - flashhopper's kernel (``flash_attn_func``, bottom-right causal like flash-attn) whenever every key is
   real: no padding (attention_mask None or all ones), plain causal, sliding-window causal (Mistral,
   Gemma, gpt-oss: ``window_size=(sliding_window - 1, 0)``) or bidirectional attention, with the model's
-  ``softcap`` (Gemma 2) and attention sinks (``s_aux``, gpt-oss) passed on. That is training and prefill
-  without padding, and generate() with a DynamicCache (one or several new tokens against the cache). GQA
-  runs natively (no repeat_kv); ``scaling`` is the softmax scale. Sliding windows and softcap need their
-  kernels in the build (FLASHHOPPER_MASKS / FLASHHOPPER_SCORE_MODS), or flash_attn_func says what to
-  rebuild with.
+  ``softcap`` (Gemma 2), attention sinks (``s_aux``, gpt-oss) and attention dropout (in training) passed
+  on. That is training and prefill without padding, and generate() with a DynamicCache (one or several new
+  tokens against the cache). GQA runs natively (no repeat_kv); ``scaling`` is the softmax scale. Sliding
+  windows, softcap and dropout need their kernels in the build (FLASHHOPPER_MASKS / FLASHHOPPER_SCORE_MODS
+  / FLASHHOPPER_DROPOUT), or flash_attn_func says what to rebuild with.
 - transformers' sdpa attention, with a ``SdpaFallbackWarning`` naming the reason, where sdpa can compute
   what the kernel cannot yet: padded batches and packed sequences (no varlen kernel yet, issue #21),
-  other mask patterns (static caches' empty slots, custom masks), dropout > 0, a position bias. The
+  other mask patterns (static caches' empty slots, custom masks), a position bias. The
   result is what attn_implementation="sdpa" gives. Python's default filter shows each reason once per
   model class; ``warnings.simplefilter("error", SdpaFallbackWarning)`` turns every fallback into an error.
 - NotImplementedError where neither can: such a fallback with ``softcap`` or ``s_aux`` (sdpa would ignore
@@ -138,8 +138,6 @@ def _fallback_reason(attention_mask: torch.Tensor | None, dropout: float, kwargs
     if attention_mask is not None:
         return ("an attention mask (padding, packed sequences, a static cache's empty slots or a custom pattern; "
                 "no varlen kernel yet, issue #21)")
-    if dropout > 0:
-        return "dropout > 0 (no attention dropout in flashhopper)"
     if kwargs.get("position_bias") is not None:
         return "position_bias (no additive bias in flashhopper)"
     return None
@@ -164,7 +162,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         out = flash_attn_func(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                               softmax_scale=scaling, causal=bool(causal),
                               window_size=(sliding_window - 1, 0) if sliding_window else (-1, -1),
-                              softcap=softcap or 0.0, sinks=None if sinks is None else sinks.float())
+                              softcap=softcap or 0.0, sinks=None if sinks is None else sinks.float(),
+                              dropout_p=float(dropout))
         return out, None
     _check_fallback(reason, softcap, kwargs)
     warnings.warn(f"flashhopper: {reason}: running transformers' sdpa attention for these calls",

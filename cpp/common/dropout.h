@@ -51,7 +51,6 @@ CUTE_DEVICE uint4 philox4x32(uint4 c, uint32_t k0, uint32_t k1) {
 }
 
 // No dropout: the kernels' hooks compile to nothing.
-// No dropout: the kernels' hooks compile to nothing.
 struct DropoutNone {
   static constexpr bool kEnabled = false;
   CUTE_HOST_DEVICE static DropoutNone make(DropoutArgs const&) { return {}; }

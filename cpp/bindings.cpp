@@ -12,6 +12,7 @@
 #include <type_traits>
 
 #include "common/block_info.h"
+#include "common/varlen_workspace.h"
 #include "registry.h"
 
 namespace py = pybind11;
@@ -174,6 +175,11 @@ PYBIND11_MODULE(_C, m) {
                      [&] { return e.launch(params, reinterpret_cast<cudaStream_t>(stream)); });
   }, py::arg("params"), py::arg("index"), py::arg("stream"),
         "Launch backward `index` (preprocess, main kernel, postprocess) on `stream`. Returns the main kernel's CTAs.");
+  m.def("varlen_workspace_bytes", [](int batch) {
+    if (batch < 0) throw std::invalid_argument("flashhopper: batch must be >= 0");
+    return VarlenWorkspace::bytes(batch);
+  }, py::arg("batch"),
+        "Bytes of device workspace a packed-batch (varlen) forward of `batch` entries needs (FwdParams.varlen_workspace).");
   m.def("bwd_workspace_bytes", [](BwdParams const& params, int index) {
     return entry(bwd_kernels(), index, "backward").workspace_bytes(params);
   }, py::arg("params"), py::arg("index"),
@@ -214,9 +220,10 @@ PYBIND11_MODULE(_C, m) {
     d["variants"] = c.variants;
     d["score_mods"] = c.score_mods;
     d["dropout"] = c.dropout;
+    d["varlen"] = c.varlen;
     return d;
   }, "What this build was configured with (FLASHHOPPER_ARCHS, _MODES, _DTYPES, _HDIMS, _MASKS, _VARIANTS, "
-     "_SCORE_MODS, _DROPOUT).");
+     "_SCORE_MODS, _DROPOUT, _VARLEN).");
 
   m.def("block_ranges", &block_ranges, py::arg("block_m"), py::arg("block_n"), py::arg("mask"), py::arg("seqlen_q"),
         py::arg("seqlen_k"), py::arg("window_left") = -1, py::arg("window_right") = -1,

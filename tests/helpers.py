@@ -2,6 +2,7 @@
 tests' gate (require_backend: skip what cannot run here or was not built by choice, fail what is missing)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -294,14 +295,15 @@ def unconfigured(mode: str, key: KernelKey) -> str:
               ("FLASHHOPPER_DTYPES", info["dtypes"], key.short_dtype()),
               ("FLASHHOPPER_HDIMS", hdims, hdim), ("FLASHHOPPER_MASKS", info["masks"], key.mask),
               ("FLASHHOPPER_SCORE_MODS", info.get("score_mods", ["none"]), key.score_mod),
-              ("FLASHHOPPER_DROPOUT", info.get("dropout", ["off"]), "on" if key.dropout else "off")]
+              ("FLASHHOPPER_DROPOUT", info.get("dropout", ["off"]), "on" if key.dropout else "off"),
+              ("FLASHHOPPER_VARLEN", info.get("varlen", ["off"]), "on" if key.varlen else "off")]
     return "; ".join(f"configure {option} with {value}" for option, have, value in wanted if value not in have)
 
 
 def require_backend(backend: str, dtype: torch.dtype, headdim: int, causal: bool,
                     device: str | torch.device = "cuda", mode: str = "fwd",
                     window: tuple[int, int] | None = None, softcap: float = 0.0,
-                    headdim_v: int | None = None, dropout: bool = False) -> None:
+                    headdim_v: int | None = None, dropout: bool = False, varlen: bool = False) -> None:
     """Skip when ``backend`` cannot run here (another GPU family) or the build was not configured with
     the kernel (mode "bwd": the forward's and the backward's). Fail when the build was configured with
     it and it is missing, or when dispatch refuses a kernel the build has: a broken build or a dispatch
@@ -314,6 +316,7 @@ def require_backend(backend: str, dtype: torch.dtype, headdim: int, causal: bool
                     f"{info.capability[0]}.{info.capability[1]})")
     key = dispatch.kernel_key(backend, dtype, headdim, causal, window, softcap=softcap, headdim_v=headdim_v,
                               dropout=dropout)
+    key = dataclasses.replace(key, varlen=varlen)
     for m in ("fwd",) if mode == "fwd" else ("fwd", "bwd"):
         if _ext.kernel(m, key) is not None:
             continue
@@ -327,6 +330,6 @@ def require_backend(backend: str, dtype: torch.dtype, headdim: int, causal: bool
         pytest.skip(f"no {m} kernel {key.describe()}: {reason}")
     try:
         dispatch.select_backend(torch.empty(0, device=dev), headdim, dtype, causal, backend, window=window,
-                                softcap=softcap, headdim_v=headdim_v, dropout=dropout)
+                                softcap=softcap, headdim_v=headdim_v, dropout=dropout, varlen=varlen)
     except ValueError as e:
         pytest.fail(f"dispatch refuses {backend} for {key.describe()}, which the build has: {e}")

@@ -222,7 +222,7 @@ def test_gpu_tests_fail_on_a_configured_missing_kernel(monkeypatch: pytest.Monke
 
     def select(q: Any, headdim: int, dtype: torch.dtype, causal: bool, backend: str | None = None, *,
                window: tuple[int, int] | None = None, softcap: float = 0.0, headdim_v: int | None = None,
-               dropout: bool = False) -> str:
+               dropout: bool = False, varlen: bool = False) -> str:
         if refused:
             raise ValueError(refused[0])
         return str(backend)

@@ -23,8 +23,9 @@ import torch
 from helpers import require_backend
 
 import flashhopper
-from flashhopper import (FP8Tensor, QuantizedKV, _device, attention_ref, available_backends, flash_attn_fp8_func,
-                         flash_attn_func, fp8, hadamard_signs, quantize_fp8, quantize_kv, select_backend, to_vt)
+from flashhopper import (FP8Tensor, QuantizedKV, _device, attention_ref, attention_varlen_ref, available_backends,
+                         flash_attn_fp8_func, flash_attn_func, flash_attn_varlen_func, fp8, hadamard_signs, quantize_fp8,
+                         quantize_kv, select_backend, to_vt)
 from flashhopper import reference_fp8 as R
 
 KINDS = ("dtype", "device", "shape", "stride", "alignment", "option")
@@ -101,6 +102,17 @@ def fp8_qkv_with(i: int, f: Callable[[torch.Tensor], torch.Tensor], gpu: bool = 
     return with_(ts, i, ts[i]._replace(data=f(ts[i].data.view(torch.uint8)).view(fp8.FP8_DTYPE)))
 
 
+def packed(gpu: bool = False, d: int = 64) -> list[Any]:
+    """A packed batch (flash_attn_varlen_func's first seven arguments): sequences of 5 and 11 tokens, GQA."""
+    cu = torch.tensor([0, 5, 16], dtype=torch.int32, device=dev(gpu))
+    return [randn(16, 8, d, gpu=gpu), randn(16, 2, d, gpu=gpu), randn(16, 2, d, gpu=gpu), cu, cu.clone(), 11, 11]
+
+
+def packed_with(i: int, f: Callable[[Any], Any], gpu: bool = False) -> list[Any]:
+    xs = packed(gpu)
+    return with_(xs, i, f(xs[i]))
+
+
 def kv(gpu: bool = False, d: int = 64) -> QuantizedKV:
     _, k, v = qkv(d, gpu)
     return quantize_kv(k, v)
@@ -118,6 +130,10 @@ def fp8_kernels() -> None:
 
     require_fp8_kernel(128, False)
     require_quant_kernel()
+
+
+def varlen_kernel() -> None:
+    require_backend("sm90", BF16, 64, False, varlen=True)
 
 
 def quant_kernel() -> None:
@@ -332,6 +348,42 @@ CASES: dict[str, list[Case]] = {
         Case("option", "dtype", TypeError, r"^dtype must be torch.float32 or torch.float64",
              lambda: attention_ref(*qkv(), dtype=torch.int32)),
     ],
+    "flash_attn_varlen_func": [
+        Case("dtype", "q int8", TypeError, r"^q has dtype torch.int8",
+             lambda: flash_attn_varlen_func(*packed_with(0, lambda x: x.to(torch.int8)))),
+        Case("dtype", "cu_seqlens_k int64", TypeError, r"^cu_seqlens_k has dtype torch.int64",
+             lambda: flash_attn_varlen_func(*packed_with(4, lambda x: x.long()))),
+        Case("device", "cu_seqlens_q meta", ValueError, r"^cu_seqlens_q is on meta",
+             lambda: flash_attn_varlen_func(*packed_with(3, lambda x: x.to("meta")))),
+        Case("shape", "q 4-D", ValueError, r"^q must have 3 dimensions",
+             lambda: flash_attn_varlen_func(*packed_with(0, lambda x: x[None]))),
+        Case("shape", "seqused_k length", ValueError, r"^seqused_k must have shape \(2,\)",
+             lambda: flash_attn_varlen_func(*packed(), seqused_k=torch.ones(3, dtype=torch.int32))),
+        Case("shape", "cu_seqlens_k batch", ValueError, r"^cu_seqlens_k has 2 entries",
+             lambda: flash_attn_varlen_func(*packed_with(4, lambda x: x[:2]))),
+        gpu("stride", "q last dim stride 2", ValueError, r"^q must have a contiguous last dimension",
+            lambda: flash_attn_varlen_func(*packed_with(0, strided, gpu=True)), varlen_kernel),
+        gpu("alignment", "q misaligned", ValueError, r"^q data pointer .* is not 16-byte aligned",
+            lambda: flash_attn_varlen_func(*packed_with(0, misaligned, gpu=True)), varlen_kernel),
+        Case("option", "max_seqlen_q float", TypeError, r"^max_seqlen_q must be a Python int",
+             lambda: flash_attn_varlen_func(*packed_with(5, float))),
+        Case("option", "causal", TypeError, r"^causal must be a bool",
+             lambda: flash_attn_varlen_func(*packed(), causal=1)),  # type: ignore[arg-type]
+        Case("option", "window_size", TypeError, r"^window_size must be a pair of ints",
+             lambda: flash_attn_varlen_func(*packed(), window_size=5)),  # type: ignore[arg-type]
+        Case("option", "backend", ValueError, r"^backend must be one of",
+             lambda: flash_attn_varlen_func(*packed(), backend="gpu")),
+    ],
+    "attention_varlen_ref": [
+        Case("dtype", "cu_seqlens_q float", TypeError, r"^cu_seqlens_q has dtype torch.float32",
+             lambda: attention_varlen_ref(*packed_with(3, lambda x: x.float())[:5])),
+        Case("device", "k meta", ValueError, r"^k is on meta",
+             lambda: attention_varlen_ref(*packed_with(1, lambda x: x.to("meta"))[:5])),
+        Case("shape", "v 2-D", ValueError, r"^v must have 3 dimensions",
+             lambda: attention_varlen_ref(*packed_with(2, lambda x: x[0])[:5])),
+        Case("option", "causal", TypeError, r"^causal must be a bool",
+             lambda: attention_varlen_ref(*packed()[:5], causal=1)),  # type: ignore[arg-type]
+    ],
     "select_backend": [
         Case("dtype", "dtype int32", TypeError, r"^dtype must be one of",
              lambda: select_backend(randn(1, 4, 2, 64), 64, torch.int32, False)),
@@ -366,6 +418,8 @@ NOT_APPLICABLE: dict[tuple[str, str], str] = {
     ("FP8Tensor.dequantize", "alignment"): "torch math: any layout",
     ("attention_ref", "stride"): "torch math: any layout",
     ("attention_ref", "alignment"): "torch math: any layout",
+    ("attention_varlen_ref", "stride"): "torch math: any layout",
+    ("attention_varlen_ref", "alignment"): "torch math: any layout",
     ("select_backend", "stride"): "reads q's device only",
     ("select_backend", "alignment"): "reads q's device only",
 }

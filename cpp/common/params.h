@@ -36,6 +36,12 @@ inline const char* dtype_name(DType d) {
 // dropout_threshold (kernels with dropout, common/dropout.h): scores whose random byte is below it are
 // dropped (round(dropout_p * 256); 0 = none), the kept ones scaled by 256 / (256 - threshold);
 // dropout_rng: device int64 (seed, offset) of the draws (python/flashhopper/dropout.py defines them).
+// Packed batches (kernels with KernelKey.varlen, common/seqlen.h): Q/O are (total_q, nheads, headdim) and
+// K/V (total_k, ...), batch strides unused; entry b has rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) (int32,
+// batch + 1 on the device), of which seqused_q[b] are used when seqused_q is given (likewise for k);
+// seqlen_q / seqlen_k are the entries' maxima; LSE is (nheads_q, total_q); varlen_workspace:
+// VarlenWorkspace::bytes(batch) bytes of device memory (common/varlen_workspace.h), 256-byte aligned,
+// any contents, not shared with a concurrent launch.
 // num_sms: multiprocessors for a persistent grid (0: the launcher asks the device). max_smem_bytes:
 // sm80 kernels pick their tiles as on a device with this much shared memory per block (0: this
 // device's limit); tests run the 99 KB tiles of sm_86/sm_89 on larger GPUs with it.
@@ -58,6 +64,9 @@ inline const char* dtype_name(DType d) {
   X(int64_t, k_scale_batch_stride, 0) X(int64_t, k_scale_head_stride, 0) X(int64_t, k_scale_block_stride, 0) \
   X(int64_t, v_scale_batch_stride, 0) X(int64_t, v_scale_head_stride, 0) X(int64_t, v_scale_block_stride, 0) \
   X(int, q_scale_block, 1 << 30) X(int, k_scale_block, 1 << 30) X(int, v_scale_block, 1 << 30)          \
+  X(const int*, cu_seqlens_q, nullptr) X(const int*, cu_seqlens_k, nullptr)                              \
+  X(const int*, seqused_q, nullptr) X(const int*, seqused_k, nullptr)                                    \
+  X(int, total_q, 0) X(int, total_k, 0) X(void*, varlen_workspace, nullptr)                              \
   X(int*, tile_counter, nullptr) X(int, device, 0) X(int, num_sms, 0) X(int, max_smem_bytes, 0)
 
 // Backward attention: gradients of the forward above with respect to q, k and v, given dO and the

@@ -3,15 +3,18 @@
 // (tile, batch entry) builds a SeqlenInfo through its family's Seqlens policy and hands it to the
 // block ranges (block_info.h), the mask, the loads and the stores.
 //
-// UniformSeqlens (today's only policy): every entry has the params' seqlen_q / seqlen_k and is
-// addressed through the tensors' batch mode, so the row offsets are 0 (constants once inlined: no
-// cost). A packed batch (varlen, cu_seqlens / seqused) or a KV cache (cache_seqlens) is another
-// policy filling the same fields from device arrays: offsets from cu_seqlens with batch_coord 0 over
-// a (total_rows, ...) view. kTmaClipsRows then becomes false: TMA only clips at the end of the whole
-// packed tensor, so a store must not let it clip a tile at an entry's end (epilogue_fwd.h says where).
+// UniformSeqlens: every entry has the params' seqlen_q / seqlen_k and is addressed through the
+// tensors' batch mode, so the row offsets are 0 (constants once inlined: no cost).
+// VarlenSeqlens (packed batches, flash-attn's varlen): entries are row ranges of (total_rows, ...)
+// tensors, offsets from cu_seqlens, lengths from cu_seqlens or seqused, batch coordinate 0. TMA would
+// only clip at the end of the whole packed tensor, so each entry gets tensor maps of its own whose row
+// extent ends at the entry's last row (varlen_prepare.h writes them before the kernel): loads never
+// read, and stores never write, a neighbour's rows. kTmaClipsRows holds for both policies.
 #pragma once
 
 #include <cute/config.hpp>
+
+#include <cstdint>
 
 namespace flashhopper {
 
@@ -25,7 +28,32 @@ struct UniformSeqlens {
   int seqlen_q = 0, seqlen_k = 0;
   // Each entry is a slice of the batch mode, which TMA bounds by the entry's own length.
   static constexpr bool kTmaClipsRows = true;
+  static constexpr bool kPerEntryTma = false;
   CUTE_HOST_DEVICE SeqlenInfo operator()(int batch) const { return {0, 0, seqlen_q, seqlen_k, batch}; }
+  // The tensor map of tensor `which` (VarlenTensor) for entry `batch`: the one the params hold.
+  CUTE_HOST_DEVICE void const* tma_desc(void const* shared, int /*which*/, int /*batch*/) const { return shared; }
+};
+
+// The tensors with per-entry tensor maps, in their slot order within an entry's group.
+enum VarlenTensor : int { kVarlenQ = 0, kVarlenK = 1, kVarlenV = 2, kVarlenO = 3, kVarlenTensors = 4 };
+
+struct VarlenSeqlens {
+  int const* cu_seqlens_q = nullptr;  // (batch + 1,) row offsets into the packed Q/O
+  int const* cu_seqlens_k = nullptr;  // (batch + 1,) into K/V
+  int const* seqused_q = nullptr;     // (batch,) rows of each slot in use, or nullptr: the whole slot
+  int const* seqused_k = nullptr;
+  void const* tma_descs = nullptr;    // kVarlenTensors 128-byte tensor maps per entry (varlen_prepare.h)
+  static constexpr bool kTmaClipsRows = true;  // through the per-entry tensor maps
+  static constexpr bool kPerEntryTma = true;
+  CUTE_HOST_DEVICE SeqlenInfo operator()(int batch) const {
+    int const oq = cu_seqlens_q[batch], ok = cu_seqlens_k[batch];
+    int const lq = seqused_q != nullptr ? seqused_q[batch] : cu_seqlens_q[batch + 1] - oq;
+    int const lk = seqused_k != nullptr ? seqused_k[batch] : cu_seqlens_k[batch + 1] - ok;
+    return {oq, ok, lq, lk, 0};
+  }
+  CUTE_HOST_DEVICE void const* tma_desc(void const* /*shared*/, int which, int batch) const {
+    return static_cast<char const*>(tma_descs) + (int64_t(batch) * kVarlenTensors + which) * 128;
+  }
 };
 
 }  // namespace flashhopper

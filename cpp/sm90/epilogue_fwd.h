@@ -1,13 +1,11 @@
 // Hopper forward epilogue, per consumer warpgroup: O (already normalized, fp32) is converted in
 // registers, written with stmatrix into this warpgroup's 64-row slice of the Q stage it just used,
-// and stored by one thread with a TMA store (which clips rows past the batch entry's end: Seqlens
-// kTmaClipsRows); the kernel releases that Q stage once TMA has read it. FP8 (kOwnBuffer): O is
-// bfloat16, twice Q's bytes, so it has a buffer of its own, reused once the previous tile's store has
-// been read. LSE goes straight to global memory from the threads that own column 0 of each row.
+// and stored by one thread with a TMA store, which clips rows past the batch entry's end (Seqlens
+// kTmaClipsRows: the tensors' batch mode, or a packed entry's own tensor map); the kernel releases that
+// Q stage once TMA has read it. FP8 (kOwnBuffer): O is bfloat16, twice Q's bytes, so it has a buffer of
+// its own, reused once the previous tile's store has been read. LSE goes straight to global memory from
+// the threads that own column 0 of each row: (batch, head, rows), or for packed entries (head, total rows).
 // (Storing O from registers instead measured 5-16% slower: docs/perf-notes.md.)
-// A Seqlens policy whose entries share the tensors' row mode (packed batches) cannot let TMA clip a
-// tile at an entry's end: its last tile of an entry needs a row-predicated store from the staged O
-// (store_empty's loop, reading shared memory); the static_assert below marks that place.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -28,7 +26,8 @@ using namespace cute;
 template <class Element, int kHeadDim, int kNumMmaWG, class SmemLayoutO, int kSlotElems, class TiledMmaPV,
           bool kOwnBuffer, class Seqlens>
 struct FwdEpilogue {
-  static_assert(Seqlens::kTmaClipsRows, "entries sharing the row mode need a row-predicated O store here");
+  static_assert(Seqlens::kTmaClipsRows, "entries sharing the row mode without tensor maps of their own need a "
+                                        "row-predicated O store here");
   using D = Int<kHeadDim>;
   using ShapeO = Shape<int32_t, int32_t, int32_t, int32_t>;  // (seqlen_q, headdim, head, batch)
   using StrideO = Stride<int64_t, _1, int64_t, int64_t>;
@@ -40,7 +39,8 @@ struct FwdEpilogue {
     ShapeO shape_o;
     Element* o_ptr;  // for tiles with no visible key, which skip shared memory
     StrideO stride_o;
-    float* lse_ptr;  // (batch, head, seqlen_q) contiguous
+    float* lse_ptr;  // (batch, head, seqlen_q) contiguous; packed: (head, total rows)
+    Seqlens seqlens;
   };
 
   // The entry's (rows, headdim) slice of O for this head.
@@ -49,18 +49,19 @@ struct FwdEpilogue {
     return entry_rows(m, seq.offset_q, head, seq.batch_coord);
   }
 
-  static Params make_params(Element* o, ShapeO shape_o, StrideO stride_o, float* lse) {
+  static Params make_params(Element* o, ShapeO shape_o, StrideO stride_o, float* lse, Seqlens seqlens = {}) {
     auto mO = make_tensor(make_gmem_ptr(o), shape_o, stride_o);
     return {make_tma_copy(SM90_TMA_STORE{}, mO, SmemLayoutO{}, Shape<_64, D>{}, _1{}), shape_o, o,
-            stride_o, lse};
+            stride_o, lse, seqlens};
   }
 
   CUTE_DEVICE static void prefetch_descriptors(Params const& p) {
     cute::prefetch_tma_descriptor(p.tma_o.get_tma_descriptor());
   }
 
-  CUTE_DEVICE static int64_t lse_offset(Params const& p, int head, int batch) {
-    return (int64_t(batch) * get<2>(p.shape_o) + head) * get<0>(p.shape_o);
+  // Where the LSE of (entry, head) starts: its batch coordinate's rows of the head, then the entry's offset.
+  CUTE_DEVICE static int64_t lse_offset(Params const& p, SeqlenInfo const& seq, int head) {
+    return (int64_t(seq.batch_coord) * get<2>(p.shape_o) + head) * get<0>(p.shape_o) + seq.offset_q;
   }
 
   template <class FragO, class LSE>
@@ -85,7 +86,9 @@ struct FwdEpilogue {
       Tensor mO = rows_of(p.tma_o.get_tma_tensor(p.shape_o), seq, head);
       Tensor gO = local_tile(mO, Shape<_64, D>{}, make_coord(_, _0{}));  // (64, D, m64)
       auto parts = tma_partition(p.tma_o, _0{}, Layout<_1>{}, group_modes<0, 2>(sO), group_modes<0, 2>(gO));
-      copy(p.tma_o, get<1>(parts), get<0>(parts)(_, m_block * kNumMmaWG + wg));
+      auto const* desc = static_cast<TmaDescriptor const*>(p.seqlens.tma_desc(p.tma_o.get_tma_descriptor(), kVarlenO, batch));
+      if constexpr (Seqlens::kPerEntryTma) cute::tma_descriptor_fence_acquire(desc);
+      copy(p.tma_o.with(desc), get<1>(parts), get<0>(parts)(_, m_block * kNumMmaWG + wg));
       tma_store_arrive();
     }
     store_lse(p, lse, seq, m_block, head, batch, wg, thread_idx);
@@ -98,7 +101,7 @@ struct FwdEpilogue {
     Tensor tOcO = rowcol(thr_mma.partition_C(make_identity_tensor(Shape<_64, D>{})));
     if (get<1>(tOcO(_0{}, _0{})) != 0) return;  // one thread of each quad owns the row
     int const seqlen_q = seq.seqlen_q;
-    float* lse_bh = p.lse_ptr + lse_offset(p, head, batch) + seq.offset_q;
+    float* lse_bh = p.lse_ptr + lse_offset(p, seq, head);
     CUTE_UNROLL
     for (int mi = 0; mi < size<0>(tOcO); ++mi) {
       int const row = (m_block * kNumMmaWG + wg) * 64 + int(get<0>(tOcO(mi, _0{})));
@@ -124,7 +127,7 @@ struct FwdEpilogue {
             make_uint4(0, 0, 0, 0);
       }
     }
-    float* lse_bh = p.lse_ptr + lse_offset(p, head, batch) + seq.offset_q;
+    float* lse_bh = p.lse_ptr + lse_offset(p, seq, head);
     for (int r = thread_idx; r < 64; r += cutlass::NumThreadsPerWarpGroup) {
       if (row0 + r < seqlen_q) lse_bh[row0 + r] = empty_lse;
     }

@@ -125,15 +125,16 @@ struct FwdKernel {
         auto write_k = cutlass::make_producer_start_state<Pipeline>();
         auto write_v = cutlass::make_producer_start_state<Pipeline>();
         auto write_tile = cutlass::make_producer_start_state<TilePipeline>();
+        int const total_tiles = Scheduler::total(sched);
         int tile = Scheduler::initial(sched);
         while (true) {
-          bool const valid = tile < sched.total_tiles;
+          bool const valid = tile < total_tiles;
           tile_pipeline.producer_acquire(write_tile);
           ss.tile_index[write_tile.index()] = valid ? tile : -1;
           tile_pipeline.producer_commit(write_tile);
           ++write_tile;
           if (!valid) break;
-          int const next = Scheduler::next(sched, tile);  // in flight while this tile's loads go out
+          int const next = Scheduler::next(sched, tile, total_tiles);  // in flight while this tile's loads go out
           TileWork const t = tile_work(params, tile);
           if (t.has_rows && t.has_keys) {  // otherwise the consumers write zeros (or nothing), without Q
             Mainloop::load(params.mainloop, pipeline_q, pipeline_k, pipeline_v, write_q, write_k, write_v,

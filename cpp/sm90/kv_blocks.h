@@ -18,11 +18,12 @@ struct ContiguousKVBlocks {
 
   CUTE_DEVICE ContiguousKVBlocks(Params const&, int /*batch*/) {}
 
-  // One TMA copy: block n_block of `blocks` ((TMA, n) partitioned source) into `stage`.
+  // One TMA copy: block n_block of `blocks` ((TMA, n) partitioned source) into `stage`, through tensor map
+  // `desc` (the params' own, or the batch entry's: common/seqlen.h).
   template <class TmaCopy, class Blocks, class Stage>
-  CUTE_DEVICE void load(TmaCopy const& tma, uint64_t& barrier, Blocks const& blocks, int n_block, Stage&& stage,
-                        TMA::CacheHintSm90 hint) const {
-    copy(tma.with(barrier, 0, hint), blocks(_, n_block), stage);
+  CUTE_DEVICE void load(TmaCopy const& tma, TmaDescriptor const* desc, uint64_t& barrier, Blocks const& blocks,
+                        int n_block, Stage&& stage, TMA::CacheHintSm90 hint) const {
+    copy(tma.with(desc, barrier, 0, hint), blocks(_, n_block), stage);
   }
 };
 

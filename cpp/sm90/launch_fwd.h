@@ -17,12 +17,14 @@
 #include "../common/element_type.h"
 #include "../common/kernel_key.h"
 #include "../common/params.h"
+#include "../common/varlen_workspace.h"
 #include "../registry.h"
 #include "epilogue_fwd.h"
 #include "kernel_fwd.h"
 #include "mainloop_fwd.h"
 #include "tile_scheduler.h"
 #include "variants.h"
+#include "varlen_prepare.h"
 
 namespace flashhopper {
 
@@ -36,15 +38,23 @@ struct FwdConfig {
   static_assert(Config::kDType != DType::kFloat8E4M3 || Config::kScoreMod == ScoreModKind::kNone,
                 "the fp8 kernels have no score mod");
   using Dropout = DropoutOf<Config::kDropout>;
-  using Mainloop = FwdMainloop<Element, Config::kHeadDim, Config::kHeadDimV, Tile, Config::kMask, ScoreMod, Dropout>;
+  static constexpr bool kVarlen = Config::kVarlen;
+  using Seqlens = std::conditional_t<kVarlen, VarlenSeqlens, UniformSeqlens>;
+  using Mainloop = FwdMainloop<Element, Config::kHeadDim, Config::kHeadDimV, Tile, Config::kMask, ScoreMod, Dropout,
+                               ContiguousKVBlocks, Seqlens>;
   using ElementOut = typename Mainloop::ElementOut;
   static constexpr bool kFp8 = Mainloop::kFp8;
   // FP8 stages O in a buffer of its own; 16-bit O goes through the Q stage the tile used.
   using Epilogue = FwdEpilogue<ElementOut, Config::kHeadDimV, Mainloop::kNumMmaWG, typename Mainloop::SmemLayoutO,
                                Mainloop::kOSlotElems, typename Mainloop::TiledMmaPV, kFp8, typename Mainloop::Seqlens>;
-  // Tiles whose cost varies (a mask with a right edge) are handed out heaviest first, dynamically.
-  using Scheduler = std::conditional_t<Config::kMask != MaskKind::kNone, DynamicTileScheduler, StaticTileScheduler>;
+  static_assert(!kVarlen || (!kFp8 && !Config::kDropout), "packed batches: 16-bit kernels without dropout for now");
+  // Tiles whose cost varies (a mask with a right edge, packed entries of different lengths) are handed
+  // out heaviest first, dynamically.
+  using Scheduler = std::conditional_t<
+      kVarlen, VarlenTileScheduler,
+      std::conditional_t<Config::kMask != MaskKind::kNone, DynamicTileScheduler, StaticTileScheduler>>;
   using Kernel = FwdKernel<Mainloop, Epilogue, Scheduler>;
+  using Prepare = VarlenPrepare<Mainloop, Epilogue>;
 };
 
 }  // namespace sm90
@@ -65,9 +75,18 @@ int64_t run_fwd_sm90(FwdParams const& params, cudaStream_t stream) {
   if (params.headdim != Config::kHeadDim || params.headdim_v != Config::kHeadDimV) {
     throw std::invalid_argument("flashhopper: head dim does not match the kernel");
   }
+  constexpr bool kVarlen = C::kVarlen;
   int const num_m_blocks = ceil_div(params.seqlen_q, Tile::kBlockM);
-  int64_t const total_tiles = int64_t(num_m_blocks) * params.nheads_q * params.batch;
-  if (total_tiles == 0) return 0;  // no query rows: an empty grid, nothing to launch
+  // Packed batches: the rows of the batch's entries share one row mode (batch coordinate 0), and the tile
+  // count is known on the device only: here an upper bound (an entry wastes at most one partial block).
+  int64_t const total_tiles = kVarlen ? (int64_t(ceil_div(params.total_q, Tile::kBlockM)) + params.batch) * params.nheads_q
+                                      : int64_t(num_m_blocks) * params.nheads_q * params.batch;
+  if (total_tiles == 0 || (kVarlen && params.total_q == 0)) return 0;  // no query rows: nothing to launch
+  if constexpr (kVarlen) {
+    if (params.cu_seqlens_q == nullptr || params.cu_seqlens_k == nullptr || params.varlen_workspace == nullptr) {
+      throw std::invalid_argument("flashhopper: packed-batch kernels need cu_seqlens_q, cu_seqlens_k and varlen_workspace");
+    }
+  }
   if (Scheduler::kNeedsCounter && params.tile_counter == nullptr) {
     throw std::invalid_argument("flashhopper: these kernels need a zeroed int32 tile counter (FwdParams.tile_counter)");
   }
@@ -75,6 +94,17 @@ int64_t run_fwd_sm90(FwdParams const& params, cudaStream_t stream) {
   // tensor maps must still be valid: extents >= 1 and 16-byte strides over real memory, which empty
   // K/V tensors need not have. Q's serve.
   FwdParams p = params;
+  // Packed: (total rows, headdim, heads, 1), each tensor's one batch coordinate given a stride past its
+  // rows (tensor maps want strides that are non-zero multiples of 16 bytes).
+  int const rows_q = kVarlen ? p.total_q : p.seqlen_q;
+  if constexpr (kVarlen) {
+    p.seqlen_k = p.total_k;  // the row extent of K/V below; the entries' own come from cu_seqlens
+    p.q_batch_stride = p.q_row_stride * std::max(rows_q, 1);
+    p.o_batch_stride = p.o_row_stride * std::max(rows_q, 1);
+    p.k_batch_stride = p.k_row_stride * std::max(p.total_k, 1);
+    p.v_batch_stride = p.v_row_stride * std::max(p.total_k, 1);
+  }
+  int const batch_coords = kVarlen ? 1 : p.batch;
   if (p.seqlen_k == 0) {
     p.k_ptr = p.v_ptr = p.q_ptr;
     p.k_row_stride = p.v_row_stride = p.v_dim_stride = p.q_row_stride;
@@ -82,8 +112,8 @@ int64_t run_fwd_sm90(FwdParams const& params, cudaStream_t stream) {
     p.k_batch_stride = p.v_batch_stride = p.q_batch_stride;
   }
   int const rows_k = std::max(p.seqlen_k, 1);
-  typename Mainloop::ShapeQKV const shape_q{p.seqlen_q, p.headdim, p.nheads_q, p.batch};
-  typename Mainloop::ShapeQKV const shape_k{rows_k, p.headdim, p.nheads_kv, p.batch};
+  typename Mainloop::ShapeQKV const shape_q{rows_q, p.headdim, p.nheads_q, batch_coords};
+  typename Mainloop::ShapeQKV const shape_k{rows_k, p.headdim, p.nheads_kv, batch_coords};
   auto stride = [](int64_t row, int64_t head, int64_t batch) { return make_stride(row, _1{}, head, batch); };
   typename Mainloop::Descales descale{};
   if constexpr (kFp8) {
@@ -118,17 +148,25 @@ int64_t run_fwd_sm90(FwdParams const& params, cudaStream_t stream) {
   DeviceInfo const& dev = device_info(p.device);
   int const num_sms = p.num_sms > 0 ? p.num_sms : dev.num_sms;
 
-  typename Kernel::Params const kp{
+  auto const seqlens = [&] {
+    if constexpr (kVarlen) {
+      VarlenWorkspace const ws = VarlenWorkspace::carve(p.varlen_workspace, p.batch);
+      return VarlenSeqlens{p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_q, p.seqused_k, ws.descs};
+    } else {
+      return UniformSeqlens{p.seqlen_q, p.seqlen_k};
+    }
+  }();
+  typename Kernel::Params kp{
       Mainloop::make_params(static_cast<Element const*>(p.q_ptr), stride(p.q_row_stride, p.q_head_stride, p.q_batch_stride),
                             shape_q, static_cast<Element const*>(p.k_ptr),
                             stride(p.k_row_stride, p.k_head_stride, p.k_batch_stride),
                             static_cast<Element const*>(p.v_ptr), stride_v, shape_k, p.softmax_scale,
-                            UniformSeqlens{p.seqlen_q, p.seqlen_k}, p.window_left, p.window_right, p.sinks_ptr,
+                            seqlens, p.window_left, p.window_right, p.sinks_ptr,
                             make_score_mod<typename C::ScoreMod>(p.softmax_scale, p.softcap), {}, descale,
                             make_dropout<typename C::Dropout>(p.dropout_rng, p.dropout_threshold)),
       Epilogue::make_params(static_cast<ElementOut*>(p.o_ptr),
-                            typename Mainloop::ShapeQKV{p.seqlen_q, p.headdim_v, p.nheads_q, p.batch},
-                            stride(p.o_row_stride, p.o_head_stride, p.o_batch_stride), p.lse_ptr),
+                            typename Mainloop::ShapeQKV{rows_q, p.headdim_v, p.nheads_q, batch_coords},
+                            stride(p.o_row_stride, p.o_head_stride, p.o_batch_stride), p.lse_ptr, seqlens),
       sm90::make_tile_scheduler_params(num_m_blocks, p.batch, p.nheads_q, p.nheads_q / p.nheads_kv,
                                        int64_t(p.seqlen_k) * (p.headdim + p.headdim_v) * int64_t(sizeof(Element)),
                                        dev.l2_bytes > 0 ? dev.l2_bytes : int64_t(50) << 20, p.tile_counter)};
@@ -137,6 +175,22 @@ int64_t run_fwd_sm90(FwdParams const& params, cudaStream_t stream) {
   int const smem_bytes = int(sizeof(typename Kernel::SharedStorage));
   cudaError_t err = set_max_dynamic_smem_once(kernel, p.device, smem_bytes);
   if (err != cudaSuccess) throw std::runtime_error(std::string("flashhopper: cudaFuncSetAttribute: ") + cudaGetErrorString(err));
+  if constexpr (kVarlen) {
+    // The tile bound above sizes the grid; the prepare kernel writes the true count and the schedule.
+    kp.scheduler.total_tiles = int(std::min<int64_t>(total_tiles, INT32_MAX));
+    VarlenWorkspace const ws = VarlenWorkspace::carve(p.varlen_workspace, p.batch);
+    kp.scheduler.num_entries = p.batch;
+    kp.scheduler.entry_m_blocks = ws.m_blocks;
+    kp.scheduler.entry_order = ws.order;
+    kp.scheduler.tile_prefix = ws.prefix;
+    kp.scheduler.total_ptr = ws.total;
+    using Prepare = typename C::Prepare;
+    typename Prepare::Params const pp{kp.mainloop, kp.epilogue, ws, p.batch, p.nheads_q,
+                                      stride(p.q_row_stride, p.q_head_stride, p.q_batch_stride),
+                                      stride(p.k_row_stride, p.k_head_stride, p.k_batch_stride), stride_v,
+                                      stride(p.o_row_stride, p.o_head_stride, p.o_batch_stride)};
+    sm90::varlen_prepare_kernel<Prepare><<<Prepare::grid(p.batch), Prepare::kThreads, 0, stream>>>(pp);
+  }
   dim3 const grid(sm90::persistent_grid_size(kp.scheduler, num_sms));
   kernel<<<grid, Kernel::kNumThreads, smem_bytes, stream>>>(kp);
   return grid.x;

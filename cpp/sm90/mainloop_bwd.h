@@ -363,8 +363,8 @@ struct BwdMainloop {
     auto write_kv = cutlass::make_producer_start_state<PipelineKV>();
     pipeline_kv.producer_acquire(write_kv);
     auto* kv_bar = pipeline_kv.producer_get_barrier(write_kv);
-    kv_blocks.load(p.tma_k, *kv_bar, get<0>(k_parts), n_block, get<1>(k_parts)(_, 0), TMA::CacheHintSm90::EVICT_FIRST);
-    kv_blocks.load(p.tma_v, *kv_bar, get<0>(v_parts), n_block, get<1>(v_parts)(_, 0), TMA::CacheHintSm90::EVICT_FIRST);
+    kv_blocks.load(p.tma_k, p.tma_k.get_tma_descriptor(), *kv_bar, get<0>(k_parts), n_block, get<1>(k_parts)(_, 0), TMA::CacheHintSm90::EVICT_FIRST);
+    kv_blocks.load(p.tma_v, p.tma_v.get_tma_descriptor(), *kv_bar, get<0>(v_parts), n_block, get<1>(v_parts)(_, 0), TMA::CacheHintSm90::EVICT_FIRST);
 
     // Every key block of this head reads the same Q and dO: keep them in L2.
     auto write_q = cutlass::make_producer_start_state<Pipeline>();

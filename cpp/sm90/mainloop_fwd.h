@@ -212,6 +212,16 @@ struct FwdMainloop {
             dropout};
   }
 
+  // The tensor map a load of tensor `which` (common/seqlen.h's VarlenTensor) uses for this batch entry: the
+  // params' own, or the entry's (packed batches), which a kernel before this one wrote through the generic
+  // proxy: the acquire orders that write before the TMA unit reads it.
+  template <class Tma>
+  CUTE_DEVICE static TmaDescriptor const* tma_desc(Params const& p, Tma const& tma, int which, int batch) {
+    auto const* desc = static_cast<TmaDescriptor const*>(p.seqlens.tma_desc(tma.get_tma_descriptor(), which, batch));
+    if constexpr (Seqlens::kPerEntryTma) cute::tma_descriptor_fence_acquire(desc);
+    return desc;
+  }
+
   CUTE_DEVICE static void prefetch_descriptors(Params const& p) {
     cute::prefetch_tma_descriptor(p.tma_q.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.tma_k.get_tma_descriptor());
@@ -230,6 +240,9 @@ struct FwdMainloop {
     int const n_block_min = bi.n_block_min(m_block);
     int const kv_head = head / p.heads_ratio;
     KVBlocks const kv_blocks(p.kv_blocks, batch);
+    TmaDescriptor const* desc_q = tma_desc(p, p.tma_q, kVarlenQ, batch);
+    TmaDescriptor const* desc_k = tma_desc(p, p.tma_k, kVarlenK, batch);
+    TmaDescriptor const* desc_v = tma_desc(p, p.tma_v, kVarlenV, batch);
 
     Tensor sQ = make_tensor(make_smem_ptr(ts.smem_q.data()), SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(ts.smem_k.data()), SmemLayoutK{});
@@ -259,13 +272,13 @@ struct FwdMainloop {
 
     auto load_k = [&](int n_block) {
       pipeline_k.producer_acquire(write_k);
-      kv_blocks.load(p.tma_k, *pipeline_k.producer_get_barrier(write_k), tKgK, n_block, tKsK(_, write_k.index()),
+      kv_blocks.load(p.tma_k, desc_k, *pipeline_k.producer_get_barrier(write_k), tKgK, n_block, tKsK(_, write_k.index()),
                      TMA::CacheHintSm90::EVICT_LAST);
       ++write_k;
     };
     auto load_v = [&](int n_block) {
       pipeline_v.producer_acquire(write_v);
-      kv_blocks.load(p.tma_v, *pipeline_v.producer_get_barrier(write_v), tVgV, n_block, tVsV(_, write_v.index()),
+      kv_blocks.load(p.tma_v, desc_v, *pipeline_v.producer_get_barrier(write_v), tVgV, n_block, tVsV(_, write_v.index()),
                      TMA::CacheHintSm90::EVICT_LAST);
       ++write_v;
     };
@@ -275,7 +288,7 @@ struct FwdMainloop {
     pipeline_q.producer_acquire(write_q);
     CUTE_UNROLL
     for (int wg = 0; wg < kNumMmaWG; ++wg) {
-      copy(p.tma_q.with(*pipeline_q.producer_get_barrier(write_q), 0, TMA::CacheHintSm90::EVICT_FIRST),
+      copy(p.tma_q.with(desc_q, *pipeline_q.producer_get_barrier(write_q), 0, TMA::CacheHintSm90::EVICT_FIRST),
            tQgQ(_, m_block * kNumMmaWG + wg), tQsQ(_, wg, write_q.index()));
     }
     ++write_q;

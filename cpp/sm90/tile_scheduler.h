@@ -27,7 +27,14 @@ struct TileSchedulerParams {
   int num_bh = 0;     // batch * query heads
   int total_tiles = 0;
   int heads_per_section = 1;  // dynamic scheduler: (batch, head) pairs per L2 section
-  int* counter = nullptr;     // dynamic scheduler only: zero at launch, left at zero on exit
+  int* counter = nullptr;     // dynamic schedulers only: zero at launch, left at zero on exit
+  // Packed batches (VarlenTileScheduler): the entries' order and tile prefix sums, and the tile count,
+  // which only the device knows (varlen_prepare.h writes them).
+  int num_entries = 0;
+  int const* entry_m_blocks = nullptr;
+  int const* entry_order = nullptr;
+  int const* tile_prefix = nullptr;
+  int const* total_ptr = nullptr;
 };
 
 // kv_bytes_per_kv_head: K+V bytes of one kv head; query heads of one GQA group share them.
@@ -48,11 +55,14 @@ inline int persistent_grid_size(TileSchedulerParams const& p, int num_sms) {
   return std::max(1, std::min(num_sms, p.total_tiles));
 }
 
+// Each scheduler: total(p), the tile count (read once by the producer); initial(p), the CTA's first tile;
+// next(p, tile, total), the one after; decode(p, tile), its (m_block, head, batch entry).
 struct StaticTileScheduler {
   static constexpr bool kNeedsCounter = false;
 
+  CUTE_DEVICE static int total(TileSchedulerParams const& p) { return p.total_tiles; }
   CUTE_DEVICE static int initial(TileSchedulerParams const&) { return int(blockIdx.x); }
-  CUTE_DEVICE static int next(TileSchedulerParams const&, int tile) { return tile + int(gridDim.x); }
+  CUTE_DEVICE static int next(TileSchedulerParams const&, int tile, int /*total*/) { return tile + int(gridDim.x); }
 
   CUTE_DEVICE static WorkTile decode(TileSchedulerParams const& p, int tile) {
     int const bh = tile / p.num_m_blocks;
@@ -60,18 +70,22 @@ struct StaticTileScheduler {
   }
 };
 
+// Every CTA fetches once per tile it runs, the last fetch failing; so exactly `total` fetches happen,
+// and the one that draws total - 1 is the last: it re-zeroes the counter for the next launch on this
+// stream.
+CUTE_DEVICE int fetch_next_tile(int* counter, int total) {
+  int const v = atomicAdd(counter, 1);
+  if (v == total - 1) atomicExch(counter, 0);
+  return v + int(gridDim.x);
+}
+
 struct DynamicTileScheduler {
   static constexpr bool kNeedsCounter = true;
 
+  CUTE_DEVICE static int total(TileSchedulerParams const& p) { return p.total_tiles; }
   CUTE_DEVICE static int initial(TileSchedulerParams const&) { return int(blockIdx.x); }
-
-  // Every CTA fetches once per tile it runs, the last fetch failing; so exactly total_tiles
-  // fetches happen, and the one that draws total_tiles - 1 is the last: it re-zeroes the
-  // counter for the next launch on this stream.
-  CUTE_DEVICE static int next(TileSchedulerParams const& p, int /*tile*/) {
-    int const v = atomicAdd(p.counter, 1);
-    if (v == p.total_tiles - 1) atomicExch(p.counter, 0);
-    return v + int(gridDim.x);
+  CUTE_DEVICE static int next(TileSchedulerParams const& p, int /*tile*/, int total) {
+    return fetch_next_tile(p.counter, total);
   }
 
   CUTE_DEVICE static WorkTile decode(TileSchedulerParams const& p, int tile) {
@@ -83,6 +97,35 @@ struct DynamicTileScheduler {
     int const m_idx = r / heads_here;
     int const bh = bh0 + (r - m_idx * heads_here);
     return {p.num_m_blocks - 1 - m_idx, bh % p.num_heads, bh / p.num_heads};
+  }
+};
+
+// Packed batches: only tiles that hold rows, the longest entries first (their tiles cost the most:
+// more keys per query block), each (entry, head) pair's query blocks consecutive and the highest first
+// (the heaviest under a causal mask), so that the CTAs running at one time share the pair's K/V in L2
+// and the last tiles handed out are the shortest entries' cheap ones. Handed out dynamically: tile
+// costs vary with the entries' lengths. varlen_prepare.h sorts the entries by query blocks and writes
+// the prefix sums of their tiles; a tile finds its entry by binary search over them.
+struct VarlenTileScheduler {
+  static constexpr bool kNeedsCounter = true;
+
+  CUTE_DEVICE static int total(TileSchedulerParams const& p) { return *p.total_ptr; }
+  CUTE_DEVICE static int initial(TileSchedulerParams const&) { return int(blockIdx.x); }
+  CUTE_DEVICE static int next(TileSchedulerParams const& p, int /*tile*/, int total) {
+    return fetch_next_tile(p.counter, total);
+  }
+
+  CUTE_DEVICE static WorkTile decode(TileSchedulerParams const& p, int tile) {
+    int lo = 0, hi = p.num_entries - 1;  // the first sorted entry whose inclusive prefix exceeds tile
+    while (lo < hi) {
+      int const mid = (lo + hi) / 2;
+      if (p.tile_prefix[mid] > tile) hi = mid; else lo = mid + 1;
+    }
+    int const entry = p.entry_order[lo];
+    int const m_blocks = p.entry_m_blocks[entry];
+    int const idx = tile - (lo > 0 ? p.tile_prefix[lo - 1] : 0);
+    int const head = idx / m_blocks;
+    return {m_blocks - 1 - (idx - head * m_blocks), head, entry};
   }
 };
 

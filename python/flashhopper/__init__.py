@@ -13,7 +13,8 @@ from ._ext import build_info, compiled_kernels, extension_error, has_extension
 from .dispatch import BACKENDS, available_backends, select_backend
 from .fp8 import FP8Tensor, QuantizedKV, flash_attn_fp8_func, hadamard_signs, quantize_fp8, quantize_kv, to_vt
 from .interface import flash_attn_func
-from .reference import attention_ref
+from .reference import attention_ref, attention_varlen_ref
+from .varlen import flash_attn_varlen_func
 
 try:
     __version__: str = version("flashhopper")
@@ -26,12 +27,14 @@ __all__ = [
     "QuantizedKV",
     "__version__",
     "attention_ref",
+    "attention_varlen_ref",
     "available_backends",
     "build_info",
     "compiled_kernels",
     "extension_error",
     "flash_attn_fp8_func",
     "flash_attn_func",
+    "flash_attn_varlen_func",
     "fp8",
     "hadamard_signs",
     "has_extension",

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from .kernel_key import FP8_HEADDIMS, KernelKey, from_dict
+from .kernel_key import FP8_HEADDIMS, VARLEN_HEADDIMS, KernelKey, from_dict
 
 _module: ModuleType | None = None
 _error: str | None = None
@@ -95,7 +95,7 @@ def build_info() -> dict[str, Any]:
 
 def configured(mode: str, key: KernelKey) -> bool:
     """Whether the build was asked for this production kernel (FLASHHOPPER_ARCHS, _MODES, _DTYPES, _HDIMS,
-    _MASKS, _SCORE_MODS, _DROPOUT): then its absence is a broken build or a wrong key, not a configuration choice (the
+    _MASKS, _SCORE_MODS, _DROPOUT, _VARLEN): then its absence is a broken build or a wrong key, not a configuration choice (the
     GPU tests fail on it rather than skip). The fp8 (e4m3) dtype is built as a Hopper forward only, without
     score mods or dropout, at FP8_HEADDIMS (cpp/generate_kernels.py); variants are ablation builds, never required."""
     info = build_info()
@@ -111,4 +111,12 @@ def configured(mode: str, key: KernelKey) -> bool:
         hdims = key.arch == 90 and [key.headdim, key.headdim_v] in info.get("headdim_pairs", [])
     return (key.arch in info["archs"] and mode in info["modes"] and dtype in info["dtypes"] and hdims
             and key.mask in info["masks"] and key.score_mod in info.get("score_mods", ["none"])
-            and ("on" if key.dropout else "off") in info.get("dropout", ["off"]))
+            and ("on" if key.dropout else "off") in info.get("dropout", ["off"])
+            and (not key.varlen or varlen_configured(mode, key, info)))
+
+
+def varlen_configured(mode: str, key: KernelKey, info: dict[str, Any]) -> bool:
+    """Whether the build makes a packed-batch kernel for ``key`` (FLASHHOPPER_VARLEN on): the Hopper 16-bit
+    forward at VARLEN_HEADDIMS, without dropout (cpp/generate_kernels.py)."""
+    return ("on" in info.get("varlen", ["off"]) and mode == "fwd" and key.arch == 90 and key.dtype != "float8_e4m3fn"
+            and not key.dropout and key.headdim == key.headdim_v and key.headdim in VARLEN_HEADDIMS)

@@ -52,11 +52,12 @@ def kernel_key(backend: str, dtype: torch.dtype, headdim: int, causal: bool,
 # Cached: every launch asks, and a key's construction validates its fields (host time of small calls).
 @functools.lru_cache(maxsize=1024)
 def _key(backend: str, dtype: torch.dtype, headdim: int, mask: str, variant: str = "",
-         score_mod: str = "none", headdim_v: int | None = None, dropout: bool = False) -> KernelKey:
+         score_mod: str = "none", headdim_v: int | None = None, dropout: bool = False,
+         varlen: bool = False) -> KernelKey:
     if backend not in ARCH:
         raise ValueError(f"backend must be one of {', '.join(map(repr, ARCH))} for a kernel, got {backend!r}")
     return KernelKey(ARCH[backend], str(dtype).removeprefix("torch."), headdim,
-                     headdim if headdim_v is None else headdim_v, mask, variant, score_mod, dropout)
+                     headdim if headdim_v is None else headdim_v, mask, variant, score_mod, dropout, varlen)
 
 
 def _describe(key: KernelKey) -> str:
@@ -65,6 +66,7 @@ def _describe(key: KernelKey) -> str:
     hd = f"{key.headdim}" if key.headdim_v == key.headdim else f"{key.headdim}/{key.headdim_v}"
     return (f"{key.dtype} headdim {hd} {mask}" + (" with softcap" if key.score_mod == "softcap" else "")
             + (" with dropout" if key.dropout else "")
+            + (" on packed sequences (varlen)" if key.varlen else "")
             + (f" variant {key.variant}" if key.variant else ""))
 
 
@@ -80,6 +82,7 @@ def _rebuild_hint(backends: tuple[str, ...], key: KernelKey, modes: str | None =
     # Likewise the default FLASHHOPPER_SCORE_MODS is none.
     score_mods = " FLASHHOPPER_SCORE_MODS=none;softcap" if key.score_mod == "softcap" else ""
     dropout = " FLASHHOPPER_DROPOUT=off;on" if key.dropout else ""  # likewise (default off)
+    dropout += " FLASHHOPPER_VARLEN=off;on" if key.varlen else ""
     variant = f" FLASHHOPPER_VARIANTS={key.variant}" if key.variant else ""
     hdims = f"{key.headdim}" if key.headdim_v == key.headdim else f"{key.headdim}x{key.headdim_v}"
     hint = (f"rebuild with FLASHHOPPER_ARCHS={archs}{mode} FLASHHOPPER_DTYPES={key.short_dtype()} "
@@ -90,10 +93,10 @@ def _rebuild_hint(backends: tuple[str, ...], key: KernelKey, modes: str | None =
 
 def choose_kernel(info: DeviceInfo, index: int, dtype: torch.dtype, headdim: int, mask: str,
                   backend: str | None, kernels: Container[KernelKey], score_mod: str = "none",
-                  headdim_v: int | None = None, dropout: bool = False) -> str:
+                  headdim_v: int | None = None, dropout: bool = False, varlen: bool = False) -> str:
     """Pure decision for a CUDA device: the kernel backend to use for a call of this dtype, head dim (and
-    V's, None: the same), mask kind (kernel_key.mask_of) and score mod, given the forward kernels
-    ``kernels``; or ValueError saying why none."""
+    V's, None: the same), mask kind (kernel_key.mask_of), score mod, dropout and batch layout (``varlen``:
+    packed sequences), given the forward kernels ``kernels``; or ValueError saying why none."""
     validation.check_kernel_dtype("q", dtype)
     validation.check_kernel_headdim(headdim, headdim_v)
     where = f"cuda:{index} ({info.name}, compute capability {info.capability[0]}.{info.capability[1]})"
@@ -104,19 +107,19 @@ def choose_kernel(info: DeviceInfo, index: int, dtype: torch.dtype, headdim: int
         if not runs_on(backend, info.capability):
             need = "9.0 (Hopper)" if backend == "sm90" else "8.0-9.x"
             raise ValueError(f"backend={backend!r} needs compute capability {need}; q is on {where}")
-        key = _key(backend, dtype, headdim, mask, "", score_mod, headdim_v, dropout)
+        key = _key(backend, dtype, headdim, mask, "", score_mod, headdim_v, dropout, varlen)
         if key not in kernels:
             raise ValueError(f"backend={backend!r}: this build has no {backend} kernel for {_describe(key)}; "
                              f"{_rebuild_hint((backend,), key)}")
         return backend
     usable = tuple(b for b in _AUTO_ORDER if runs_on(b, info.capability))
     for b in usable:
-        if _key(b, dtype, headdim, mask, "", score_mod, headdim_v, dropout) in kernels:
+        if _key(b, dtype, headdim, mask, "", score_mod, headdim_v, dropout, varlen) in kernels:
             return b
     if not usable:
         raise ValueError(f"q is on {where}, which no flashhopper kernel family supports "
                          "(sm90 needs 9.0, sm80 needs 8.x-9.x); pass backend='reference'")
-    key = _key(usable[0], dtype, headdim, mask, "", score_mod, headdim_v, dropout)
+    key = _key(usable[0], dtype, headdim, mask, "", score_mod, headdim_v, dropout, varlen)
     raise ValueError(f"q: this build has no {' or '.join(usable)} kernel for {_describe(key)} on {where}; "
                      f"{_rebuild_hint(usable, key)}")
 
@@ -164,9 +167,10 @@ class _CompiledKernels:
 # mask kind) are already guarded, and the device query inside could not be traced.
 @torch.compiler.assume_constant_result
 def _select_cuda(index: int, dtype: torch.dtype, headdim: int, mask: str, backend: str | None,
-                 score_mod: str = "none", headdim_v: int | None = None, dropout: bool = False) -> str:
+                 score_mod: str = "none", headdim_v: int | None = None, dropout: bool = False,
+                 varlen: bool = False) -> str:
     return choose_kernel(_device.device_info(index), index, dtype, headdim, mask, backend, _CompiledKernels(),
-                         score_mod, headdim_v, dropout)
+                         score_mod, headdim_v, dropout, varlen)
 
 
 # Returns the message rather than raising: under torch.compile, a ValueError raised inside an
@@ -203,11 +207,12 @@ def require_bwd_kernel(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.
 
 def select_backend(q: torch.Tensor, headdim: int, dtype: torch.dtype, causal: bool,
                    backend: str | None = None, *, window: tuple[int, int] | None = None,
-                   softcap: float = 0.0, headdim_v: int | None = None, dropout: bool = False) -> str:
+                   softcap: float = 0.0, headdim_v: int | None = None, dropout: bool = False,
+                   varlen: bool = False) -> str:
     """Resolve ``backend`` (None = auto) to one of BACKENDS for inputs like ``q`` with this mask
     (``causal`` and ``window``, flash-attn's (left, right), -1 unbounded), softcap and V head dim
-    (``headdim_v``, None: ``headdim``) and dropout (a kernel with it). The public form: checks its arguments,
-    then resolve_backend."""
+    (``headdim_v``, None: ``headdim``), dropout (a kernel with it) and batch layout (``varlen``: packed
+    sequences). The public form: checks its arguments, then resolve_backend."""
     validation.check_tensor("q", q)
     if isinstance(headdim, bool) or not isinstance(headdim, int):
         raise TypeError(f"headdim must be an int, got {type(headdim).__name__}")
@@ -220,15 +225,17 @@ def select_backend(q: torch.Tensor, headdim: int, dtype: torch.dtype, causal: bo
     if headdim_v is not None and (isinstance(headdim_v, bool) or not isinstance(headdim_v, int) or headdim_v < 1):
         raise ValueError(f"headdim_v must be a positive int or None, got {headdim_v!r}")
     validation.check_flag("dropout", dropout)
+    validation.check_flag("varlen", varlen)
     return resolve_backend(q, headdim, dtype, causal, backend, window=window, softcap=softcap, headdim_v=headdim_v,
-                           dropout=dropout)
+                           dropout=dropout, varlen=varlen)
 
 
 def resolve_backend(q: torch.Tensor, headdim: int, dtype: torch.dtype, causal: bool,
                     backend: str | None = None, *, window: tuple[int, int] | None = None,
-                    softcap: float = 0.0, headdim_v: int | None = None, dropout: bool = False) -> str:
+                    softcap: float = 0.0, headdim_v: int | None = None, dropout: bool = False,
+                    varlen: bool = False) -> str:
     """select_backend for arguments an entry point has validated already (flash_attn_func's check_inputs:
-    the per-call path does not check q, headdim, dtype and causal twice)."""
+    the per-call path does not check q, headdim, dtype and causal twice); ``varlen``: a packed batch's kernel."""
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))} or None, got {backend!r}")
     window = validation.check_window(window)
@@ -239,7 +246,7 @@ def resolve_backend(q: torch.Tensor, headdim: int, dtype: torch.dtype, causal: b
             return "reference"
         raise ValueError(f"backend={backend!r} needs CUDA tensors, but q is on {q.device}")
     return _select_cuda(q.device.index, dtype, headdim, mask_of(causal, window), backend, score_mod_of(softcap),
-                        headdim_v, dropout)
+                        headdim_v, dropout, varlen)
 
 
 def available_backends(device: torch.device | str | int | None = None) -> list[str]:

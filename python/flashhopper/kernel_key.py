@@ -15,6 +15,10 @@ MASKS: tuple[str, ...] = ("none", "causal", "window")
 SCORE_MODS: tuple[str, ...] = ("none", "softcap")
 # Attention dropout (cpp/common/dropout.h) compiled in or not: build-option spelling (FLASHHOPPER_DROPOUT).
 DROPOUTS: tuple[str, ...] = ("off", "on")
+# Packed-batch (varlen) kernels built or not: build-option spelling (FLASHHOPPER_VARLEN); the head dims
+# they are built at (the FA3-paper three).
+VARLENS: tuple[str, ...] = ("off", "on")
+VARLEN_HEADDIMS: tuple[int, ...] = (64, 128, 256)
 # Build-option spelling (FLASHHOPPER_DTYPES) -> the dtype names the key carries (torch's, without "torch.").
 BUILD_DTYPES: dict[str, str] = {"fp16": "float16", "bf16": "bfloat16", "e4m3": "float8_e4m3fn"}
 ARCHS: tuple[int, ...] = (90, 80)
@@ -48,6 +52,7 @@ class KernelKey:
     variant: str = ""  # "" in production; else a named ablation variant (cpp/sm90/variants.h)
     score_mod: str = "none"  # "none" or "softcap" (its value is a runtime argument)
     dropout: bool = False    # P's scores dropped at random (training; p and the seed are runtime arguments)
+    varlen: bool = False     # packed batches (cu_seqlens / seqused bounds: flash_attn_varlen_func)
 
     def __post_init__(self) -> None:
         if self.mask not in MASKS:
@@ -65,6 +70,7 @@ class KernelKey:
         return (f"sm{self.arch} {self.dtype} headdim {hd} mask {self.mask}"
                 + (f" {self.score_mod}" if self.score_mod != "none" else "")
                 + (" dropout" if self.dropout else "")
+                + (" varlen" if self.varlen else "")
                 + (f" variant {self.variant}" if self.variant else ""))
 
     def file_name(self, mode: str) -> str:
@@ -74,7 +80,8 @@ class KernelKey:
         score_mod = "" if self.score_mod == "none" else f"_{self.score_mod}"
         variant = f"_v-{self.variant}" if self.variant else ""
         dropout = "_dropout" if self.dropout else ""
-        return f"{mode}_sm{self.arch}_{self.short_dtype()}_{hd}{mask}{score_mod}{dropout}{variant}"
+        varlen = "_varlen" if self.varlen else ""
+        return f"{mode}_sm{self.arch}_{self.short_dtype()}_{hd}{mask}{score_mod}{dropout}{varlen}{variant}"
 
 
 FIELDS: tuple[str, ...] = tuple(f.name for f in fields(KernelKey))

@@ -334,3 +334,37 @@ def sinks_grad_ref(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sin
     lse = lse.to(dtype)
     p_sink = torch.where(torch.isneginf(lse), 0.0, torch.exp(sinks.to(dtype)[None, :, None] - lse))
     return -(p_sink * delta).sum(dim=(0, 2))
+
+
+def attention_varlen_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                         cu_seqlens_k: torch.Tensor, softmax_scale: float | None = None, causal: bool = False, *,
+                         seqused_q: torch.Tensor | None = None, seqused_k: torch.Tensor | None = None,
+                         window: tuple[int, int] | None = None, softcap: float = 0.0,
+                         sinks: torch.Tensor | None = None,
+                         dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed batches (flash-attn's varlen layout): q (total_q, nheads_q, headdim), k and v (total_k,
+    nheads_kv, headdim); sequence b has the rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of q (the first
+    seqused_q[b] of them when given) and likewise of k and v, and attends within itself only, every
+    convention as in attention_ref (causal bottom-right per sequence). Returns out (total_q, nheads_q,
+    headdim_v) and lse (nheads_q, total_q) in ``dtype``; rows in no sequence's used range get out = 0 and
+    lse = -inf (the kernels leave them unwritten). Differentiable (torch autograd) w.r.t. q, k, v and sinks.
+    Reads cu_seqlens and seqused on the host."""
+    _, softmax_scale = validation.check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, 0, 0, seqused_q, seqused_k,
+                                                      softmax_scale, causal)
+    starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    used_q = None if seqused_q is None else seqused_q.tolist()
+    used_k = None if seqused_k is None else seqused_k.tolist()
+    total_q, hq = q.shape[0], q.shape[1]
+    out = torch.zeros(total_q, hq, v.shape[-1], dtype=dtype, device=q.device)
+    lse = torch.full((hq, total_q), -math.inf, dtype=dtype, device=q.device)
+    for b in range(len(starts_q) - 1):
+        oq, ok = starts_q[b], starts_k[b]
+        lq = starts_q[b + 1] - oq if used_q is None else used_q[b]
+        lk = starts_k[b + 1] - ok if used_k is None else used_k[b]
+        if lq == 0:
+            continue
+        o_b, lse_b = attention_ref(q[None, oq:oq + lq], k[None, ok:ok + lk], v[None, ok:ok + lk], softmax_scale, causal,
+                                   window=window, softcap=softcap, sinks=sinks, dtype=dtype)
+        out[oq:oq + lq] = o_b[0]
+        lse[:, oq:oq + lq] = lse_b[0]
+    return out, lse

@@ -346,3 +346,72 @@ def kernel_layout_ok(x: torch.Tensor) -> bool:
     es = x.element_size()
     return (x.dim() == 4 and x.stride(-1) == 1 and (x.storage_offset() * es) % TMA_ALIGN_BYTES == 0
             and all(s != 0 and (s * es) % TMA_ALIGN_BYTES == 0 for s in kernel_strides(x)))
+
+
+# --- packed batches (flash_attn_varlen_func) ---
+
+def check_varlen_inputs(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: Any,
+                        max_seqlen_k: Any, seqused_q: Any, seqused_k: Any, softmax_scale: Any,
+                        causal: Any) -> tuple[Shapes, float]:
+    """Checks of a packed batch: q (total_q, nheads_q, headdim), k/v (total_k, nheads_kv, headdim), cu_seqlens
+    int32 (batch + 1,) and seqused int32 (batch,) or None on q's device, max_seqlen Python ints. Returns the
+    shapes of the (1, total, nheads, headdim) views (batch: the number of sequences) and the scale. Metadata
+    only: what would need the values (monotonic cu_seqlens, lengths within the tensors and max_seqlen) is
+    check_varlen_values' job, under FLASHHOPPER_DEBUG_VARLEN=1."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, x)
+        if x.dim() != 3:
+            raise ValueError(f"{name} must have 3 dimensions (total_tokens, nheads, headdim) in a packed batch, "
+                             f"got shape {tuple(x.shape)}")
+    shapes, scale = check_inputs(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), softmax_scale, causal)
+    batch = None
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        check_tensor(name, cu)
+        if cu.dtype != torch.int32:
+            raise TypeError(f"{name} has dtype {cu.dtype}; it must be torch.int32 (flash-attn's cu_seqlens)")
+        if cu.dim() != 1 or cu.shape[0] < 1:
+            raise ValueError(f"{name} must have shape (batch + 1,), got {tuple(cu.shape)}")
+        if cu.device != q.device:
+            raise ValueError(f"{name} is on {cu.device} but q is on {q.device}")
+        if batch is not None and cu.shape[0] - 1 != batch:
+            raise ValueError(f"cu_seqlens_k has {cu.shape[0]} entries but cu_seqlens_q has {batch + 1}: one batch")
+        batch = cu.shape[0] - 1
+    assert batch is not None
+    for name, used in (("seqused_q", seqused_q), ("seqused_k", seqused_k)):
+        if used is None:
+            continue
+        check_tensor(name, used)
+        if used.dtype != torch.int32:
+            raise TypeError(f"{name} has dtype {used.dtype}; it must be torch.int32")
+        if used.shape != (batch,):
+            raise ValueError(f"{name} must have shape ({batch},) (one length per sequence), got {tuple(used.shape)}")
+        if used.device != q.device:
+            raise ValueError(f"{name} is on {used.device} but q is on {q.device}")
+    for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(m, bool) or not isinstance(m, int):
+            raise TypeError(f"{name} must be a Python int (the longest sequence), got {type(m).__name__}")
+        if m < 0:
+            raise ValueError(f"{name} must be >= 0, got {m}")
+    return shapes._replace(batch=batch, seqlen_q=max_seqlen_q, seqlen_k=max_seqlen_k), scale
+
+
+def check_varlen_values(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                        max_seqlen_q: int, max_seqlen_k: int, seqused_q: torch.Tensor | None,
+                        seqused_k: torch.Tensor | None) -> None:
+    """What check_varlen_inputs cannot see without copying the values to the host (a synchronization, so
+    only on request: FLASHHOPPER_DEBUG_VARLEN=1): cu_seqlens non-decreasing from >= 0 and within the
+    tensors, seqused within its slot, and the lengths within max_seqlen."""
+    for tag, cu, used, total, longest in (("q", cu_seqlens_q, seqused_q, q.shape[0], max_seqlen_q),
+                                          ("k", cu_seqlens_k, seqused_k, k.shape[0], max_seqlen_k)):
+        c = cu.tolist()
+        if c[0] < 0 or any(b < a for a, b in zip(c, c[1:])) or c[-1] > total:
+            raise ValueError(f"cu_seqlens_{tag} must be non-decreasing from >= 0 up to at most {total} (the "
+                             f"packed {tag}'s tokens), got {c}")
+        lengths = [b - a for a, b in zip(c, c[1:])]
+        if used is not None:
+            u = used.tolist()
+            if any(x < 0 or x > slot for x, slot in zip(u, lengths)):
+                raise ValueError(f"seqused_{tag} must lie within each sequence's slot (0 ..{lengths}), got {u}")
+            lengths = u
+        if lengths and max(lengths) > longest:
+            raise ValueError(f"max_seqlen_{tag} is {longest} but a sequence has {max(lengths)} tokens")

@@ -1,0 +1,168 @@
+#!/usr/bin/env python3
+"""Packed batches (issue #21), same run, providers interleaved (median of --rounds), L2 flushed between runs
+(report.timing). TFLOPS count the real work: the sum of the sequences' own FLOPs (fwd = 4 s_q s_k h d per
+sequence, halved for causal). Sections:
+
+- equal: equal lengths, the varlen kernel against our padded-batch kernel on the same tokens (the FA3-paper
+  grid: 16k tokens, 2048 / d heads, head dims 64/128/256, causal and not);
+- mixed: 64 documents, lengths log-uniform in 128..8192 (seeded), d128, 16 heads: the varlen kernel, our
+  padded-batch kernel on equal sequences of the mean length (the same tokens), FlashAttention-3's varlen
+  (--fa3-path, the fa3-full build) on the same packed batch and at equal lengths, and cuDNN's SDPA on the
+  batch padded to the longest document (its time counts the padding; TFLOPS still count the real work).
+
+    python bench/bench_varlen.py --fa3-path .peers/fa3-full --rounds 3 --out bench/results/varlen.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flashhopper import flash_attn_func, flash_attn_varlen_func
+from flashhopper.flops import attention_flops, tflops
+from flashhopper.report import fa3
+from flashhopper.report.environment import environment, source_root
+from flashhopper.report.timing import make_timer
+
+Fn = Callable[[], Any]
+
+
+def interleaved(fns: dict[str, Fn], timer: Callable[[Fn], float], rounds: int) -> dict[str, float]:
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            samples[name].append(timer(fn))
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def cu_of(lengths: list[int]) -> torch.Tensor:
+    c = [0]
+    for n in lengths:
+        c.append(c[-1] + n)
+    return torch.tensor(c, dtype=torch.int32, device="cuda")
+
+
+def work(lengths: list[int], heads: int, d: int, causal: bool) -> int:
+    return sum(attention_flops(1, n, n, heads, d, causal, "fwd") for n in lengths)
+
+
+def packed_inputs(total: int, heads: int, d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return tuple(torch.randn(total, heads, d, dtype=torch.bfloat16, device="cuda") for _ in range(3))  # type: ignore[return-value]
+
+
+def section_equal(timer: Callable[[Fn], float], rounds: int) -> list[dict[str, Any]]:
+    rows = []
+    for d in (64, 128, 256):
+        heads = 2048 // d
+        for causal in (False, True):
+            for seqlen in (512, 2048, 8192):
+                batch = 16384 // seqlen
+                q, k, v = packed_inputs(batch * seqlen, heads, d)
+                cu = cu_of([seqlen] * batch)
+                q4, k4, v4 = (x.view(batch, seqlen, heads, d) for x in (q, k, v))
+                fns = {"varlen": lambda: flash_attn_varlen_func(q, k, v, cu, cu, seqlen, seqlen, causal=causal),
+                       "dense": lambda: flash_attn_func(q4, k4, v4, causal=causal)}
+                ms = interleaved(fns, timer, rounds)
+                flops = work([seqlen] * batch, heads, d, causal)
+                row = {"section": "equal", "headdim": d, "nheads": heads, "causal": causal, "seqlen": seqlen,
+                       "batch": batch, "ms_varlen": ms["varlen"], "ms_dense": ms["dense"],
+                       "tflops_varlen": tflops(flops, ms["varlen"]), "tflops_dense": tflops(flops, ms["dense"]),
+                       "varlen_vs_dense": ms["dense"] / ms["varlen"]}
+                rows.append(row)
+                print(f"equal d{d} {'causal' if causal else 'full'} {batch}x{seqlen}: varlen "
+                      f"{row['tflops_varlen']:.0f} TFLOPS, dense {row['tflops_dense']:.0f}, "
+                      f"x{row['varlen_vs_dense']:.3f}", flush=True)
+    return rows
+
+
+def section_mixed(timer: Callable[[Fn], float], rounds: int, seed: int) -> list[dict[str, Any]]:
+    d, heads, docs = 128, 16, 64
+    rng = random.Random(seed)
+    lengths = [int(round(math.exp(rng.uniform(math.log(128), math.log(8192))))) for _ in range(docs)]
+    total, longest = sum(lengths), max(lengths)
+    mean = total // docs
+    q, k, v = packed_inputs(total, heads, d)
+    cu = cu_of(lengths)
+    qe, ke, ve = (x[:mean * docs].view(docs, mean, heads, d) for x in (q, k, v))
+    cu_e = cu_of([mean] * docs)
+    qp, kp, vp = (torch.randn(docs, heads, longest, d, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+    have_fa3 = fa3.configured()
+    iface = fa3.load() if have_fa3 else None
+    rows = []
+    for causal in (False, True):
+        fns: dict[str, Fn] = {
+            "varlen": lambda: flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=causal),
+            "dense_mean": lambda: flash_attn_func(qe, ke, ve, causal=causal),
+            "varlen_equal": lambda: flash_attn_varlen_func(qe.flatten(0, 1), ke.flatten(0, 1), ve.flatten(0, 1),
+                                                           cu_e, cu_e, mean, mean, causal=causal),
+        }
+        if iface is not None:
+            fns["fa3_varlen"] = lambda: iface.flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=causal)
+            fns["fa3_varlen_equal"] = lambda: iface.flash_attn_varlen_func(
+                qe.flatten(0, 1), ke.flatten(0, 1), ve.flatten(0, 1), cu_e, cu_e, mean, mean, causal=causal)
+
+        def sdpa(causal: bool = causal) -> torch.Tensor:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return torch.nn.functional.scaled_dot_product_attention(qp, kp, vp, is_causal=causal)
+        fns["sdpa_cudnn_padded"] = sdpa
+        ms = interleaved(fns, timer, rounds)
+        real = work(lengths, heads, d, causal)
+        equal = work([mean] * docs, heads, d, causal)
+        row: dict[str, Any] = {"section": "mixed", "headdim": d, "nheads": heads, "causal": causal, "docs": docs,
+                               "seed": seed, "total_tokens": total, "longest": longest, "mean": mean,
+                               "lengths": lengths}
+        for name, t in ms.items():
+            flops = equal if name in ("dense_mean", "varlen_equal", "fa3_varlen_equal") else real
+            row[f"ms_{name}"] = t
+            row[f"tflops_{name}"] = tflops(flops, t)
+        row["varlen_vs_dense_mean"] = row["tflops_varlen"] / row["tflops_dense_mean"]
+        if iface is not None:
+            row["varlen_vs_fa3"] = ms["fa3_varlen"] / ms["varlen"]
+        rows.append(row)
+        print(f"mixed {'causal' if causal else 'full'} ({docs} docs, {total} tokens): "
+              + ", ".join(f"{name} {row[f'tflops_{name}']:.0f}" for name in ms) + " TFLOPS"
+              + (f"; varlen vs FA3 x{row['varlen_vs_fa3']:.3f}" if iface is not None else "")
+              + f"; varlen vs dense at the mean length x{row['varlen_vs_dense_mean']:.3f}", flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sections", nargs="*", choices=("equal", "mixed"), default=["equal", "mixed"])
+    ap.add_argument("--fa3-path", type=Path, help=f"FA3 build with varlen (fa3-full; default: ${fa3.ENV})")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0, help="of the mixed section's document lengths")
+    ap.add_argument("--warmup-ms", type=float, default=25)
+    ap.add_argument("--rep-ms", type=float, default=100)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_varlen needs a CUDA device", file=sys.stderr)
+        return 1
+    if args.fa3_path is not None:
+        fa3.set_path(args.fa3_path)
+    timing, timer = make_timer(args.warmup_ms, args.rep_ms)
+    rows: list[dict[str, Any]] = []
+    with torch.no_grad():
+        if "equal" in args.sections:
+            rows += section_equal(timer, args.rounds)
+        if "mixed" in args.sections:
+            rows += section_mixed(timer, args.rounds, args.seed)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"environment": environment(timing, source_root()), "timing": timing,
+                                        "rounds": args.rounds, "results": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,198 @@
+"""Packed batches (flash-attn's varlen layout): ``flash_attn_varlen_func`` and its op ``flashhopper::varlen_fwd``.
+
+Sequences of different lengths are packed along one token dimension: q (total_q, nheads_q, headdim), k and v
+(total_k, nheads_kv, headdim); sequence b owns the rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of q (of which
+the first seqused_q[b] are used, when given) and likewise of k and v, and attends within itself only. The
+kernels read cu_seqlens on the device: no host synchronization, and a workspace whose size depends on the
+batch alone, so a call is CUDA-graph capturable. The op has a fake implementation (torch.compile).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Literal, Optional, overload
+
+import torch
+
+from . import _autocast, _ext, _launch, _op, dispatch, reference, validation
+from .dispatch import ARCH, score_mod_of
+from .kernel_key import mask_of, normalize_window
+from .ops import window_edges
+
+# Opt-in checks that read cu_seqlens / seqused on the host (a synchronization per call): for debugging.
+DEBUG_ENV = "FLASHHOPPER_DEBUG_VARLEN"
+
+
+def _empty_outputs(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    out = torch.empty((q.shape[0], q.shape[1], v.shape[2]), dtype=q.dtype, device=q.device)
+    lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
+    return out, lse
+
+
+def _launch_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                       cu_seqlens_k: torch.Tensor, seqused_q: torch.Tensor | None, seqused_k: torch.Tensor | None,
+                       max_seqlen_q: int, max_seqlen_k: int, out: torch.Tensor, lse: torch.Tensor,
+                       softmax_scale: float, causal: bool, window: tuple[int, int] | None, softcap: float,
+                       sinks: torch.Tensor | None, arch: int) -> int:
+    backend = next(b for b, a in ARCH.items() if a == arch)
+    key = dispatch._key(backend, q.dtype, q.shape[2], mask_of(causal, window), "", score_mod_of(softcap), v.shape[2],
+                        dropout=False, varlen=True)
+    entry = dispatch.require_kernel("fwd", key)
+    q4, k4, v4, o4 = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0)
+    for name, x in (("q", q4), ("k", k4), ("v", v4), ("out", o4)):
+        validation.check_kernel_layout(name, x)
+    cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+    seqused_q = None if seqused_q is None else seqused_q.contiguous()
+    seqused_k = None if seqused_k is None else seqused_k.contiguous()
+    if sinks is not None and not sinks.is_contiguous():
+        sinks = sinks.contiguous()
+    batch = cu_seqlens_q.shape[0] - 1
+    stream = _launch.stream(q.device)
+    # Any contents: the prepare kernel writes it before the forward reads it. Sized by the batch alone.
+    workspace = torch.empty(int(_ext.extension().varlen_workspace_bytes(batch)), dtype=torch.uint8, device=q.device)
+    p = _launch.params("FwdParams")
+    p.q_ptr, p.k_ptr, p.v_ptr, p.o_ptr, p.lse_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr()
+    _launch.fill_strides(p, q=q4, k=k4, v=v4, o=o4)
+    p.batch, p.seqlen_q, p.seqlen_k = batch, max_seqlen_q, max_seqlen_k
+    p.total_q, p.total_k = q.shape[0], k.shape[0]
+    p.nheads_q, p.nheads_kv, p.headdim, p.headdim_v = q.shape[1], k.shape[1], q.shape[2], v.shape[2]
+    p.softmax_scale = softmax_scale
+    p.window_left, p.window_right = window_edges(causal, window, max_seqlen_q, max_seqlen_k)
+    p.softcap, p.sinks_ptr = softcap, (0 if sinks is None else sinks.data_ptr())
+    p.dropout_threshold, p.dropout_rng = 0, 0
+    p.cu_seqlens_q, p.cu_seqlens_k = cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr()
+    p.seqused_q = 0 if seqused_q is None else seqused_q.data_ptr()
+    p.seqused_k = 0 if seqused_k is None else seqused_k.data_ptr()
+    p.varlen_workspace = workspace.data_ptr()
+    p.tile_counter = _launch.tile_counter(q.device, stream).data_ptr()
+    _launch.fill_device(p, q)
+    p.max_smem_bytes = 0
+    # (The params object is shared with the padded-batch path, whose kernels never read the varlen fields.)
+    return int(_ext.extension().fwd(p, entry.index, stream))
+
+
+def varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+               cu_seqlens_k: torch.Tensor, seqused_q: Optional[torch.Tensor],  # noqa: UP045
+               seqused_k: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int,  # noqa: UP045
+               softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
+               sinks: Optional[torch.Tensor], backend: str) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: UP045
+    """Packed-batch attention forward: (out (total_q, nheads_q, headdim_v) like q, lse float32 (nheads_q,
+    total_q)); rows in no sequence's used range are left unwritten. Arguments as flash_attn_varlen_func's,
+    validated; ``backend`` resolved ("sm90" or "reference")."""
+    out, lse = _empty_outputs(q, v)
+    window = None if (window_left, window_right) == (-1, -1) else (window_left, window_right)
+    if backend == "reference":
+        dtype = torch.float64 if (not q.is_cuda or q.dtype == torch.float64) else torch.float32
+        ref_out, ref_lse = reference.attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal,
+                                                          seqused_q=seqused_q, seqused_k=seqused_k, window=window,
+                                                          softcap=softcap, sinks=sinks, dtype=dtype)
+        out.copy_(ref_out)
+        lse.copy_(ref_lse)
+    elif backend in ARCH:
+        _launch_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
+                           out, lse, softmax_scale, causal, window, softcap, sinks, ARCH[backend])
+    else:
+        raise ValueError(f"backend must be one of {', '.join(map(repr, dispatch.BACKENDS))}, got {backend!r}")
+    return out, lse
+
+
+varlen_fwd_op = _op.define("varlen_fwd", varlen_fwd, autocast=("q", "k", "v"))
+
+
+@torch.library.register_fake("flashhopper::varlen_fwd")
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+      seqused_q: Optional[torch.Tensor], seqused_k: Optional[torch.Tensor], max_seqlen_q: int,  # noqa: UP045
+      max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
+      sinks: Optional[torch.Tensor], backend: str) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: UP045
+    return _empty_outputs(q, v)
+
+
+def _no_backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
+    raise RuntimeError("flashhopper: the packed-batch (varlen) kernels have no backward yet (issue #21); "
+                       "flash_attn_varlen_func refuses inputs that require grad on a kernel backend "
+                       "(backend='reference' is differentiable)")
+
+
+torch.library.register_autograd("flashhopper::varlen_fwd", _no_backward)
+
+
+def _needs_grad(*xs: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in xs)
+
+
+@overload
+def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                           cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                           softmax_scale: float | None = ..., causal: bool = ...,
+                           seqused_q: torch.Tensor | None = ..., seqused_k: torch.Tensor | None = ...,
+                           return_lse: Literal[False] = ..., deterministic: bool = ..., backend: str | None = ...,
+                           window_size: tuple[int, int] = ..., softcap: float = ...,
+                           sinks: torch.Tensor | None = ...) -> torch.Tensor: ...
+
+
+@overload
+def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                           cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                           softmax_scale: float | None = ..., causal: bool = ...,
+                           seqused_q: torch.Tensor | None = ..., seqused_k: torch.Tensor | None = ..., *,
+                           return_lse: Literal[True], deterministic: bool = ..., backend: str | None = ...,
+                           window_size: tuple[int, int] = ..., softcap: float = ...,
+                           sinks: torch.Tensor | None = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                           cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                           softmax_scale: float | None = None, causal: bool = False,
+                           seqused_q: torch.Tensor | None = None, seqused_k: torch.Tensor | None = None,
+                           return_lse: bool = False, deterministic: bool = False, backend: str | None = None,
+                           window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention over a packed batch of sequences of different lengths (flash-attn's varlen call).
+
+    q: (total_q, nheads_q, headdim); k, v: (total_k, nheads_kv, headdim) (grouped-query attention as in
+    flash_attn_func); cu_seqlens_q / cu_seqlens_k: int32 (batch + 1,) on q's device, sequence b owning rows
+    [cu_seqlens[b], cu_seqlens[b + 1]); seqused_q / seqused_k: optional int32 (batch,), the tokens of each
+    slot in use (the rest of the slot is ignored); max_seqlen_q / max_seqlen_k: Python ints, the longest
+    sequence (flash-attn's arguments; the kernels bound their work by cu_seqlens on the device). Each
+    sequence attends within itself only, causal bottom-right aligned per sequence; window_size, softcap and
+    sinks as in flash_attn_func.
+
+    Returns out (total_q, nheads_q, headdim_v) like q, or (out, lse) with lse float32 (nheads_q, total_q);
+    rows in no sequence's used range (past seqused, or past cu_seqlens_q[-1]) are left unwritten.
+
+    No host synchronization: cu_seqlens and seqused stay on the device, and checks that would need their
+    values (non-decreasing, within the tensors, within max_seqlen) run only with the environment variable
+    FLASHHOPPER_DEBUG_VARLEN=1. CPU tensors (or backend='reference') run the per-sequence reference, which is
+    differentiable; the kernels (Hopper, sm90) have no backward yet: with inputs that require grad they
+    raise ValueError (run under torch.no_grad(), or use backend='reference'). ``deterministic`` is accepted
+    for flash-attn compatibility (the forward is deterministic).
+    """
+    if _autocast.enabled():
+        q, k, v = _autocast.cast(q, k, v)
+    shapes, scale = validation.check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                   seqused_q, seqused_k, softmax_scale, causal)
+    validation.check_flag("return_lse", return_lse)
+    validation.check_flag("deterministic", deterministic)
+    window = validation.check_window_size(window_size)
+    softcap = validation.check_softcap(softcap)
+    validation.check_sinks(sinks, q.unsqueeze(0))
+    causal, window = normalize_window(causal, window)
+    if os.environ.get(DEBUG_ENV) == "1":
+        validation.check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
+                                       seqused_k)
+    name = dispatch.resolve_backend(q, shapes.headdim, q.dtype, causal, backend, window=window, softcap=softcap,
+                                    headdim_v=shapes.headdim_v, varlen=True)
+    if name == "reference":  # differentiable through torch's own ops
+        dtype = torch.float64 if (not q.is_cuda or q.dtype == torch.float64) else torch.float32
+        out, lse = reference.attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal,
+                                                  seqused_q=seqused_q, seqused_k=seqused_k, window=window,
+                                                  softcap=softcap, sinks=sinks, dtype=dtype)
+        out, lse = out.to(q.dtype), lse.float()
+    else:
+        if _needs_grad(q, k, v, sinks):
+            raise ValueError("q, k, v or sinks requires grad, but the packed-batch (varlen) kernels have no backward "
+                             "yet (issue #21); run the forward under torch.no_grad() (or on detached inputs), or "
+                             "pass backend='reference'")
+        left, right = (-1, -1) if window is None else window
+        out, lse = varlen_fwd_op(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+                                 max_seqlen_k, scale, causal, left, right, softcap, sinks, name)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,107 @@
+"""flash_attn_varlen_func on the CPU: the per-sequence reference, gradients, and the argument checks that
+run before any kernel (the kernels' own tests are test_varlen_gpu.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashhopper import attention_ref, flash_attn_varlen_func
+from flashhopper.varlen import DEBUG_ENV
+
+
+def cu(lengths: list[int]) -> torch.Tensor:
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + n)
+    return torch.tensor(out, dtype=torch.int32)
+
+
+def make(lq: list[int], lk: list[int], hq: int = 4, hkv: int = 2, d: int = 16, dtype: torch.dtype = torch.float64):
+    torch.manual_seed(sum(lq) + 7 * sum(lk))
+    q = torch.randn(sum(lq), hq, d, dtype=dtype)
+    k = torch.randn(sum(lk), hkv, d, dtype=dtype)
+    v = torch.randn(sum(lk), hkv, d, dtype=dtype)
+    return q, k, v, cu(lq), cu(lk)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_each_sequence_is_its_own_attention(causal: bool) -> None:
+    lq, lk = [5, 0, 9, 1], [7, 3, 4, 1]
+    q, k, v, cq, ck = make(lq, lk)
+    out, lse = flash_attn_varlen_func(q, k, v, cq, ck, max(lq), max(lk), causal=causal, return_lse=True)
+    assert out.shape == (sum(lq), 4, 16) and lse.shape == (4, sum(lq))
+    for b in range(len(lq)):
+        s, t = int(cq[b]), int(ck[b])
+        if lq[b] == 0:
+            continue
+        ref, ref_lse = attention_ref(q[None, s:s + lq[b]], k[None, t:t + lk[b]], v[None, t:t + lk[b]], None, causal)
+        torch.testing.assert_close(out[s:s + lq[b]], ref[0])
+        torch.testing.assert_close(lse[:, s:s + lq[b]], ref_lse[0].float())
+
+
+def test_seqused_ignores_the_rest_of_the_slot() -> None:
+    q, k, v, cq, ck = make([6, 4], [6, 4])
+    used = torch.tensor([3, 4], dtype=torch.int32)
+    k2, v2 = k.clone(), v.clone()
+    k2[3:6], v2[3:6] = 1e3, -1e3  # keys past seqused_k of sequence 0
+    a = flash_attn_varlen_func(q, k, v, cq, ck, 6, 6, seqused_k=used)
+    b = flash_attn_varlen_func(q, k2, v2, cq, ck, 6, 6, seqused_k=used)
+    torch.testing.assert_close(a, b)
+
+
+def test_reference_is_differentiable() -> None:
+    q, k, v, cq, ck = make([3, 2], [2, 4], hq=2, hkv=1, d=4)
+    for x in (q, k, v):
+        x.requires_grad_()
+    torch.autograd.gradcheck(lambda q, k, v: flash_attn_varlen_func(q, k, v, cq, ck, 3, 4, causal=True), (q, k, v))
+
+
+@pytest.mark.parametrize("bad, err, match", [
+    (dict(cu_seqlens_q=cu([2, 3]).long()), TypeError, "cu_seqlens_q has dtype torch.int64"),
+    (dict(cu_seqlens_k=cu([2])), ValueError, "cu_seqlens_k has 2 entries"),
+    (dict(cu_seqlens_q=torch.zeros(0, dtype=torch.int32)), ValueError, r"shape \(batch \+ 1,\)"),
+    (dict(cu_seqlens_q=cu([2, 3])[None]), ValueError, r"shape \(batch \+ 1,\)"),
+    (dict(max_seqlen_q=3.0), TypeError, "max_seqlen_q must be a Python int"),
+    (dict(max_seqlen_k=True), TypeError, "max_seqlen_k must be a Python int"),
+    (dict(max_seqlen_k=-1), ValueError, "max_seqlen_k must be >= 0"),
+    (dict(seqused_q=torch.tensor([1], dtype=torch.int32)), ValueError, r"seqused_q must have shape \(2,\)"),
+    (dict(seqused_k=torch.tensor([1, 2])), TypeError, "seqused_k has dtype torch.int64"),
+    (dict(q=torch.randn(1, 5, 4, 16, dtype=torch.float64)), ValueError, "q must have 3 dimensions"),
+    (dict(k=torch.randn(5, 3, 16, dtype=torch.float64), v=torch.randn(5, 3, 16, dtype=torch.float64)), ValueError,
+     "multiple of k/v nheads"),
+    (dict(v=torch.randn(5, 2, 16, dtype=torch.float32)), TypeError, "v has dtype"),
+])
+def test_bad_inputs(bad: dict, err: type, match: str) -> None:
+    q, k, v, cq, ck = make([2, 3], [2, 3])
+    args = dict(q=q, k=k, v=v, cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=3, max_seqlen_k=3)
+    args.update(bad)
+    with pytest.raises(err, match=match):
+        flash_attn_varlen_func(**args)
+
+
+def test_debug_checks_read_the_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    q, k, v, cq, ck = make([2, 3], [2, 3])
+    flash_attn_varlen_func(q, k, v, cq, ck, 2, 3)  # max_seqlen_q too small: not checked by default
+    monkeypatch.setenv(DEBUG_ENV, "1")
+    with pytest.raises(ValueError, match="max_seqlen_q is 2 but a sequence has 3 tokens"):
+        flash_attn_varlen_func(q, k, v, cq, ck, 2, 3)
+    with pytest.raises(ValueError, match="cu_seqlens_k must be non-decreasing"):
+        flash_attn_varlen_func(q, k, v, cq, torch.tensor([0, 4, 3], dtype=torch.int32), 3, 4)
+    with pytest.raises(ValueError, match="seqused_q must lie within"):
+        flash_attn_varlen_func(q, k, v, cq, ck, 3, 3, seqused_q=torch.tensor([3, 1], dtype=torch.int32))
+
+
+def test_kernel_backend_needs_cuda() -> None:
+    q, k, v, cq, ck = make([2, 3], [2, 3], dtype=torch.float16)
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        flash_attn_varlen_func(q, k, v, cq, ck, 3, 3, backend="sm90")
+
+
+def test_fake_op_shapes() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        q, k, v = torch.empty(10, 4, 64), torch.empty(7, 2, 64), torch.empty(7, 2, 32)
+        c = torch.empty(3, dtype=torch.int32)
+        out, lse = torch.ops.flashhopper.varlen_fwd(q, k, v, c, c, None, None, 5, 5, 0.1, True, -1, -1, 0.0, None,
+                                                    "sm90")
+    assert out.shape == (10, 4, 32) and lse.shape == (4, 10) and lse.dtype == torch.float32

@@ -1,0 +1,254 @@
+"""Packed-batch (varlen) forward kernels against per-sequence exact attention on the GPU (skipped here).
+
+Each case packs sequences of the given lengths (q and k lengths per sequence, GQA, head dim, dtype,
+causal) and checks every sequence's rows of out and lse with FA3's criterion (helpers.
+assert_matches_reference on that sequence alone). Outputs are poisoned with NaN before the run; rows in
+no sequence's used range must still hold the poison afterwards (the kernels never write them). The leak
+tests change, or fill with NaN/inf, a neighbour's tokens and require every other sequence's output to stay
+bitwise the same: per-sequence tensor maps mean a tile never reads or writes another sequence's rows.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from helpers import assert_matches_reference, require_backend
+
+from flashhopper import flash_attn_func, flash_attn_varlen_func
+from flashhopper.kernel_key import VARLEN_HEADDIMS
+from flashhopper.varlen import _launch_varlen_fwd
+
+pytestmark = pytest.mark.gpu
+
+BACKEND = "sm90"
+NHEADS_Q = 4
+
+# (q lengths, k lengths or None: the same). Empty and one-token sequences, lengths that straddle the
+# tiles (128 query rows, 80-176 keys), a long sequence among short ones, more keys than queries and fewer.
+LENGTHS = [
+    ([1], None),
+    ([0, 5, 0], None),
+    ([17, 128, 129, 255, 1], None),
+    ([1000, 3, 300, 64], None),
+    ([3000, 1, 2, 7, 65, 500], None),
+    ([100, 200, 5], [300, 17, 5]),
+    ([40, 1, 700], [0, 9, 1500]),
+]
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+def cu(lengths: list[int], device: str = "cuda") -> torch.Tensor:
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + n)
+    return torch.tensor(out, dtype=torch.int32, device=device)
+
+
+def packed(lq: list[int], lk: list[int], hq: int, hkv: int, d: int, dtype: torch.dtype, pad: int = 0):
+    """q, k, v of the packed batch (with ``pad`` spare rows at the end of each), and the cu_seqlens."""
+    q = torch.randn(sum(lq) + pad, hq, d, dtype=dtype, device="cuda")
+    k = torch.randn(sum(lk) + pad, hkv, d, dtype=dtype, device="cuda")
+    v = torch.randn(sum(lk) + pad, hkv, d, dtype=dtype, device="cuda")
+    return q, k, v, cu(lq), cu(lk)
+
+
+def run_poisoned(q, k, v, cq, ck, causal, seqused_q=None, seqused_k=None, window=None, softcap=0.0, sinks=None):
+    out = torch.full((q.shape[0], q.shape[1], v.shape[2]), float("nan"), dtype=q.dtype, device="cuda")
+    lse = torch.full((q.shape[1], q.shape[0]), float("nan"), dtype=torch.float32, device="cuda")
+    lq = (cq[1:] - cq[:-1]) if seqused_q is None else seqused_q
+    lk = (ck[1:] - ck[:-1]) if seqused_k is None else seqused_k
+    _launch_varlen_fwd(q, k, v, cq, ck, seqused_q, seqused_k, int(lq.max()) if lq.numel() else 0,
+                       int(lk.max()) if lk.numel() else 0, out, lse, q.shape[-1] ** -0.5, causal, window, softcap,
+                       sinks, 90)
+    return out, lse
+
+
+def check_sequences(out, lse, q, k, v, cq, ck, causal, seqused_q=None, seqused_k=None, window=None, softcap=0.0,
+                    sinks=None):
+    starts_q, starts_k = cq.tolist(), ck.tolist()
+    used = torch.zeros(q.shape[0], dtype=torch.bool)
+    for b in range(len(starts_q) - 1):
+        oq, ok = starts_q[b], starts_k[b]
+        nq = starts_q[b + 1] - oq if seqused_q is None else int(seqused_q[b])
+        nk = starts_k[b + 1] - ok if seqused_k is None else int(seqused_k[b])
+        used[oq:oq + nq] = True
+        if nq == 0:
+            continue
+        assert_matches_reference(out[None, oq:oq + nq], lse[None, :, oq:oq + nq], q[None, oq:oq + nq],
+                                 k[None, ok:ok + nk], v[None, ok:ok + nk], None, causal, window=window,
+                                 softcap=softcap, sinks=sinks)
+    unused = ~used.cuda()
+    assert torch.isnan(out[unused]).all(), "rows in no sequence's used range were written"
+    assert torch.isnan(lse[:, unused]).all(), "lse of rows in no sequence's used range was written"
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", list(VARLEN_HEADDIMS))
+@pytest.mark.parametrize("case", range(len(LENGTHS)))
+def test_varlen_matches_reference(case: int, d: int, causal: bool) -> None:
+    dtype = DTYPES[(case + d) % 2]
+    require_backend(BACKEND, dtype, d, causal, varlen=True)
+    lq, lk = LENGTHS[case]
+    lk = lq if lk is None else lk
+    gqa = [1, 2, 4][case % 3]
+    torch.manual_seed(case * 1000 + d)
+    q, k, v, cq, ck = packed(lq, lk, NHEADS_Q, NHEADS_Q // gqa, d, dtype, pad=case % 2 * 37)
+    out, lse = run_poisoned(q, k, v, cq, ck, causal)
+    check_sequences(out, lse, q, k, v, cq, ck, causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_seqused(causal: bool) -> None:
+    require_backend(BACKEND, torch.bfloat16, 128, causal, varlen=True)
+    torch.manual_seed(7)
+    slots_q, slots_k = [300, 64, 1, 500], [400, 64, 9, 128]
+    q, k, v, cq, ck = packed(slots_q, slots_k, NHEADS_Q, 2, 128, torch.bfloat16)
+    used_q = torch.tensor([129, 0, 1, 500], dtype=torch.int32, device="cuda")
+    used_k = torch.tensor([400, 5, 0, 77], dtype=torch.int32, device="cuda")
+    # What the slots hold past seqused must not matter: NaN there.
+    for x, c, u in ((k, ck, used_k), (v, ck, used_k)):
+        for b, (s, n) in enumerate(zip(c.tolist(), u.tolist())):
+            x[s + n:c[b + 1]] = float("nan")
+    out, lse = run_poisoned(q, k, v, cq, ck, causal, used_q, used_k)
+    check_sequences(out, lse, q, k, v, cq, ck, causal, used_q, used_k)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", list(VARLEN_HEADDIMS))
+def test_no_leak_between_sequences(d: int, causal: bool) -> None:
+    """Changing one sequence's q/k/v, or filling them with NaN and inf, leaves every other sequence's out and
+    lse bitwise the same (no tile reads a neighbour's rows; a NaN read would spread through P = 0 times V)."""
+    require_backend(BACKEND, torch.bfloat16, d, causal, varlen=True)
+    torch.manual_seed(d)
+    lengths = [130, 77, 1, 300, 64]
+    q, k, v, cq, ck = packed(lengths, lengths, NHEADS_Q, 2, d, torch.bfloat16)
+    out0, lse0 = run_poisoned(q, k, v, cq, ck, causal)
+    starts = cq.tolist()
+    for victim, fill in ((1, None), (3, float("nan")), (0, float("inf")), (4, float("nan"))):
+        rows = slice(starts[victim], starts[victim + 1])
+        q2, k2, v2 = q.clone(), k.clone(), v.clone()
+        for x in (q2, k2, v2):
+            if fill is None:
+                x[rows] = torch.randn_like(x[rows])
+            else:
+                x[rows] = fill
+        out, lse = run_poisoned(q2, k2, v2, cq, ck, causal)
+        keep = torch.ones(q.shape[0], dtype=torch.bool, device="cuda")
+        keep[rows] = False
+        assert torch.equal(out[keep], out0[keep]), f"sequence {victim} changed ({fill}): another's out changed"
+        assert torch.equal(lse[:, keep], lse0[:, keep]), f"sequence {victim} changed ({fill}): another's lse changed"
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_equal_lengths_match_dense(causal: bool) -> None:
+    """Equal lengths: the same tiles as the padded-batch kernel, so the same numbers."""
+    require_backend(BACKEND, torch.bfloat16, 128, causal, varlen=True)
+    require_backend(BACKEND, torch.bfloat16, 128, causal)
+    torch.manual_seed(3)
+    b, s, hq, hkv, d = 3, 1000, 8, 2, 128
+    q = torch.randn(b, s, hq, d, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(b, s, hkv, d, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn(b, s, hkv, d, dtype=torch.bfloat16, device="cuda")
+    dense, dense_lse = flash_attn_func(q, k, v, causal=causal, return_lse=True, backend=BACKEND)
+    c = cu([s] * b)
+    out, lse = flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), c, c, s, s, causal=causal,
+                                      return_lse=True, backend=BACKEND)
+    assert torch.equal(out.view(b, s, hq, d), dense)
+    assert torch.equal(lse.view(hq, b, s).transpose(0, 1), dense_lse)
+
+
+def test_many_short_sequences() -> None:
+    require_backend(BACKEND, torch.float16, 64, True, varlen=True)
+    rng = random.Random(5)
+    lengths = [rng.randint(0, 16) for _ in range(3000)]
+    torch.manual_seed(5)
+    q, k, v, cq, ck = packed(lengths, lengths, NHEADS_Q, 1, 64, torch.float16)
+    out, lse = run_poisoned(q, k, v, cq, ck, True)
+    # Every 97th sequence against the reference, and nothing left unwritten.
+    starts = cq.tolist()
+    for b in range(0, len(lengths), 97):
+        s, n = starts[b], lengths[b]
+        if n:
+            assert_matches_reference(out[None, s:s + n], lse[None, :, s:s + n], q[None, s:s + n], k[None, s:s + n],
+                                     v[None, s:s + n], None, True)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+
+
+@pytest.mark.parametrize("variant", ["window", "softcap", "sinks"])
+def test_model_variants(variant: str) -> None:
+    """Window, softcap and sinks plug into the packed kernels as into the padded ones."""
+    window = (100, 0) if variant == "window" else None
+    softcap = 20.0 if variant == "softcap" else 0.0
+    require_backend(BACKEND, torch.bfloat16, 128, True, window=window, softcap=softcap, varlen=True)
+    torch.manual_seed(11)
+    lengths = [700, 1, 129, 300]
+    q, k, v, cq, ck = packed(lengths, lengths, NHEADS_Q, 2, 128, torch.bfloat16)
+    sinks = torch.randn(NHEADS_Q, device="cuda") if variant == "sinks" else None
+    out, lse = run_poisoned(q, k, v, cq, ck, True, window=window, softcap=softcap, sinks=sinks)
+    check_sequences(out, lse, q, k, v, cq, ck, True, window=window, softcap=softcap, sinks=sinks)
+
+
+def test_64bit_offsets() -> None:
+    """More than 2^31 elements before the last sequences' rows (32 heads x 128 = 4096 per token)."""
+    require_backend(BACKEND, torch.bfloat16, 128, True, varlen=True)
+    hq, d = 32, 128
+    lengths = [65536] * 8 + [1000, 3, 2049]
+    total = sum(lengths)
+    assert total * hq * d > 2**31
+    torch.manual_seed(13)
+    q, k, v, cq, ck = packed(lengths, lengths, hq, 8, d, torch.bfloat16)
+    out, lse = run_poisoned(q, k, v, cq, ck, True)
+    starts = cq.tolist()
+    for b in (len(lengths) - 3, len(lengths) - 2, len(lengths) - 1):
+        s, n = starts[b], lengths[b]
+        assert_matches_reference(out[None, s:s + n], lse[None, :, s:s + n], q[None, s:s + n], k[None, s:s + n],
+                                 v[None, s:s + n], None, True)
+    assert not torch.isnan(out).any()
+
+
+def test_cuda_graph_replay_with_new_lengths() -> None:
+    """Captured once, replayed with other cu_seqlens values (same batch): equal to eager each time."""
+    require_backend(BACKEND, torch.bfloat16, 128, True, varlen=True)
+    torch.manual_seed(17)
+    total, batch = 2048, 5
+    q = torch.randn(total, NHEADS_Q, 128, dtype=torch.bfloat16, device="cuda")
+    k, v = torch.randn_like(q), torch.randn_like(q)
+    cq = cu([400, 400, 400, 400, 448])
+    flash_attn_varlen_func(q, k, v, cq, cq, 2048, 2048, causal=True)  # warm up outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = flash_attn_varlen_func(q, k, v, cq, cq, 2048, 2048, causal=True)
+    for lengths in ([1000, 1, 0, 47, 1000], [2048, 0, 0, 0, 0], [100, 200, 300, 400, 500]):
+        cq.copy_(cu(lengths))
+        g.replay()
+        eager = flash_attn_varlen_func(q, k, v, cq, cq, 2048, 2048, causal=True)
+        n = sum(lengths)
+        assert torch.equal(out[:n], eager[:n]), f"graph replay differs from eager for lengths {lengths}"
+    assert batch == cq.shape[0] - 1
+
+
+def test_compile_fullgraph() -> None:
+    require_backend(BACKEND, torch.bfloat16, 64, False, varlen=True)
+    torch.manual_seed(19)
+    lengths = [300, 1, 77]
+    q, k, v, cq, ck = packed(lengths, lengths, NHEADS_Q, 4, 64, torch.bfloat16)
+
+    def f(q, k, v, cq, ck):
+        return flash_attn_varlen_func(q, k, v, cq, ck, 300, 300) * 2
+
+    compiled = torch.compile(f, fullgraph=True)
+    assert torch.equal(compiled(q, k, v, cq, ck), f(q, k, v, cq, ck))
+
+
+def test_public_call_and_grad_refusal() -> None:
+    require_backend(BACKEND, torch.bfloat16, 128, False, varlen=True)
+    lengths = [10, 20]
+    q, k, v, cq, ck = packed(lengths, lengths, NHEADS_Q, 4, 128, torch.bfloat16)
+    out, lse = flash_attn_varlen_func(q, k, v, cq, ck, 20, 20, return_lse=True)
+    assert out.shape == q.shape and lse.shape == (NHEADS_Q, 30) and lse.dtype == torch.float32
+    q.requires_grad_()
+    with pytest.raises(ValueError, match="no backward yet"):
+        flash_attn_varlen_func(q, k, v, cq, ck, 20, 20)
+    with torch.no_grad():
+        flash_attn_varlen_func(q, k, v, cq, ck, 20, 20)

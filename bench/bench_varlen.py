@@ -58,9 +58,9 @@ def packed_inputs(total: int, heads: int, d: int) -> tuple[torch.Tensor, torch.T
     return tuple(torch.randn(total, heads, d, dtype=torch.bfloat16, device="cuda") for _ in range(3))  # type: ignore[return-value]
 
 
-def section_equal(timer: Callable[[Fn], float], rounds: int) -> list[dict[str, Any]]:
+def section_equal(timer: Callable[[Fn], float], rounds: int, hdims: list[int]) -> list[dict[str, Any]]:
     rows = []
-    for d in (64, 128, 256):
+    for d in hdims:
         heads = 2048 // d
         for causal in (False, True):
             for seqlen in (512, 2048, 8192):
@@ -141,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fa3-path", type=Path, help=f"FA3 build with varlen (fa3-full; default: ${fa3.ENV})")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0, help="of the mixed section's document lengths")
+    ap.add_argument("--hdims", type=int, nargs="*", default=[64, 128, 256], help="of the equal section")
     ap.add_argument("--warmup-ms", type=float, default=25)
     ap.add_argument("--rep-ms", type=float, default=100)
     ap.add_argument("--out", type=Path)
@@ -154,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     with torch.no_grad():
         if "equal" in args.sections:
-            rows += section_equal(timer, args.rounds)
+            rows += section_equal(timer, args.rounds, args.hdims)
         if "mixed" in args.sections:
             rows += section_mixed(timer, args.rounds, args.seed)
     if args.out is not None:

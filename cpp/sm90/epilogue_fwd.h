@@ -59,6 +59,20 @@ struct FwdEpilogue {
     cute::prefetch_tma_descriptor(p.tma_o.get_tma_descriptor());
   }
 
+  // The tensor map O's store uses for this batch entry: the params' own, or the entry's (packed batches).
+  CUTE_DEVICE static TmaDescriptor const* o_desc(Params const& p, int batch) {
+    return static_cast<TmaDescriptor const*>(p.seqlens.tma_desc(p.tma_o.get_tma_descriptor(), kVarlenO, batch));
+  }
+
+  // At a tile's start: the thread that will store O orders the prepare kernel's write of the entry's tensor
+  // map before its TMA store (fence.proxy.tensormap acquire). Here the fence overlaps the wait for the
+  // first K block; right before the store it cost 5-10% on short sequences (docs/perf-notes.md).
+  CUTE_DEVICE static void begin_tile(Params const& p, int batch, int thread_idx) {
+    if constexpr (Seqlens::kPerEntryTma) {
+      if (thread_idx == 0) cute::tma_descriptor_fence_acquire(o_desc(p, batch));
+    }
+  }
+
   // Where the LSE of (entry, head) starts: its batch coordinate's rows of the head, then the entry's offset.
   CUTE_DEVICE static int64_t lse_offset(Params const& p, SeqlenInfo const& seq, int head) {
     return (int64_t(seq.batch_coord) * get<2>(p.shape_o) + head) * get<0>(p.shape_o) + seq.offset_q;
@@ -86,9 +100,7 @@ struct FwdEpilogue {
       Tensor mO = rows_of(p.tma_o.get_tma_tensor(p.shape_o), seq, head);
       Tensor gO = local_tile(mO, Shape<_64, D>{}, make_coord(_, _0{}));  // (64, D, m64)
       auto parts = tma_partition(p.tma_o, _0{}, Layout<_1>{}, group_modes<0, 2>(sO), group_modes<0, 2>(gO));
-      auto const* desc = static_cast<TmaDescriptor const*>(p.seqlens.tma_desc(p.tma_o.get_tma_descriptor(), kVarlenO, batch));
-      if constexpr (Seqlens::kPerEntryTma) cute::tma_descriptor_fence_acquire(desc);
-      copy(p.tma_o.with(desc), get<1>(parts), get<0>(parts)(_, m_block * kNumMmaWG + wg));
+      copy(p.tma_o.with(o_desc(p, batch)), get<1>(parts), get<0>(parts)(_, m_block * kNumMmaWG + wg));
       tma_store_arrive();
     }
     store_lse(p, lse, seq, m_block, head, batch, wg, thread_idx);

@@ -7,10 +7,12 @@
 #pragma once
 
 #include <cute/tensor.hpp>
+#include <cutlass/arch/grid_dependency_control.h>
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/cutlass.h>
 #include <cutlass/pipeline/pipeline.hpp>
 
+#include <type_traits>
 
 #include "../common/softmax.h"
 #include "../common/utils.h"
@@ -37,14 +39,24 @@ struct FwdKernel {
   static_assert(cutlass::NumThreadsPerWarpGroup * (kProducerRegs + kNumMmaWG * kConsumerRegs) <=
                 kNumThreads * kLaunchRegs);
 
-  // The producer publishes each tile index (or -1: no more) to the consumers through this.
+  // The producer publishes each tile index (or -1: no more) to the consumers through this. Where the
+  // schedule lives in global memory (packed batches: a binary search over the entries), it publishes the
+  // decoded tile too, so that the consumers start without that chain of dependent loads; they still read
+  // the entry's bounds themselves (a few independent loads; taken from shared memory instead, they stayed
+  // in registers and the consumers spilled 80-160 bytes). Otherwise the consumers decode the index
+  // (arithmetic on params).
   using TilePipeline = cutlass::PipelineAsync<2>;
+  static constexpr bool kPublishWork = !std::is_same_v<typename Mainloop::Seqlens, UniformSeqlens>;
+  struct PublishedTile {
+    int tile;
+    WorkTile work;
+  };
 
   struct SharedStorage {
     typename Mainloop::TensorStorage tensors;
     typename Mainloop::BarrierStorage barriers;
     typename TilePipeline::SharedStorage tile_pipeline;
-    int tile_index[TilePipeline::Stages];
+    PublishedTile tiles[TilePipeline::Stages];
   };
   static constexpr int kSmemLimit = 227 * 1024;
   static_assert(sizeof(SharedStorage) <= kSmemLimit, "tile does not fit in shared memory");
@@ -64,7 +76,9 @@ struct FwdKernel {
   };
   CUTE_DEVICE static TileWork tile_work(Params const& params, int tile) {
     WorkTile const w = Scheduler::decode(params.scheduler, tile);
-    SeqlenInfo const seq = Mainloop::seqlen_info(params.mainloop, w.batch);
+    return tile_work(params, w, Mainloop::seqlen_info(params.mainloop, w.batch));
+  }
+  CUTE_DEVICE static TileWork tile_work(Params const& params, WorkTile const& w, SeqlenInfo const& seq) {
     auto const bi = Mainloop::block_info(params.mainloop, seq);
     return {w, seq, bi, w.m_block * Mainloop::kBlockM < seq.seqlen_q,
             bi.n_block_max(w.m_block) > bi.n_block_min(w.m_block)};
@@ -108,15 +122,18 @@ struct FwdKernel {
     tile_params.consumer_arv_count = Mainloop::kNumMmaThreads;
     TilePipeline tile_pipeline(ss.tile_pipeline, tile_params);
     __syncthreads();  // barrier initialization is visible to every thread
+    if constexpr (Scheduler::kAfterPrepare) {
+      cutlass::arch::wait_on_dependent_grids();  // the prepare kernel's schedule and tensor maps are written
+    }
 
     TileSchedulerParams const& sched = params.scheduler;
-    // A reader of the tile pipeline (the consumer warpgroups): the next tile index, -1 when done.
+    // A reader of the tile pipeline (the consumer warpgroups): the next published tile, tile -1 when done.
     auto next_tile = [&](typename TilePipeline::PipelineState& read_tile) {
       tile_pipeline.consumer_wait(read_tile);
-      int const tile = ss.tile_index[read_tile.index()];
+      PublishedTile const t = ss.tiles[read_tile.index()];
       tile_pipeline.consumer_release(read_tile);
       ++read_tile;
-      return tile;
+      return t;
     };
     if (is_producer) {
       cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
@@ -125,17 +142,24 @@ struct FwdKernel {
         auto write_k = cutlass::make_producer_start_state<Pipeline>();
         auto write_v = cutlass::make_producer_start_state<Pipeline>();
         auto write_tile = cutlass::make_producer_start_state<TilePipeline>();
-        int const total_tiles = Scheduler::total(sched);
         int tile = Scheduler::initial(sched);
         while (true) {
+          // (Read per tile rather than held: the producer has few registers.)
+          int const total_tiles = Scheduler::total(sched);
           bool const valid = tile < total_tiles;
           tile_pipeline.producer_acquire(write_tile);
-          ss.tile_index[write_tile.index()] = valid ? tile : -1;
-          tile_pipeline.producer_commit(write_tile);
-          ++write_tile;
-          if (!valid) break;
+          PublishedTile& slot = ss.tiles[write_tile.index()];
+          if (!valid) {
+            slot.tile = -1;
+            tile_pipeline.producer_commit(write_tile);
+            break;
+          }
           int const next = Scheduler::next(sched, tile, total_tiles);  // in flight while this tile's loads go out
           TileWork const t = tile_work(params, tile);
+          slot.tile = tile;
+          if constexpr (kPublishWork) slot.work = t.tile;
+          tile_pipeline.producer_commit(write_tile);
+          ++write_tile;
           if (t.has_rows && t.has_keys) {  // otherwise the consumers write zeros (or nothing), without Q
             Mainloop::load(params.mainloop, pipeline_q, pipeline_k, pipeline_v, write_q, write_k, write_v,
                            ss.tensors, t.seq, t.block_info, t.tile.m_block, t.tile.head, t.tile.batch);
@@ -172,9 +196,10 @@ struct FwdKernel {
       };
 
       while (true) {
-        int const tile = next_tile(read_tile);
-        if (tile < 0) break;
-        TileWork const t = tile_work(params, tile);
+        PublishedTile const pub = next_tile(read_tile);
+        if (pub.tile < 0) break;
+        TileWork const t = kPublishWork ? tile_work(params, pub.work, Mainloop::seqlen_info(params.mainloop, pub.work.batch))
+                                        : tile_work(params, pub.tile);
         WorkTile const& w = t.tile;
         if (!t.has_rows) continue;
         if (!t.has_keys) {
@@ -182,6 +207,7 @@ struct FwdKernel {
                                 Mainloop::sink_log2(params.mainloop, w.head) * float(M_LN2));
           continue;
         }
+        Epilogue::begin_tile(params.epilogue, w.batch, thread_idx);
         Tensor tOrO = partition_fragment_C(typename Mainloop::TiledMmaPV{}, Shape<_64, Int<Mainloop::kHeadDimV>>{});
         clear(tOrO);
         typename Mainloop::Softmax softmax(params.mainloop.scale_log2);

@@ -192,7 +192,23 @@ int64_t run_fwd_sm90(FwdParams const& params, cudaStream_t stream) {
     sm90::varlen_prepare_kernel<Prepare><<<Prepare::grid(p.batch), Prepare::kThreads, 0, stream>>>(pp);
   }
   dim3 const grid(sm90::persistent_grid_size(kp.scheduler, num_sms));
-  kernel<<<grid, Kernel::kNumThreads, smem_bytes, stream>>>(kp);
+  if constexpr (kVarlen) {
+    // Launched while the prepare kernel still runs; it waits for it (griddepcontrol.wait) before reading.
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t config{};
+    config.gridDim = grid;
+    config.blockDim = dim3(Kernel::kNumThreads);
+    config.dynamicSmemBytes = size_t(smem_bytes);
+    config.stream = stream;
+    config.attrs = attr;
+    config.numAttrs = 1;
+    err = cudaLaunchKernelEx(&config, kernel, kp);
+    if (err != cudaSuccess) throw std::runtime_error(std::string("flashhopper: varlen forward launch: ") + cudaGetErrorString(err));
+  } else {
+    kernel<<<grid, Kernel::kNumThreads, smem_bytes, stream>>>(kp);
+  }
   return grid.x;
 }
 

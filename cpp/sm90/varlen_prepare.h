@@ -5,12 +5,13 @@
 //     next entry (each warp patches one map in shared memory with tensormap.replace and copies it out
 //     with the release fence; the forward acquires it before use).
 //   - The tile schedule (VarlenTileScheduler): each entry's query blocks, the entries sorted by them
-//     (rank by counting, O(batch^2) in one CTA: microseconds for thousands of entries), the prefix
+//     (rank by counting, O(batch^2) in one CTA: microseconds for hundreds of entries), the prefix
 //     sums of the sorted entries' tiles and their total.
 #pragma once
 
 #include <cub/block/block_scan.cuh>
 #include <cute/tensor.hpp>
+#include <cutlass/arch/grid_dependency_control.h>
 
 #include "../common/block_info.h"
 #include "../common/seqlen.h"
@@ -105,6 +106,9 @@ struct VarlenPrepare {
   }
 
   CUTE_DEVICE static void run(Params const& p) {
+    // The forward may launch now (programmatic dependent launch): its prologue overlaps this kernel, and
+    // it waits for this kernel's completion before it reads the workspace.
+    cutlass::arch::launch_dependent_grids();
     __shared__ alignas(128) TmaDescriptor smem_desc[kWarps];
     int const warp = threadIdx.x / 32;
     int const slot = blockIdx.x * kWarps + warp;

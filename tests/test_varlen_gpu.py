@@ -22,6 +22,8 @@ from flashhopper.varlen import _launch_varlen_fwd
 pytestmark = pytest.mark.gpu
 
 BACKEND = "sm90"
+BACKENDS = ["sm90", "sm80"]  # the Ampere kernels run on Hopper too (the build has their sm_90 code)
+ARCH = {"sm90": 90, "sm80": 80}
 NHEADS_Q = 4
 
 # (q lengths, k lengths or None: the same). Empty and one-token sequences, lengths that straddle the
@@ -53,14 +55,15 @@ def packed(lq: list[int], lk: list[int], hq: int, hkv: int, d: int, dtype: torch
     return q, k, v, cu(lq), cu(lk)
 
 
-def run_poisoned(q, k, v, cq, ck, causal, seqused_q=None, seqused_k=None, window=None, softcap=0.0, sinks=None):
+def run_poisoned(q, k, v, cq, ck, causal, seqused_q=None, seqused_k=None, window=None, softcap=0.0, sinks=None,
+                 backend=BACKEND):
     out = torch.full((q.shape[0], q.shape[1], v.shape[2]), float("nan"), dtype=q.dtype, device="cuda")
     lse = torch.full((q.shape[1], q.shape[0]), float("nan"), dtype=torch.float32, device="cuda")
     lq = (cq[1:] - cq[:-1]) if seqused_q is None else seqused_q
     lk = (ck[1:] - ck[:-1]) if seqused_k is None else seqused_k
     _launch_varlen_fwd(q, k, v, cq, ck, seqused_q, seqused_k, int(lq.max()) if lq.numel() else 0,
                        int(lk.max()) if lk.numel() else 0, out, lse, q.shape[-1] ** -0.5, causal, window, softcap,
-                       sinks, 90)
+                       sinks, ARCH[backend])
     return out, lse
 
 
@@ -83,24 +86,26 @@ def check_sequences(out, lse, q, k, v, cq, ck, causal, seqused_q=None, seqused_k
     assert torch.isnan(lse[:, unused]).all(), "lse of rows in no sequence's used range was written"
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d", list(VARLEN_HEADDIMS))
 @pytest.mark.parametrize("case", range(len(LENGTHS)))
-def test_varlen_matches_reference(case: int, d: int, causal: bool) -> None:
+def test_varlen_matches_reference(case: int, d: int, causal: bool, backend: str) -> None:
     dtype = DTYPES[(case + d) % 2]
-    require_backend(BACKEND, dtype, d, causal, varlen=True)
+    require_backend(backend, dtype, d, causal, varlen=True)
     lq, lk = LENGTHS[case]
     lk = lq if lk is None else lk
     gqa = [1, 2, 4][case % 3]
     torch.manual_seed(case * 1000 + d)
     q, k, v, cq, ck = packed(lq, lk, NHEADS_Q, NHEADS_Q // gqa, d, dtype, pad=case % 2 * 37)
-    out, lse = run_poisoned(q, k, v, cq, ck, causal)
+    out, lse = run_poisoned(q, k, v, cq, ck, causal, backend=backend)
     check_sequences(out, lse, q, k, v, cq, ck, causal)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_seqused(causal: bool) -> None:
-    require_backend(BACKEND, torch.bfloat16, 128, causal, varlen=True)
+def test_seqused(causal: bool, backend: str) -> None:
+    require_backend(backend, torch.bfloat16, 128, causal, varlen=True)
     torch.manual_seed(7)
     slots_q, slots_k = [300, 64, 1, 500], [400, 64, 9, 128]
     q, k, v, cq, ck = packed(slots_q, slots_k, NHEADS_Q, 2, 128, torch.bfloat16)
@@ -110,20 +115,21 @@ def test_seqused(causal: bool) -> None:
     for x, c, u in ((k, ck, used_k), (v, ck, used_k)):
         for b, (s, n) in enumerate(zip(c.tolist(), u.tolist())):
             x[s + n:c[b + 1]] = float("nan")
-    out, lse = run_poisoned(q, k, v, cq, ck, causal, used_q, used_k)
+    out, lse = run_poisoned(q, k, v, cq, ck, causal, used_q, used_k, backend=backend)
     check_sequences(out, lse, q, k, v, cq, ck, causal, used_q, used_k)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d", list(VARLEN_HEADDIMS))
-def test_no_leak_between_sequences(d: int, causal: bool) -> None:
+def test_no_leak_between_sequences(d: int, causal: bool, backend: str) -> None:
     """Changing one sequence's q/k/v, or filling them with NaN and inf, leaves every other sequence's out and
     lse bitwise the same (no tile reads a neighbour's rows; a NaN read would spread through P = 0 times V)."""
-    require_backend(BACKEND, torch.bfloat16, d, causal, varlen=True)
+    require_backend(backend, torch.bfloat16, d, causal, varlen=True)
     torch.manual_seed(d)
     lengths = [130, 77, 1, 300, 64]
     q, k, v, cq, ck = packed(lengths, lengths, NHEADS_Q, 2, d, torch.bfloat16)
-    out0, lse0 = run_poisoned(q, k, v, cq, ck, causal)
+    out0, lse0 = run_poisoned(q, k, v, cq, ck, causal, backend=backend)
     starts = cq.tolist()
     for victim, fill in ((1, None), (3, float("nan")), (0, float("inf")), (4, float("nan"))):
         rows = slice(starts[victim], starts[victim + 1])
@@ -133,38 +139,40 @@ def test_no_leak_between_sequences(d: int, causal: bool) -> None:
                 x[rows] = torch.randn_like(x[rows])
             else:
                 x[rows] = fill
-        out, lse = run_poisoned(q2, k2, v2, cq, ck, causal)
+        out, lse = run_poisoned(q2, k2, v2, cq, ck, causal, backend=backend)
         keep = torch.ones(q.shape[0], dtype=torch.bool, device="cuda")
         keep[rows] = False
         assert torch.equal(out[keep], out0[keep]), f"sequence {victim} changed ({fill}): another's out changed"
         assert torch.equal(lse[:, keep], lse0[:, keep]), f"sequence {victim} changed ({fill}): another's lse changed"
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_equal_lengths_match_dense(causal: bool) -> None:
+def test_equal_lengths_match_dense(causal: bool, backend: str) -> None:
     """Equal lengths: the same tiles as the padded-batch kernel, so the same numbers."""
-    require_backend(BACKEND, torch.bfloat16, 128, causal, varlen=True)
-    require_backend(BACKEND, torch.bfloat16, 128, causal)
+    require_backend(backend, torch.bfloat16, 128, causal, varlen=True)
+    require_backend(backend, torch.bfloat16, 128, causal)
     torch.manual_seed(3)
     b, s, hq, hkv, d = 3, 1000, 8, 2, 128
     q = torch.randn(b, s, hq, d, dtype=torch.bfloat16, device="cuda")
     k = torch.randn(b, s, hkv, d, dtype=torch.bfloat16, device="cuda")
     v = torch.randn(b, s, hkv, d, dtype=torch.bfloat16, device="cuda")
-    dense, dense_lse = flash_attn_func(q, k, v, causal=causal, return_lse=True, backend=BACKEND)
+    dense, dense_lse = flash_attn_func(q, k, v, causal=causal, return_lse=True, backend=backend)
     c = cu([s] * b)
     out, lse = flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), c, c, s, s, causal=causal,
-                                      return_lse=True, backend=BACKEND)
+                                      return_lse=True, backend=backend)
     assert torch.equal(out.view(b, s, hq, d), dense)
     assert torch.equal(lse.view(hq, b, s).transpose(0, 1), dense_lse)
 
 
-def test_many_short_sequences() -> None:
-    require_backend(BACKEND, torch.float16, 64, True, varlen=True)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_many_short_sequences(backend: str) -> None:
+    require_backend(backend, torch.float16, 64, True, varlen=True)
     rng = random.Random(5)
     lengths = [rng.randint(0, 16) for _ in range(3000)]
     torch.manual_seed(5)
     q, k, v, cq, ck = packed(lengths, lengths, NHEADS_Q, 1, 64, torch.float16)
-    out, lse = run_poisoned(q, k, v, cq, ck, True)
+    out, lse = run_poisoned(q, k, v, cq, ck, True, backend=backend)
     # Every 97th sequence against the reference, and nothing left unwritten.
     starts = cq.tolist()
     for b in range(0, len(lengths), 97):
@@ -175,30 +183,32 @@ def test_many_short_sequences() -> None:
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("variant", ["window", "softcap", "sinks"])
-def test_model_variants(variant: str) -> None:
+def test_model_variants(variant: str, backend: str) -> None:
     """Window, softcap and sinks plug into the packed kernels as into the padded ones."""
     window = (100, 0) if variant == "window" else None
     softcap = 20.0 if variant == "softcap" else 0.0
-    require_backend(BACKEND, torch.bfloat16, 128, True, window=window, softcap=softcap, varlen=True)
+    require_backend(backend, torch.bfloat16, 128, True, window=window, softcap=softcap, varlen=True)
     torch.manual_seed(11)
     lengths = [700, 1, 129, 300]
     q, k, v, cq, ck = packed(lengths, lengths, NHEADS_Q, 2, 128, torch.bfloat16)
     sinks = torch.randn(NHEADS_Q, device="cuda") if variant == "sinks" else None
-    out, lse = run_poisoned(q, k, v, cq, ck, True, window=window, softcap=softcap, sinks=sinks)
+    out, lse = run_poisoned(q, k, v, cq, ck, True, window=window, softcap=softcap, sinks=sinks, backend=backend)
     check_sequences(out, lse, q, k, v, cq, ck, True, window=window, softcap=softcap, sinks=sinks)
 
 
-def test_64bit_offsets() -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_64bit_offsets(backend: str) -> None:
     """More than 2^31 elements before the last sequences' rows (32 heads x 128 = 4096 per token)."""
-    require_backend(BACKEND, torch.bfloat16, 128, True, varlen=True)
+    require_backend(backend, torch.bfloat16, 128, True, varlen=True)
     hq, d = 32, 128
     lengths = [65536] * 8 + [1000, 3, 2049]
     total = sum(lengths)
     assert total * hq * d > 2**31
     torch.manual_seed(13)
     q, k, v, cq, ck = packed(lengths, lengths, hq, 8, d, torch.bfloat16)
-    out, lse = run_poisoned(q, k, v, cq, ck, True)
+    out, lse = run_poisoned(q, k, v, cq, ck, True, backend=backend)
     starts = cq.tolist()
     for b in (len(lengths) - 3, len(lengths) - 2, len(lengths) - 1):
         s, n = starts[b], lengths[b]

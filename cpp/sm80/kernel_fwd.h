@@ -13,7 +13,10 @@ namespace flashhopper::sm80 {
 
 using namespace cute;
 
-template <class Mainloop>
+// Seqlens: UniformSeqlens, or VarlenSeqlens (packed batches: the grid covers the longest entry, the CTAs
+// past an entry's rows return at once; the loads and stores are row-predicated at the entry's ends, so
+// they never touch a neighbour's rows).
+template <class Mainloop, class Seqlens = UniformSeqlens>
 struct FwdKernel {
   using Element = typename Mainloop::Element;
   using Epilogue = FwdEpilogue<Mainloop>;
@@ -25,12 +28,13 @@ struct FwdKernel {
     Element const* k;
     Element const* v;
     Element* o;
-    float* lse;  // (batch, nheads_q, seqlen_q)
+    float* lse;  // (batch, nheads_q, lse_rows), the batch mode at the entries' batch coordinates
     int64_t q_batch_stride, q_row_stride, q_head_stride;
     int64_t k_batch_stride, k_row_stride, k_head_stride;
     int64_t v_batch_stride, v_row_stride, v_head_stride;
     int64_t o_batch_stride, o_row_stride, o_head_stride;
-    UniformSeqlens seqlens;
+    Seqlens seqlens;
+    int lse_rows;  // seqlen_q; packed batches: total_q
     int nheads_q, heads_ratio;
     int window_left, window_right;
     float const* sinks;  // (nheads_q,) sink logits, or nullptr
@@ -53,7 +57,7 @@ struct FwdKernel {
     Element const* k = p.k + b * p.k_batch_stride + kv_head * p.k_head_stride + seq.offset_k * p.k_row_stride;
     Element const* v = p.v + b * p.v_batch_stride + kv_head * p.v_head_stride + seq.offset_k * p.v_row_stride;
     Element* o = p.o + b * p.o_batch_stride + head * p.o_head_stride + seq.offset_q * p.o_row_stride;
-    float* lse = p.lse + (int64_t(batch) * p.nheads_q + head) * p.seqlens.seqlen_q + seq.offset_q;
+    float* lse = p.lse + (b * p.nheads_q + head) * p.lse_rows + seq.offset_q;
 
     float const sink_log2 = p.sinks == nullptr ? -INFINITY : p.sinks[head] * float(M_LOG2E);
     typename Mainloop::TiledMma tiled_mma;

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "../common/block_info.h"
 #include "../common/device_info.h"
@@ -31,8 +32,11 @@ struct FwdConfig {
   static_assert(Config::kHeadDimV == Config::kHeadDim, "a V head dim of its own is not built yet");
   using Element = typename ElementOf<Config::kDType>::type;
   using Tile = typename FwdTileSize<Config::kHeadDim, Config::kMask != MaskKind::kNone, kSmemKB>::type;
+  static_assert(!Config::kVarlen || !Config::kDropout, "packed batches: kernels without dropout for now");
+  using Seqlens = std::conditional_t<Config::kVarlen, VarlenSeqlens, UniformSeqlens>;
   using Kernel = FwdKernel<FwdMainloop<Element, Config::kHeadDim, Tile, Config::kMask,
-                                       typename ScoreModOf<Config::kScoreMod>::type, DropoutOf<Config::kDropout>>>;
+                                       typename ScoreModOf<Config::kScoreMod>::type, DropoutOf<Config::kDropout>>,
+                           Seqlens>;
   static_assert(Kernel::kSmemBytes <= kSmemKB * 1024, "the tiles must fit their shared-memory class");
 };
 
@@ -45,7 +49,20 @@ int64_t run_fwd(FwdParams const& p, cudaStream_t stream) {
   // Offsets inside a key block are 32-bit (sm80::block_rows).
   if (std::max(p.k_row_stride, p.v_row_stride) > INT32_MAX / Tile::kBlockN)
     throw std::invalid_argument("flashhopper: K/V row stride too large for the sm80 kernels");
+  // Packed batches: seqlen_q is the longest entry's (its CTAs past an entry's rows return at once).
   dim3 const grid(ceil_div(p.seqlen_q, Tile::kBlockM), p.nheads_q, p.batch);
+  if constexpr (Config::kVarlen) {
+    if (p.cu_seqlens_q == nullptr || p.cu_seqlens_k == nullptr) {
+      throw std::invalid_argument("flashhopper: packed-batch kernels need cu_seqlens_q and cu_seqlens_k");
+    }
+  }
+  auto const seqlens = [&] {
+    if constexpr (Config::kVarlen) {
+      return VarlenSeqlens{p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_q, p.seqused_k, nullptr};
+    } else {
+      return UniformSeqlens{p.seqlen_q, p.seqlen_k};
+    }
+  }();
   auto const score_mod = make_score_mod<typename ScoreModOf<Config::kScoreMod>::type>(p.softmax_scale, p.softcap);
   auto const dropout = make_dropout<DropoutOf<Config::kDropout>>(p.dropout_rng, p.dropout_threshold);
   if (int64_t(grid.x) * grid.y * grid.z == 0) return 0;  // no query rows: an empty grid
@@ -56,7 +73,8 @@ int64_t run_fwd(FwdParams const& p, cudaStream_t stream) {
                                    p.k_batch_stride, p.k_row_stride, p.k_head_stride,
                                    p.v_batch_stride, p.v_row_stride, p.v_head_stride,
                                    p.o_batch_stride, p.o_row_stride, p.o_head_stride,
-                                   UniformSeqlens{p.seqlen_q, p.seqlen_k}, p.nheads_q, p.nheads_q / p.nheads_kv,
+                                   seqlens, Config::kVarlen ? p.total_q : p.seqlen_q, p.nheads_q,
+                                   p.nheads_q / p.nheads_kv,
                                    p.window_left, p.window_right, p.sinks_ptr,
                                    score_mod.softmax_scale_log2(float(p.softmax_scale * M_LOG2E)), score_mod, dropout};
   auto kernel = &fwd_kernel<Kernel>;

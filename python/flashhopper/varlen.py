@@ -47,8 +47,10 @@ def _launch_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
         sinks = sinks.contiguous()
     batch = cu_seqlens_q.shape[0] - 1
     stream = _launch.stream(q.device)
-    # Any contents: the prepare kernel writes it before the forward reads it. Sized by the batch alone.
-    workspace = torch.empty(int(_ext.extension().varlen_workspace_bytes(batch)), dtype=torch.uint8, device=q.device)
+    # Hopper: any contents (the prepare kernel writes it before the forward reads it), sized by the batch alone.
+    # The Ampere kernels need none.
+    workspace = (torch.empty(int(_ext.extension().varlen_workspace_bytes(batch)), dtype=torch.uint8, device=q.device)
+                 if arch == 90 else None)
     p = _launch.params("FwdParams")
     p.q_ptr, p.k_ptr, p.v_ptr, p.o_ptr, p.lse_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr()
     _launch.fill_strides(p, q=q4, k=k4, v=v4, o=o4)
@@ -62,8 +64,8 @@ def _launch_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
     p.cu_seqlens_q, p.cu_seqlens_k = cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr()
     p.seqused_q = 0 if seqused_q is None else seqused_q.data_ptr()
     p.seqused_k = 0 if seqused_k is None else seqused_k.data_ptr()
-    p.varlen_workspace = workspace.data_ptr()
-    p.tile_counter = _launch.tile_counter(q.device, stream).data_ptr()
+    p.varlen_workspace = 0 if workspace is None else workspace.data_ptr()
+    p.tile_counter = _launch.tile_counter(q.device, stream).data_ptr() if arch == 90 else 0
     _launch.fill_device(p, q)
     p.max_smem_bytes = 0
     # (The params object is shared with the padded-batch path, whose kernels never read the varlen fields.)
@@ -161,9 +163,10 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
 
     No host synchronization: cu_seqlens and seqused stay on the device, and checks that would need their
     values (non-decreasing, within the tensors, within max_seqlen) run only with the environment variable
-    FLASHHOPPER_DEBUG_VARLEN=1. CPU tensors (or backend='reference') run the per-sequence reference, which is
-    differentiable; the kernels (Hopper, sm90) have no backward yet: with inputs that require grad they
-    raise ValueError (run under torch.no_grad(), or use backend='reference'). ``deterministic`` is accepted
+    FLASHHOPPER_DEBUG_VARLEN=1 (max_seqlen_q must be at least the longest sequence: the Ampere kernels' grid
+    follows it). CPU tensors (or backend='reference') run the per-sequence reference, which is differentiable;
+    the kernels (Hopper sm90, Ampere sm80) have no backward yet: with inputs that require grad they raise
+    ValueError (run under torch.no_grad(), or use backend='reference'). ``deterministic`` is accepted
     for flash-attn compatibility (the forward is deterministic).
     """
     if _autocast.enabled():

@@ -21,7 +21,8 @@ registered for the same name):
   windows, softcap and dropout need their kernels in the build (FLASHHOPPER_MASKS / FLASHHOPPER_SCORE_MODS
   / FLASHHOPPER_DROPOUT), or flash_attn_func says what to rebuild with.
 - transformers' sdpa attention, with a ``SdpaFallbackWarning`` naming the reason, where sdpa can compute
-  what the kernel cannot yet: padded batches and packed sequences (no varlen kernel yet, issue #21),
+  what the kernel cannot yet: padded batches and packed sequences (this integration does not route them to
+  flash_attn_varlen_func yet, whose kernels have no backward so far: issue #21),
   other mask patterns (static caches' empty slots, custom masks), a position bias. The
   result is what attn_implementation="sdpa" gives. Python's default filter shows each reason once per
   model class; ``warnings.simplefilter("error", SdpaFallbackWarning)`` turns every fallback into an error.
@@ -119,8 +120,9 @@ def build_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0
 def _check_supported(attention_mask: torch.Tensor | None, kwargs: dict[str, Any]) -> None:
     if attention_mask is None and any(kwargs.get(n) is not None for n in ("cu_seq_lens_q", "cu_seq_lens_k")):
         raise NotImplementedError(
-            "cu_seq_lens_q/cu_seq_lens_k (packed sequences) without a mask: flashhopper has no varlen kernel yet "
-            "(issue #21); pass position_ids so that the model masks the packed sequences")
+            "cu_seq_lens_q/cu_seq_lens_k (packed sequences) without a mask: this integration does not route them to "
+            "flash_attn_varlen_func yet (forward-only kernels so far, issue #21); pass position_ids so that the model "
+            "masks the packed sequences")
 
 
 def _check_fallback(reason: str, softcap: float | None, kwargs: dict[str, Any]) -> None:
@@ -137,7 +139,7 @@ def _fallback_reason(attention_mask: torch.Tensor | None, dropout: float, kwargs
     """Why this call goes to sdpa; constant strings, so that the default filter warns once per reason."""
     if attention_mask is not None:
         return ("an attention mask (padding, packed sequences, a static cache's empty slots or a custom pattern; "
-                "no varlen kernel yet, issue #21)")
+                "not routed to the varlen kernels yet, issue #21)")
     if kwargs.get("position_bias") is not None:
         return "position_bias (no additive bias in flashhopper)"
     return None

@@ -64,12 +64,13 @@ struct FwdEpilogue {
     return static_cast<TmaDescriptor const*>(p.seqlens.tma_desc(p.tma_o.get_tma_descriptor(), kVarlenO, batch));
   }
 
-  // At a tile's start: the thread that will store O orders the prepare kernel's write of the entry's tensor
-  // map before its TMA store (fence.proxy.tensormap acquire). Here the fence overlaps the wait for the
-  // first K block; right before the store it cost 5-10% on short sequences (docs/perf-notes.md).
-  CUTE_DEVICE static void begin_tile(Params const& p, int batch, int thread_idx) {
+  // At the start of a tile of another entry than the previous one (`new_entry`): the thread that will store O
+  // orders the prepare kernel's write of the entry's tensor map before its TMA store (fence.proxy.tensormap
+  // acquire). Here the fence overlaps the wait for the first K block; right before the store it cost 5-10%
+  // on short sequences (docs/perf-notes.md).
+  CUTE_DEVICE static void begin_tile(Params const& p, int batch, int thread_idx, bool new_entry) {
     if constexpr (Seqlens::kPerEntryTma) {
-      if (thread_idx == 0) cute::tma_descriptor_fence_acquire(o_desc(p, batch));
+      if (thread_idx == 0 && new_entry) cute::tma_descriptor_fence_acquire(o_desc(p, batch));
     }
   }
 

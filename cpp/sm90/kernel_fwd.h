@@ -143,6 +143,7 @@ struct FwdKernel {
         auto write_v = cutlass::make_producer_start_state<Pipeline>();
         auto write_tile = cutlass::make_producer_start_state<TilePipeline>();
         int tile = Scheduler::initial(sched);
+        int last_entry = -1;  // the batch entry of the previous tile (its tensor maps are acquired)
         while (true) {
           // (Read per tile rather than held: the producer has few registers.)
           int const total_tiles = Scheduler::total(sched);
@@ -162,7 +163,9 @@ struct FwdKernel {
           ++write_tile;
           if (t.has_rows && t.has_keys) {  // otherwise the consumers write zeros (or nothing), without Q
             Mainloop::load(params.mainloop, pipeline_q, pipeline_k, pipeline_v, write_q, write_k, write_v,
-                           ss.tensors, t.seq, t.block_info, t.tile.m_block, t.tile.head, t.tile.batch);
+                           ss.tensors, t.seq, t.block_info, t.tile.m_block, t.tile.head, t.tile.batch,
+                           t.tile.batch != last_entry);
+            last_entry = t.tile.batch;
           }
           tile = next;
         }
@@ -170,6 +173,7 @@ struct FwdKernel {
     } else {
       cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
       int const wg = warp_group_idx - 1;
+      int last_entry = -1;  // as the producer's
       Mainloop::Sched::init(wg);
       typename Mainloop::PipelineState read_k, read_v;
       typename Mainloop::PipelineStateQ read_q;
@@ -207,7 +211,8 @@ struct FwdKernel {
                                 Mainloop::sink_log2(params.mainloop, w.head) * float(M_LN2));
           continue;
         }
-        Epilogue::begin_tile(params.epilogue, w.batch, thread_idx);
+        Epilogue::begin_tile(params.epilogue, w.batch, thread_idx, w.batch != last_entry);
+        last_entry = w.batch;
         Tensor tOrO = partition_fragment_C(typename Mainloop::TiledMmaPV{}, Shape<_64, Int<Mainloop::kHeadDimV>>{});
         clear(tOrO);
         typename Mainloop::Softmax softmax(params.mainloop.scale_log2);

@@ -214,11 +214,15 @@ struct FwdMainloop {
 
   // The tensor map a load of tensor `which` (common/seqlen.h's VarlenTensor) uses for this batch entry: the
   // params' own, or the entry's (packed batches), which a kernel before this one wrote through the generic
-  // proxy: the acquire orders that write before the TMA unit reads it.
+  // proxy: the acquire orders that write before this thread's TMA reads it, once per entry the thread
+  // meets (`acquire`: the previous tile was another entry's; later uses follow in program order).
   template <class Tma>
-  CUTE_DEVICE static TmaDescriptor const* tma_desc(Params const& p, Tma const& tma, int which, int batch) {
+  CUTE_DEVICE static TmaDescriptor const* tma_desc(Params const& p, Tma const& tma, int which, int batch,
+                                                   bool acquire) {
     auto const* desc = static_cast<TmaDescriptor const*>(p.seqlens.tma_desc(tma.get_tma_descriptor(), which, batch));
-    if constexpr (Seqlens::kPerEntryTma) cute::tma_descriptor_fence_acquire(desc);
+    if constexpr (Seqlens::kPerEntryTma) {
+      if (acquire) cute::tma_descriptor_fence_acquire(desc);
+    }
     return desc;
   }
 
@@ -235,14 +239,14 @@ struct FwdMainloop {
   CUTE_DEVICE static void load(Params const& p, PipelineQ& pipeline_q, Pipeline& pipeline_k, Pipeline& pipeline_v,
                                PipelineStateQ& write_q, PipelineState& write_k, PipelineState& write_v,
                                TensorStorage& ts, SeqlenInfo const& seq, BlockInfoT const& bi, int m_block, int head,
-                               int batch) {
+                               int batch, bool new_entry = true) {
     int const n_block_max = bi.n_block_max(m_block);
     int const n_block_min = bi.n_block_min(m_block);
     int const kv_head = head / p.heads_ratio;
     KVBlocks const kv_blocks(p.kv_blocks, batch);
-    TmaDescriptor const* desc_q = tma_desc(p, p.tma_q, kVarlenQ, batch);
-    TmaDescriptor const* desc_k = tma_desc(p, p.tma_k, kVarlenK, batch);
-    TmaDescriptor const* desc_v = tma_desc(p, p.tma_v, kVarlenV, batch);
+    TmaDescriptor const* desc_q = tma_desc(p, p.tma_q, kVarlenQ, batch, new_entry);
+    TmaDescriptor const* desc_k = tma_desc(p, p.tma_k, kVarlenK, batch, new_entry);
+    TmaDescriptor const* desc_v = tma_desc(p, p.tma_v, kVarlenV, batch, new_entry);
 
     Tensor sQ = make_tensor(make_smem_ptr(ts.smem_q.data()), SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(ts.smem_k.data()), SmemLayoutK{});

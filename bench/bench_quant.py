@@ -25,30 +25,10 @@ import torch
 
 from flashhopper import _ext
 from flashhopper.report.environment import environment
-from flashhopper.report.timing import Fn, make_timer
+from flashhopper.report.timing import Fn, graphed, make_timer
 
 ROOT = Path(__file__).resolve().parent.parent
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def graphed(fn: Fn) -> tuple[Fn, bool]:
-    """(replay of a CUDA graph of fn, True), or (fn, False) when fn cannot be captured."""
-    try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm up outside the capture (allocator, lazy inits)
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        graph.replay()
-        torch.cuda.synchronize()
-    except Exception:  # noqa: BLE001  (anything the capture refuses: host syncs, pageable copies)
-        torch.cuda.synchronize()
-        return fn, False
-    return graph.replay, True
 
 
 def quant_bytes(b: int, s: int, h: int, d: int, itemsize: int, block: int, transpose: bool) -> tuple[int, int]:

@@ -5,7 +5,7 @@ sequence, halved for causal). Sections:
 
 - equal: equal lengths, the varlen kernel against our padded-batch kernel on the same tokens (the FA3-paper
   grid: 16k tokens, 2048 / d heads, head dims 64/128/256, causal and not); --backend sm80 times the Ampere
-  kernels (on any GPU that runs them);
+  kernels (on any GPU that runs them), --graphs CUDA-graph replays (GPU time only);
 - mixed: 64 documents, lengths log-uniform in 128..8192 (seeded), d128, 16 heads: the varlen kernel, our
   padded-batch kernel on equal sequences of the mean length (the same tokens), FlashAttention-3's varlen
   (--fa3-path, the fa3-full build) on the same packed batch and at equal lengths, and cuDNN's SDPA on the
@@ -31,7 +31,7 @@ from flashhopper import flash_attn_func, flash_attn_varlen_func
 from flashhopper.flops import attention_flops, tflops
 from flashhopper.report import fa3
 from flashhopper.report.environment import environment, source_root
-from flashhopper.report.timing import make_timer
+from flashhopper.report.timing import graphed, make_timer
 
 Fn = Callable[[], Any]
 
@@ -59,8 +59,8 @@ def packed_inputs(total: int, heads: int, d: int) -> tuple[torch.Tensor, torch.T
     return tuple(torch.randn(total, heads, d, dtype=torch.bfloat16, device="cuda") for _ in range(3))  # type: ignore[return-value]
 
 
-def section_equal(timer: Callable[[Fn], float], rounds: int, hdims: list[int], backend: str | None = None
-                  ) -> list[dict[str, Any]]:
+def section_equal(timer: Callable[[Fn], float], rounds: int, hdims: list[int], backend: str | None = None,
+                  graphs: bool = False) -> list[dict[str, Any]]:
     rows = []
     for d in hdims:
         heads = 2048 // d
@@ -73,9 +73,11 @@ def section_equal(timer: Callable[[Fn], float], rounds: int, hdims: list[int], b
                 fns = {"varlen": lambda: flash_attn_varlen_func(q, k, v, cu, cu, seqlen, seqlen, causal=causal,
                                                                 backend=backend),
                        "dense": lambda: flash_attn_func(q4, k4, v4, causal=causal, backend=backend)}
+                if graphs:
+                    fns = {name: graphed(fn)[0] for name, fn in fns.items()}
                 ms = interleaved(fns, timer, rounds)
                 flops = work([seqlen] * batch, heads, d, causal)
-                row = {"section": "equal", "backend": backend or "auto", "headdim": d, "nheads": heads, "causal": causal, "seqlen": seqlen,
+                row = {"section": "equal", "backend": backend or "auto", "graphs": graphs, "headdim": d, "nheads": heads, "causal": causal, "seqlen": seqlen,
                        "batch": batch, "ms_varlen": ms["varlen"], "ms_dense": ms["dense"],
                        "tflops_varlen": tflops(flops, ms["varlen"]), "tflops_dense": tflops(flops, ms["dense"]),
                        "varlen_vs_dense": ms["dense"] / ms["varlen"]}
@@ -146,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="of the mixed section's document lengths")
     ap.add_argument("--hdims", type=int, nargs="*", default=[64, 128, 256], help="of the equal section")
     ap.add_argument("--backend", choices=("sm90", "sm80"), help="kernel family of the equal section (default: auto)")
+    ap.add_argument("--graphs", action="store_true",
+                    help="equal section: time CUDA-graph replays (the GPU's time alone; eager calls of 30-us kernels "
+                         "also time the host whenever it falls behind)")
     ap.add_argument("--warmup-ms", type=float, default=25)
     ap.add_argument("--rep-ms", type=float, default=100)
     ap.add_argument("--out", type=Path)
@@ -159,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     with torch.no_grad():
         if "equal" in args.sections:
-            rows += section_equal(timer, args.rounds, args.hdims, args.backend)
+            rows += section_equal(timer, args.rounds, args.hdims, args.backend, args.graphs)
         if "mixed" in args.sections:
             rows += section_mixed(timer, args.rounds, args.seed)
     if args.out is not None:

@@ -46,3 +46,26 @@ def make_timer(warmup_ms: float, rep_ms: float) -> tuple[str, Timer]:
         return "cuda-events median (triton not installed)", lambda fn: _events_median(fn, warmup_ms, rep_ms)
     return "triton.testing.do_bench median", lambda fn: do_bench(
         fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+
+
+def graphed(fn: Fn) -> tuple[Fn, bool]:
+    """(replay of a CUDA graph of fn, True), or (fn, False) when fn cannot be captured. Timing the replay
+    measures the GPU's time alone: no host time between the kernels, which small shapes otherwise include
+    whenever the host falls behind (bench/bench_quant.py, bench/bench_varlen.py --graphs)."""
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm up outside the capture (allocator, lazy inits)
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        graph.replay()
+        torch.cuda.synchronize()
+    except Exception:  # noqa: BLE001  (anything the capture refuses: host syncs, pageable copies)
+        torch.cuda.synchronize()
+        return fn, False
+    return graph.replay, True
+

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -33,7 +32,7 @@ from flashhopper import flash_attn_func
 from flashhopper.flops import attention_flops, tflops
 from flashhopper.report import fa3
 from flashhopper.report.environment import environment, source_root
-from flashhopper.report.timing import make_timer
+from flashhopper.report.timing import interleaved, make_timer
 
 Fn = Callable[[], Any]
 
@@ -64,14 +63,6 @@ def inputs(batch: int, seqlen: int, heads: int, d: int, dv: int | None = None) -
                for dim in (d, d, d if dv is None else dv))
     sinks = torch.randn(heads, device="cuda") + math.log(seqlen)
     return q, k, v, sinks
-
-
-def interleaved(fns: dict[str, Fn], timer: Callable[[Fn], float], rounds: int) -> dict[str, float]:
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            samples[name].append(timer(fn))
-    return {name: statistics.median(s) for name, s in samples.items()}
 
 
 def section_cost(timer: Callable[[Fn], float], rounds: int) -> list[dict[str, Any]]:

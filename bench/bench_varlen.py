@@ -19,7 +19,6 @@ import argparse
 import json
 import math
 import random
-import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -31,17 +30,9 @@ from flashhopper import flash_attn_func, flash_attn_varlen_func
 from flashhopper.flops import attention_flops, tflops
 from flashhopper.report import fa3
 from flashhopper.report.environment import environment, source_root
-from flashhopper.report.timing import graphed, make_timer
+from flashhopper.report.timing import graphed, interleaved, make_timer
 
 Fn = Callable[[], Any]
-
-
-def interleaved(fns: dict[str, Fn], timer: Callable[[Fn], float], rounds: int) -> dict[str, float]:
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            samples[name].append(timer(fn))
-    return {name: statistics.median(s) for name, s in samples.items()}
 
 
 def cu_of(lengths: list[int]) -> torch.Tensor:

@@ -69,3 +69,13 @@ def graphed(fn: Fn) -> tuple[Fn, bool]:
         return fn, False
     return graph.replay, True
 
+
+def interleaved(fns: dict[str, Fn], timer: Timer, rounds: int) -> dict[str, float]:
+    """Median of ``rounds`` timings of each of ``fns``, taken in turn (A B C, A B C, ...), so that drifts of the
+    clock or the temperature fall on every provider alike."""
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            samples[name].append(timer(fn))
+    return {name: statistics.median(s) for name, s in samples.items()}
+

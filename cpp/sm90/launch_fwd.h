@@ -148,9 +148,9 @@ int64_t run_fwd_sm90(FwdParams const& params, cudaStream_t stream) {
   DeviceInfo const& dev = device_info(p.device);
   int const num_sms = p.num_sms > 0 ? p.num_sms : dev.num_sms;
 
+  VarlenWorkspace const ws = kVarlen ? VarlenWorkspace::carve(p.varlen_workspace, p.batch) : VarlenWorkspace{};
   auto const seqlens = [&] {
     if constexpr (kVarlen) {
-      VarlenWorkspace const ws = VarlenWorkspace::carve(p.varlen_workspace, p.batch);
       return VarlenSeqlens{p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_q, p.seqused_k, ws.descs};
     } else {
       return UniformSeqlens{p.seqlen_q, p.seqlen_k};
@@ -178,7 +178,6 @@ int64_t run_fwd_sm90(FwdParams const& params, cudaStream_t stream) {
   if constexpr (kVarlen) {
     // The tile bound above sizes the grid; the prepare kernel writes the true count and the schedule.
     kp.scheduler.total_tiles = int(std::min<int64_t>(total_tiles, INT32_MAX));
-    VarlenWorkspace const ws = VarlenWorkspace::carve(p.varlen_workspace, p.batch);
     kp.scheduler.num_entries = p.batch;
     kp.scheduler.entry_m_blocks = ws.m_blocks;
     kp.scheduler.entry_order = ws.order;

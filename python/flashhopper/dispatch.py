@@ -82,11 +82,11 @@ def _rebuild_hint(backends: tuple[str, ...], key: KernelKey, modes: str | None =
     # Likewise the default FLASHHOPPER_SCORE_MODS is none.
     score_mods = " FLASHHOPPER_SCORE_MODS=none;softcap" if key.score_mod == "softcap" else ""
     dropout = " FLASHHOPPER_DROPOUT=off;on" if key.dropout else ""  # likewise (default off)
-    dropout += " FLASHHOPPER_VARLEN=off;on" if key.varlen else ""
+    varlen = " FLASHHOPPER_VARLEN=off;on" if key.varlen else ""  # in the default build, but may be turned off
     variant = f" FLASHHOPPER_VARIANTS={key.variant}" if key.variant else ""
     hdims = f"{key.headdim}" if key.headdim_v == key.headdim else f"{key.headdim}x{key.headdim_v}"
     hint = (f"rebuild with FLASHHOPPER_ARCHS={archs}{mode} FLASHHOPPER_DTYPES={key.short_dtype()} "
-            f"FLASHHOPPER_HDIMS={hdims}{masks}{score_mods}{dropout}{variant} (or a superset), or pass backend='reference'")
+            f"FLASHHOPPER_HDIMS={hdims}{masks}{score_mods}{dropout}{varlen}{variant} (or a superset), or pass backend='reference'")
     err = _ext.extension_error()
     return hint + (f"; the compiled extension did not import: {err}" if err else "")
 

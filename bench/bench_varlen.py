@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Packed batches (issue #21), same run, providers interleaved (median of --rounds), L2 flushed between runs
 (report.timing). TFLOPS count the real work: the sum of the sequences' own FLOPs (fwd = 4 s_q s_k h d per
-sequence, halved for causal). Sections:
+sequence, halved for causal; --mode bwd: the backward alone, 2.5 x that, on a graph kept from one forward).
+Sections:
 
 - equal: equal lengths, the varlen kernel against our padded-batch kernel on the same tokens (the FA3-paper
   grid: 16k tokens, 2048 / d heads, head dims 64/128/256, causal and not); --backend sm80 times the Ampere
@@ -30,6 +31,7 @@ from flashhopper import flash_attn_func, flash_attn_varlen_func
 from flashhopper.flops import attention_flops, tflops
 from flashhopper.report import fa3
 from flashhopper.report.environment import environment, source_root
+from flashhopper.report.providers import timeable
 from flashhopper.report.timing import graphed, interleaved, make_timer
 
 Fn = Callable[[], Any]
@@ -42,8 +44,14 @@ def cu_of(lengths: list[int]) -> torch.Tensor:
     return torch.tensor(c, dtype=torch.int32, device="cuda")
 
 
-def work(lengths: list[int], heads: int, d: int, causal: bool) -> int:
-    return sum(attention_flops(1, n, n, heads, d, causal, "fwd") for n in lengths)
+def work(lengths: list[int], heads: int, d: int, causal: bool, mode: str = "fwd") -> int:
+    return sum(attention_flops(1, n, n, heads, d, causal, mode) for n in lengths)
+
+
+def prepared(mode: str, fns: dict[str, Callable[..., Any]], q: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> dict[str, Fn]:
+    """Each provider's timed call: fns map (q, k, v) to its forward; mode bwd times its backward alone."""
+    return {name: timeable(mode, lambda q, k, v, fn=fn: (lambda: fn(q, k, v)), q, k, v) for name, fn in fns.items()}
 
 
 def packed_inputs(total: int, heads: int, d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -51,7 +59,7 @@ def packed_inputs(total: int, heads: int, d: int) -> tuple[torch.Tensor, torch.T
 
 
 def section_equal(timer: Callable[[Fn], float], rounds: int, hdims: list[int], backend: str | None = None,
-                  graphs: bool = False) -> list[dict[str, Any]]:
+                  graphs: bool = False, mode: str = "fwd") -> list[dict[str, Any]]:
     rows = []
     for d in hdims:
         heads = 2048 // d
@@ -60,26 +68,29 @@ def section_equal(timer: Callable[[Fn], float], rounds: int, hdims: list[int], b
                 batch = 16384 // seqlen
                 q, k, v = packed_inputs(batch * seqlen, heads, d)
                 cu = cu_of([seqlen] * batch)
-                q4, k4, v4 = (x.view(batch, seqlen, heads, d) for x in (q, k, v))
-                fns = {"varlen": lambda: flash_attn_varlen_func(q, k, v, cu, cu, seqlen, seqlen, causal=causal,
-                                                                backend=backend),
-                       "dense": lambda: flash_attn_func(q4, k4, v4, causal=causal, backend=backend)}
+                shape4 = (batch, seqlen, heads, d)
+                fns = prepared(mode, {
+                    "varlen": lambda q, k, v: flash_attn_varlen_func(q, k, v, cu, cu, seqlen, seqlen, causal=causal,
+                                                                     backend=backend),
+                    "dense": lambda q, k, v: flash_attn_func(q.view(shape4), k.view(shape4), v.view(shape4),
+                                                             causal=causal, backend=backend)}, q, k, v)
                 if graphs:
                     fns = {name: graphed(fn)[0] for name, fn in fns.items()}
                 ms = interleaved(fns, timer, rounds)
-                flops = work([seqlen] * batch, heads, d, causal)
-                row = {"section": "equal", "backend": backend or "auto", "graphs": graphs, "headdim": d, "nheads": heads, "causal": causal, "seqlen": seqlen,
+                flops = work([seqlen] * batch, heads, d, causal, mode)
+                row = {"section": "equal", "mode": mode, "backend": backend or "auto", "graphs": graphs, "headdim": d,
+                       "nheads": heads, "causal": causal, "seqlen": seqlen,
                        "batch": batch, "ms_varlen": ms["varlen"], "ms_dense": ms["dense"],
                        "tflops_varlen": tflops(flops, ms["varlen"]), "tflops_dense": tflops(flops, ms["dense"]),
                        "varlen_vs_dense": ms["dense"] / ms["varlen"]}
                 rows.append(row)
-                print(f"equal{'' if backend is None else ' ' + backend} d{d} {'causal' if causal else 'full'} {batch}x{seqlen}: varlen "
+                print(f"equal {mode}{'' if backend is None else ' ' + backend} d{d} {'causal' if causal else 'full'} {batch}x{seqlen}: varlen "
                       f"{row['tflops_varlen']:.0f} TFLOPS, dense {row['tflops_dense']:.0f}, "
                       f"x{row['varlen_vs_dense']:.3f}", flush=True)
     return rows
 
 
-def section_mixed(timer: Callable[[Fn], float], rounds: int, seed: int) -> list[dict[str, Any]]:
+def section_mixed(timer: Callable[[Fn], float], rounds: int, seed: int, mode: str = "fwd") -> list[dict[str, Any]]:
     d, heads, docs = 128, 16, 64
     rng = random.Random(seed)
     lengths = [int(round(math.exp(rng.uniform(math.log(128), math.log(8192))))) for _ in range(docs)]
@@ -87,33 +98,43 @@ def section_mixed(timer: Callable[[Fn], float], rounds: int, seed: int) -> list[
     mean = total // docs
     q, k, v = packed_inputs(total, heads, d)
     cu = cu_of(lengths)
-    qe, ke, ve = (x[:mean * docs].view(docs, mean, heads, d) for x in (q, k, v))
+    shape_e = (docs, mean, heads, d)
     cu_e = cu_of([mean] * docs)
     qp, kp, vp = (torch.randn(docs, heads, longest, d, dtype=torch.bfloat16, device="cuda") for _ in range(3))
     have_fa3 = fa3.configured()
     iface = fa3.load() if have_fa3 else None
     rows = []
     for causal in (False, True):
-        fns: dict[str, Fn] = {
-            "varlen": lambda: flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=causal),
-            "dense_mean": lambda: flash_attn_func(qe, ke, ve, causal=causal),
-            "varlen_equal": lambda: flash_attn_varlen_func(qe.flatten(0, 1), ke.flatten(0, 1), ve.flatten(0, 1),
-                                                           cu_e, cu_e, mean, mean, causal=causal),
-        }
+        # The same tokens at equal lengths: the first mean * docs rows.
+        def eq(x: torch.Tensor) -> torch.Tensor:
+            return x[:mean * docs]
+        fns = prepared(mode, {
+            "varlen": lambda q, k, v: flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=causal),
+            "dense_mean": lambda q, k, v: flash_attn_func(eq(q).view(shape_e), eq(k).view(shape_e),
+                                                          eq(v).view(shape_e), causal=causal),
+            "varlen_equal": lambda q, k, v: flash_attn_varlen_func(eq(q), eq(k), eq(v), cu_e, cu_e, mean, mean,
+                                                                   causal=causal),
+        }, q, k, v)
         if iface is not None:
-            fns["fa3_varlen"] = lambda: iface.flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=causal)
-            fns["fa3_varlen_equal"] = lambda: iface.flash_attn_varlen_func(
-                qe.flatten(0, 1), ke.flatten(0, 1), ve.flatten(0, 1), cu_e, cu_e, mean, mean, causal=causal)
+            # FA3's interface returns (out, lse) or out depending on its version: the output alone is timed on.
+            def first(x: Any) -> torch.Tensor:
+                return x[0] if isinstance(x, tuple) else x
+            fns.update(prepared(mode, {
+                "fa3_varlen": lambda q, k, v: first(iface.flash_attn_varlen_func(q, k, v, cu, cu, longest, longest,
+                                                                                 causal=causal)),
+                "fa3_varlen_equal": lambda q, k, v: first(iface.flash_attn_varlen_func(
+                    eq(q), eq(k), eq(v), cu_e, cu_e, mean, mean, causal=causal)),
+            }, q, k, v))
 
-        def sdpa(causal: bool = causal) -> torch.Tensor:
+        def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = causal) -> torch.Tensor:
             from torch.nn.attention import SDPBackend, sdpa_kernel
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                return torch.nn.functional.scaled_dot_product_attention(qp, kp, vp, is_causal=causal)
-        fns["sdpa_cudnn_padded"] = sdpa
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        fns.update(prepared(mode, {"sdpa_cudnn_padded": sdpa}, qp, kp, vp))
         ms = interleaved(fns, timer, rounds)
-        real = work(lengths, heads, d, causal)
-        equal = work([mean] * docs, heads, d, causal)
-        row: dict[str, Any] = {"section": "mixed", "headdim": d, "nheads": heads, "causal": causal, "docs": docs,
+        real = work(lengths, heads, d, causal, mode)
+        equal = work([mean] * docs, heads, d, causal, mode)
+        row: dict[str, Any] = {"section": "mixed", "mode": mode, "headdim": d, "nheads": heads, "causal": causal, "docs": docs,
                                "seed": seed, "total_tokens": total, "longest": longest, "mean": mean,
                                "lengths": lengths}
         for name, t in ms.items():
@@ -124,7 +145,7 @@ def section_mixed(timer: Callable[[Fn], float], rounds: int, seed: int) -> list[
         if iface is not None:
             row["varlen_vs_fa3"] = ms["fa3_varlen"] / ms["varlen"]
         rows.append(row)
-        print(f"mixed {'causal' if causal else 'full'} ({docs} docs, {total} tokens): "
+        print(f"mixed {mode} {'causal' if causal else 'full'} ({docs} docs, {total} tokens): "
               + ", ".join(f"{name} {row[f'tflops_{name}']:.0f}" for name in ms) + " TFLOPS"
               + (f"; varlen vs FA3 x{row['varlen_vs_fa3']:.3f}" if iface is not None else "")
               + f"; varlen vs dense at the mean length x{row['varlen_vs_dense_mean']:.3f}", flush=True)
@@ -134,6 +155,7 @@ def section_mixed(timer: Callable[[Fn], float], rounds: int, seed: int) -> list[
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sections", nargs="*", choices=("equal", "mixed"), default=["equal", "mixed"])
+    ap.add_argument("--mode", choices=("fwd", "bwd"), default="fwd", help="bwd: the backward alone")
     ap.add_argument("--fa3-path", type=Path, help=f"FA3 build with varlen (fa3-full; default: ${fa3.ENV})")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0, help="of the mixed section's document lengths")
@@ -153,11 +175,11 @@ def main(argv: list[str] | None = None) -> int:
         fa3.set_path(args.fa3_path)
     timing, timer = make_timer(args.warmup_ms, args.rep_ms)
     rows: list[dict[str, Any]] = []
-    with torch.no_grad():
+    with torch.set_grad_enabled(args.mode == "bwd"):
         if "equal" in args.sections:
-            rows += section_equal(timer, args.rounds, args.hdims, args.backend, args.graphs)
+            rows += section_equal(timer, args.rounds, args.hdims, args.backend, args.graphs, args.mode)
         if "mixed" in args.sections:
-            rows += section_mixed(timer, args.rounds, args.seed)
+            rows += section_mixed(timer, args.rounds, args.seed, args.mode)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"environment": environment(timing, source_root()), "timing": timing,

@@ -45,9 +45,11 @@ class Family(NamedTuple):
 FAMILIES = {
     (90, "fwd"): Family("sm90/launch_fwd.h", "run_fwd_sm90", "fwd_tiles_sm90", dtypes=("fp16", "bf16", "e4m3"),
                         varlen=True),
-    (90, "bwd"): Family("sm90/launch_bwd.h", "run_bwd_sm90", "bwd_tiles_sm90", "bwd_workspace_bytes_sm90"),
+    (90, "bwd"): Family("sm90/launch_bwd.h", "run_bwd_sm90", "bwd_tiles_sm90", "bwd_workspace_bytes_sm90",
+                        varlen=True),
     (80, "fwd"): Family("sm80/launch_fwd.h", "run_fwd_sm80", "fwd_tiles_sm80", varlen=True),
-    (80, "bwd"): Family("sm80/launch_bwd.h", "run_bwd_sm80", "bwd_tiles_sm80", "bwd_workspace_bytes_sm80"),
+    (80, "bwd"): Family("sm80/launch_bwd.h", "run_bwd_sm80", "bwd_tiles_sm80", "bwd_workspace_bytes_sm80",
+                        varlen=True),
 }
 
 

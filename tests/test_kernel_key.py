@@ -97,6 +97,13 @@ def test_configured(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not _ext.configured("fwd", KernelKey(90, "bfloat16", 64, 64, "none"))
     assert not _ext.configured("fwd", KernelKey(90, "bfloat16", 128, 128, "window"))
     assert not _ext.configured("fwd", KernelKey(90, "bfloat16", 128, 128, "none", "no-pingpong"))  # never required
+    # Packed batches: forward and backward, 16-bit, when FLASHHOPPER_VARLEN has "on"; padded ones when it has "off".
+    packed = KernelKey(90, "bfloat16", 128, 128, "causal", varlen=True)
+    assert not _ext.configured("bwd", packed)
+    info["varlen"] = ["on"]
+    assert _ext.configured("fwd", packed) and _ext.configured("bwd", packed)
+    assert not _ext.configured("fwd", KernelKey(90, "bfloat16", 128, 128, "causal"))
+    assert not _ext.configured("fwd", KernelKey(90, "float8_e4m3fn", 128, 128, "none", varlen=True))
 
 
 # --- against the extension ---

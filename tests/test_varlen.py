@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashhopper import attention_ref, flash_attn_varlen_func
+from flashhopper import attention_ref, attention_varlen_ref, flash_attn_varlen_func
 from flashhopper.varlen import DEBUG_ENV
 
 
@@ -56,6 +56,27 @@ def test_reference_is_differentiable() -> None:
     torch.autograd.gradcheck(lambda q, k, v: flash_attn_varlen_func(q, k, v, cq, ck, 3, 4, causal=True), (q, k, v))
 
 
+def test_backward_op_matches_autograd_of_the_reference() -> None:
+    # The op the kernels' autograd calls, on its reference backend: gradients w.r.t. q, k, v and sinks
+    # through out and lse, against torch's autograd of the differentiable reference (seqused, a window,
+    # softcap and sinks included: every argument the op forwards).
+    q, k, v, cq, ck = make([5, 0, 4], [6, 2, 4], hq=4, hkv=2, d=8)
+    used_k = torch.tensor([4, 2, 4], dtype=torch.int32)
+    sinks = torch.randn(4, dtype=torch.float32)
+    kw = dict(seqused_k=used_k, window=(3, 1), softcap=2.0)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, sinks)]
+    out, lse = attention_varlen_ref(*leaves[:3], cq, ck, 0.3, False, sinks=leaves[3], **kw)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    valid = torch.isfinite(lse)
+    loss = (out * dout).sum() + torch.where(valid, lse * dlse, 0).sum()
+    want = torch.autograd.grad(loss, leaves)
+    got = torch.ops.flashhopper.varlen_bwd(dout, q, k, v, out.detach(), lse.detach().float(), dlse.float(), cq, ck,
+                                           None, used_k, 5, 6, 0.3, False, 3, 1, 2.0, sinks, False, "reference")
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    assert torch.count_nonzero(got[1][4:6]) == 0  # keys past seqused_k get no gradient
+
+
 @pytest.mark.parametrize("bad, err, match", [
     (dict(cu_seqlens_q=cu([2, 3]).long()), TypeError, "cu_seqlens_q has dtype torch.int64"),
     (dict(cu_seqlens_k=cu([2])), ValueError, "cu_seqlens_k has 2 entries"),
@@ -103,5 +124,8 @@ def test_fake_op_shapes() -> None:
         q, k, v = torch.empty(10, 4, 64), torch.empty(7, 2, 64), torch.empty(7, 2, 32)
         c = torch.empty(3, dtype=torch.int32)
         out, lse = torch.ops.flashhopper.varlen_fwd(q, k, v, c, c, None, None, 5, 5, 0.1, True, -1, -1, 0.0, None,
-                                                    "sm90")
+                                                    False, "sm90")
+        dq, dk, dv, dsinks = torch.ops.flashhopper.varlen_bwd(out, q, k, v, out, lse, None, c, c, None, None, 5, 5,
+                                                              0.1, True, -1, -1, 0.0, None, False, "sm90")
     assert out.shape == (10, 4, 32) and lse.shape == (4, 10) and lse.dtype == torch.float32
+    assert (dq.shape, dk.shape, dv.shape, dsinks.shape) == (q.shape, k.shape, v.shape, (0,))

@@ -1,4 +1,5 @@
-"""Packed-batch (varlen) forward kernels against per-sequence exact attention on the GPU (skipped here).
+"""Packed-batch (varlen) forward and backward kernels against per-sequence exact attention on the GPU
+(skipped here).
 
 Each case packs sequences of the given lengths (q and k lengths per sequence, GQA, head dim, dtype,
 causal) and checks every sequence's rows of out and lse with FA3's criterion (helpers.
@@ -13,11 +14,11 @@ import random
 
 import pytest
 import torch
-from helpers import assert_matches_reference, require_backend
+from helpers import assert_grads_match_or_control, assert_matches_reference, require_backend
 
 from flashhopper import flash_attn_func, flash_attn_varlen_func
 from flashhopper.kernel_key import VARLEN_HEADDIMS
-from flashhopper.varlen import _launch_varlen_fwd
+from flashhopper.varlen import _launch_varlen_bwd, _launch_varlen_fwd
 
 pytestmark = pytest.mark.gpu
 
@@ -251,14 +252,180 @@ def test_compile_fullgraph() -> None:
     assert torch.equal(compiled(q, k, v, cq, ck), f(q, k, v, cq, ck))
 
 
-def test_public_call_and_grad_refusal() -> None:
+def test_public_call() -> None:
     require_backend(BACKEND, torch.bfloat16, 128, False, varlen=True)
     lengths = [10, 20]
     q, k, v, cq, ck = packed(lengths, lengths, NHEADS_Q, 4, 128, torch.bfloat16)
     out, lse = flash_attn_varlen_func(q, k, v, cq, ck, 20, 20, return_lse=True)
     assert out.shape == q.shape and lse.shape == (NHEADS_Q, 30) and lse.dtype == torch.float32
-    q.requires_grad_()
-    with pytest.raises(ValueError, match="no backward yet"):
-        flash_attn_varlen_func(q, k, v, cq, ck, 20, 20)
-    with torch.no_grad():
-        flash_attn_varlen_func(q, k, v, cq, ck, 20, 20)
+
+
+# --- backward ---
+
+def run_bwd_poisoned(dout, q, k, v, out, lse, cq, ck, causal, dlse=None, seqused_q=None, seqused_k=None,
+                     window=None, softcap=0.0, deterministic=False, backend=BACKEND):
+    """The packed backward into NaN-poisoned gradients (an element it forgets to write fails)."""
+    dq, dk, dv = (torch.full_like(x, float("nan")) for x in (q, k, v))
+    lq = (cq[1:] - cq[:-1]) if seqused_q is None else seqused_q
+    lk = (ck[1:] - ck[:-1]) if seqused_k is None else seqused_k
+    _launch_varlen_bwd(dout, q, k, v, out, lse, dlse, cq, ck, seqused_q, seqused_k, int(lq.max()) if lq.numel() else 0,
+                       int(lk.max()) if lk.numel() else 0, dq, dk, dv, q.shape[-1] ** -0.5, causal, window, softcap,
+                       None, None, deterministic, ARCH[backend])
+    return dq, dk, dv
+
+
+def check_sequence_grads(grads, dout, q, k, v, cq, ck, causal, dlse=None, seqused_q=None, seqused_k=None,
+                         window=None, softcap=0.0):
+    """Each sequence's gradients with FA3's criterion against that sequence alone; rows of no sequence: dq
+    unwritten (NaN), dk/dv unwritten (NaN) or, under GQA (summed in float32 over the whole tensor), 0."""
+    dq, dk, dv = grads
+    starts_q, starts_k = cq.tolist(), ck.tolist()
+    used_q = torch.zeros(q.shape[0], dtype=torch.bool, device="cuda")
+    used_k = torch.zeros(k.shape[0], dtype=torch.bool, device="cuda")
+    scale = q.shape[-1] ** -0.5
+    for b in range(len(starts_q) - 1):
+        oq, ok = starts_q[b], starts_k[b]
+        nq = starts_q[b + 1] - oq if seqused_q is None else int(seqused_q[b])
+        nk = starts_k[b + 1] - ok if seqused_k is None else int(seqused_k[b])
+        rq, rk = slice(oq, oq + nq), slice(ok, ok + nk)
+        used_q[rq], used_k[rk] = True, True
+        if nq == 0 or nk == 0:  # nothing attends: exact zeros where the sequence has rows
+            for name, g in (("dq", dq[rq]), ("dk", dk[rk]), ("dv", dv[rk])):
+                assert torch.equal(g, torch.zeros_like(g)), f"sequence {b} ({nq} x {nk}): {name} is not 0"
+            continue
+        assert_grads_match_or_control((dq[None, rq], dk[None, rk], dv[None, rk]), dout[None, rq], q[None, rq],
+                                      k[None, rk], v[None, rk], scale, causal,
+                                      None if dlse is None else dlse[None, :, rq], window=window, softcap=softcap)
+    assert torch.isnan(dq[~used_q]).all(), "dq rows of no sequence were written"
+    gqa = q.shape[1] != k.shape[1]
+    for name, g in (("dk", dk[~used_k]), ("dv", dv[~used_k])):
+        assert (g == 0).all() if gqa else torch.isnan(g).all(), f"{name} rows of no sequence: unexpected values"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", list(VARLEN_HEADDIMS))
+@pytest.mark.parametrize("case", range(len(LENGTHS)))
+def test_varlen_bwd_matches_reference(case: int, d: int, causal: bool, backend: str) -> None:
+    dtype = DTYPES[(case + d) % 2]
+    require_backend(backend, dtype, d, causal, mode="bwd", varlen=True)
+    lq, lk = LENGTHS[case]
+    lk = lq if lk is None else lk
+    gqa = [1, 2, 4][case % 3]
+    torch.manual_seed(case * 1000 + d + 1)
+    q, k, v, cq, ck = packed(lq, lk, NHEADS_Q, NHEADS_Q // gqa, d, dtype, pad=case % 2 * 37)
+    out, lse = run_poisoned(q, k, v, cq, ck, causal, backend=backend)
+    dout = torch.randn_like(out)
+    dlse = torch.randn_like(lse) if case % 2 else None  # gradients through lse too
+    grads = run_bwd_poisoned(dout, q, k, v, out, lse, cq, ck, causal, dlse, backend=backend)
+    check_sequence_grads(grads, dout, q, k, v, cq, ck, causal, dlse)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("variant", ["plain", "window", "softcap"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_varlen_bwd_seqused_and_variants(causal: bool, variant: str, backend: str) -> None:
+    """Slots used in part, with a window or softcap: gradients of the used rows only (0 past seqused)."""
+    window = ((90, 0) if causal else (90, 33)) if variant == "window" else None
+    softcap = 15.0 if variant == "softcap" else 0.0
+    require_backend(backend, torch.bfloat16, 128, causal, mode="bwd", window=window, softcap=softcap, varlen=True)
+    torch.manual_seed(23)
+    slots_q, slots_k = [300, 64, 1, 500], [400, 64, 9, 128]
+    q, k, v, cq, ck = packed(slots_q, slots_k, NHEADS_Q, NHEADS_Q, 128, torch.bfloat16)
+    used_q = torch.tensor([129, 0, 1, 500], dtype=torch.int32, device="cuda")
+    used_k = torch.tensor([400, 5, 0, 77], dtype=torch.int32, device="cuda")
+    out, lse = run_poisoned(q, k, v, cq, ck, causal, used_q, used_k, window=window, softcap=softcap,
+                            backend=backend)
+    dout = torch.randn_like(out)
+    grads = run_bwd_poisoned(dout, q, k, v, out, lse, cq, ck, causal, None, used_q, used_k, window=window,
+                             softcap=softcap, backend=backend)
+    check_sequence_grads(grads, dout, q, k, v, cq, ck, causal, None, used_q, used_k, window=window,
+                         softcap=softcap)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("hkv", [NHEADS_Q, 1])
+def test_varlen_bwd_deterministic(hkv: int, backend: str) -> None:
+    """deterministic=True: bitwise-identical gradients over repeated runs, and the right ones."""
+    require_backend(backend, torch.bfloat16, 128, True, mode="bwd", varlen=True)
+    torch.manual_seed(29)
+    lengths = [1500, 3, 700, 129, 2000]
+    q, k, v, cq, ck = packed(lengths, lengths, NHEADS_Q, hkv, 128, torch.bfloat16)
+    out, lse = run_poisoned(q, k, v, cq, ck, True, backend=backend)
+    dout = torch.randn_like(out)
+    runs = [run_bwd_poisoned(dout, q, k, v, out, lse, cq, ck, True, deterministic=True, backend=backend)
+            for _ in range(3)]
+    for other in runs[1:]:
+        for name, a, c in zip(("dq", "dk", "dv"), runs[0], other):
+            assert torch.equal(a, c), f"{name} differs between deterministic runs"
+    check_sequence_grads(runs[0], dout, q, k, v, cq, ck, True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_varlen_bwd_no_leak_between_sequences(causal: bool, backend: str) -> None:
+    """Changing one sequence's inputs and upstream gradients (or filling them with NaN) leaves every other
+    sequence's gradients bitwise the same (deterministic: the dQ sums in a fixed order)."""
+    require_backend(backend, torch.bfloat16, 64, causal, mode="bwd", varlen=True)
+    torch.manual_seed(31)
+    lengths = [130, 77, 1, 300, 64]
+    q, k, v, cq, ck = packed(lengths, lengths, NHEADS_Q, NHEADS_Q, 64, torch.bfloat16)
+    out, lse = run_poisoned(q, k, v, cq, ck, causal, backend=backend)
+    dout = torch.randn_like(out)
+    base = run_bwd_poisoned(dout, q, k, v, out, lse, cq, ck, causal, deterministic=True, backend=backend)
+    starts = cq.tolist()
+    for victim, fill in ((1, None), (3, float("nan")), (0, float("nan"))):
+        rows = slice(starts[victim], starts[victim + 1])
+        xs = [x.clone() for x in (q, k, v, out, dout)]
+        lse2 = lse.clone()
+        for x in xs:
+            x[rows] = torch.randn_like(x[rows]) if fill is None else fill
+        lse2[:, rows] = torch.randn_like(lse2[:, rows]) if fill is None else fill
+        grads = run_bwd_poisoned(xs[4], *xs[:4], lse2, cq, ck, causal, deterministic=True, backend=backend)
+        keep = torch.ones(q.shape[0], dtype=torch.bool, device="cuda")
+        keep[rows] = False
+        for name, g, g0 in zip(("dq", "dk", "dv"), grads, base):
+            assert torch.equal(g[keep], g0[keep]), f"sequence {victim} changed ({fill}): another's {name} changed"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_varlen_autograd(backend: str) -> None:
+    """flash_attn_varlen_func under autograd: q, k, v and sinks gradients through out and lse, against
+    torch's autograd of the float32 reference on the same inputs (FA3's criterion's baseline is not
+    needed: the reference's gradients are the yardstick for the dedicated tests above)."""
+    require_backend(backend, torch.bfloat16, 64, True, mode="bwd", varlen=True)
+    torch.manual_seed(37)
+    lengths = [200, 1, 333]
+    q, k, v, cq, ck = packed(lengths, lengths, NHEADS_Q, 2, 64, torch.bfloat16)
+    sinks = torch.randn(NHEADS_Q, device="cuda")
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, sinks)]
+    out, lse = flash_attn_varlen_func(*leaves[:3], cq, ck, 333, 333, causal=True, sinks=leaves[3], return_lse=True,
+                                      backend=backend)
+    w = torch.randn_like(lse)
+    (out.float().sum() + (lse * w).sum()).backward()  # out.sum(): a stride-0 upstream gradient
+    ref = [x.detach().float().requires_grad_() for x in (q, k, v)] + [sinks.clone().requires_grad_()]
+    from flashhopper import attention_varlen_ref
+    ro, rl = attention_varlen_ref(*ref[:3], cq, ck, None, True, sinks=ref[3], dtype=torch.float32)
+    (ro.sum() + (rl * w).sum()).backward()
+    for name, a, r in zip(("q", "k", "v", "sinks"), leaves, ref):
+        err = ((a.grad.float() - r.grad).norm() / r.grad.norm()).item()
+        assert err < 2e-2, f"d{name} relative error {err:.3e}"
+
+
+def test_varlen_compile_fullgraph_backward() -> None:
+    require_backend(BACKEND, torch.bfloat16, 64, False, mode="bwd", varlen=True)
+    torch.manual_seed(41)
+    lengths = [300, 1, 77]
+    q, k, v, cq, ck = packed(lengths, lengths, NHEADS_Q, 4, 64, torch.bfloat16)
+
+    def f(q, k, v, cq, ck):
+        # deterministic: the two runs' gradients comparable bitwise
+        return flash_attn_varlen_func(q, k, v, cq, ck, 300, 300, deterministic=True).float().square().sum()
+
+    grads = []
+    for fn in (f, torch.compile(f, fullgraph=True)):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        fn(*leaves, cq, ck).backward()
+        grads.append([x.grad for x in leaves])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)

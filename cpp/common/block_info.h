@@ -51,6 +51,7 @@ struct BlockInfo : Visibility<kMask> {
   using Base = Visibility<kMask>;
   using Base::diag, Base::kHasLeft, Base::kHasRight, Base::left, Base::right, Base::seqlen_k, Base::seqlen_q;
   using Base::Base;
+  static constexpr int kM = kBlockM, kN = kBlockN;
 
   CUTE_HOST_DEVICE int num_m_blocks() const { return ceil_div(seqlen_q, kBlockM); }
   CUTE_HOST_DEVICE int num_n_blocks() const { return ceil_div(seqlen_k, kBlockN); }

@@ -81,6 +81,9 @@ inline const char* dtype_name(DType d) {
 // holds the sinks, so the main kernel needs no sinks_ptr). With sinks_ptr, the preprocess also writes
 // dsinks_rows_ptr (float32, (batch, nheads_q, seqlen_q) contiguous): each row's share of the sinks'
 // gradient, -exp(sink - lse) * (rowsum(dO * O) - dLSE), which the caller sums over batch and rows.
+// Packed batches (kernels with KernelKey.varlen): cu_seqlens_*, seqused_*, total_* and the layouts as in the
+// forward (lse, dlse and dsinks_rows (nheads_q, total_q)); dQ, dK, dV rows of no entry are left unwritten
+// (under GQA, dK and dV rows of no entry are written 0); the tensor maps' workspace is part of `workspace`.
 #define FLASHHOPPER_BWD_PARAMS(X)                                                                       \
   X(const void*, q_ptr, nullptr) X(const void*, k_ptr, nullptr) X(const void*, v_ptr, nullptr)           \
   X(const void*, o_ptr, nullptr) X(const void*, do_ptr, nullptr)                                         \
@@ -99,6 +102,8 @@ inline const char* dtype_name(DType d) {
   X(int, window_left, -1) X(int, window_right, -1) X(bool, deterministic, false)                         \
   X(float, softcap, 0.f) X(const float*, sinks_ptr, nullptr) X(float*, dsinks_rows_ptr, nullptr)         \
   X(const int64_t*, dropout_rng, nullptr) X(int, dropout_threshold, 0)                                   \
+  X(const int*, cu_seqlens_q, nullptr) X(const int*, cu_seqlens_k, nullptr)                              \
+  X(const int*, seqused_q, nullptr) X(const int*, seqused_k, nullptr) X(int, total_q, 0) X(int, total_k, 0) \
   X(int, device, 0) X(int, num_sms, 0) X(int, max_smem_bytes, 0)
 
 // One pass of FP8 quantization (docs/fp8.md): x (batch, seqlen, nheads, headdim) in fp16/bf16 (dtype)

@@ -105,46 +105,88 @@ CUTE_DEVICE void convert_frag_block(float const* src, Element* dst, int rows, Co
 // kernel's tail leaves idle. Blocks are handed out in the order the main kernel finishes them:
 // (batch, head) ascending, as its CTAs start, and within a head the last query block first, as
 // every key block walks them. The sums are in fragment order (dq_frag_layout.h, 64-row blocks of
-// kFragCols-column groups).
+// kFragCols-column groups), each (entry, head)'s blocks from scratch_row0_q on.
+template <class Seqlens>
 struct ConvertDqReadyParams {
-  ConvertAccumParams accum;
-  int const* ready;  // (batch, nheads, m_blocks): key blocks whose additions have landed
-  int* ticket;       // zeroed: the next block to hand out
-  int block_m, num_m_blocks;
+  ConvertAccumParams accum;  // batch: the entries
+  int const* ready;          // per block of the sums: key blocks whose additions have landed
+  int* ticket;               // zeroed: the next block to hand out
+  int block_m, blocks_per_head;  // blocks per (batch coordinate, head): seqlen_q_rounded / block_m
+  Seqlens seqlens;
+  int window_left, window_right;
 };
 
-template <class Element, class BlockInfo, int kFragCols>
-__global__ void __launch_bounds__(256) convert_dq_when_ready_kernel(ConvertDqReadyParams const p, BlockInfo const bi) {
+// Ticket t's (entry, head, query block), or false where t names none (a packed batch's padding block).
+// Padded batches: (batch, head) t / blocks_per_head, blocks from the last. Packed: the tickets of entry b
+// are nheads times its blocks [base_b, base_{b+1}) of the scratch (base_b = padded_offset_q / block_m),
+// found by binary search; per head from the last block again.
+template <class Seqlens>
+CUTE_DEVICE bool decode_dq_ticket(ConvertDqReadyParams<Seqlens> const& p, int t, int& batch, int& head, int& m_block) {
+  int const nheads = p.accum.nheads;
+  if constexpr (!Seqlens::kPacked) {
+    int const bh = t / p.blocks_per_head;
+    m_block = p.blocks_per_head - 1 - (t - bh * p.blocks_per_head);
+    batch = bh / nheads;
+    head = bh - batch * nheads;
+    return true;
+  } else {
+    auto base = [&](int b) { return p.seqlens.padded_offset_q(b, p.block_m) / p.block_m; };
+    int lo = 0, hi = p.accum.batch - 1;  // the last entry whose first ticket is <= t
+    while (lo < hi) {
+      int const mid = (lo + hi + 1) / 2;
+      if (int64_t(base(mid)) * nheads <= t) lo = mid;
+      else hi = mid - 1;
+    }
+    int const first = base(lo), span = base(lo + 1) - first;  // span >= 1: base rises by a block per entry
+    int const idx = t - first * nheads;
+    if (idx < 0 || idx >= span * nheads) return false;
+    batch = lo;
+    head = idx / span;
+    m_block = span - 1 - (idx - head * span);
+    return m_block < ceil_div(p.seqlens(lo).seqlen_q, p.block_m);
+  }
+}
+
+template <class Element, class BlockInfo, int kFragCols, class Seqlens>
+__global__ void __launch_bounds__(256) convert_dq_when_ready_kernel(ConvertDqReadyParams<Seqlens> const p) {
 #if defined(__CUDA_ARCH__)
   static_assert(cutlass::arch::IsGdcGloballyEnabled, "build with -DCUTLASS_ENABLE_GDC_FOR_SM90 (see CMakeLists.txt)");
 #endif
-  __shared__ int next;
-  int const total = p.accum.batch * p.accum.nheads * p.num_m_blocks;
+  __shared__ int next[3];  // batch (-1: no more work, -2: none this round), head, block
+  int const nheads = p.accum.nheads;
+  int const total = (Seqlens::kPacked ? 1 : p.accum.batch) * nheads * p.blocks_per_head;
   for (;;) {
     if (threadIdx.x == 0) {
       int const t = atomicAdd(p.ticket, 1);
-      int work = -1;
+      int batch = -1, head = 0, m_block = 0;
       if (t < total) {
-        int const bh = t / p.num_m_blocks, m_block = p.num_m_blocks - 1 - (t - bh * p.num_m_blocks);
-        work = bh * p.num_m_blocks + m_block;
-        int const need = bi.num_n_blocks_of(m_block);
-        cuda::atomic_ref<int const, cuda::thread_scope_device> ready(p.ready[work]);
-        while (ready.load(cuda::memory_order_acquire) < need) __nanosleep(256);  // spare L2 the polling
-        __threadfence();  // the block's sums, before the barrier publishes them to the CTA
+        if (decode_dq_ticket(p, t, batch, head, m_block)) {
+          SeqlenInfo const seq = p.seqlens(batch);
+          int const need = BlockInfo{seq, p.window_left, p.window_right}.num_n_blocks_of(m_block);
+          int64_t const block =
+              scratch_row0_q<BlockInfo::kM>(p.seqlens, seq, batch, head, nheads, p.blocks_per_head * p.block_m) /
+                  p.block_m + m_block;
+          cuda::atomic_ref<int const, cuda::thread_scope_device> ready(p.ready[block]);
+          while (ready.load(cuda::memory_order_acquire) < need) __nanosleep(256);  // spare L2 the polling
+          __threadfence();  // the block's sums, before the barrier publishes them to the CTA
+        } else {
+          batch = -2;
+        }
       }
-      next = work;
+      next[0] = batch, next[1] = head, next[2] = m_block;
     }
     __syncthreads();
-    int const work = next;
+    int const batch = next[0], head = next[1], m_block = next[2];
     __syncthreads();  // everyone has read `next` before thread 0 writes it again
-    if (work < 0) break;
-    int const bh = work / p.num_m_blocks, m_block = work - bh * p.num_m_blocks;
-    int const batch = bh / p.accum.nheads, head = bh - batch * p.accum.nheads;
-    int const row_begin = m_block * p.block_m, rows = min(p.block_m, p.accum.seqlen - row_begin);
-    Element* dst = static_cast<Element*>(p.accum.out) + batch * p.accum.batch_stride + head * p.accum.head_stride +
-                   row_begin * p.accum.row_stride;
-    convert_frag_block<Element, kFragCols>(p.accum.accum + int64_t(work) * p.block_m * p.accum.headdim, dst, rows,
-                                           p.accum);
+    if (batch == -1) break;
+    if (batch == -2) continue;
+    SeqlenInfo const seq = p.seqlens(batch);
+    int64_t const row0 = scratch_row0_q<BlockInfo::kM>(p.seqlens, seq, batch, head, nheads,
+                                                            p.blocks_per_head * p.block_m) + int64_t(m_block) * p.block_m;
+    int const rows = min(p.block_m, seq.seqlen_q - m_block * p.block_m);
+    Element* dst = static_cast<Element*>(p.accum.out) + seq.batch_coord * p.accum.batch_stride +
+                   head * p.accum.head_stride + (int64_t(seq.offset_q) + m_block * p.block_m) * p.accum.row_stride;
+    convert_frag_block<Element, kFragCols>(p.accum.accum + row0 * p.accum.headdim, dst, rows, p.accum);
   }
   // This grid ends only after the main kernel has ended and its writes (dK, dV) are visible, so
   // work ordered after it on the stream sees them.
@@ -169,27 +211,29 @@ inline ConvertAccumParams dq_convert_params(BwdParams const& p, BwdWorkspace con
 template <class Element>
 void launch_convert_dkv(BwdParams const& p, BwdWorkspace const& ws, int num_sms, cudaStream_t stream) {
   if (!ws.gqa) return;
+  // (Packed: one batch coordinate of total_k rows; rows of no entry hold zeros.)
   launch_convert_accum<Element>({ws.at<float>(p.workspace, ws.dk_accum), p.dk_ptr, p.dk_batch_stride, p.dk_row_stride,
-                                 p.dk_head_stride, p.batch, p.seqlen_k, p.nheads_kv, p.headdim, 1.f},
+                                 p.dk_head_stride, ws.batch_coords, ws.rows_k, p.nheads_kv, p.headdim, 1.f},
                                 num_sms, stream);
   launch_convert_accum<Element>({ws.at<float>(p.workspace, ws.dv_accum), p.dv_ptr, p.dv_batch_stride, p.dv_row_stride,
-                                 p.dv_head_stride, p.batch, p.seqlen_k, p.nheads_kv, p.headdim_v, 1.f},
+                                 p.dv_head_stride, ws.batch_coords, ws.rows_k, p.nheads_kv, p.headdim_v, 1.f},
                                 num_sms, stream);
   check_launch(cudaGetLastError(), "backward dK/dV postprocess launch");
 }
 
 // dQ as the main kernel completes its query blocks (the main kernel counts them in
 // ws.dq_semaphore and starts dependents early); BlockInfo's kBlockM is the counters' block.
-template <class Element, int kFragCols, int kBlockM, int kBlockN, MaskKind kMask>
-void launch_convert_dq_when_ready(BwdParams const& p, BwdWorkspace const& ws,
-                                  BlockInfo<kBlockM, kBlockN, kMask> const& bi, int num_sms, cudaStream_t stream) {
-  ConvertDqReadyParams const rp{dq_convert_params(p, ws), ws.at<int>(p.workspace, ws.dq_semaphore),
-                                ws.at<int>(p.workspace, ws.dq_ticket), kBlockM, ceil_div(p.seqlen_q, kBlockM)};
+template <class Element, int kFragCols, int kBlockM, int kBlockN, MaskKind kMask, class Seqlens>
+void launch_convert_dq_when_ready(BwdParams const& p, BwdWorkspace const& ws, Seqlens const& seqlens, int num_sms,
+                                  cudaStream_t stream) {
+  ConvertDqReadyParams<Seqlens> const rp{dq_convert_params(p, ws), ws.at<int>(p.workspace, ws.dq_semaphore),
+                                         ws.at<int>(p.workspace, ws.dq_ticket), kBlockM,
+                                         ws.seqlen_q_rounded / kBlockM, seqlens, p.window_left, p.window_right};
   static_assert(kBlockM == DqFragLayout<8>::kBlockM, "fragment order is in 64-row blocks");
-  auto kernel = &convert_dq_when_ready_kernel<Element, BlockInfo<kBlockM, kBlockN, kMask>, kFragCols>;
+  auto kernel = &convert_dq_when_ready_kernel<Element, BlockInfo<kBlockM, kBlockN, kMask>, kFragCols, Seqlens>;
   int per_sm = 0;
   check_launch(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, 256, 0), "occupancy query");
-  int64_t const blocks = int64_t(p.batch) * p.nheads_q * rp.num_m_blocks;
+  int64_t const blocks = int64_t(ws.batch_coords) * p.nheads_q * rp.blocks_per_head;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
@@ -199,7 +243,7 @@ void launch_convert_dq_when_ready(BwdParams const& p, BwdWorkspace const& ws,
   config.stream = stream;
   config.attrs = attr;
   config.numAttrs = 1;
-  check_launch(cudaLaunchKernelEx(&config, kernel, rp, bi), "backward dQ postprocess launch");
+  check_launch(cudaLaunchKernelEx(&config, kernel, rp), "backward dQ postprocess launch");
 }
 
 }  // namespace flashhopper

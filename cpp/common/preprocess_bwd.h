@@ -16,25 +16,30 @@
 #include <cstdint>
 
 #include "params.h"
+#include "seqlen.h"
 #include "workspace_bwd.h"
 
 namespace flashhopper {
 
+template <class Seqlens>
 struct BwdPreprocessParams {
   void const* o;
   void const* dout;
-  float const* lse;   // (batch, nheads, seqlen_q) contiguous, natural log
+  float const* lse;   // (batch_coords, nheads, lse_rows) contiguous, natural log
   float const* dlse;  // same layout, or nullptr
-  float* lse_log2;    // (batch, nheads, seqlen_q_rounded)
-  float* dpsum;       // (batch, nheads, seqlen_q_rounded)
+  float* lse_log2;    // (batch_coords, nheads, seqlen_q_rounded): each entry's rows from its block-aligned offset
+  float* dpsum;       // same
   float const* sinks; // (nheads,) sink logits, or nullptr
-  float* dsinks_rows; // with sinks: (batch, nheads, seqlen_q), each row's share of d(sinks)
+  float* dsinks_rows; // with sinks: like lse, each row's share of d(sinks)
   int64_t o_batch_stride, o_row_stride, o_head_stride;
   int64_t do_batch_stride, do_row_stride, do_head_stride;
-  int seqlen_q, seqlen_q_rounded, nheads;
+  Seqlens seqlens;
+  int seqlen_q;       // the entries' most (the grid)
+  int lse_rows;       // seqlen_q (padded batches) or total_q (packed)
+  int seqlen_q_rounded, nheads;
 };
 
-template <class Element, int kHeadDim>
+template <class Element, int kHeadDim, int kBlockM>
 struct BwdPreprocess {
   static constexpr int kThreads = 256;
   static constexpr int kVec = 16 / sizeof(Element);
@@ -45,25 +50,32 @@ struct BwdPreprocess {
   static constexpr int kRowsPerBlock = kThreads / kThreadsPerRow;
   static_assert(kHeadDim % kVec == 0 && kVecsPerRow % kThreadsPerRow == 0);
 
-  static dim3 grid(BwdPreprocessParams const& p, int batch) {
-    return dim3((p.seqlen_q_rounded + kRowsPerBlock - 1) / kRowsPerBlock, p.nheads, batch);
+  template <class Seqlens>
+  static dim3 grid(BwdPreprocessParams<Seqlens> const& p, int batch) {
+    int const rows = (p.seqlen_q + kBlockM - 1) / kBlockM * kBlockM;  // every entry's, padding rows included
+    return dim3((rows + kRowsPerBlock - 1) / kRowsPerBlock, p.nheads, batch);
   }
 };
 
-template <class Element, int kHeadDim>
-__global__ void __launch_bounds__(BwdPreprocess<Element, kHeadDim>::kThreads)
-    bwd_preprocess_kernel(BwdPreprocessParams const p) {
-  using Cfg = BwdPreprocess<Element, kHeadDim>;
+template <class Element, int kHeadDim, int kBlockM, class Seqlens>
+__global__ void __launch_bounds__(BwdPreprocess<Element, kHeadDim, kBlockM>::kThreads)
+    bwd_preprocess_kernel(BwdPreprocessParams<Seqlens> const p) {
+  using Cfg = BwdPreprocess<Element, kHeadDim, kBlockM>;
   using Vec = cutlass::Array<Element, Cfg::kVec>;
+  int const head = blockIdx.y, batch = blockIdx.z;
+  SeqlenInfo const seq = p.seqlens(batch);
+  int const rows_rounded = (seq.seqlen_q + kBlockM - 1) / kBlockM * kBlockM;  // this entry's, with padding rows
+  if (int(blockIdx.x) * Cfg::kRowsPerBlock >= rows_rounded) return;  // past the entry (block-uniform)
   int const row = blockIdx.x * Cfg::kRowsPerBlock + threadIdx.x / Cfg::kThreadsPerRow;
   int const part = threadIdx.x % Cfg::kThreadsPerRow;
-  int const head = blockIdx.y, batch = blockIdx.z;
+  int64_t const b = seq.batch_coord;
 
   float dot = 0.f;
-  if (row < p.seqlen_q) {
-    auto const* o = static_cast<Element const*>(p.o) + batch * p.o_batch_stride + row * p.o_row_stride +
+  if (row < seq.seqlen_q) {
+    int64_t const r = seq.offset_q + row;
+    auto const* o = static_cast<Element const*>(p.o) + b * p.o_batch_stride + r * p.o_row_stride +
                     head * p.o_head_stride + part * Cfg::kVec;
-    auto const* d = static_cast<Element const*>(p.dout) + batch * p.do_batch_stride + row * p.do_row_stride +
+    auto const* d = static_cast<Element const*>(p.dout) + b * p.do_batch_stride + r * p.do_row_stride +
                     head * p.do_head_stride + part * Cfg::kVec;
     cutlass::NumericArrayConverter<float, Element, Cfg::kVec> to_float;
 #pragma unroll
@@ -77,38 +89,42 @@ __global__ void __launch_bounds__(BwdPreprocess<Element, kHeadDim>::kThreads)
 #pragma unroll
   for (int offset = Cfg::kThreadsPerRow / 2; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xffffffff, dot, offset);
 
-  if (part == 0 && row < p.seqlen_q_rounded) {
-    int64_t const bh = int64_t(batch) * p.nheads + head;
+  if (part == 0 && row < rows_rounded) {
+    int64_t const in = (b * p.nheads + head) * p.lse_rows + seq.offset_q + row;  // lse, dlse, dsinks_rows
+    int64_t const out = scratch_row0_q<kBlockM>(p.seqlens, seq, batch, head, p.nheads, p.seqlen_q_rounded) + row;
     float lse_log2 = INFINITY, dpsum = 0.f;
-    if (row < p.seqlen_q) {
-      float const lse = p.lse[bh * p.seqlen_q + row];
+    if (row < seq.seqlen_q) {
+      float const lse = p.lse[in];
       lse_log2 = lse == -INFINITY ? INFINITY : lse * float(M_LOG2E);
-      dpsum = dot - (p.dlse != nullptr ? p.dlse[bh * p.seqlen_q + row] : 0.f);
+      dpsum = dot - (p.dlse != nullptr ? p.dlse[in] : 0.f);
     }
-    p.lse_log2[bh * p.seqlen_q_rounded + row] = lse_log2;
-    p.dpsum[bh * p.seqlen_q_rounded + row] = dpsum;
+    p.lse_log2[out] = lse_log2;
+    p.dpsum[out] = dpsum;
     // The sink's probability in the row is exp(sink - lse); d(loss)/d(sink) = -sum over rows of it times D.
-    if (p.sinks != nullptr && row < p.seqlen_q) {
-      float const lse = p.lse[bh * p.seqlen_q + row];
-      p.dsinks_rows[bh * p.seqlen_q + row] = lse == -INFINITY ? 0.f : -expf(p.sinks[head] - lse) * dpsum;
+    if (p.sinks != nullptr && row < seq.seqlen_q) {
+      float const lse = p.lse[in];
+      p.dsinks_rows[in] = lse == -INFINITY ? 0.f : -expf(p.sinks[head] - lse) * dpsum;
     }
   }
 }
 
-// Zero the workspace's accumulators (one memset) and run the preprocess into its statistics.
-template <class Element, int kHeadDim>
-void launch_bwd_preprocess(BwdParams const& p, BwdWorkspace const& ws, cudaStream_t stream) {
+// Zero the workspace's accumulators (one memset) and run the preprocess into its statistics; kBlockM is the
+// workspace's (its per-row pieces are in whole query blocks).
+template <class Element, int kHeadDim, int kBlockM, class Seqlens>
+void launch_bwd_preprocess(BwdParams const& p, BwdWorkspace const& ws, Seqlens const& seqlens, cudaStream_t stream) {
   check_launch(cudaMemsetAsync(ws.at<char>(p.workspace, ws.zero_begin), 0, ws.zero_end - ws.zero_begin, stream),
                "backward workspace memset");
-  BwdPreprocessParams pre{p.o_ptr, p.do_ptr, p.lse_ptr, p.dlse_ptr,
-                          ws.at<float>(p.workspace, ws.lse_log2), ws.at<float>(p.workspace, ws.dpsum),
-                          p.sinks_ptr, p.dsinks_rows_ptr,
-                          p.o_batch_stride, p.o_row_stride, p.o_head_stride,
-                          p.do_batch_stride, p.do_row_stride, p.do_head_stride,
-                          p.seqlen_q, ws.seqlen_q_rounded, p.nheads_q};
-  using Pre = BwdPreprocess<Element, kHeadDim>;
-  if (p.seqlen_q == 0) return;  // no query rows: no statistics (an empty grid)
-  bwd_preprocess_kernel<Element, kHeadDim><<<Pre::grid(pre, p.batch), Pre::kThreads, 0, stream>>>(pre);
+  constexpr bool kPacked = Seqlens::kPacked;
+  BwdPreprocessParams<Seqlens> pre{p.o_ptr, p.do_ptr, p.lse_ptr, p.dlse_ptr,
+                                   ws.at<float>(p.workspace, ws.lse_log2), ws.at<float>(p.workspace, ws.dpsum),
+                                   p.sinks_ptr, p.dsinks_rows_ptr,
+                                   p.o_batch_stride, p.o_row_stride, p.o_head_stride,
+                                   p.do_batch_stride, p.do_row_stride, p.do_head_stride,
+                                   seqlens, p.seqlen_q, kPacked ? p.total_q : p.seqlen_q,
+                                   ws.seqlen_q_rounded, p.nheads_q};
+  using Pre = BwdPreprocess<Element, kHeadDim, kBlockM>;
+  if (p.seqlen_q == 0 || (kPacked && p.total_q == 0)) return;  // no query rows: no statistics (an empty grid)
+  bwd_preprocess_kernel<Element, kHeadDim, kBlockM, Seqlens><<<Pre::grid(pre, p.batch), Pre::kThreads, 0, stream>>>(pre);
   check_launch(cudaGetLastError(), "backward preprocess launch");
 }
 

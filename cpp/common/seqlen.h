@@ -29,22 +29,33 @@ struct UniformSeqlens {
   // Each entry is a slice of the batch mode, which TMA bounds by the entry's own length.
   static constexpr bool kTmaClipsRows = true;
   static constexpr bool kPerEntryTma = false;
+  static constexpr bool kPacked = false;  // entries share one row mode (batch coordinate 0)
   CUTE_HOST_DEVICE SeqlenInfo operator()(int batch) const { return {0, 0, seqlen_q, seqlen_k, batch}; }
   // The tensor map of tensor `which` (VarlenTensor) for entry `batch`: the one the params hold.
   CUTE_HOST_DEVICE void const* tma_desc(void const* shared, int /*which*/, int /*batch*/) const { return shared; }
+  // Where entry `batch`'s rows start in per-row scratch of kBlock-row blocks (backward_rows below).
+  CUTE_HOST_DEVICE int padded_offset_q(int /*batch*/, int /*block*/) const { return 0; }
+  CUTE_HOST_DEVICE int padded_offset_k(int /*batch*/, int /*block*/) const { return 0; }
 };
 
-// The tensors with per-entry tensor maps, in their slot order within an entry's group.
-enum VarlenTensor : int { kVarlenQ = 0, kVarlenK = 1, kVarlenV = 2, kVarlenO = 3, kVarlenTensors = 4 };
+// The tensors with per-entry tensor maps: the forward's Q, K, V, O; the backward's Q, K, V, dO (O's slot: rows
+// of the queries, headdim_v), dK, dV. Each entry's first kVarlenGroup maps are contiguous (the forward's, laid
+// out as when they were all there were), the backward's dK and dV in a second array.
+enum VarlenTensor : int {
+  kVarlenQ = 0, kVarlenK = 1, kVarlenV = 2, kVarlenO = 3, kVarlendO = 3, kVarlendK = 4, kVarlendV = 5,
+  kVarlenGroup = 4, kVarlenTensors = 6
+};
 
 struct VarlenSeqlens {
   int const* cu_seqlens_q = nullptr;  // (batch + 1,) row offsets into the packed Q/O
   int const* cu_seqlens_k = nullptr;  // (batch + 1,) into K/V
   int const* seqused_q = nullptr;     // (batch,) rows of each slot in use, or nullptr: the whole slot
   int const* seqused_k = nullptr;
-  void const* tma_descs = nullptr;    // kVarlenTensors 128-byte tensor maps per entry (varlen_prepare.h)
+  void const* tma_descs = nullptr;    // kVarlenGroup 128-byte tensor maps per entry (varlen_prepare.h)
+  void const* tma_descs_extra = nullptr;  // the rest (kVarlenTensors - kVarlenGroup per entry)
   static constexpr bool kTmaClipsRows = true;  // through the per-entry tensor maps
   static constexpr bool kPerEntryTma = true;
+  static constexpr bool kPacked = true;
   CUTE_HOST_DEVICE SeqlenInfo operator()(int batch) const {
     int const oq = cu_seqlens_q[batch], ok = cu_seqlens_k[batch];
     int const lq = seqused_q != nullptr ? seqused_q[batch] : cu_seqlens_q[batch + 1] - oq;
@@ -52,7 +63,20 @@ struct VarlenSeqlens {
     return {oq, ok, lq, lk, 0};
   }
   CUTE_HOST_DEVICE void const* tma_desc(void const* /*shared*/, int which, int batch) const {
-    return static_cast<char const*>(tma_descs) + (int64_t(batch) * kVarlenTensors + which) * 128;
+    // `which` is a constant at every use: one of the two branches is left.
+    return which < kVarlenGroup
+               ? static_cast<char const*>(tma_descs) + (int64_t(batch) * kVarlenGroup + which) * 128
+               : static_cast<char const*>(tma_descs_extra) +
+                     (int64_t(batch) * (kVarlenTensors - kVarlenGroup) + which - kVarlenGroup) * 128;
+  }
+  // Per-row scratch of the backward (row statistics, dQ sums, their counters) is kept in whole blocks of
+  // `block` rows: entry b's from row (cu_seqlens[b] + b * block) rounded down to a block on, which leaves
+  // each entry its ceil(rows / block) blocks without overlap (rows up to total + batch * block in all).
+  CUTE_HOST_DEVICE int padded_offset_q(int batch, int block) const {
+    return (cu_seqlens_q[batch] + batch * block) / block * block;
+  }
+  CUTE_HOST_DEVICE int padded_offset_k(int batch, int block) const {
+    return (cu_seqlens_k[batch] + batch * block) / block * block;
   }
 };
 
@@ -70,6 +94,20 @@ template <class Tensor4>
 CUTE_HOST_DEVICE auto entry_rows(Tensor4 const& m, int offset, int head, int batch_coord) {
   using namespace cute;
   return domain_offset(make_coord(offset, _0{}), m(_, _, head, batch_coord));
+}
+
+// The tensor map a TMA copy of tensor `which` (VarlenTensor) uses for batch entry `batch`: the copy's own,
+// or the entry's (packed batches), which a kernel before this one wrote through the generic proxy: the
+// acquire orders that write before this thread's TMA uses it, once per entry the thread meets (`acquire`;
+// later uses follow in program order).
+template <class Seqlens, class Tma>
+CUTE_DEVICE cute::TmaDescriptor const* entry_tma_desc(Seqlens const& seqlens, Tma const& tma, int which, int batch,
+                                                      bool acquire) {
+  auto const* desc = static_cast<cute::TmaDescriptor const*>(seqlens.tma_desc(tma.get_tma_descriptor(), which, batch));
+  if constexpr (Seqlens::kPerEntryTma) {
+    if (acquire) cute::tma_descriptor_fence_acquire(desc);
+  }
+  return desc;
 }
 
 }  // namespace flashhopper

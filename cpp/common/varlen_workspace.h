@@ -14,9 +14,10 @@ namespace flashhopper {
 struct VarlenWorkspace {
   static constexpr size_t kDescBytes = 128;  // a CUtensorMap, 64-byte aligned in global memory
 
-  void* descs = nullptr;     // (batch, kVarlenTensors) tensor maps
-  int* m_blocks = nullptr;   // (batch,) query blocks of each entry
-  int* order = nullptr;      // (batch,) entries sorted by query blocks, most first
+  void* descs = nullptr;     // (batch, kVarlenGroup) tensor maps, then (batch, the rest): VarlenSeqlens::tma_desc
+  void* descs_extra = nullptr;
+  int* blocks = nullptr;     // (batch,) each entry's blocks: of queries (forward) or keys (backward)
+  int* order = nullptr;      // (batch,) entries sorted by blocks, most first
   int* prefix = nullptr;     // (batch,) inclusive prefix sums of the sorted entries' tiles
   int* total = nullptr;      // the tile count
 
@@ -28,8 +29,9 @@ struct VarlenWorkspace {
     VarlenWorkspace w;
     char* p = static_cast<char*>(base);
     w.descs = p;
+    w.descs_extra = p + size_t(batch) * kVarlenGroup * kDescBytes;
     int* ints = reinterpret_cast<int*>(p + size_t(batch) * kVarlenTensors * kDescBytes);
-    w.m_blocks = ints;
+    w.blocks = ints;
     w.order = ints + batch;
     w.prefix = ints + 2 * size_t(batch);
     w.total = ints + 3 * size_t(batch);

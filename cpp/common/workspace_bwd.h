@@ -11,27 +11,34 @@
 
 #include "block_info.h"
 #include "params.h"
+#include "varlen_workspace.h"
 
 namespace flashhopper {
 
 // Where each piece of the backward's scratch lives in the caller's workspace. The zeroed pieces
-// are contiguous so that one memset clears them.
+// are contiguous so that one memset clears them. Per-row pieces are (batch coordinate, head, rows): a
+// padded batch has batch coordinates of seqlen rows (rounded up to blocks), a packed one (kVarlen) one
+// coordinate whose rows hold every entry's, each from a block boundary on (Seqlens::padded_offset_*).
 struct BwdWorkspace {
   static constexpr size_t kAlign = 256;
-  size_t lse_log2 = 0, dpsum = 0;                      // float (batch, nheads_q, seqlen_q_rounded)
+  size_t lse_log2 = 0, dpsum = 0;                      // float (batch_coords, nheads_q, seqlen_q_rounded)
+  size_t varlen = 0;                                   // packed: VarlenWorkspace (the entries' tensor maps)
   size_t zero_begin = 0;                               // --- zeroed from here ---
-  size_t dq_accum = 0;                                 // float (batch, nheads_q, seqlen_q_rounded, headdim)
-  size_t dk_accum = 0, dv_accum = 0;                   // GQA: float (batch, nheads_kv, seqlen_k, headdim[_v])
-  size_t dq_semaphore = 0;                             // int per (batch, head, query block): key blocks
+  size_t dq_accum = 0;                                 // float (batch_coords, nheads_q, seqlen_q_rounded, headdim)
+  size_t dk_accum = 0, dv_accum = 0;                   // GQA: float (batch_coords, nheads_kv, rows_k, headdim[_v])
+  size_t dq_semaphore = 0;                             // int per (batch_coord, head, query block): key blocks
                                                        // whose dQ additions have landed (sm90 counts
                                                        // them always, sm80 when deterministic)
   size_t dq_ticket = 0;                                // int: next query block for the dQ postprocess
-  size_t dkv_semaphore = 0;                            // deterministic GQA: int per (batch, head, block)
+  size_t dkv_semaphore = 0;                            // deterministic GQA: int per (batch_coord, kv head, key block)
   size_t zero_end = 0, total = 0;
   bool gqa = false;
-  int seqlen_q_rounded = 0;
+  int seqlen_q_rounded = 0;  // rows per (batch coordinate, head) of the per-row pieces: whole query blocks
+  int batch_coords = 0;      // batch (padded) or 1 (packed)
+  int rows_k = 0;            // rows per (batch coordinate, kv head) of dK/dV's sums: seqlen_k or total_k
+  int n_blocks_k = 0;        // key blocks per (batch coordinate, kv head) of their counters
 
-  template <int kBlockM, int kBlockN>
+  template <int kBlockM, int kBlockN, bool kVarlen = false>
   static BwdWorkspace make(BwdParams const& p) {
     BwdWorkspace w;
     size_t at = 0;
@@ -40,21 +47,27 @@ struct BwdWorkspace {
       at += (bytes + kAlign - 1) / kAlign * kAlign;
       return here;
     };
-    int64_t const bq = int64_t(p.batch) * p.nheads_q, bkv = int64_t(p.batch) * p.nheads_kv;
     w.gqa = p.nheads_q != p.nheads_kv;
-    w.seqlen_q_rounded = ceil_div(p.seqlen_q, kBlockM) * kBlockM;
+    w.batch_coords = kVarlen ? 1 : p.batch;
+    // Packed: entry b's blocks start at block (cu_seqlens[b] + b * kBlock) / kBlock, all within these rows.
+    w.seqlen_q_rounded = kVarlen ? ceil_div(p.total_q + p.batch * kBlockM, kBlockM) * kBlockM
+                                 : ceil_div(p.seqlen_q, kBlockM) * kBlockM;
+    w.rows_k = kVarlen ? p.total_k : p.seqlen_k;
+    w.n_blocks_k = kVarlen ? ceil_div(p.total_k + p.batch * kBlockN, kBlockN) : ceil_div(p.seqlen_k, kBlockN);
+    int64_t const bq = int64_t(w.batch_coords) * p.nheads_q, bkv = int64_t(w.batch_coords) * p.nheads_kv;
     w.lse_log2 = take(bq * w.seqlen_q_rounded * sizeof(float));
     w.dpsum = take(bq * w.seqlen_q_rounded * sizeof(float));
+    if (kVarlen) w.varlen = take(VarlenWorkspace::bytes(p.batch));
     w.zero_begin = at;
     // Rounded rows: the sm80 kernel adds whole tiles (sm90 uses the first seqlen_q rows of a head).
     w.dq_accum = take(bq * w.seqlen_q_rounded * p.headdim * sizeof(float));
     if (w.gqa) {
-      w.dk_accum = take(bkv * p.seqlen_k * p.headdim * sizeof(float));
-      w.dv_accum = take(bkv * p.seqlen_k * p.headdim_v * sizeof(float));
+      w.dk_accum = take(bkv * w.rows_k * p.headdim * sizeof(float));
+      w.dv_accum = take(bkv * w.rows_k * p.headdim_v * sizeof(float));
     }
-    w.dq_semaphore = take(bq * ceil_div(p.seqlen_q, kBlockM) * sizeof(int));
+    w.dq_semaphore = take(bq * (w.seqlen_q_rounded / kBlockM) * sizeof(int));
     w.dq_ticket = take(sizeof(int));
-    if (p.deterministic && w.gqa) w.dkv_semaphore = take(bkv * ceil_div(p.seqlen_k, kBlockN) * sizeof(int));
+    if (p.deterministic && w.gqa) w.dkv_semaphore = take(bkv * w.n_blocks_k * sizeof(int));
     w.zero_end = at;
     w.total = at;
     return w;
@@ -66,6 +79,31 @@ struct BwdWorkspace {
   }
 };
 
+// Where one (entry, head)'s per-row scratch starts: its first row in the (batch_coords, heads, rows) pieces
+// (row statistics, dQ sums: rows = seqlen_q_rounded, kBlock = kBlockM; its block index, divided by kBlock).
+template <int kBlock, class Seqlens>
+CUTE_HOST_DEVICE int64_t scratch_row0_q(Seqlens const& s, SeqlenInfo const& seq, int batch, int head, int nheads,
+                                        int rows) {
+  return (int64_t(seq.batch_coord) * nheads + head) * rows + s.padded_offset_q(batch, kBlock);
+}
+// The first key block of one (entry, kv head) among the (batch_coords, kv heads, n_blocks_k) counters.
+template <int kBlock, class Seqlens>
+CUTE_HOST_DEVICE int64_t scratch_block0_k(Seqlens const& s, SeqlenInfo const& seq, int batch, int kv_head,
+                                          int nheads_kv, int n_blocks_k) {
+  return (int64_t(seq.batch_coord) * nheads_kv + kv_head) * n_blocks_k + s.padded_offset_k(batch, kBlock) / kBlock;
+}
+
+// The bounds policy of a backward launch: the entries' bounds from cu_seqlens (packed; their tensor maps
+// in the workspace's varlen piece) or the params' lengths.
+template <bool kVarlen>
+auto bwd_seqlens(BwdParams const& p, BwdWorkspace const& ws) {
+  if constexpr (kVarlen) {
+    VarlenWorkspace const vw = VarlenWorkspace::carve(ws.at<char>(p.workspace, ws.varlen), p.batch);
+    return VarlenSeqlens{p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_q, p.seqused_k, vw.descs, vw.descs_extra};
+  } else {
+    return UniformSeqlens{p.seqlen_q, p.seqlen_k};
+  }
+}
 
 // What every backward launcher needs of its parameters (the Python layer checks them first).
 inline void check_bwd_params(BwdParams const& p, int head_dim, int head_dim_v) {

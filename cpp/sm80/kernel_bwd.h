@@ -1,6 +1,7 @@
 // The Ampere backward kernel: one CTA per (key block, query head, batch), every warp on every GEMM;
 // composes the mainloop and the epilogue. No warp specialization, no persistence: FlashAttention-2's
-// shape.
+// shape. Packed batches (Seqlens = VarlenSeqlens): the grid covers the longest entry's key blocks, the
+// CTAs past an entry's keys returning at once; per-row scratch as in common/workspace_bwd.h.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -8,6 +9,7 @@
 #include "../common/block_info.h"
 #include "../common/semaphore.h"
 #include "../common/seqlen.h"
+#include "../common/workspace_bwd.h"
 #include "epilogue_bwd.h"
 #include "mainloop_bwd.h"
 
@@ -15,8 +17,9 @@ namespace flashhopper::sm80 {
 
 using namespace cute;
 
-template <class Mainloop>
+template <class Mainloop, class Seqlens_ = UniformSeqlens>
 struct BwdKernel {
+  using Seqlens = Seqlens_;
   using Element = typename Mainloop::Element;
   using Epilogue = BwdEpilogue<Mainloop>;
   static constexpr int kNumThreads = Mainloop::kNumThreads;
@@ -25,19 +28,20 @@ struct BwdKernel {
   struct Params {
     Element const *q, *k, *v, *dout;
     Element *dk, *dv;
-    float const *lse_log2, *dpsum;  // (batch, nheads_q, seqlen_q_rounded)
-    float* dq_accum;                // (batch, nheads_q, seqlen_q_rounded, headdim), tiles in fragment order
-    float *dk_accum, *dv_accum;     // GQA: (batch, nheads_kv, seqlen_k, headdim); else nullptr
-    int* dq_semaphore;              // deterministic: (batch, nheads_q, m_blocks) zeroed; else nullptr
-    int* dkv_semaphore;             // deterministic GQA: (batch, nheads_kv, n_blocks) zeroed; else nullptr
+    float const *lse_log2, *dpsum;  // (batch_coords, nheads_q, seqlen_q_rounded)
+    float* dq_accum;                // (batch_coords, nheads_q, seqlen_q_rounded, headdim), tiles in fragment order
+    float *dk_accum, *dv_accum;     // GQA: (batch_coords, nheads_kv, rows_k, headdim); else nullptr
+    int* dq_semaphore;              // deterministic: one per query block of dq_accum, zeroed; else nullptr
+    int* dkv_semaphore;             // deterministic GQA: (batch_coords, nheads_kv, n_blocks_k) zeroed; else nullptr
     int64_t q_batch_stride, q_row_stride, q_head_stride;
     int64_t k_batch_stride, k_row_stride, k_head_stride;
     int64_t v_batch_stride, v_row_stride, v_head_stride;
     int64_t do_batch_stride, do_row_stride, do_head_stride;
     int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
     int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
-    UniformSeqlens seqlens;
+    Seqlens seqlens;
     int seqlen_q_rounded, nheads_q, nheads_kv;
+    int rows_k, n_blocks_k;  // of dK/dV's sums and of their counters (common/workspace_bwd.h)
     int window_left, window_right;
     float scale_log2, softmax_scale;
     typename Mainloop::ScoreMod score_mod;
@@ -52,17 +56,16 @@ struct BwdKernel {
     int const kv_head = head / (p.nheads_q / p.nheads_kv);
     int64_t const bh = int64_t(batch) * p.nheads_q + head;
     SeqlenInfo const seq = p.seqlens(batch);
+    if (n_block * Mainloop::kBlockN >= seq.seqlen_k) return;  // past a shorter packed entry's keys
     int64_t const b = seq.batch_coord;
+    int64_t const row0 = scratch_row0_q<Mainloop::kBlockM>(p.seqlens, seq, batch, head, p.nheads_q, p.seqlen_q_rounded);
     typename Mainloop::Args const args{p.q + b * p.q_batch_stride + head * p.q_head_stride + seq.offset_q * p.q_row_stride,
                                        p.k + b * p.k_batch_stride + kv_head * p.k_head_stride + seq.offset_k * p.k_row_stride,
                                        p.v + b * p.v_batch_stride + kv_head * p.v_head_stride + seq.offset_k * p.v_row_stride,
                                        p.dout + b * p.do_batch_stride + head * p.do_head_stride + seq.offset_q * p.do_row_stride,
                                        p.q_row_stride, p.k_row_stride, p.v_row_stride, p.do_row_stride,
-                                       p.lse_log2 + bh * p.seqlen_q_rounded, p.dpsum + bh * p.seqlen_q_rounded,
-                                       p.dq_accum + bh * p.seqlen_q_rounded * Mainloop::kHeadDim,
-                                       p.dq_semaphore == nullptr
-                                           ? nullptr
-                                           : p.dq_semaphore + bh * (p.seqlen_q_rounded / Mainloop::kBlockM),
+                                       p.lse_log2 + row0, p.dpsum + row0, p.dq_accum + row0 * Mainloop::kHeadDim,
+                                       p.dq_semaphore == nullptr ? nullptr : p.dq_semaphore + row0 / Mainloop::kBlockM,
                                        seq, p.window_left, p.window_right, p.scale_log2, p.score_mod, p.dropout,
                                        int(bh)};
 
@@ -75,16 +78,18 @@ struct BwdKernel {
     CUTE_UNROLL
     for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= p.softmax_scale;  // zero stays zero when !any
     if (p.dk_accum != nullptr) {  // GQA: each query head of the group adds its share
-      int64_t const kv = int64_t(batch) * p.nheads_kv + kv_head;
+      int64_t const kv = b * p.nheads_kv + kv_head;
       // Deterministic: the group's heads take turns in head order, also those with nothing to add.
-      int* sem = p.dkv_semaphore == nullptr ? nullptr
-                                            : p.dkv_semaphore + kv * ceil_div(p.seqlens.seqlen_k, Mainloop::kBlockN) + n_block;
+      int* sem = p.dkv_semaphore == nullptr
+                     ? nullptr
+                     : p.dkv_semaphore + scratch_block0_k<Mainloop::kBlockN>(p.seqlens, seq, batch, kv_head,
+                                                                             p.nheads_kv, p.n_blocks_k) + n_block;
       if (sem != nullptr) {
         if (threadIdx.x == 0) wait_at_least(sem, head % (p.nheads_q / p.nheads_kv));
         __syncthreads();
       }
       if (any) {
-        int64_t const offset = (kv * p.seqlens.seqlen_k + seq.offset_k) * Mainloop::kHeadDim;
+        int64_t const offset = (kv * p.rows_k + seq.offset_k) * Mainloop::kHeadDim;
         Epilogue::reduce(acc_dk, acc_dv, p.dk_accum + offset, p.dv_accum + offset, seq.seqlen_k, n_block);
       }
       if (sem != nullptr) {

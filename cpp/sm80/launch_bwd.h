@@ -40,14 +40,17 @@ struct BwdConfig {
   using Tile = typename BwdTileSize<Config::kHeadDim, Config::kMask != MaskKind::kNone, kSmemKB>::type;
   using Mainloop = BwdMainloop<Element, Config::kHeadDim, Tile, Config::kMask,
                                typename ScoreModOf<Config::kScoreMod>::type, DropoutOf<Config::kDropout>>;
-  using Kernel = BwdKernel<Mainloop>;
+  static constexpr bool kVarlen = Config::kVarlen;
+  static_assert(!kVarlen || !Config::kDropout, "packed batches: kernels without dropout for now");
+  using Seqlens = std::conditional_t<kVarlen, VarlenSeqlens, UniformSeqlens>;
+  using Kernel = BwdKernel<Mainloop, Seqlens>;
   static_assert(Kernel::kSmemBytes <= kSmemKB * 1024, "the tiles must fit their shared-memory class");
+  static BwdWorkspace workspace(BwdParams const& p) { return BwdWorkspace::make<Tile::kBlockM, Tile::kBlockN, kVarlen>(p); }
 };
 
 template <class Config, int kSmemKB>
 size_t bwd_workspace_bytes(BwdParams const& p) {
-  using Tile = typename BwdConfig<Config, kSmemKB>::Tile;
-  return BwdWorkspace::make<Tile::kBlockM, Tile::kBlockN>(p).total;
+  return BwdConfig<Config, kSmemKB>::workspace(p).total;
 }
 
 template <class Config, int kSmemKB>
@@ -61,13 +64,21 @@ int64_t run_bwd(BwdParams const& p, cudaStream_t stream) {
   // Offsets inside a query block are 32-bit (sm80::block_rows).
   if (std::max(p.q_row_stride, p.do_row_stride) > INT32_MAX / Tile::kBlockM)
     throw std::invalid_argument("flashhopper: Q/dO row stride too large for the sm80 kernels");
-  BwdWorkspace const ws = BwdWorkspace::make<Tile::kBlockM, Tile::kBlockN>(p);
+  if constexpr (C::kVarlen) {
+    if (p.cu_seqlens_q == nullptr || p.cu_seqlens_k == nullptr) {
+      throw std::invalid_argument("flashhopper: packed-batch kernels need cu_seqlens_q and cu_seqlens_k");
+    }
+  }
+  BwdWorkspace const ws = C::workspace(p);
+  auto const seqlens = bwd_seqlens<C::kVarlen>(p, ws);
   int const num_sms = p.num_sms > 0 ? p.num_sms : device_info(p.device).num_sms;
 
   auto const score_mod = make_score_mod<typename ScoreModOf<Config::kScoreMod>::type>(p.softmax_scale, p.softcap);
   auto const dropout = make_dropout<typename C::Mainloop::Dropout>(p.dropout_rng, p.dropout_threshold);
-  launch_bwd_preprocess<Element, Config::kHeadDimV>(p, ws, stream);
+  launch_bwd_preprocess<Element, Config::kHeadDimV, Tile::kBlockM>(p, ws, seqlens, stream);
 
+  // Packed: over the longest entry's key blocks (seqlen_k), each entry's CTAs past its keys returning at once;
+  // the batch strides are unused (one batch coordinate).
   dim3 const grid(ceil_div(p.seqlen_k, Tile::kBlockN), p.nheads_q, p.batch);
   int64_t const ctas = int64_t(grid.x) * grid.y * grid.z;
   if (ctas > 0) {
@@ -87,7 +98,7 @@ int64_t run_bwd(BwdParams const& p, cudaStream_t stream) {
         p.do_batch_stride, p.do_row_stride, p.do_head_stride,
         p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride,
         p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride,
-        UniformSeqlens{p.seqlen_q, p.seqlen_k}, ws.seqlen_q_rounded, p.nheads_q, p.nheads_kv,
+        seqlens, ws.seqlen_q_rounded, p.nheads_q, p.nheads_kv, ws.rows_k, ws.n_blocks_k,
         p.window_left, p.window_right, score_mod.softmax_scale_log2(float(p.softmax_scale * M_LOG2E)),
         p.softmax_scale, score_mod, dropout};
     auto kernel = &bwd_kernel<Kernel>;
@@ -98,14 +109,14 @@ int64_t run_bwd(BwdParams const& p, cudaStream_t stream) {
 
   // dQ from its fragment-ordered tiles (zero without keys: the accumulator stays zeroed); dK, dV
   // (GQA) as on sm90.
-  if (ws.seqlen_q_rounded > 0) {
-    using Convert = ConvertdQ<typename C::Mainloop>;
+  if (p.seqlen_q > 0) {
+    using Convert = ConvertdQ<typename C::Mainloop, typename C::Seqlens>;
     typename Convert::Params const cp{ws.at<float>(p.workspace, ws.dq_accum), static_cast<Element*>(p.dq_ptr),
                                       p.dq_batch_stride, p.dq_row_stride, p.dq_head_stride,
-                                      p.seqlen_q, ws.seqlen_q_rounded, p.nheads_q, p.softmax_scale};
-    auto convert = &convert_dq_kernel<typename C::Mainloop>;
+                                      seqlens, ws.seqlen_q_rounded, p.nheads_q, p.softmax_scale};
+    auto convert = &convert_dq_kernel<typename C::Mainloop, typename C::Seqlens>;
     check_launch(set_max_dynamic_smem_once(convert, p.device, Convert::kSmemBytes), "cudaFuncSetAttribute");
-    convert<<<dim3(ws.seqlen_q_rounded / Tile::kBlockM, p.nheads_q, p.batch), Kernel::kNumThreads,
+    convert<<<dim3(ceil_div(p.seqlen_q, Tile::kBlockM), p.nheads_q, p.batch), Kernel::kNumThreads,
               Convert::kSmemBytes, stream>>>(cp);
     check_launch(cudaGetLastError(), "backward dQ postprocess launch");
   }

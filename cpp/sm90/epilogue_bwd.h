@@ -11,6 +11,7 @@
 #include <cutlass/cutlass.h>
 
 #include "../common/utils.h"
+#include "../common/workspace_bwd.h"
 #include "global_reduce.h"
 #include "mainloop_bwd.h"
 #include "named_barriers.h"
@@ -36,18 +37,23 @@ struct BwdEpilogue {
   using TMA_dK = decltype(make_tma_copy(SM90_TMA_STORE{}, GmemTensor{}, SmemLayoutK{}, Shape<BN, D>{}, _1{}));
   using TMA_dV = decltype(make_tma_copy(SM90_TMA_STORE{}, GmemTensor{}, SmemLayoutV{}, Shape<BN, DV>{}, _1{}));
 
+  using Seqlens = typename Mainloop::Seqlens;
   struct Params {
-    TMA_dK tma_dk;  // over dk/dv as (seqlen_k, headdim[_v], nheads_q, batch); used without GQA
+    TMA_dK tma_dk;  // over dk/dv as (rows, headdim[_v], nheads_kv, batch coordinates); used without GQA
     TMA_dV tma_dv;
     ShapeQKV shape_dkv;
-    float* dk_accum;  // GQA: (batch, nheads_kv, seqlen_k, headdim) float32, zeroed
+    float* dk_accum;  // GQA: (batch coordinates, nheads_kv, rows, headdim) float32, zeroed
     float* dv_accum;
-    int* dkv_semaphore;  // GQA + deterministic: (batch, nheads_kv, n_blocks) zeroed; else nullptr
-    int heads_ratio, nheads_kv, seqlen_k;
+    int* dkv_semaphore;  // GQA + deterministic: (batch coordinates, nheads_kv, n_blocks_k) zeroed; else nullptr
+    int heads_ratio, nheads_kv, rows_k, n_blocks_k;
+    Seqlens seqlens;
   };
 
+  // rows_k: of dK/dV's rows (seqlen_k, or total_k packed); n_blocks_k: key blocks per (batch coordinate,
+  // kv head) of the counters (common/workspace_bwd.h).
   static Params make_params(Element* dk, StrideQKV stride_dk, Element* dv, StrideQKV stride_dv, ShapeQKV shape_dkv,
-                            float* dk_accum, float* dv_accum, int* dkv_semaphore, int heads_ratio, int nheads_kv) {
+                            float* dk_accum, float* dv_accum, int* dkv_semaphore, int heads_ratio, int nheads_kv,
+                            int n_blocks_k, Seqlens seqlens) {
     auto mdK = make_tensor(make_gmem_ptr(dk), shape_dkv, stride_dk);
     auto mdV = make_tensor(make_gmem_ptr(dv), Mainloop::shape_v_of(shape_dkv), stride_dv);
     return {make_tma_copy(SM90_TMA_STORE{}, mdK, SmemLayoutK{}, Shape<BN, D>{}, _1{}),
@@ -58,7 +64,9 @@ struct BwdEpilogue {
             dkv_semaphore,
             heads_ratio,
             nheads_kv,
-            get<0>(shape_dkv)};
+            get<0>(shape_dkv),
+            n_blocks_k,
+            seqlens};
   }
 
   CUTE_DEVICE static void prefetch_descriptors(Params const& p) {
@@ -70,7 +78,7 @@ struct BwdEpilogue {
   CUTE_DEVICE static void store(Params const& p, FragdK const& tdKrdK, FragdV const& tdVrdV, TensorStorage& ts,
                                 int thread_idx, SeqlenInfo const& seq, int n_block, int head, int batch) {
     if (p.heads_ratio == 1) {
-      store_tma(p, tdKrdK, tdVrdV, ts, thread_idx, seq, n_block, head);
+      store_tma(p, tdKrdK, tdVrdV, ts, thread_idx, seq, n_block, head, batch);
     } else {
       store_atomic(p, tdKrdK, tdVrdV, thread_idx, seq, n_block, head, batch);
     }
@@ -98,7 +106,7 @@ struct BwdEpilogue {
 
   template <class FragdK, class FragdV, class TensorStorage>
   CUTE_DEVICE static void store_tma(Params const& p, FragdK const& tdKrdK, FragdV const& tdVrdV, TensorStorage& ts,
-                                    int thread_idx, SeqlenInfo const& seq, int n_block, int head) {
+                                    int thread_idx, SeqlenInfo const& seq, int n_block, int head, int batch) {
     // Both warpgroups' last GEMMs (which read K and V) have completed before anyone overwrites them.
     cutlass::arch::NamedBarrier::sync(Mainloop::kNumMmaThreads, kBwdEpilogue);
     stage<typename Mainloop::TiledMmadK, SmemLayoutK>(tdKrdK, ts.smem_k.data(), thread_idx);
@@ -116,8 +124,11 @@ struct BwdEpilogue {
       Tensor gdV = rows(p.tma_dv, Mainloop::shape_v_of(p.shape_dkv), DV{});
       auto k_parts = tma_partition(p.tma_dk, _0{}, Layout<_1>{}, group_modes<0, 2>(sdK1), group_modes<0, 2>(gdK));
       auto v_parts = tma_partition(p.tma_dv, _0{}, Layout<_1>{}, group_modes<0, 2>(sdV1), group_modes<0, 2>(gdV));
-      copy(p.tma_dk, get<1>(k_parts)(_, 0), get<0>(k_parts)(_, n_block));
-      copy(p.tma_dv, get<1>(v_parts)(_, 0), get<0>(v_parts)(_, n_block));
+      // The entry's own maps in a packed batch: rows past its keys are dropped, not written.
+      copy(p.tma_dk.with(entry_tma_desc(p.seqlens, p.tma_dk, kVarlendK, batch, true)), get<1>(k_parts)(_, 0),
+           get<0>(k_parts)(_, n_block));
+      copy(p.tma_dv.with(entry_tma_desc(p.seqlens, p.tma_dv, kVarlendV, batch, true)), get<1>(v_parts)(_, 0),
+           get<0>(v_parts)(_, n_block));
       tma_store_arrive();
       tma_store_wait<0>();  // shared memory must outlive the reads
     }
@@ -144,12 +155,13 @@ struct BwdEpilogue {
                                        SeqlenInfo const& seq, int n_block, int head, int batch) {
     int const kv_head = head / p.heads_ratio;
     int const wg = thread_idx / cutlass::NumThreadsPerWarpGroup;
-    int64_t const bh_rows = (int64_t(batch) * p.nheads_kv + kv_head) * int64_t(p.seqlen_k);
+    int64_t const bh_rows = (int64_t(seq.batch_coord) * p.nheads_kv + kv_head) * int64_t(p.rows_k) + seq.offset_k;
     float* dk_bh = p.dk_accum + bh_rows * kHeadDim;
     float* dv_bh = p.dv_accum + bh_rows * kHeadDimV;
     int* sem = p.dkv_semaphore == nullptr
                    ? nullptr
-                   : p.dkv_semaphore + (int64_t(batch) * p.nheads_kv + kv_head) * ceil_div(p.seqlen_k, kBlockN) + n_block;
+                   : p.dkv_semaphore + scratch_block0_k<kBlockN>(p.seqlens, seq, batch, kv_head, p.nheads_kv,
+                                                                 p.n_blocks_k) + n_block;
     int const barrier = kBwdAtomicWG0 + wg;
     // Deterministic: the group's query heads add in order; the two warpgroups own disjoint
     // elements, so each waits for both halves of the previous head only.

@@ -3,7 +3,8 @@
 //                    TMA loads, warp 1 is the dQ writer (bulk reduce-adds, mainloop_bwd.h: DqPath)
 //   warpgroups 1, 2  consumers: raise their registers; the five GEMMs, the softmax gradient and
 //                    the dK/dV epilogue
-// One CTA per key block, not persistent: the hardware launches CTAs in block-index order, and
+// One CTA per key block, not persistent (packed batches: the grid an upper bound of the key blocks, CTAs past
+// the prepare kernel's schedule returning at once): the hardware launches CTAs in block-index order, and
 // tile_scheduler.h maps indices to (key block, head, batch) heaviest first. The deterministic mode
 // makes CTAs wait on each other; a CTA may only wait on CTAs of lower index, which are running or
 // done (never on one not launched yet), so there the key blocks are mapped in reverse: the highest
@@ -77,7 +78,12 @@ struct BwdKernel {
     // CTAs complete, so it can never hold an SM that a CTA of this grid still needs.
     cutlass::arch::launch_dependent_grids();
 
-    BwdTile const tile = decode_bwd_tile(params.scheduler, int(blockIdx.x));
+    BwdTile tile;
+    if constexpr (Mainloop::Seqlens::kPacked) {
+      if (!decode_packed_bwd_tile(params.scheduler, int(blockIdx.x), tile)) return;  // past the schedule
+    } else {
+      tile = decode_bwd_tile(params.scheduler, int(blockIdx.x));
+    }
     int const n_block = tile.n_block, head = tile.head, batch = tile.batch;
     SeqlenInfo const seq = Mainloop::seqlen_info(params.mainloop, batch);
     auto const bi = Mainloop::block_info(params.mainloop, seq);
@@ -88,7 +94,7 @@ struct BwdKernel {
           Mainloop::load(params.mainloop, pipeline_kv, pipeline_q, pipeline_do, ss, seq, bi, n_block, head, batch);
         }
       } else if (warp_idx_in_wg == 1) {
-        Mainloop::store_dq(params.mainloop, ss, bi, n_block, head, batch);
+        Mainloop::store_dq(params.mainloop, ss, seq, bi, n_block, head, batch);
       }
     } else {
       cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();

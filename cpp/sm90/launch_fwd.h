@@ -54,7 +54,8 @@ struct FwdConfig {
       kVarlen, VarlenTileScheduler,
       std::conditional_t<Config::kMask != MaskKind::kNone, DynamicTileScheduler, StaticTileScheduler>>;
   using Kernel = FwdKernel<Mainloop, Epilogue, Scheduler>;
-  using Prepare = VarlenPrepare<Mainloop, Epilogue>;
+  using Prepare = VarlenPrepare<Element, Tile::kBlockM, false, typename Mainloop::TMA_Q, typename Mainloop::TMA_K,
+                                typename Mainloop::TMA_V, typename Epilogue::TMA_O>;
 };
 
 }  // namespace sm90
@@ -151,7 +152,7 @@ int64_t run_fwd_sm90(FwdParams const& params, cudaStream_t stream) {
   VarlenWorkspace const ws = kVarlen ? VarlenWorkspace::carve(p.varlen_workspace, p.batch) : VarlenWorkspace{};
   auto const seqlens = [&] {
     if constexpr (kVarlen) {
-      return VarlenSeqlens{p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_q, p.seqused_k, ws.descs};
+      return VarlenSeqlens{p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_q, p.seqused_k, ws.descs, ws.descs_extra};
     } else {
       return UniformSeqlens{p.seqlen_q, p.seqlen_k};
     }
@@ -179,15 +180,19 @@ int64_t run_fwd_sm90(FwdParams const& params, cudaStream_t stream) {
     // The tile bound above sizes the grid; the prepare kernel writes the true count and the schedule.
     kp.scheduler.total_tiles = int(std::min<int64_t>(total_tiles, INT32_MAX));
     kp.scheduler.num_entries = p.batch;
-    kp.scheduler.entry_m_blocks = ws.m_blocks;
+    kp.scheduler.entry_m_blocks = ws.blocks;
     kp.scheduler.entry_order = ws.order;
     kp.scheduler.tile_prefix = ws.prefix;
     kp.scheduler.total_ptr = ws.total;
     using Prepare = typename C::Prepare;
-    typename Prepare::Params const pp{kp.mainloop, kp.epilogue, ws, p.batch, p.nheads_q,
-                                      stride(p.q_row_stride, p.q_head_stride, p.q_batch_stride),
-                                      stride(p.k_row_stride, p.k_head_stride, p.k_batch_stride), stride_v,
-                                      stride(p.o_row_stride, p.o_head_stride, p.o_batch_stride)};
+    auto const& mp = kp.mainloop;
+    typename Prepare::Params const pp{
+        {mp.tma_q, mp.tma_k, mp.tma_v, kp.epilogue.tma_o},
+        {{{mp.shape_q, stride(p.q_row_stride, p.q_head_stride, p.q_batch_stride), kVarlenQ, true},
+          {mp.shape_k, stride(p.k_row_stride, p.k_head_stride, p.k_batch_stride), kVarlenK, false},
+          {mp.shape_v, stride_v, kVarlenV, false},
+          {kp.epilogue.shape_o, stride(p.o_row_stride, p.o_head_stride, p.o_batch_stride), kVarlenO, true}}},
+        seqlens, ws, p.batch, p.nheads_q};
     sm90::varlen_prepare_kernel<Prepare><<<Prepare::grid(p.batch), Prepare::kThreads, 0, stream>>>(pp);
   }
   dim3 const grid(sm90::persistent_grid_size(kp.scheduler, num_sms));

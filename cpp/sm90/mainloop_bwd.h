@@ -42,6 +42,7 @@
 #include "../common/seqlen.h"
 #include "../common/softmax.h"
 #include "../common/utils.h"
+#include "../common/workspace_bwd.h"
 #include "gemm.h"
 #include "global_reduce.h"
 #include "kv_blocks.h"
@@ -244,10 +245,11 @@ struct BwdMainloop {
     TMA_K tma_k;
     TMA_V tma_v;
     ShapeQKV shape_q, shape_k;  // (rows, headdim, heads, batch); dO and V have headdim_v
-    float const* lse_log2;  // (batch, head, seqlen_q_rounded): LSE * log2(e), +inf where P must be 0
-    float const* dpsum;     // (batch, head, seqlen_q_rounded): rowsum(dO * O) - dLSE, 0 on padding rows
-    float* dq_accum;        // (batch, head, m_blocks, kBlockM x headdim) float32 in fragment order, zeroed
-    int* dq_semaphore;      // (batch, head, m_blocks) zeroed: key blocks whose dQ additions have landed
+    // Per-row scratch (common/workspace_bwd.h), each (entry, head) from its scratch_row0_q on:
+    float const* lse_log2;  // (batch_coords, head, seqlen_q_rounded): LSE * log2(e), +inf where P must be 0
+    float const* dpsum;     // same: rowsum(dO * O) - dLSE, 0 on padding rows
+    float* dq_accum;        // same rows x headdim, float32 in fragment order (kBlockM-row blocks), zeroed
+    int* dq_semaphore;      // per query block of dq_accum, zeroed: key blocks whose dQ additions have landed
     bool deterministic;     // key blocks add in a fixed order (they wait on dq_semaphore)
     int seqlen_q_rounded;
     int heads_ratio;
@@ -316,14 +318,13 @@ struct BwdMainloop {
     return bi.n_block_max(m_block) - 1 - n_block;
   }
 
-  // Index of (batch, head)'s first query block among all of them: its dq_semaphore entries and its
-  // fragment-ordered dQ blocks start there.
-  CUTE_DEVICE static int64_t first_m_block(Params const& p, int head, int batch) {
-    return (int64_t(batch) * get<2>(p.shape_q) + head) * ceil_div(get<0>(p.shape_q), kBlockM);
+  // (entry, head)'s first row in the per-row scratch (row statistics: LSE, D); its first query block
+  // among all of them (the dq_semaphore entries and the fragment-ordered dQ blocks), that divided by kBlockM.
+  CUTE_DEVICE static int64_t row_stat_offset(Params const& p, SeqlenInfo const& seq, int head, int batch) {
+    return scratch_row0_q<kBlockM>(p.seqlens, seq, batch, head, get<2>(p.shape_q), p.seqlen_q_rounded);
   }
-
-  CUTE_DEVICE static int64_t row_stat_offset(Params const& p, int head, int batch) {
-    return (int64_t(batch) * get<2>(p.shape_q) + head) * p.seqlen_q_rounded;
+  CUTE_DEVICE static int64_t first_m_block(Params const& p, SeqlenInfo const& seq, int head, int batch) {
+    return row_stat_offset(p, seq, head, batch) / kBlockM;
   }
 
   // ---------------------------------------------------------------------------------------------
@@ -357,14 +358,19 @@ struct BwdMainloop {
     auto do_parts = tma_partition(p.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
     auto k_parts = tma_partition(p.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
     auto v_parts = tma_partition(p.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
-    float const* lse_bh = p.lse_log2 + row_stat_offset(p, head, batch);
-    float const* dpsum_bh = p.dpsum + row_stat_offset(p, head, batch);
+    float const* lse_bh = p.lse_log2 + row_stat_offset(p, seq, head, batch);
+    float const* dpsum_bh = p.dpsum + row_stat_offset(p, seq, head, batch);
+    // The entry's own maps in a packed batch (rows past its end are zero-filled), the params' otherwise.
+    TmaDescriptor const* desc_q = entry_tma_desc(p.seqlens, p.tma_q, kVarlenQ, batch, true);
+    TmaDescriptor const* desc_do = entry_tma_desc(p.seqlens, p.tma_do, kVarlendO, batch, true);
+    TmaDescriptor const* desc_k = entry_tma_desc(p.seqlens, p.tma_k, kVarlenK, batch, true);
+    TmaDescriptor const* desc_v = entry_tma_desc(p.seqlens, p.tma_v, kVarlenV, batch, true);
 
     auto write_kv = cutlass::make_producer_start_state<PipelineKV>();
     pipeline_kv.producer_acquire(write_kv);
     auto* kv_bar = pipeline_kv.producer_get_barrier(write_kv);
-    kv_blocks.load(p.tma_k, p.tma_k.get_tma_descriptor(), *kv_bar, get<0>(k_parts), n_block, get<1>(k_parts)(_, 0), TMA::CacheHintSm90::EVICT_FIRST);
-    kv_blocks.load(p.tma_v, p.tma_v.get_tma_descriptor(), *kv_bar, get<0>(v_parts), n_block, get<1>(v_parts)(_, 0), TMA::CacheHintSm90::EVICT_FIRST);
+    kv_blocks.load(p.tma_k, desc_k, *kv_bar, get<0>(k_parts), n_block, get<1>(k_parts)(_, 0), TMA::CacheHintSm90::EVICT_FIRST);
+    kv_blocks.load(p.tma_v, desc_v, *kv_bar, get<0>(v_parts), n_block, get<1>(v_parts)(_, 0), TMA::CacheHintSm90::EVICT_FIRST);
 
     // Every key block of this head reads the same Q and dO: keep them in L2.
     auto write_q = cutlass::make_producer_start_state<Pipeline>();
@@ -372,14 +378,14 @@ struct BwdMainloop {
     for (int m_block = m_end - 1; m_block >= m_begin; --m_block) {
       pipeline_q.producer_acquire(write_q);
       auto* q_bar = pipeline_q.producer_get_barrier(write_q);
-      copy(p.tma_q.with(*q_bar, 0, TMA::CacheHintSm90::EVICT_LAST), get<0>(q_parts)(_, m_block),
+      copy(p.tma_q.with(desc_q, *q_bar, 0, TMA::CacheHintSm90::EVICT_LAST), get<0>(q_parts)(_, m_block),
            get<1>(q_parts)(_, write_q.index()));
       SM90_BULK_COPY_G2S::copy(lse_bh + m_block * kBlockM, q_bar, ts.smem_lse.data() + write_q.index() * kBlockM,
                                kRowStatBytes);
       ++write_q;
       pipeline_do.producer_acquire(write_do);
       auto* do_bar = pipeline_do.producer_get_barrier(write_do);
-      copy(p.tma_do.with(*do_bar, 0, TMA::CacheHintSm90::EVICT_LAST), get<0>(do_parts)(_, m_block),
+      copy(p.tma_do.with(desc_do, *do_bar, 0, TMA::CacheHintSm90::EVICT_LAST), get<0>(do_parts)(_, m_block),
            get<1>(do_parts)(_, write_do.index()));
       SM90_BULK_COPY_G2S::copy(dpsum_bh + m_block * kBlockM, do_bar, ts.smem_dpsum.data() + write_do.index() * kBlockM,
                                kRowStatBytes);
@@ -394,13 +400,14 @@ struct BwdMainloop {
   // postprocess converts a block as soon as every key block has counted (it runs beside this
   // kernel's tail). Deterministic: key blocks add one at a time, in later_key_blocks order, and
   // count at once; otherwise a block is counted kdQCountLag query blocks later.
-  CUTE_DEVICE static void store_dq(Params const& p, TensorStorage& ts, BlockInfoT const& bi, int n_block, int head,
-                                   int batch) {
+  CUTE_DEVICE static void store_dq(Params const& p, TensorStorage& ts, SeqlenInfo const& seq, BlockInfoT const& bi,
+                                   int n_block, int head, int batch) {
     if constexpr (kdQAtomic) return;  // the consumers add and count dQ themselves
     int const m_begin = bi.m_block_min(n_block), m_end = bi.m_block_max(n_block);
     if (m_end <= m_begin) return;  // no query sees the block: the consumers hand nothing over
-    int* const sem_bh = p.dq_semaphore + first_m_block(p, head, batch);
-    float* const dq_bh = p.dq_accum + first_m_block(p, head, batch) * int64_t(kBlockM * kHeadDim);  // fragment order
+    int64_t const m_block0 = first_m_block(p, seq, head, batch);
+    int* const sem_bh = p.dq_semaphore + m_block0;
+    float* const dq_bh = p.dq_accum + m_block0 * int64_t(kBlockM * kHeadDim);  // fragment order
     bool const lane0 = cute::elect_one_sync();
     constexpr int kGroupsPerBlock = kdQSlices * kNumMmaWG;  // bulk async-groups the writer commits per block
     // Count blocks [m_first, m_last] once at most kPending bulk groups (the newest) are in flight.
@@ -459,7 +466,7 @@ struct BwdMainloop {
     int const m_begin = bi.m_block_min(n_block), m_end = bi.m_block_max(n_block);
     if (m_end <= m_begin) return false;
     int const wg = thread_idx / cutlass::NumThreadsPerWarpGroup;
-    int64_t const m_block0 = first_m_block(p, head, batch);
+    int64_t const m_block0 = first_m_block(p, seq, head, batch);
     int* const sem_bh = p.dq_semaphore + m_block0;
     // Once every consumer thread's reductions so far have landed, count query blocks [m0, m1) done.
     auto count_dq_atomics = [&](int m0, int m1) {

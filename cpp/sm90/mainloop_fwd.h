@@ -212,18 +212,11 @@ struct FwdMainloop {
             dropout};
   }
 
-  // The tensor map a load of tensor `which` (common/seqlen.h's VarlenTensor) uses for this batch entry: the
-  // params' own, or the entry's (packed batches), which a kernel before this one wrote through the generic
-  // proxy: the acquire orders that write before this thread's TMA reads it, once per entry the thread
-  // meets (`acquire`: the previous tile was another entry's; later uses follow in program order).
+  // The tensor map a load of tensor `which` uses for this batch entry (common/seqlen.h: entry_tma_desc).
   template <class Tma>
   CUTE_DEVICE static TmaDescriptor const* tma_desc(Params const& p, Tma const& tma, int which, int batch,
                                                    bool acquire) {
-    auto const* desc = static_cast<TmaDescriptor const*>(p.seqlens.tma_desc(tma.get_tma_descriptor(), which, batch));
-    if constexpr (Seqlens::kPerEntryTma) {
-      if (acquire) cute::tma_descriptor_fence_acquire(desc);
-    }
-    return desc;
+    return entry_tma_desc(p.seqlens, tma, which, batch, acquire);
   }
 
   CUTE_DEVICE static void prefetch_descriptors(Params const& p) {

@@ -71,6 +71,24 @@ struct StaticTileScheduler {
   }
 };
 
+// Packed batches' tiles (varlen_prepare.h's schedule: entries sorted by blocks, the inclusive prefix sums of
+// their tiles, blocks x heads, in that order): tile's entry (binary search), head and block index among the
+// entry's `blocks`, each (entry, head)'s blocks consecutive.
+CUTE_DEVICE void decode_sorted_entry_tile(int num_entries, int const* prefix, int const* order,
+                                          int const* entry_blocks, int tile, int& entry, int& head, int& block,
+                                          int& blocks) {
+  int lo = 0, hi = num_entries - 1;  // the first sorted entry whose inclusive prefix exceeds tile
+  while (lo < hi) {
+    int const mid = (lo + hi) / 2;
+    if (prefix[mid] > tile) hi = mid; else lo = mid + 1;
+  }
+  entry = order[lo];
+  blocks = entry_blocks[entry];
+  int const idx = tile - (lo > 0 ? prefix[lo - 1] : 0);
+  head = idx / blocks;
+  block = idx - head * blocks;
+}
+
 // Every CTA fetches once per tile it runs, the last fetch failing; so exactly `total` fetches happen,
 // and the one that draws total - 1 is the last: it re-zeroes the counter for the next launch on this
 // stream.
@@ -122,16 +140,10 @@ struct VarlenTileScheduler {
   }
 
   CUTE_DEVICE static WorkTile decode(TileSchedulerParams const& p, int tile) {
-    int lo = 0, hi = p.num_entries - 1;  // the first sorted entry whose inclusive prefix exceeds tile
-    while (lo < hi) {
-      int const mid = (lo + hi) / 2;
-      if (p.tile_prefix[mid] > tile) hi = mid; else lo = mid + 1;
-    }
-    int const entry = p.entry_order[lo];
-    int const m_blocks = p.entry_m_blocks[entry];
-    int const idx = tile - (lo > 0 ? p.tile_prefix[lo - 1] : 0);
-    int const head = idx / m_blocks;
-    return {m_blocks - 1 - (idx - head * m_blocks), head, entry};
+    int entry, head, block, blocks;
+    decode_sorted_entry_tile(p.num_entries, p.tile_prefix, p.entry_order, p.entry_m_blocks, tile, entry, head, block,
+                             blocks);
+    return {blocks - 1 - block, head, entry};
   }
 };
 
@@ -150,6 +162,12 @@ struct BwdSchedulerParams {
   int num_n_blocks = 0;
   int nheads = 0;
   bool reverse_n = false;
+  // Packed batches (the prepare kernel's schedule over key blocks; the grid is an upper bound of `total`).
+  int num_entries = 0;
+  int const* entry_n_blocks = nullptr;
+  int const* entry_order = nullptr;
+  int const* tile_prefix = nullptr;
+  int const* total = nullptr;
 };
 
 inline BwdSchedulerParams make_bwd_scheduler_params(int num_n_blocks, int /*batch*/, int nheads, bool deterministic) {
@@ -160,6 +178,20 @@ CUTE_DEVICE BwdTile decode_bwd_tile(BwdSchedulerParams const& p, int linear) {
   int const bh = linear / p.num_n_blocks;
   int const n = linear - bh * p.num_n_blocks;
   return {p.reverse_n ? p.num_n_blocks - 1 - n : n, bh % p.nheads, bh / p.nheads};
+}
+
+// Packed batches: the longest entries (by key blocks) first, each (entry, head)'s key blocks consecutive,
+// ordered as above; false past the schedule's last tile (the grid is an upper bound). CTAs waiting on
+// others (deterministic) still wait only on lower indices: within an entry, lower heads and, reversed,
+// higher key blocks come first. Every thread decodes (a warp-cooperative search, 32 prefix sums a round,
+// measured the same even where CTAs are shortest: docs/perf-notes.md, issue #21 session 2, H7).
+CUTE_DEVICE bool decode_packed_bwd_tile(BwdSchedulerParams const& p, int linear, BwdTile& tile) {
+  if (linear >= *p.total) return false;
+  int entry, head, n, blocks;
+  decode_sorted_entry_tile(p.num_entries, p.tile_prefix, p.entry_order, p.entry_n_blocks, linear, entry, head, n,
+                           blocks);
+  tile = {p.reverse_n ? blocks - 1 - n : n, head, entry};
+  return true;
 }
 
 }  // namespace flashhopper::sm90

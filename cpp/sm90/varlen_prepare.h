@@ -1,12 +1,13 @@
-// The kernel that runs before a packed-batch (varlen) forward, on the same stream: no host ever sees
-// cu_seqlens, so what depends on the entries' lengths is computed here, on the device.
-//   - Tensor maps of each entry's rows (Q, K, V, O): the params' maps with the row extent ending at the
-//     entry's last row, so that TMA zero-fills loads and drops stores past it instead of touching the
-//     next entry (each warp patches one map in shared memory with tensormap.replace and copies it out
-//     with the release fence; the forward acquires it before use).
-//   - The tile schedule (VarlenTileScheduler): each entry's query blocks, the entries sorted by them
-//     (rank by counting, O(batch^2) in one CTA: microseconds for hundreds of entries), the prefix
-//     sums of the sorted entries' tiles and their total.
+// The kernel that runs before a packed-batch (varlen) forward or backward, on the same stream: no host
+// ever sees cu_seqlens, so what depends on the entries' lengths is computed here, on the device.
+//   - Tensor maps of each entry's rows (forward: Q, K, V, O; backward: Q, K, V, dO, dK, dV): the params'
+//     maps with the row extent ending at the entry's last row, so that TMA zero-fills loads and drops
+//     stores past it instead of touching the next entry (each warp patches one map in shared memory with
+//     tensormap.replace and copies it out with the release fence; the kernel acquires it before use).
+//   - The tile schedule (the forward's VarlenTileScheduler, the backward's decode_bwd_tile): each entry's
+//     blocks (of queries, or of keys), the entries sorted by them (rank by counting, O(batch^2) in one
+//     CTA: microseconds for hundreds of entries), the prefix sums of the sorted entries' tiles (blocks x
+//     query heads) and their total.
 #pragma once
 
 #include <cub/block/block_scan.cuh>
@@ -21,54 +22,55 @@ namespace flashhopper::sm90 {
 
 using namespace cute;
 
-template <class Mainloop, class Epilogue>
+// TmaCopies: the kernel's TMA copies whose maps are patched, Params::maps[i] describing the i-th.
+// Block 0 also writes the tile schedule over the entries' blocks of kBlock rows: of queries (the forward's
+// tiles) or, kKeys, of keys (the backward's).
+template <class Element, int kBlock, bool kKeys, class... TmaCopies>
 struct VarlenPrepare {
   static constexpr int kThreads = 256;
   static constexpr int kWarps = kThreads / 32;
+  static constexpr int kMaps = int(sizeof...(TmaCopies));
+  using ShapeQKV = Shape<int32_t, int32_t, int32_t, int32_t>;
+  using StrideQKV = Stride<int64_t, _1, int64_t, int64_t>;
 
+  struct Map {
+    ShapeQKV shape;     // the (rows, cols, heads, batch) tensor the map was made for: its rows are replaced
+    StrideQKV stride;
+    int slot;           // VarlenTensor
+    bool q_rows;        // spans the queries' rows (Q, O, dO) or the keys' (K, V, dK, dV)
+  };
   struct Params {
-    typename Mainloop::Params mainloop;  // the maps to patch, the shapes and the seqlens
-    typename Epilogue::Params epilogue;
+    cute::tuple<TmaCopies...> tmas;  // the source maps, copies of the kernel's
+    cute::array<Map, kMaps> maps;
+    VarlenSeqlens seqlens;
     VarlenWorkspace ws;
     int batch, nheads_q;
-    typename Mainloop::StrideQKV stride_q, stride_k, stride_v, stride_o;
   };
 
-  static int grid(int batch) { return std::max(1, ceil_div(batch * kVarlenTensors, kWarps)); }
+  static int grid(int batch) { return std::max(1, ceil_div(batch * kMaps, kWarps)); }
 
-  // One warp: map `which` of entry `entry` into its workspace slot.
-  CUTE_DEVICE static void patch(Params const& p, int entry, int which, TmaDescriptor& smem_desc) {
-    SeqlenInfo const seq = p.mainloop.seqlens(entry);
-    bool const is_q = which == kVarlenQ || which == kVarlenO;
+  // One warp: map i of entry `entry` into its workspace slot.
+  template <class TmaCopy>
+  CUTE_DEVICE static void patch(Params const& p, TmaCopy const& tma, Map const& m, int entry, TmaDescriptor& smem_desc) {
+    SeqlenInfo const seq = p.seqlens(entry);
     // Rows [0, end) of the packed tensor; an empty entry keeps a legal extent (its map is never used).
-    int const end = cute::max(1, is_q ? seq.offset_q + seq.seqlen_q : seq.offset_k + seq.seqlen_k);
-    auto const& mp = p.mainloop;
-    TmaDescriptor const* src = which == kVarlenQ   ? mp.tma_q.get_tma_descriptor()
-                               : which == kVarlenK ? mp.tma_k.get_tma_descriptor()
-                               : which == kVarlenV ? mp.tma_v.get_tma_descriptor()
-                                                   : p.epilogue.tma_o.get_tma_descriptor();
+    int const end = cute::max(1, m.q_rows ? seq.offset_q + seq.seqlen_q : seq.offset_k + seq.seqlen_k);
     int const lane = threadIdx.x % 32;
-    if (lane < 8) reinterpret_cast<uint4*>(&smem_desc)[lane] = reinterpret_cast<uint4 const*>(src)[lane];
+    if (lane < 8) {
+      reinterpret_cast<uint4*>(&smem_desc)[lane] = reinterpret_cast<uint4 const*>(tma.get_tma_descriptor())[lane];
+    }
     __syncwarp();
     if (cute::elect_one_sync()) {
       cute::array<uint32_t, 5> shape = {1, 1, 1, 1, 1};
       cute::array<uint64_t, 5> stride = {0, 0, 0, 0, 0};
-      using Element = typename Mainloop::Element;
-      auto fill = [&](auto const& tma, auto shape4, auto stride4) {
-        Tensor t = make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), shape4, stride4);
-        cute::detail::fill_tma_gmem_shape_stride(tma, t, shape, stride);
-      };
-      auto rows = [&](auto const& s) { return make_shape(end, get<1>(s), get<2>(s), get<3>(s)); };
-      if (which == kVarlenQ) fill(mp.tma_q, rows(mp.shape_q), p.stride_q);
-      else if (which == kVarlenK) fill(mp.tma_k, rows(mp.shape_k), p.stride_k);
-      else if (which == kVarlenV) fill(mp.tma_v, rows(mp.shape_v), p.stride_v);
-      else fill(p.epilogue.tma_o, rows(p.epilogue.shape_o), p.stride_o);
+      Tensor t = make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)),
+                             make_shape(end, get<1>(m.shape), get<2>(m.shape), get<3>(m.shape)), m.stride);
+      cute::detail::fill_tma_gmem_shape_stride(tma, t, shape, stride);
       for (auto& s : stride) s = s * sizeof(Element);  // the maps count strides in bytes
       cute::tma_descriptor_replace_dims_strides_in_shared_mem(smem_desc, shape, stride);
     }
     __syncwarp();
-    auto* dst = reinterpret_cast<TmaDescriptor*>(static_cast<char*>(p.ws.descs) +
-                                                 (int64_t(entry) * kVarlenTensors + which) * VarlenWorkspace::kDescBytes);
+    auto* dst = reinterpret_cast<TmaDescriptor*>(const_cast<void*>(p.seqlens.tma_desc(nullptr, m.slot, entry)));
     cute::tma_descriptor_cp_fence_release(dst, smem_desc);
   }
 
@@ -77,14 +79,15 @@ struct VarlenPrepare {
     int const tid = threadIdx.x;
     int const n = p.batch;
     for (int i = tid; i < n; i += kThreads) {
-      p.ws.m_blocks[i] = ceil_div(p.mainloop.seqlens(i).seqlen_q, Mainloop::kBlockM);
+      SeqlenInfo const seq = p.seqlens(i);
+      p.ws.blocks[i] = ceil_div(kKeys ? seq.seqlen_k : seq.seqlen_q, kBlock);
     }
     __syncthreads();
     for (int i = tid; i < n; i += kThreads) {
-      int const mi = p.ws.m_blocks[i];
+      int const mi = p.ws.blocks[i];
       int rank = 0;
       for (int j = 0; j < n; ++j) {
-        int const mj = p.ws.m_blocks[j];
+        int const mj = p.ws.blocks[j];
         rank += (mj > mi) || (mj == mi && j < i);
       }
       p.ws.order[rank] = i;
@@ -95,7 +98,7 @@ struct VarlenPrepare {
     int carry = 0;
     for (int base = 0; base < n; base += kThreads) {
       int const s = base + tid;
-      int const tiles = s < n ? p.ws.m_blocks[p.ws.order[s]] * p.nheads_q : 0;
+      int const tiles = s < n ? p.ws.blocks[p.ws.order[s]] * p.nheads_q : 0;
       int incl, chunk;
       Scan(scan_storage).InclusiveSum(tiles, incl, chunk);
       if (s < n) p.ws.prefix[s] = carry + incl;
@@ -112,7 +115,12 @@ struct VarlenPrepare {
     __shared__ alignas(128) TmaDescriptor smem_desc[kWarps];
     int const warp = threadIdx.x / 32;
     int const slot = blockIdx.x * kWarps + warp;
-    if (slot < p.batch * kVarlenTensors) patch(p, slot / kVarlenTensors, slot % kVarlenTensors, smem_desc[warp]);
+    if (slot < p.batch * kMaps) {
+      int const entry = slot / kMaps, i = slot % kMaps;
+      cute::for_each(make_int_sequence<kMaps>{}, [&](auto I) {
+        if (I == i) patch(p, get<I>(p.tmas), p.maps[I], entry, smem_desc[warp]);
+      });
+    }
     if (blockIdx.x == 0) schedule(p);
   }
 };

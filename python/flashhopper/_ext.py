@@ -112,11 +112,11 @@ def configured(mode: str, key: KernelKey) -> bool:
     return (key.arch in info["archs"] and mode in info["modes"] and dtype in info["dtypes"] and hdims
             and key.mask in info["masks"] and key.score_mod in info.get("score_mods", ["none"])
             and ("on" if key.dropout else "off") in info.get("dropout", ["off"])
-            and (not key.varlen or varlen_configured(mode, key, info)))
+            and (varlen_configured(mode, key, info) if key.varlen else "off" in info.get("varlen", ["off"])))
 
 
 def varlen_configured(mode: str, key: KernelKey, info: dict[str, Any]) -> bool:
     """Whether the build makes a packed-batch kernel for ``key`` (FLASHHOPPER_VARLEN on): the 16-bit forward
-    of either family at VARLEN_HEADDIMS, without dropout (cpp/generate_kernels.py)."""
-    return ("on" in info.get("varlen", ["off"]) and mode == "fwd" and key.dtype != "float8_e4m3fn"
+    and backward of either family at VARLEN_HEADDIMS, without dropout (cpp/generate_kernels.py)."""
+    return ("on" in info.get("varlen", ["off"]) and mode in ("fwd", "bwd") and key.dtype != "float8_e4m3fn"
             and not key.dropout and key.headdim == key.headdim_v and key.headdim in VARLEN_HEADDIMS)

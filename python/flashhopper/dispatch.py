@@ -41,12 +41,13 @@ def score_mod_of(softcap: float) -> str:
 
 def kernel_key(backend: str, dtype: torch.dtype, headdim: int, causal: bool,
                window: tuple[int, int] | None = None, variant: str = "", softcap: float = 0.0,
-               headdim_v: int | None = None, dropout: bool = False) -> KernelKey:
+               headdim_v: int | None = None, dropout: bool = False, varlen: bool = False) -> KernelKey:
     """The KernelKey of a call on kernel family ``backend`` ("sm90" or "sm80"); V's head dim is q's unless
     ``headdim_v`` says otherwise. ``window``: flash-attn's (left, right), -1 unbounded; it makes the mask
     "window" unless (-1, -1). ``softcap`` > 0 needs a softcap kernel (the value itself is a runtime
-    argument); ``dropout`` (dropout_p > 0) a dropout kernel."""
-    return _key(backend, dtype, headdim, mask_of(causal, window), variant, score_mod_of(softcap), headdim_v, dropout)
+    argument); ``dropout`` (dropout_p > 0) a dropout kernel; ``varlen`` a packed batch's."""
+    return _key(backend, dtype, headdim, mask_of(causal, window), variant, score_mod_of(softcap), headdim_v, dropout,
+                varlen)
 
 
 # Cached: every launch asks, and a key's construction validates its fields (host time of small calls).
@@ -126,12 +127,14 @@ def choose_kernel(info: DeviceInfo, index: int, dtype: torch.dtype, headdim: int
 
 def missing_bwd_kernel(backend: str, dtype: torch.dtype, headdim: int, causal: bool,
                        kernels: Container[KernelKey], *, window: tuple[int, int] | None = None,
-                       softcap: float = 0.0, headdim_v: int | None = None, dropout: bool = False) -> str:
+                       softcap: float = 0.0, headdim_v: int | None = None, dropout: bool = False,
+                       varlen: bool = False) -> str:
     """Pure decision: "" when ``kernels`` (backward kernels) has the backward for this forward
     configuration, otherwise why not and what to rebuild with. The reference needs no kernel."""
     if backend not in ARCH:
         return ""
-    key = kernel_key(backend, dtype, headdim, causal, window, softcap=softcap, headdim_v=headdim_v, dropout=dropout)
+    key = kernel_key(backend, dtype, headdim, causal, window, softcap=softcap, headdim_v=headdim_v, dropout=dropout,
+                     varlen=varlen)
     if key in kernels:
         return ""
     # A fwd-only build (FLASHHOPPER_MODES=fwd) is the likely cause: the hint names both modes, so
@@ -180,26 +183,28 @@ def _select_cuda(index: int, dtype: torch.dtype, headdim: int, mask: str, backen
 @torch.compiler.assume_constant_result
 def _missing_bwd_cuda(backend: str, dtype: torch.dtype, headdim: int, causal: bool, window_left: int,
                       window_right: int, score_mod: str = "none", headdim_v: int | None = None,
-                      dropout: bool = False) -> str:
+                      dropout: bool = False, varlen: bool = False) -> str:
     # _CompiledKernels looks _ext up at call time (tests replace _ext.has_kernel). The softcap travels as
     # its score mod: which kernel, not its value.
     return missing_bwd_kernel(backend, dtype, headdim, causal, _CompiledKernels("bwd"),
                               window=(window_left, window_right), softcap=1.0 if score_mod == "softcap" else 0.0,
-                              headdim_v=headdim_v, dropout=dropout)
+                              headdim_v=headdim_v, dropout=dropout, varlen=varlen)
 
 
 def require_bwd_kernel(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, headdim: int,
                        causal: bool, *, window: tuple[int, int] | None = None,
-                       sinks: torch.Tensor | None = None, softcap: float = 0.0, dropout: bool = False) -> None:
+                       sinks: torch.Tensor | None = None, softcap: float = 0.0, dropout: bool = False,
+                       varlen: bool = False) -> None:
     """ValueError, at forward time, when autograd will ask ``backend`` for a backward this build lacks:
-    grad mode is on and q, k, v (or sinks) requires grad. Better now than after the whole forward graph ran."""
+    grad mode is on and q, k, v (or sinks) requires grad. Better now than after the whole forward graph ran.
+    q, k, v as flash_attn_func's (batch, seqlen, nheads, headdim), or a packed batch's (``varlen``)."""
     if backend not in ARCH or not torch.is_grad_enabled():
         return
     left, right = (-1, -1) if window is None else window
     for name, x in (("q", q), ("k", k), ("v", v), ("sinks", sinks)):
         if x is not None and x.requires_grad:
-            msg = _missing_bwd_cuda(backend, q.dtype, headdim, causal, left, right, score_mod_of(softcap), v.shape[3],
-                                    dropout)
+            msg = _missing_bwd_cuda(backend, q.dtype, headdim, causal, left, right, score_mod_of(softcap), v.shape[-1],
+                                    dropout, varlen)
             if msg:
                 raise ValueError(f"{name} requires grad, but {msg}")
             return

@@ -368,3 +368,36 @@ def attention_varlen_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
         out[oq:oq + lq] = o_b[0]
         lse[:, oq:oq + lq] = lse_b[0]
     return out, lse
+
+
+def attention_varlen_bwd_ref(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                             lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                             softmax_scale: float | None = None, causal: bool = False,
+                             dlse: torch.Tensor | None = None, *, seqused_q: torch.Tensor | None = None,
+                             seqused_k: torch.Tensor | None = None, window: tuple[int, int] | None = None,
+                             softcap: float = 0.0, sinks: torch.Tensor | None = None,
+                             dtype: torch.dtype = torch.float64,
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """attention_bwd_ref (and sinks_grad_ref) per sequence of a packed batch (attention_varlen_ref's layout; out,
+    lse (nheads_q, total_q) and dlse as it returns them): (dq, dk, dv, dsinks or None) in ``dtype``, rows of no
+    sequence getting zero gradients. Reads cu_seqlens and seqused on the host."""
+    starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    used_q = None if seqused_q is None else seqused_q.tolist()
+    used_k = None if seqused_k is None else seqused_k.tolist()
+    dq, dk, dv = (torch.zeros(x.shape, dtype=dtype, device=x.device) for x in (q, k, v))
+    dsinks = None if sinks is None else torch.zeros(sinks.shape, dtype=dtype, device=sinks.device)
+    for b in range(len(starts_q) - 1):
+        oq, ok = starts_q[b], starts_k[b]
+        lq = starts_q[b + 1] - oq if used_q is None else used_q[b]
+        lk = starts_k[b + 1] - ok if used_k is None else used_k[b]
+        if lq == 0:
+            continue
+        rq, rk = slice(oq, oq + lq), slice(ok, ok + lk)
+        lse_b = lse[None, :, rq]
+        dlse_b = None if dlse is None else dlse[None, :, rq]
+        g = attention_bwd_ref(dout[None, rq], q[None, rq], k[None, rk], v[None, rk], out[None, rq], lse_b,
+                              softmax_scale, causal, dlse_b, window=window, softcap=softcap, dtype=dtype)
+        dq[rq], dk[rk], dv[rk] = g[0][0], g[1][0], g[2][0]
+        if sinks is not None:
+            dsinks += sinks_grad_ref(dout[None, rq], out[None, rq], lse_b, sinks, dlse_b, dtype=dtype)
+    return dq, dk, dv, dsinks

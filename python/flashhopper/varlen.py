@@ -1,10 +1,11 @@
-"""Packed batches (flash-attn's varlen layout): ``flash_attn_varlen_func`` and its op ``flashhopper::varlen_fwd``.
+"""Packed batches (flash-attn's varlen layout): ``flash_attn_varlen_func``, its ops ``flashhopper::varlen_fwd`` and
+``flashhopper::varlen_bwd`` (the forward's derivative).
 
 Sequences of different lengths are packed along one token dimension: q (total_q, nheads_q, headdim), k and v
 (total_k, nheads_kv, headdim); sequence b owns the rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of q (of which
 the first seqused_q[b] are used, when given) and likewise of k and v, and attends within itself only. The
 kernels read cu_seqlens on the device: no host synchronization, and a workspace whose size depends on the
-batch alone, so a call is CUDA-graph capturable. The op has a fake implementation (torch.compile).
+batch alone, so a call is CUDA-graph capturable. The ops have fake implementations (torch.compile).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch
 from . import _autocast, _ext, _launch, _op, dispatch, reference, validation
 from .dispatch import ARCH, score_mod_of
 from .kernel_key import mask_of, normalize_window
-from .ops import window_edges
+from .ops import fill_bwd_params, window_edges
 
 # Opt-in checks that read cu_seqlens / seqused on the host (a synchronization per call): for debugging.
 DEBUG_ENV = "FLASHHOPPER_DEBUG_VARLEN"
@@ -28,15 +29,20 @@ def _empty_outputs(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torc
     return out, lse
 
 
+def _varlen_kernel(mode: str, q: torch.Tensor, v: torch.Tensor, causal: bool, window: tuple[int, int] | None,
+                   softcap: float, arch: int) -> Any:
+    backend = next(b for b, a in ARCH.items() if a == arch)
+    key = dispatch._key(backend, q.dtype, q.shape[2], mask_of(causal, window), "", score_mod_of(softcap), v.shape[2],
+                        dropout=False, varlen=True)
+    return dispatch.require_kernel(mode, key)
+
+
 def _launch_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                        cu_seqlens_k: torch.Tensor, seqused_q: torch.Tensor | None, seqused_k: torch.Tensor | None,
                        max_seqlen_q: int, max_seqlen_k: int, out: torch.Tensor, lse: torch.Tensor,
                        softmax_scale: float, causal: bool, window: tuple[int, int] | None, softcap: float,
                        sinks: torch.Tensor | None, arch: int) -> int:
-    backend = next(b for b, a in ARCH.items() if a == arch)
-    key = dispatch._key(backend, q.dtype, q.shape[2], mask_of(causal, window), "", score_mod_of(softcap), v.shape[2],
-                        dropout=False, varlen=True)
-    entry = dispatch.require_kernel("fwd", key)
+    entry = _varlen_kernel("fwd", q, v, causal, window, softcap, arch)
     q4, k4, v4, o4 = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0)
     for name, x in (("q", q4), ("k", k4), ("v", v4), ("out", o4)):
         validation.check_kernel_layout(name, x)
@@ -76,10 +82,11 @@ def varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: 
                cu_seqlens_k: torch.Tensor, seqused_q: Optional[torch.Tensor],  # noqa: UP045
                seqused_k: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int,  # noqa: UP045
                softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
-               sinks: Optional[torch.Tensor], backend: str) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: UP045
+               sinks: Optional[torch.Tensor], deterministic: bool,  # noqa: UP045
+               backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed-batch attention forward: (out (total_q, nheads_q, headdim_v) like q, lse float32 (nheads_q,
     total_q)); rows in no sequence's used range are left unwritten. Arguments as flash_attn_varlen_func's,
-    validated; ``backend`` resolved ("sm90" or "reference")."""
+    validated; ``backend`` resolved ("sm90", "sm80" or "reference"); ``deterministic`` is the backward's."""
     out, lse = _empty_outputs(q, v)
     window = None if (window_left, window_right) == (-1, -1) else (window_left, window_right)
     if backend == "reference":
@@ -104,21 +111,161 @@ varlen_fwd_op = _op.define("varlen_fwd", varlen_fwd, autocast=("q", "k", "v"))
 def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
       seqused_q: Optional[torch.Tensor], seqused_k: Optional[torch.Tensor], max_seqlen_q: int,  # noqa: UP045
       max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
-      sinks: Optional[torch.Tensor], backend: str) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: UP045
+      sinks: Optional[torch.Tensor], deterministic: bool, backend: str) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: UP045
     return _empty_outputs(q, v)
 
 
-def _no_backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
-    raise RuntimeError("flashhopper: the packed-batch (varlen) kernels have no backward yet (issue #21); "
-                       "flash_attn_varlen_func refuses inputs that require grad on a kernel backend "
-                       "(backend='reference' is differentiable)")
+# --- backward ---
+
+def _launch_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                       lse: torch.Tensor, dlse: torch.Tensor | None, cu_seqlens_q: torch.Tensor,
+                       cu_seqlens_k: torch.Tensor, seqused_q: torch.Tensor | None, seqused_k: torch.Tensor | None,
+                       max_seqlen_q: int, max_seqlen_k: int, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
+                       softmax_scale: float, causal: bool, window: tuple[int, int] | None, softcap: float,
+                       sinks: torch.Tensor | None, dsinks_rows: torch.Tensor | None, deterministic: bool,
+                       arch: int) -> int:
+    """The arch-``arch`` packed-batch backward into dq, dk, dv (each like its input, kernel strides); lse, dlse and
+    dsinks_rows (with sinks: each row's share of d(sinks)) float32 (nheads_q, total_q) contiguous."""
+    entry = _varlen_kernel("bwd", q, v, causal, window, softcap, arch)
+    views = {name: x.unsqueeze(0) for name, x in (("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout),
+                                                  ("dq", dq), ("dk", dk), ("dv", dv))}
+    for name, x in views.items():
+        validation.check_kernel_layout(name, x)
+    for name, x in (("lse", lse), ("dlse", dlse), ("dsinks_rows", dsinks_rows)):
+        if x is not None and (x.shape != (q.shape[1], q.shape[0]) or x.dtype != torch.float32 or not x.is_contiguous()):
+            raise ValueError(f"{name} must be float32 contiguous of shape {(q.shape[1], q.shape[0])}, got "
+                             f"{tuple(x.shape)} {x.dtype}")
+    if sinks is not None and not sinks.is_contiguous():
+        sinks = sinks.contiguous()
+    cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+    seqused_q = None if seqused_q is None else seqused_q.contiguous()
+    seqused_k = None if seqused_k is None else seqused_k.contiguous()
+    C = _ext.extension()
+    p = fill_bwd_params(_launch.params("BwdParams"), views["dout"], views["q"], views["k"], views["v"], views["out"],
+                        lse, dlse, views["dq"], views["dk"], views["dv"], softmax_scale, deterministic,
+                        window_edges(causal, window, max_seqlen_q, max_seqlen_k), 0, softcap, sinks, dsinks_rows)
+    p.batch, p.seqlen_q, p.seqlen_k = cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k
+    p.total_q, p.total_k = q.shape[0], k.shape[0]
+    p.cu_seqlens_q, p.cu_seqlens_k = cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr()
+    p.seqused_q = 0 if seqused_q is None else seqused_q.data_ptr()
+    p.seqused_k = 0 if seqused_k is None else seqused_k.data_ptr()
+    _launch.fill_device(p, q)
+    p.max_smem_bytes = 0
+    # Scratch as in the padded backward (ops._launch_bwd), sized by the batch and the total tokens alone.
+    workspace = torch.empty(C.bwd_workspace_bytes(p, entry.index), dtype=torch.uint8, device=q.device)
+    p.workspace = workspace.data_ptr()
+    return int(C.bwd(p, entry.index, _launch.stream(q.device)))
 
 
-torch.library.register_autograd("flashhopper::varlen_fwd", _no_backward)
+def _empty_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqused_q: torch.Tensor | None,
+                 seqused_k: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # Rows past a slot's seqused get no gradient from the kernels: zeros there (a memset) keep autograd exact.
+    def make(x: torch.Tensor, zero: bool) -> torch.Tensor:
+        return (torch.zeros if zero else torch.empty)(x.shape, dtype=x.dtype, device=x.device)
+    return make(q, seqused_q is not None), make(k, seqused_k is not None), make(v, seqused_k is not None)
 
 
-def _needs_grad(*xs: torch.Tensor | None) -> bool:
-    return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in xs)
+def _empty_dsinks(q: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    return torch.empty((q.shape[1] if sinks is not None else 0,), dtype=torch.float32, device=q.device)
+
+
+def varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+               lse: torch.Tensor, dlse: Optional[torch.Tensor], cu_seqlens_q: torch.Tensor,  # noqa: UP045
+               cu_seqlens_k: torch.Tensor, seqused_q: Optional[torch.Tensor],  # noqa: UP045
+               seqused_k: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int,  # noqa: UP045
+               softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
+               sinks: Optional[torch.Tensor], deterministic: bool,  # noqa: UP045
+               backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Packed-batch attention backward: (dq, dk, dv, dsinks), each gradient like its input (contiguous), dsinks
+    float32 (nheads_q,) (empty without sinks). ``out`` and ``lse`` are varlen_fwd's, ``dout`` the gradient w.r.t.
+    out, ``dlse`` w.r.t. lse or None; the rest as varlen_fwd's. Rows of no sequence: zero gradients past a slot's
+    seqused; past cu_seqlens[-1], as in flash-attn, unwritten (the kernels; the reference writes zeros)."""
+    dq, dk, dv = _empty_grads(q, k, v, seqused_q, seqused_k)
+    dsinks = _empty_dsinks(q, sinks)
+    window = None if (window_left, window_right) == (-1, -1) else (window_left, window_right)
+    if backend == "reference":
+        # The explicit formula per sequence, in float64 on the CPU (float32 on the GPU).
+        dtype = torch.float64 if (not q.is_cuda or q.dtype == torch.float64) else torch.float32
+        ref = reference.attention_varlen_bwd_ref(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale,
+                                                 causal, dlse, seqused_q=seqused_q, seqused_k=seqused_k,
+                                                 window=window, softcap=softcap, sinks=sinks, dtype=dtype)
+        for g, r in zip((dq, dk, dv), ref):
+            g.copy_(r)
+        if sinks is not None:
+            dsinks.copy_(ref[3])
+    elif backend in ARCH:
+        # Each row's share of d(sinks) from the preprocess kernel (zeros on rows of no sequence), summed here.
+        rows = None if sinks is None else torch.zeros_like(lse)
+        _launch_varlen_bwd(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                           max_seqlen_q, max_seqlen_k, dq, dk, dv, softmax_scale, causal, window, softcap, sinks,
+                           rows, deterministic, ARCH[backend])
+        if rows is not None:
+            torch.sum(rows, dim=1, out=dsinks)
+    else:
+        raise ValueError(f"backend must be one of {', '.join(map(repr, dispatch.BACKENDS))}, got {backend!r}")
+    return dq, dk, dv, dsinks
+
+
+# Nothing cast (as ops.bwd): the forward's inputs in the dtypes it ran in.
+varlen_bwd_op = _op.define("varlen_bwd", varlen_bwd, autocast=())
+
+
+@torch.library.register_fake("flashhopper::varlen_bwd")
+def _(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+      dlse: Optional[torch.Tensor], cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,  # noqa: UP045
+      seqused_q: Optional[torch.Tensor], seqused_k: Optional[torch.Tensor], max_seqlen_q: int,  # noqa: UP045
+      max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
+      sinks: Optional[torch.Tensor], deterministic: bool,  # noqa: UP045
+      backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return (*_empty_grads(q, k, v, seqused_q, seqused_k), _empty_dsinks(q, sinks))
+
+
+# --- autograd: varlen_fwd's derivative is varlen_bwd ---
+
+_FWD_INPUTS = 17  # q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
+#                   softmax_scale, causal, window_left, window_right, softcap, sinks, deterministic, backend
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
+    (q, k, v, cu_q, cu_k, used_q, used_k, max_q, max_k, scale, causal, left, right, softcap, sinks, deterministic,
+     backend) = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, used_q, used_k, sinks)
+    ctx.args = (max_q, max_k, scale, causal, left, right, softcap)
+    ctx.deterministic, ctx.backend = deterministic, backend
+    ctx.set_materialize_grads(False)  # an unused lse costs nothing (as ops._setup_context)
+
+
+def _backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> tuple[Any, ...]:
+    def grads(dq: Any, dk: Any, dv: Any, dsinks: Any) -> tuple[Any, ...]:
+        return (dq, dk, dv, *([None] * 11), dsinks, None, None)
+
+    if dout is None and dlse is None:
+        return grads(None, None, None, None)
+    q, k, v, out, lse, cu_q, cu_k, used_q, used_k, sinks = ctx.saved_tensors
+    if dout is None:  # only lse was used
+        dout = torch.zeros_like(out)
+    elif ctx.backend != "reference" and not validation.kernel_layout_ok(dout.unsqueeze(0)):
+        dout = dout.clone(memory_format=torch.contiguous_format)  # TMA-compatible memory (see ops._backward)
+    if dlse is not None:
+        dlse = dlse.contiguous()
+    sinks = sinks if ctx.needs_input_grad[14] else None  # lse holds them: only their own gradient needs them
+    dq, dk, dv, dsinks = torch.ops.flashhopper.varlen_bwd.default(dout, q, k, v, out, lse, dlse, cu_q, cu_k, used_q,
+                                                                  used_k, *ctx.args, sinks, ctx.deterministic,
+                                                                  ctx.backend)
+    return grads(dq, dk, dv, dsinks if sinks is not None else None)
+
+
+torch.library.register_autograd("flashhopper::varlen_fwd", _backward, setup_context=_setup_context)
+
+
+def _no_double_backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
+    raise RuntimeError("flashhopper.varlen_bwd is not differentiable: gradients of the attention gradients (double "
+                       "backward) are not supported")
+
+
+torch.library.register_autograd("flashhopper::varlen_bwd", _no_double_backward,
+                                setup_context=lambda ctx, inputs, output: None)
 
 
 @overload
@@ -164,10 +311,11 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     No host synchronization: cu_seqlens and seqused stay on the device, and checks that would need their
     values (non-decreasing, within the tensors, within max_seqlen) run only with the environment variable
     FLASHHOPPER_DEBUG_VARLEN=1 (max_seqlen_q must be at least the longest sequence: the Ampere kernels' grid
-    follows it). CPU tensors (or backend='reference') run the per-sequence reference, which is differentiable;
-    the kernels (Hopper sm90, Ampere sm80) have no backward yet: with inputs that require grad they raise
-    ValueError (run under torch.no_grad(), or use backend='reference'). ``deterministic`` is accepted
-    for flash-attn compatibility (the forward is deterministic).
+    follows it, and the backward's on both families). CPU tensors (or backend='reference') run the per-sequence
+    reference, differentiable through torch's autograd. The kernels' derivative is the packed-batch backward
+    (Hopper sm90, Ampere sm80): gradients w.r.t. q, k, v and sinks, bitwise reproducible with
+    ``deterministic=True``. Gradients of rows past a slot's seqused are 0; of rows past cu_seqlens[-1], as in
+    flash-attn, left unwritten.
     """
     if _autocast.enabled():
         q, k, v = _autocast.cast(q, k, v)
@@ -191,11 +339,9 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
                                                   softcap=softcap, sinks=sinks, dtype=dtype)
         out, lse = out.to(q.dtype), lse.float()
     else:
-        if _needs_grad(q, k, v, sinks):
-            raise ValueError("q, k, v or sinks requires grad, but the packed-batch (varlen) kernels have no backward "
-                             "yet (issue #21); run the forward under torch.no_grad() (or on detached inputs), or "
-                             "pass backend='reference'")
+        dispatch.require_bwd_kernel(name, q, k, v, shapes.headdim, causal, window=window, sinks=sinks, softcap=softcap,
+                                    varlen=True)
         left, right = (-1, -1) if window is None else window
         out, lse = varlen_fwd_op(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
-                                 max_seqlen_k, scale, causal, left, right, softcap, sinks, name)
+                                 max_seqlen_k, scale, causal, left, right, softcap, sinks, deterministic, name)
     return (out, lse) if return_lse else out

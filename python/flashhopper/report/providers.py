@@ -82,7 +82,7 @@ def _first_line(e: Exception) -> str:
     return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
-def _timeable(mode: str, make_fwd: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Fn],
+def timeable(mode: str, make_fwd: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Fn],
               q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Fn:
     """The forward, or the backward alone on a graph kept from one forward, after one run."""
     _check_mode(mode)
@@ -120,7 +120,7 @@ def _ours(backend: str | None, mode: str, q: torch.Tensor, k: torch.Tensor, v: t
         return lambda: flashhopper.flash_attn_func(q_, k_, v_, causal=causal, deterministic=deterministic, backend=name)
 
     meta = {"backend": name, "block_m": entry.block_m, "block_n": entry.block_n}
-    return Prepared(_timeable(mode, make, q, k, v), meta)
+    return Prepared(timeable(mode, make, q, k, v), meta)
 
 
 def _variant(variant: str, mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> Prepared:
@@ -199,7 +199,7 @@ def _sdpa(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: 
         qt, kt, vt = (x.transpose(1, 2) for x in (q_, k_, v_))
         return lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
 
-    return Prepared(_timeable(mode, make, q, k, v), {})
+    return Prepared(timeable(mode, make, q, k, v), {})
 
 
 def _load_fa3() -> ModuleType:
@@ -217,7 +217,7 @@ def _fa3(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     def make(q_: torch.Tensor, k_: torch.Tensor, v_: torch.Tensor) -> Fn:
         return lambda: interface.flash_attn_func(q_, k_, v_, causal=causal)  # returns out alone
 
-    return Prepared(_timeable(mode, make, q, k, v), {})
+    return Prepared(timeable(mode, make, q, k, v), {})
 
 
 def _fa3_fp8(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> Prepared:

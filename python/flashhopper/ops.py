@@ -414,12 +414,14 @@ def _backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) ->
 torch.library.register_autograd("flashhopper::fwd", _backward, setup_context=_setup_context)
 
 
-# bwd has no derivative: a second derivative (create_graph=True, then backward again) must fail loudly,
-# never be silently zero.
-def _no_double_backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
-    raise RuntimeError("flashhopper.bwd is not differentiable: gradients of the attention gradients (double "
-                       "backward) are not supported")
+def register_no_double_backward(op: str) -> None:
+    """A backward op has no derivative: a second derivative (create_graph=True, then backward again) must
+    fail loudly, never be silently zero."""
+    def refuse(ctx: Any, *grads: Any) -> tuple[Any, ...]:
+        raise RuntimeError(f"flashhopper.{op} is not differentiable: gradients of the attention gradients "
+                           "(double backward) are not supported")
+
+    torch.library.register_autograd(f"flashhopper::{op}", refuse, setup_context=lambda ctx, inputs, output: None)
 
 
-torch.library.register_autograd("flashhopper::bwd", _no_double_backward,
-                                setup_context=lambda ctx, inputs, output: None)
+register_no_double_backward("bwd")

@@ -17,6 +17,7 @@ Conventions shared with the kernels:
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import torch
 
@@ -336,6 +337,20 @@ def sinks_grad_ref(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sin
     return -(p_sink * delta).sum(dim=(0, 2))
 
 
+def _varlen_sequences(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, seqused_q: torch.Tensor | None,
+                      seqused_k: torch.Tensor | None) -> Iterator[tuple[slice, slice]]:
+    """The query and key rows of each sequence of a packed batch that has queries (read on the host)."""
+    starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    used_q = None if seqused_q is None else seqused_q.tolist()
+    used_k = None if seqused_k is None else seqused_k.tolist()
+    for b in range(len(starts_q) - 1):
+        oq, ok = starts_q[b], starts_k[b]
+        lq = starts_q[b + 1] - oq if used_q is None else used_q[b]
+        lk = starts_k[b + 1] - ok if used_k is None else used_k[b]
+        if lq > 0:
+            yield slice(oq, oq + lq), slice(ok, ok + lk)
+
+
 def attention_varlen_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                          cu_seqlens_k: torch.Tensor, softmax_scale: float | None = None, causal: bool = False, *,
                          seqused_q: torch.Tensor | None = None, seqused_k: torch.Tensor | None = None,
@@ -351,22 +366,14 @@ def attention_varlen_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
     Reads cu_seqlens and seqused on the host."""
     _, softmax_scale = validation.check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, 0, 0, seqused_q, seqused_k,
                                                       softmax_scale, causal)
-    starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    used_q = None if seqused_q is None else seqused_q.tolist()
-    used_k = None if seqused_k is None else seqused_k.tolist()
     total_q, hq = q.shape[0], q.shape[1]
     out = torch.zeros(total_q, hq, v.shape[-1], dtype=dtype, device=q.device)
     lse = torch.full((hq, total_q), -math.inf, dtype=dtype, device=q.device)
-    for b in range(len(starts_q) - 1):
-        oq, ok = starts_q[b], starts_k[b]
-        lq = starts_q[b + 1] - oq if used_q is None else used_q[b]
-        lk = starts_k[b + 1] - ok if used_k is None else used_k[b]
-        if lq == 0:
-            continue
-        o_b, lse_b = attention_ref(q[None, oq:oq + lq], k[None, ok:ok + lk], v[None, ok:ok + lk], softmax_scale, causal,
+    for rq, rk in _varlen_sequences(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
+        o_b, lse_b = attention_ref(q[None, rq], k[None, rk], v[None, rk], softmax_scale, causal,
                                    window=window, softcap=softcap, sinks=sinks, dtype=dtype)
-        out[oq:oq + lq] = o_b[0]
-        lse[:, oq:oq + lq] = lse_b[0]
+        out[rq] = o_b[0]
+        lse[:, rq] = lse_b[0]
     return out, lse
 
 
@@ -381,18 +388,9 @@ def attention_varlen_bwd_ref(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     """attention_bwd_ref (and sinks_grad_ref) per sequence of a packed batch (attention_varlen_ref's layout; out,
     lse (nheads_q, total_q) and dlse as it returns them): (dq, dk, dv, dsinks or None) in ``dtype``, rows of no
     sequence getting zero gradients. Reads cu_seqlens and seqused on the host."""
-    starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    used_q = None if seqused_q is None else seqused_q.tolist()
-    used_k = None if seqused_k is None else seqused_k.tolist()
     dq, dk, dv = (torch.zeros(x.shape, dtype=dtype, device=x.device) for x in (q, k, v))
     dsinks = None if sinks is None else torch.zeros(sinks.shape, dtype=dtype, device=sinks.device)
-    for b in range(len(starts_q) - 1):
-        oq, ok = starts_q[b], starts_k[b]
-        lq = starts_q[b + 1] - oq if used_q is None else used_q[b]
-        lk = starts_k[b + 1] - ok if used_k is None else used_k[b]
-        if lq == 0:
-            continue
-        rq, rk = slice(oq, oq + lq), slice(ok, ok + lk)
+    for rq, rk in _varlen_sequences(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
         lse_b = lse[None, :, rq]
         dlse_b = None if dlse is None else dlse[None, :, rq]
         g = attention_bwd_ref(dout[None, rq], q[None, rq], k[None, rk], v[None, rk], out[None, rq], lse_b,

@@ -17,7 +17,7 @@ import torch
 from . import _autocast, _ext, _launch, _op, dispatch, reference, validation
 from .dispatch import ARCH, score_mod_of
 from .kernel_key import mask_of, normalize_window
-from .ops import fill_bwd_params, window_edges
+from .ops import fill_bwd_params, register_no_double_backward, window_edges
 
 # Opt-in checks that read cu_seqlens / seqused on the host (a synchronization per call): for debugging.
 DEBUG_ENV = "FLASHHOPPER_DEBUG_VARLEN"
@@ -259,13 +259,7 @@ def _backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) ->
 torch.library.register_autograd("flashhopper::varlen_fwd", _backward, setup_context=_setup_context)
 
 
-def _no_double_backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
-    raise RuntimeError("flashhopper.varlen_bwd is not differentiable: gradients of the attention gradients (double "
-                       "backward) are not supported")
-
-
-torch.library.register_autograd("flashhopper::varlen_bwd", _no_double_backward,
-                                setup_context=lambda ctx, inputs, output: None)
+register_no_double_backward("varlen_bwd")
 
 
 @overload

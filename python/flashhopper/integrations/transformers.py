@@ -22,7 +22,7 @@ registered for the same name):
   / FLASHHOPPER_DROPOUT), or flash_attn_func says what to rebuild with.
 - transformers' sdpa attention, with a ``SdpaFallbackWarning`` naming the reason, where sdpa can compute
   what the kernel cannot yet: padded batches and packed sequences (this integration does not route them to
-  flash_attn_varlen_func yet, whose kernels have no backward so far: issue #21),
+  flash_attn_varlen_func yet: issue #21),
   other mask patterns (static caches' empty slots, custom masks), a position bias. The
   result is what attn_implementation="sdpa" gives. Python's default filter shows each reason once per
   model class; ``warnings.simplefilter("error", SdpaFallbackWarning)`` turns every fallback into an error.
@@ -121,8 +121,8 @@ def _check_supported(attention_mask: torch.Tensor | None, kwargs: dict[str, Any]
     if attention_mask is None and any(kwargs.get(n) is not None for n in ("cu_seq_lens_q", "cu_seq_lens_k")):
         raise NotImplementedError(
             "cu_seq_lens_q/cu_seq_lens_k (packed sequences) without a mask: this integration does not route them to "
-            "flash_attn_varlen_func yet (forward-only kernels so far, issue #21); pass position_ids so that the model "
-            "masks the packed sequences")
+            "flash_attn_varlen_func yet (issue #21; call it directly for packed documents); pass position_ids so that "
+            "the model masks the packed sequences")
 
 
 def _check_fallback(reason: str, softcap: float | None, kwargs: dict[str, Any]) -> None:

@@ -171,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench_varlen needs a CUDA device", file=sys.stderr)
         return 1
+    if args.graphs and args.mode == "bwd":
+        ap.error("--graphs times forwards only: capturing the backward's autograd.grad failed on torch's RNG offset "
+                 "bookkeeping (docs/perf-notes.md, issue #21 session 2)")
     if args.fa3_path is not None:
         fa3.set_path(args.fa3_path)
     timing, timer = make_timer(args.warmup_ms, args.rep_ms)

@@ -63,7 +63,7 @@ struct VarlenSeqlens {
     return {oq, ok, lq, lk, 0};
   }
   CUTE_HOST_DEVICE void const* tma_desc(void const* /*shared*/, int which, int batch) const {
-    // `which` is a constant at every use: one of the two branches is left.
+    // `which` is a constant wherever an attention kernel asks: one of the two branches is left there.
     return which < kVarlenGroup
                ? static_cast<char const*>(tma_descs) + (int64_t(batch) * kVarlenGroup + which) * 128
                : static_cast<char const*>(tma_descs_extra) +

@@ -7,6 +7,11 @@ Sections:
 - equal: equal lengths, the varlen kernel against our padded-batch kernel on the same tokens (the FA3-paper
   grid: 16k tokens, 2048 / d heads, head dims 64/128/256, causal and not); --backend sm80 times the Ampere
   kernels (on any GPU that runs them), --graphs CUDA-graph replays (GPU time only);
+--mode fp8: the e4m3 forward on pre-quantized inputs (the inference path: quantization not timed): the packed
+kernel on PackedFP8Tensors against the padded one on FP8Tensors of the same tokens (equal), and in the mixed
+section against the padded one at the mean length and FA3's varlen with e4m3 inputs and per-(sequence, head)
+descales (when its build takes them).
+
 - mixed: 64 documents, lengths log-uniform in 128..8192 (seeded), d128, 16 heads: the varlen kernel, our
   padded-batch kernel on equal sequences of the mean length (the same tokens), FlashAttention-3's varlen
   (--fa3-path, the fa3-full build) on the same packed batch and at equal lengths, and cuDNN's SDPA on the
@@ -27,7 +32,8 @@ from typing import Any
 
 import torch
 
-from flashhopper import flash_attn_func, flash_attn_varlen_func
+from flashhopper import (flash_attn_fp8_func, flash_attn_func, flash_attn_varlen_fp8_func, flash_attn_varlen_func,
+                         fp8, quantize_fp8)
 from flashhopper.flops import attention_flops, tflops
 from flashhopper.report import fa3
 from flashhopper.report.environment import environment, source_root
@@ -58,6 +64,22 @@ def packed_inputs(total: int, heads: int, d: int) -> tuple[torch.Tensor, torch.T
     return tuple(torch.randn(total, heads, d, dtype=torch.bfloat16, device="cuda") for _ in range(3))  # type: ignore[return-value]
 
 
+def fp8_calls(lengths: list[int], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+              names: tuple[str, str] = ("varlen", "dense")) -> dict[str, Fn]:
+    """The e4m3 forward on pre-quantized inputs: the packed kernel over ``lengths`` and the padded kernel on
+    equal sequences (all of the same length) of the same tokens, each quantized as its call would."""
+    d, n = q.shape[-1], lengths[0]
+    block_n = fp8.varlen_kernel_tiles(d, causal)[1]
+    cu = cu_of(lengths)
+    q8, k8 = (quantize_fp8(x, bs, cu_seqlens=cu) for x, bs in ((q, 64), (k, block_n)))
+    v8 = quantize_fp8(v, block_n, False, transpose=True, cu_seqlens=cu)
+    shape4 = (len(lengths), n, q.shape[1], d)
+    dq8, dk8 = (quantize_fp8(x.view(shape4), bs) for x, bs in ((q, 64), (k, block_n)))
+    dv8 = quantize_fp8(v.view(shape4), block_n, False, transpose=True)
+    return {names[0]: lambda: flash_attn_varlen_fp8_func(q8, k8, v8, cu, cu, n, n, causal=causal),
+            names[1]: lambda: flash_attn_fp8_func(dq8, dk8, dv8, causal=causal)}
+
+
 def section_equal(timer: Callable[[Fn], float], rounds: int, hdims: list[int], backend: str | None = None,
                   graphs: bool = False, mode: str = "fwd") -> list[dict[str, Any]]:
     rows = []
@@ -69,15 +91,18 @@ def section_equal(timer: Callable[[Fn], float], rounds: int, hdims: list[int], b
                 q, k, v = packed_inputs(batch * seqlen, heads, d)
                 cu = cu_of([seqlen] * batch)
                 shape4 = (batch, seqlen, heads, d)
-                fns = prepared(mode, {
-                    "varlen": lambda q, k, v: flash_attn_varlen_func(q, k, v, cu, cu, seqlen, seqlen, causal=causal,
-                                                                     backend=backend),
-                    "dense": lambda q, k, v: flash_attn_func(q.view(shape4), k.view(shape4), v.view(shape4),
-                                                             causal=causal, backend=backend)}, q, k, v)
+                if mode == "fp8":
+                    fns = fp8_calls([seqlen] * batch, q, k, v, causal)
+                else:
+                    fns = prepared(mode, {
+                        "varlen": lambda q, k, v: flash_attn_varlen_func(q, k, v, cu, cu, seqlen, seqlen,
+                                                                         causal=causal, backend=backend),
+                        "dense": lambda q, k, v: flash_attn_func(q.view(shape4), k.view(shape4), v.view(shape4),
+                                                                 causal=causal, backend=backend)}, q, k, v)
                 if graphs:
                     fns = {name: graphed(fn)[0] for name, fn in fns.items()}
                 ms = interleaved(fns, timer, rounds)
-                flops = work([seqlen] * batch, heads, d, causal, mode)
+                flops = work([seqlen] * batch, heads, d, causal, "fwd" if mode == "fp8" else mode)
                 row = {"section": "equal", "mode": mode, "backend": backend or "auto", "graphs": graphs, "headdim": d,
                        "nheads": heads, "causal": causal, "seqlen": seqlen,
                        "batch": batch, "ms_varlen": ms["varlen"], "ms_dense": ms["dense"],
@@ -108,6 +133,9 @@ def section_mixed(timer: Callable[[Fn], float], rounds: int, seed: int, mode: st
         # The same tokens at equal lengths: the first mean * docs rows.
         def eq(x: torch.Tensor) -> torch.Tensor:
             return x[:mean * docs]
+        if mode == "fp8":
+            rows.append(mixed_fp8(timer, rounds, lengths, q, k, v, causal, iface, seed))
+            continue
         fns = prepared(mode, {
             "varlen": lambda q, k, v: flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=causal),
             "dense_mean": lambda q, k, v: flash_attn_func(eq(q).view(shape_e), eq(k).view(shape_e),
@@ -152,10 +180,54 @@ def section_mixed(timer: Callable[[Fn], float], rounds: int, seed: int, mode: st
     return rows
 
 
+def mixed_fp8(timer: Callable[[Fn], float], rounds: int, lengths: list[int], q: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor, causal: bool, iface: Any, seed: int) -> dict[str, Any]:
+    docs, total, longest, heads, d = len(lengths), sum(lengths), max(lengths), q.shape[1], q.shape[2]
+    mean = total // docs
+    cu = cu_of(lengths)
+    block_n = fp8.varlen_kernel_tiles(d, causal)[1]
+    q8, k8 = (quantize_fp8(x, bs, cu_seqlens=cu) for x, bs in ((q, 64), (k, block_n)))
+    v8 = quantize_fp8(v, block_n, False, transpose=True, cu_seqlens=cu)
+    fns: dict[str, Fn] = {"varlen": lambda: flash_attn_varlen_fp8_func(q8, k8, v8, cu, cu, longest, longest,
+                                                                       causal=causal)}
+    # The same tokens at equal lengths: the first mean * docs rows.
+    fns.update(fp8_calls([mean] * docs, q[:mean * docs], k[:mean * docs], v[:mean * docs], causal,
+                         ("varlen_equal", "dense_mean")))
+    if iface is not None:
+        # FA3's e4m3 varlen: plain casts with one descale per (sequence, kv head), what its API takes.
+        q8f, k8f, v8f = (x.to(torch.float8_e4m3fn) for x in (q, k, v))
+        ones = torch.ones(docs, heads, dtype=torch.float32, device="cuda")
+        def fa3_fp8() -> Any:
+            return iface.flash_attn_varlen_func(q8f, k8f, v8f, cu, cu, longest, longest, causal=causal,
+                                                q_descale=ones, k_descale=ones, v_descale=ones)
+        try:
+            fa3_fp8()
+            fns["fa3_varlen"] = fa3_fp8
+        except Exception as e:  # noqa: BLE001  (a build without e4m3 varlen: said, not fatal)
+            print(f"FA3 e4m3 varlen not timed: {type(e).__name__}: {e}", flush=True)
+    ms = interleaved(fns, timer, rounds)
+    real, equal = work(lengths, heads, d, causal), work([mean] * docs, heads, d, causal)
+    row: dict[str, Any] = {"section": "mixed", "mode": "fp8", "headdim": d, "nheads": heads, "causal": causal,
+                           "docs": docs, "seed": seed, "total_tokens": total, "longest": longest, "mean": mean,
+                           "lengths": lengths}
+    for name, t in ms.items():
+        row[f"ms_{name}"] = t
+        row[f"tflops_{name}"] = tflops(equal if name in ("dense_mean", "varlen_equal") else real, t)
+    row["varlen_vs_dense_mean"] = row["tflops_varlen"] / row["tflops_dense_mean"]
+    if "fa3_varlen" in ms:
+        row["varlen_vs_fa3"] = ms["fa3_varlen"] / ms["varlen"]
+    print(f"mixed fp8 {'causal' if causal else 'full'} ({docs} docs, {total} tokens): "
+          + ", ".join(f"{name} {row[f'tflops_{name}']:.0f}" for name in ms) + " TFLOPS"
+          + (f"; varlen vs FA3 x{row['varlen_vs_fa3']:.3f}" if "varlen_vs_fa3" in row else "")
+          + f"; varlen vs dense at the mean length x{row['varlen_vs_dense_mean']:.3f}", flush=True)
+    return row
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sections", nargs="*", choices=("equal", "mixed"), default=["equal", "mixed"])
-    ap.add_argument("--mode", choices=("fwd", "bwd"), default="fwd", help="bwd: the backward alone")
+    ap.add_argument("--mode", choices=("fwd", "bwd", "fp8"), default="fwd",
+                    help="bwd: the backward alone; fp8: the e4m3 forward on pre-quantized inputs")
     ap.add_argument("--fa3-path", type=Path, help=f"FA3 build with varlen (fa3-full; default: ${fa3.ENV})")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0, help="of the mixed section's document lengths")

@@ -23,6 +23,7 @@ from flashhopper import (FP8Tensor, QuantizedKV, _device, _ext, _launch, flash_a
 from flashhopper import reference_fp8 as R
 from flashhopper._ext import Entry
 from flashhopper.fp8 import format as fp8_format
+from flashhopper.fp8 import packed as fp8_packed
 from flashhopper.kernel_key import KernelKey
 from flashhopper.reference import attention_ref
 
@@ -58,9 +59,11 @@ def _flashhopper_imports(module: Any) -> set[str]:
 
 
 def test_no_import_cycle_between_fp8_and_reference_fp8() -> None:
-    # fp8.format is the bottom: reference_fp8 builds on it, the rest of fp8 on reference_fp8.
+    # fp8.format (and fp8.packed, the packed layout on top of it) is the bottom: reference_fp8 builds on them,
+    # the rest of fp8 on reference_fp8.
     assert _flashhopper_imports(fp8_format) == {"flashhopper.validation", "flashhopper.kernel_key"}
-    assert _flashhopper_imports(R) == {"flashhopper.fp8.format", "flashhopper.reference"}
+    assert _flashhopper_imports(fp8_packed) == {"flashhopper.validation", "flashhopper.fp8.format"}
+    assert _flashhopper_imports(R) == {"flashhopper.fp8.format", "flashhopper.fp8.packed", "flashhopper.reference"}
     assert "flashhopper.reference_fp8" in _flashhopper_imports(fp8.ops)
 
 

@@ -103,7 +103,10 @@ def test_configured(monkeypatch: pytest.MonkeyPatch) -> None:
     info["varlen"] = ["on"]
     assert _ext.configured("fwd", packed) and _ext.configured("bwd", packed)
     assert not _ext.configured("fwd", KernelKey(90, "bfloat16", 128, 128, "causal"))
-    assert not _ext.configured("fwd", KernelKey(90, "float8_e4m3fn", 128, 128, "none", varlen=True))
+    # The packed fp8 forward (Hopper), with e4m3 in the dtypes; no fp8 backward.
+    assert _ext.configured("fwd", KernelKey(90, "float8_e4m3fn", 128, 128, "none", varlen=True))
+    assert not _ext.configured("bwd", KernelKey(90, "float8_e4m3fn", 128, 128, "none", varlen=True))
+    assert not _ext.configured("fwd", KernelKey(80, "float8_e4m3fn", 128, 128, "none", varlen=True))
 
 
 # --- against the extension ---

@@ -24,8 +24,8 @@ from helpers import require_backend
 
 import flashhopper
 from flashhopper import (FP8Tensor, QuantizedKV, _device, attention_ref, attention_varlen_ref, available_backends,
-                         flash_attn_fp8_func, flash_attn_func, flash_attn_varlen_func, fp8, hadamard_signs, quantize_fp8,
-                         quantize_kv, select_backend, to_vt)
+                         flash_attn_fp8_func, flash_attn_func, flash_attn_varlen_fp8_func, flash_attn_varlen_func, fp8,
+                         hadamard_signs, quantize_fp8, quantize_kv, select_backend, to_vt)
 from flashhopper import reference_fp8 as R
 
 KINDS = ("dtype", "device", "shape", "stride", "alignment", "option")
@@ -113,6 +113,12 @@ def packed_with(i: int, f: Callable[[Any], Any], gpu: bool = False) -> list[Any]
     return with_(xs, i, f(xs[i]))
 
 
+def fp8_packed() -> fp8.PackedFP8Tensor:
+    """packed()'s k quantized per sequence (the torch quantization)."""
+    xs = packed()
+    return R.quantize_varlen_ref(xs[1], xs[4], 64, 0)
+
+
 def kv(gpu: bool = False, d: int = 64) -> QuantizedKV:
     _, k, v = qkv(d, gpu)
     return quantize_kv(k, v)
@@ -134,6 +140,12 @@ def fp8_kernels() -> None:
 
 def varlen_kernel() -> None:
     require_backend("sm90", BF16, 64, False, varlen=True)
+
+
+def fp8_varlen_kernel() -> None:
+    from test_fp8_varlen_gpu import require_kernel
+
+    require_kernel(64, False)
 
 
 def quant_kernel() -> None:
@@ -374,6 +386,45 @@ CASES: dict[str, list[Case]] = {
         Case("option", "backend", ValueError, r"^backend must be one of",
              lambda: flash_attn_varlen_func(*packed(), backend="gpu")),
     ],
+    "flash_attn_varlen_fp8_func": [
+        Case("dtype", "q int8", TypeError, r"^q has dtype torch.int8",
+             lambda: flash_attn_varlen_fp8_func(*packed_with(0, lambda x: x.to(torch.int8)))),
+        Case("dtype", "cu_seqlens_k int64", TypeError, r"^cu_seqlens_k has dtype torch.int64",
+             lambda: flash_attn_varlen_fp8_func(*packed_with(4, lambda x: x.long()))),
+        Case("device", "cu_seqlens_q meta", ValueError, r"^cu_seqlens_q is on meta",
+             lambda: flash_attn_varlen_fp8_func(*packed_with(3, lambda x: x.to("meta")))),
+        Case("shape", "q 4-D", ValueError, r"^q must have 3 dimensions",
+             lambda: flash_attn_varlen_fp8_func(*packed_with(0, lambda x: x[None]))),
+        Case("shape", "k head dim", ValueError, r"^k and v head dims \(128, 64\) must equal q's",
+             lambda: flash_attn_varlen_fp8_func(*packed_with(1, lambda x: torch.cat((x, x), -1)))),
+        Case("shape", "k quantized with other cu_seqlens", ValueError, r"^k.cu_seqlens is not cu_seqlens_k",
+             lambda: flash_attn_varlen_fp8_func(*with_(packed(), 1, fp8_packed()._replace(
+                 cu_seqlens=torch.tensor([0, 5, 16], dtype=torch.int32))))),
+        Case("stride", "q last dim stride 2", ValueError, r"^q must have a contiguous last dimension",
+             lambda: flash_attn_varlen_fp8_func(*packed_with(0, strided))),
+        gpu("alignment", "q misaligned", ValueError, r"^q is not laid out for the quantization kernel's 16-byte loads",
+            lambda: flash_attn_varlen_fp8_func(*packed_with(0, misaligned, gpu=True)), fp8_varlen_kernel),
+        Case("option", "causal", TypeError, r"^causal must be a bool",
+             lambda: flash_attn_varlen_fp8_func(*packed(), causal=1)),  # type: ignore[arg-type]
+        Case("option", "q_block_size 32", ValueError, r"^q_block_size 32",
+             lambda: flash_attn_varlen_fp8_func(*packed(), q_block_size=32)),
+        Case("option", "seed out of range", ValueError, r"^seed must be in",
+             lambda: flash_attn_varlen_fp8_func(*packed(), seed=1 << 64)),
+    ],
+    "PackedFP8Tensor.dequantize": [
+        Case("dtype", "data bf16", TypeError, r"^t.data has dtype torch.bfloat16",
+             lambda: fp8_packed()._replace(data=randn(16, 2, 64)).dequantize()),
+        Case("device", "scale meta", ValueError, r"^t.scale is on meta but t.data is on cpu",
+             lambda: (lambda t: t._replace(scale=t.scale.to("meta")))(fp8_packed()).dequantize()),
+        Case("shape", "scale", ValueError, r"^t.scale has shape \(3, 3\)",
+             lambda: fp8_packed()._replace(scale=torch.ones(3, 3)).dequantize()),
+        Case("shape", "total", ValueError, r"^t.data has 16 tokens but t.total is 5",
+             lambda: fp8_packed()._replace(total=5).dequantize()),
+        Case("option", "block_size 0", ValueError, r"^t.block_size must be >= 1",
+             lambda: fp8_packed()._replace(block_size=0).dequantize()),
+        Case("option", "transposed", TypeError, r"^t.transposed must be a bool",
+             lambda: fp8_packed()._replace(transposed=1).dequantize()),
+    ],
     "attention_varlen_ref": [
         Case("dtype", "cu_seqlens_q float", TypeError, r"^cu_seqlens_q has dtype torch.float32",
              lambda: attention_varlen_ref(*packed_with(3, lambda x: x.float())[:5])),
@@ -416,6 +467,8 @@ NOT_APPLICABLE: dict[tuple[str, str], str] = {
     ("to_vt", "alignment"): "a copy in torch: any layout",
     ("FP8Tensor.dequantize", "stride"): "torch math: any layout",
     ("FP8Tensor.dequantize", "alignment"): "torch math: any layout",
+    ("PackedFP8Tensor.dequantize", "stride"): "torch math: any layout",
+    ("PackedFP8Tensor.dequantize", "alignment"): "torch math: any layout",
     ("attention_ref", "stride"): "torch math: any layout",
     ("attention_ref", "alignment"): "torch math: any layout",
     ("attention_varlen_ref", "stride"): "torch math: any layout",

@@ -111,6 +111,11 @@ inline const char* dtype_name(DType d) {
 // random-sign Hadamard transform of each row (hadamard; the signs are a hash of hadamard_seed,
 // hadamard_signs.h), optionally written as V^T (transpose: out is (batch, nheads, headdim,
 // round_up(seqlen, 16)) and out_row_stride is unused).
+// Packed batches (cu_seqlens: int32 (batch + 1) on the device): x is (total = seqlen rows, nheads, headdim),
+// batch strides unused, and each sequence is quantized in blocks of its own: sequence b's block j is block
+// cu_seqlens[b] / block_size + b + j of the scales (nheads, total / block_size + batch) and, transposed, of
+// V^T's keys (nheads, headdim, (total / block_size + batch) * block_size); blocks of no sequence get scale 1
+// and zero keys (docs/fp8.md).
 #define FLASHHOPPER_QUANT_PARAMS(X)                                                                     \
   X(const void*, x_ptr, nullptr) X(void*, out_ptr, nullptr) X(float*, scale_ptr, nullptr)                \
   X(bool, hadamard, false) X(int64_t, hadamard_seed, 0)                                                  \
@@ -119,7 +124,8 @@ inline const char* dtype_name(DType d) {
   X(int64_t, out_dim_stride, 0)                                                                          \
   X(int64_t, scale_batch_stride, 0) X(int64_t, scale_head_stride, 0) X(int64_t, scale_block_stride, 0)   \
   X(int, batch, 0) X(int, seqlen, 0) X(int, nheads, 0) X(int, headdim, 0) X(int, block_size, 128)       \
-  X(bool, transpose, false) X(DType, dtype, DType::kBFloat16) X(int, device, 0)
+  X(bool, transpose, false) X(DType, dtype, DType::kBFloat16) X(const int*, cu_seqlens, nullptr)             \
+  X(int, device, 0)
 
 #define FLASHHOPPER_PARAM_MEMBER(type, name, init) type name = init;
 struct FwdParams {

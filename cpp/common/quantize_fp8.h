@@ -141,8 +141,10 @@ __global__ void __launch_bounds__(kMaxThreads) quantize_fp8_kernel(QuantParams c
   int const B = p.block_size;
   int const row = tid / kLanesPerRow, part = tid % kLanesPerRow;
   int const col0 = part * kElems;
-  int const blocks_per_head = (p.seqlen + B - 1) / B;
-  int const num_work = blocks_per_head * p.nheads * p.batch;
+  bool const packed = p.cu_seqlens != nullptr;
+  // Packed: the blocks of all sequences in one block mode (first_block below), none per batch slice.
+  int const blocks_per_head = packed ? p.seqlen / B + p.batch : (p.seqlen + B - 1) / B;
+  int const num_work = blocks_per_head * p.nheads * (packed ? 1 : p.batch);
   bool const hadamard = p.hadamard;
   // The transform's slot labelling (slot_dim): lane bit k at bit 5 - k; at head dim 128 also the row's
   // parity at bit 4 (the same in both partners), for the banks of the staging stores (out_pitch).
@@ -160,19 +162,36 @@ __global__ void __launch_bounds__(kMaxThreads) quantize_fp8_kernel(QuantParams c
     }
   }
 
+  // A block of work: `rows` rows of x from row `token0` of batch slice `batch` (<= 0: none; the rest are
+  // zeros; row-major out has the same rows), its scale block `blk` and V^T's first key for it `col`.
   struct Work {
-    int blk, head, batch;
+    int blk, head, batch, token0, rows, col;
   };
   auto decode = [&](int work) {
     int const bh = work / blocks_per_head;
-    return Work{work - bh * blocks_per_head, bh % p.nheads, bh / p.nheads};
+    int const blk = work - bh * blocks_per_head;
+    if (!packed) {
+      int const token0 = blk * B;
+      return Work{blk, bh % p.nheads, bh / p.nheads, token0, p.seqlen - token0, token0};
+    }
+    // The sequence whose blocks hold blk: the last b with first_block(b) = cu_seqlens[b] / B + b <= blk
+    // (strictly increasing in b).
+    int lo = 0, hi = p.batch - 1;
+    while (lo < hi) {
+      int const mid = (lo + hi + 1) / 2;
+      if (p.cu_seqlens[mid] / B + mid <= blk) lo = mid; else hi = mid - 1;
+    }
+    int const start = p.cu_seqlens[lo], j = blk - (start / B + lo);
+    int const rows = p.batch > 0 ? p.cu_seqlens[lo + 1] - start - j * B : 0;
+    return Work{blk, bh, 0, start + j * B, rows, blk * B};
   };
-  // One block into an input buffer: a warp reads whole rows; rows past seqlen are zeros.
+  // One block into an input buffer: a warp reads whole rows; rows past the block's are zeros.
   auto load_async = [&](Work const& w, T* dst) {
-    int const token0 = w.blk * B;
+    int const token0 = w.token0;
+    int const rows = w.rows;
+    // A block of no sequence (packed) copies nothing: its zero-size copies get an address inside x.
     T const* x = static_cast<T const*>(p.x_ptr) + w.batch * p.x_batch_stride + w.head * p.x_head_stride +
-                 int64_t(token0) * p.x_row_stride;
-    int const rows = p.seqlen - token0;
+                 (rows > 0 ? int64_t(token0) * p.x_row_stride : 0);
 #pragma unroll
     for (int k = 0; k < kElems / 8; ++k) {  // B * kVecsPerRow == nthreads * kElems / 8
       unsigned const i = unsigned(k * nthreads + tid), r = i / kVecsPerRow, c = i % kVecsPerRow;
@@ -187,8 +206,7 @@ __global__ void __launch_bounds__(kMaxThreads) quantize_fp8_kernel(QuantParams c
   if (work < num_work) load_async(next, s_in(0));
   for (int it = 0; work < num_work; ++it, work += gridDim.x) {
     Work const cur = next;
-    int const token0 = cur.blk * B;
-    bool const valid = token0 + row < p.seqlen;
+    bool const valid = row < cur.rows;
     // The next block's copy goes into the buffer the previous iteration read (all threads are past
     // its reads: the barrier after the amax below).
     if (work + int(gridDim.x) < num_work) {
@@ -285,8 +303,8 @@ __global__ void __launch_bounds__(kMaxThreads) quantize_fp8_kernel(QuantParams c
       }
       __syncthreads();
       constexpr unsigned kRuns = kHeadDim / 16;
-      uint8_t* out_rows = out + int64_t(token0) * p.out_row_stride;
-      int const rows = p.seqlen - token0;
+      uint8_t* out_rows = out + int64_t(cur.token0) * p.out_row_stride;  // rows like x's
+      int const rows = cur.rows;
       for (unsigned i = tid; i < unsigned(B) * kRuns; i += nthreads) {
         unsigned const r = i / kRuns, c = i % kRuns;
         if (int(r) < rows) {
@@ -316,12 +334,13 @@ __global__ void __launch_bounds__(kMaxThreads) quantize_fp8_kernel(QuantParams c
         }
       }
       __syncthreads();
-      int const keys = (p.seqlen + 15) / 16 * 16 - token0;  // padded keys left from token0
+      // Padded keys left from the block's first (packed: the whole block, so gaps hold zeros too).
+      int const keys = packed ? B : (p.seqlen + 15) / 16 * 16 - cur.token0;
       unsigned const runs = unsigned(B) / 16;
       for (unsigned i = tid; i < kHeadDim * runs; i += nthreads) {
         unsigned const dim = i / runs, run = i % runs;
         if (int(run * 16) < keys) {
-          *reinterpret_cast<uint4*>(out + dim * p.out_dim_stride + token0 + run * 16) =
+          *reinterpret_cast<uint4*>(out + dim * p.out_dim_stride + cur.col + run * 16) =
               *reinterpret_cast<uint4 const*>(smem_vt + dim * ld + kVtSkew * (dim / kElems) + run * 16);
         }
       }
@@ -332,7 +351,8 @@ __global__ void __launch_bounds__(kMaxThreads) quantize_fp8_kernel(QuantParams c
 template <class T, int kHeadDim>
 int64_t launch_quantize(QuantParams const& p, cudaStream_t stream) {
   int const threads = p.block_size * (kHeadDim / kElems);  // one row (part) per thread
-  int64_t const work = int64_t((p.seqlen + p.block_size - 1) / p.block_size) * p.nheads * p.batch;
+  int64_t const work = p.cu_seqlens != nullptr ? (int64_t(p.seqlen / p.block_size) + p.batch) * p.nheads
+                                                : int64_t((p.seqlen + p.block_size - 1) / p.block_size) * p.nheads * p.batch;
   if (work > INT32_MAX) throw std::invalid_argument("flashhopper.quantize_fp8: more than 2^31 blocks");
   auto launch = [&](auto transpose) {
     constexpr bool kTranspose = decltype(transpose)::value;

@@ -36,6 +36,8 @@ struct UniformSeqlens {
   // Where entry `batch`'s rows start in per-row scratch of kBlock-row blocks (backward_rows below).
   CUTE_HOST_DEVICE int padded_offset_q(int /*batch*/, int /*block*/) const { return 0; }
   CUTE_HOST_DEVICE int padded_offset_k(int /*batch*/, int /*block*/) const { return 0; }
+  // The entry's first block in a tensor kept in blocks per entry (FP8 scales, V^T): its own batch slice.
+  CUTE_HOST_DEVICE static int first_block(int /*offset*/, int /*batch*/, int /*block*/) { return 0; }
 };
 
 // The tensors with per-entry tensor maps: the forward's Q, K, V, O; the backward's Q, K, V, dO (O's slot: rows
@@ -69,14 +71,16 @@ struct VarlenSeqlens {
                : static_cast<char const*>(tma_descs_extra) +
                      (int64_t(batch) * (kVarlenTensors - kVarlenGroup) + which - kVarlenGroup) * 128;
   }
-  // Per-row scratch of the backward (row statistics, dQ sums, their counters) is kept in whole blocks of
-  // `block` rows: entry b's from row (cu_seqlens[b] + b * block) rounded down to a block on, which leaves
-  // each entry its ceil(rows / block) blocks without overlap (rows up to total + batch * block in all).
+  // Tensors kept in whole blocks of `block` rows per entry (the backward's per-row scratch, FP8 scales and
+  // V^T, docs/fp8.md): entry b's blocks from block cu_seqlens[b] / block + b on (row (cu_seqlens[b] +
+  // b * block) rounded down to a block), which leaves each entry its ceil(rows / block) blocks without
+  // overlap (total / block + batch blocks in all). `offset` is the entry's cu_seqlens.
+  CUTE_HOST_DEVICE static int first_block(int offset, int batch, int block) { return offset / block + batch; }
   CUTE_HOST_DEVICE int padded_offset_q(int batch, int block) const {
-    return (cu_seqlens_q[batch] + batch * block) / block * block;
+    return first_block(cu_seqlens_q[batch], batch, block) * block;
   }
   CUTE_HOST_DEVICE int padded_offset_k(int batch, int block) const {
-    return (cu_seqlens_k[batch] + batch * block) / block * block;
+    return first_block(cu_seqlens_k[batch], batch, block) * block;
   }
 };
 

@@ -47,7 +47,7 @@ struct FwdConfig {
   // FP8 stages O in a buffer of its own; 16-bit O goes through the Q stage the tile used.
   using Epilogue = FwdEpilogue<ElementOut, Config::kHeadDimV, Mainloop::kNumMmaWG, typename Mainloop::SmemLayoutO,
                                Mainloop::kOSlotElems, typename Mainloop::TiledMmaPV, kFp8, typename Mainloop::Seqlens>;
-  static_assert(!kVarlen || (!kFp8 && !Config::kDropout), "packed batches: 16-bit kernels without dropout for now");
+  static_assert(!kVarlen || !Config::kDropout, "packed batches: kernels without dropout for now");
   // Tiles whose cost varies (a mask with a right edge, packed entries of different lengths) are handed
   // out heaviest first, dynamically.
   using Scheduler = std::conditional_t<
@@ -103,7 +103,10 @@ int64_t run_fwd_sm90(FwdParams const& params, cudaStream_t stream) {
     p.q_batch_stride = p.q_row_stride * std::max(rows_q, 1);
     p.o_batch_stride = p.o_row_stride * std::max(rows_q, 1);
     p.k_batch_stride = p.k_row_stride * std::max(p.total_k, 1);
-    p.v_batch_stride = p.v_row_stride * std::max(p.total_k, 1);
+    p.v_batch_stride = kFp8 ? p.v_head_stride * std::max(p.nheads_kv, 1) : p.v_row_stride * std::max(p.total_k, 1);
+    if constexpr (kFp8) {  // one block mode per scale tensor: entry b's blocks from cu_seqlens[b] / block + b on
+      p.q_scale_batch_stride = p.k_scale_batch_stride = p.v_scale_batch_stride = 0;
+    }
   }
   int const batch_coords = kVarlen ? 1 : p.batch;
   if (p.seqlen_k == 0) {
@@ -126,6 +129,14 @@ int64_t run_fwd_sm90(FwdParams const& params, cudaStream_t stream) {
     auto misaligned = [](int block, int64_t block_stride, int tile, int seqlen) {
       return block_stride != 0 && block < seqlen && block % tile != 0;
     };
+    // Packed: the scales and V^T are laid out in blocks per entry (docs/fp8.md), so blocks are real ones.
+    if (kVarlen && (p.q_scale_block_stride == 0 || p.k_scale_block_stride == 0 || p.v_scale_block_stride == 0 ||
+                    p.q_scale_block % 64 != 0 || p.k_scale_block % Tile::kBlockN != 0 ||
+                    p.v_scale_block % Tile::kBlockN != 0 || p.v_scale_block >= (1 << 24))) {
+      throw std::invalid_argument("flashhopper: packed fp8 kernels need block scales: q_scale_block a multiple of 64, "
+                                  "k/v_scale_block multiples of the kernel's block_n (" +
+                                  std::to_string(Tile::kBlockN) + "), nonzero block strides");
+    }
     if (misaligned(p.q_scale_block, p.q_scale_block_stride, 64, p.seqlen_q)) {
       throw std::invalid_argument("flashhopper: fp8 q_scale_block must be a multiple of 64");
     }
@@ -148,6 +159,8 @@ int64_t run_fwd_sm90(FwdParams const& params, cudaStream_t stream) {
 
   DeviceInfo const& dev = device_info(p.device);
   int const num_sms = p.num_sms > 0 ? p.num_sms : dev.num_sms;
+  // Packed FP8 V^T: (headdim, the entries' blocks of v_scale_block keys), docs/fp8.md; else from K's rows.
+  int const vt_keys = kFp8 && kVarlen && p.total_k > 0 ? (p.total_k / p.v_scale_block + p.batch) * p.v_scale_block : 0;
 
   VarlenWorkspace const ws = kVarlen ? VarlenWorkspace::carve(p.varlen_workspace, p.batch) : VarlenWorkspace{};
   auto const seqlens = [&] {
@@ -164,7 +177,7 @@ int64_t run_fwd_sm90(FwdParams const& params, cudaStream_t stream) {
                             static_cast<Element const*>(p.v_ptr), stride_v, shape_k, p.softmax_scale,
                             seqlens, p.window_left, p.window_right, p.sinks_ptr,
                             make_score_mod<typename C::ScoreMod>(p.softmax_scale, p.softcap), {}, descale,
-                            make_dropout<typename C::Dropout>(p.dropout_rng, p.dropout_threshold)),
+                            make_dropout<typename C::Dropout>(p.dropout_rng, p.dropout_threshold), vt_keys),
       Epilogue::make_params(static_cast<ElementOut*>(p.o_ptr),
                             typename Mainloop::ShapeQKV{rows_q, p.headdim_v, p.nheads_q, batch_coords},
                             stride(p.o_row_stride, p.o_head_stride, p.o_batch_stride), p.lse_ptr, seqlens),
@@ -190,8 +203,9 @@ int64_t run_fwd_sm90(FwdParams const& params, cudaStream_t stream) {
         {mp.tma_q, mp.tma_k, mp.tma_v, kp.epilogue.tma_o},
         {{{mp.shape_q, stride(p.q_row_stride, p.q_head_stride, p.q_batch_stride), kVarlenQ, true},
           {mp.shape_k, stride(p.k_row_stride, p.k_head_stride, p.k_batch_stride), kVarlenK, false},
-          {mp.shape_v, stride_v, kVarlenV, false},
-          {kp.epilogue.shape_o, stride(p.o_row_stride, p.o_head_stride, p.o_batch_stride), kVarlenO, true}}},
+          {mp.shape_v, stride_v, kVarlenV, false, kFp8 ? p.v_scale_block : 0},
+          {kp.epilogue.shape_o, stride(p.o_row_stride, p.o_head_stride, p.o_batch_stride), kVarlenO, true, 0,
+           int(sizeof(ElementOut))}}},
         seqlens, ws, p.batch, p.nheads_q};
     sm90::varlen_prepare_kernel<Prepare><<<Prepare::grid(p.batch), Prepare::kThreads, 0, stream>>>(pp);
   }

@@ -140,13 +140,15 @@ struct FwdMainloop {
     typename Pipeline::SharedStorage pipeline_v;
   };
 
-  // FP8 descales: scale(b, h, block) = ptr[b * batch + h * head + (token / block) * block_stride].
+  // FP8 descales: scale(b, h, block) = ptr[b * batch + h * head + (first + token / block) * block_stride],
+  // `first` the entry's first block (packed batches keep each entry's blocks in one block mode, batch 0).
   struct Descale {
     float const* ptr;
     int64_t batch, head, block_stride;
     int block;
-    CUTE_DEVICE float operator()(int b, int h, int token) const {
-      return ptr[b * batch + h * head + (token / block) * block_stride];
+    CUTE_DEVICE int first(int offset, int b) const { return Seqlens::first_block(offset, b, block); }
+    CUTE_DEVICE float operator()(int b, int h, int token, int first_block) const {
+      return ptr[b * batch + h * head + (first_block + token / block) * block_stride];
     }
   };
   struct Descales {
@@ -185,13 +187,14 @@ struct FwdMainloop {
                             StrideQKV stride_k, Element const* v, StrideQKV stride_v, ShapeQKV shape_k,
                             float softmax_scale, Seqlens seqlens, int window_left, int window_right,
                             float const* sinks = nullptr, ScoreMod score_mod = {}, typename KVBlocks::Params kv_blocks = {},
-                            Descales descale = {}, Dropout dropout = {}) {
+                            Descales descale = {}, Dropout dropout = {}, int vt_keys = 0) {
     auto mQ = make_tensor(make_gmem_ptr(q), shape_q, stride_q);
     auto mK = make_tensor(make_gmem_ptr(k), shape_k, stride_k);
     // FP8's V^T: (headdim, keys); the TMA bound is the padded key count, since a group of 16 keys
-    // holds them permuted (a key below seqlen_k may sit at a position above it).
-    ShapeQKV const shape_v = kFp8 ? ShapeQKV{get<1>(shape_k), (get<0>(shape_k) + 15) / 16 * 16, get<2>(shape_k),
-                                             get<3>(shape_k)}
+    // holds them permuted (a key below seqlen_k may sit at a position above it). Packed batches: vt_keys,
+    // the columns of the entries' blocks (VarlenSeqlens::first_block).
+    ShapeQKV const shape_v = kFp8 ? ShapeQKV{get<1>(shape_k), vt_keys > 0 ? vt_keys : (get<0>(shape_k) + 15) / 16 * 16,
+                                             get<2>(shape_k), get<3>(shape_k)}
                                   : ShapeQKV{get<0>(shape_k), kHeadDimV, get<2>(shape_k), get<3>(shape_k)};
     auto mV = make_tensor(make_gmem_ptr(v), shape_v, stride_v);
     return {make_tma_copy(SM90_TMA_LOAD{}, mQ, take<0, 2>(SmemLayoutQ{}), Shape<_64, D>{}, _1{}),
@@ -250,8 +253,9 @@ struct FwdMainloop {
     Tensor gK = local_tile(mK, Shape<BN, D>{}, make_coord(_, _0{}));   // (BN, D, n)
     Tensor gV = [&] {
       Tensor mV4 = p.tma_v.get_tma_tensor(p.shape_v);
-      if constexpr (kFp8) {  // V^T: the keys are the second mode
-        Tensor mV = domain_offset(make_coord(_0{}, seq.offset_k), mV4(_, _, kv_head, seq.batch_coord));
+      if constexpr (kFp8) {  // V^T: the keys are the second mode; packed, each entry's from a block boundary on
+        int const vt_offset = Seqlens::kPacked ? p.descale.v.first(seq.offset_k, batch) * p.descale.v.block : 0;
+        Tensor mV = domain_offset(make_coord(_0{}, vt_offset), mV4(_, _, kv_head, seq.batch_coord));
         return local_tile(mV, TileV{}, make_coord(_0{}, _));  // (DV, BN, n)
       } else {
         return local_tile(entry_rows(mV4, seq.offset_k, kv_head, seq.batch_coord), TileV{}, make_coord(_, _0{}));
@@ -317,14 +321,18 @@ struct FwdMainloop {
     // Per key block: the softmax scale (times the q and k descales) and the V descale.
     // A warpgroup whose rows are all past the entry's end (the last tile) reads the last row's scale: the
     // scale array has no block for its rows (its outputs are never stored).
+    int const k_first = kFp8 ? p.descale.k.first(seq.offset_k, batch) : 0;
+    int const v_first = kFp8 ? p.descale.v.first(seq.offset_k, batch) : 0;
     float const q_descale =
-        kFp8 ? p.descale.q(batch, head, cute::min(row_offset, seq.seqlen_q - 1)) * p.scale_log2 : p.scale_log2;
+        kFp8 ? p.descale.q(batch, head, cute::min(row_offset, seq.seqlen_q - 1), p.descale.q.first(seq.offset_q, batch)) *
+                   p.scale_log2
+             : p.scale_log2;
     auto qk_scale = [&](int n) {
-      if constexpr (kFp8) return q_descale * p.descale.k(batch, kv_head, n * kBlockN);
+      if constexpr (kFp8) return q_descale * p.descale.k(batch, kv_head, n * kBlockN, k_first);
       else return q_descale;
     };
     auto v_descale = [&](int n) {
-      if constexpr (kFp8) return p.descale.v(batch, kv_head, n * kBlockN);
+      if constexpr (kFp8) return p.descale.v(batch, kv_head, n * kBlockN, v_first);
       else return 1.f;
     };
     MaskT const mask{seq, p.window_left, p.window_right};

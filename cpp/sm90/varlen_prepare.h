@@ -1,7 +1,7 @@
 // The kernel that runs before a packed-batch (varlen) forward or backward, on the same stream: no host
 // ever sees cu_seqlens, so what depends on the entries' lengths is computed here, on the device.
 //   - Tensor maps of each entry's rows (forward: Q, K, V, O; backward: Q, K, V, dO, dK, dV): the params'
-//     maps with the row extent ending at the entry's last row, so that TMA zero-fills loads and drops
+//     maps with the row extent (FP8's V^T: key extent) ending at the entry's last row, so that TMA zero-fills loads and drops
 //     stores past it instead of touching the next entry (each warp patches one map in shared memory with
 //     tensormap.replace and copies it out with the release fence; the kernel acquires it before use).
 //   - The tile schedule (the forward's VarlenTileScheduler, the backward's decode_bwd_tile): each entry's
@@ -38,6 +38,8 @@ struct VarlenPrepare {
     StrideQKV stride;
     int slot;           // VarlenTensor
     bool q_rows;        // spans the queries' rows (Q, O, dO) or the keys' (K, V, dK, dV)
+    int vt_block = 0;   // FP8's V^T (headdim, keys): its keys (mode 1) in blocks of this many per entry
+    int elem_bytes = int(sizeof(Element));  // of the map's elements (FP8's O is bfloat16)
   };
   struct Params {
     cute::tuple<TmaCopies...> tmas;  // the source maps, copies of the kernel's
@@ -54,7 +56,12 @@ struct VarlenPrepare {
   CUTE_DEVICE static void patch(Params const& p, TmaCopy const& tma, Map const& m, int entry, TmaDescriptor& smem_desc) {
     SeqlenInfo const seq = p.seqlens(entry);
     // Rows [0, end) of the packed tensor; an empty entry keeps a legal extent (its map is never used).
-    int const end = cute::max(1, m.q_rows ? seq.offset_q + seq.seqlen_q : seq.offset_k + seq.seqlen_k);
+    // V^T: the entry's keys start at its first block and are padded to 16 (permuted within groups of 16).
+    int const end = cute::max(1, m.vt_block > 0
+                                     ? VarlenSeqlens::first_block(seq.offset_k, entry, m.vt_block) * m.vt_block +
+                                           (seq.seqlen_k + 15) / 16 * 16
+                                 : m.q_rows ? seq.offset_q + seq.seqlen_q
+                                            : seq.offset_k + seq.seqlen_k);
     int const lane = threadIdx.x % 32;
     if (lane < 8) {
       reinterpret_cast<uint4*>(&smem_desc)[lane] = reinterpret_cast<uint4 const*>(tma.get_tma_descriptor())[lane];
@@ -63,10 +70,11 @@ struct VarlenPrepare {
     if (cute::elect_one_sync()) {
       cute::array<uint32_t, 5> shape = {1, 1, 1, 1, 1};
       cute::array<uint64_t, 5> stride = {0, 0, 0, 0, 0};
+      auto const rows = m.vt_block > 0 ? get<0>(m.shape) : end, cols = m.vt_block > 0 ? end : get<1>(m.shape);
       Tensor t = make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)),
-                             make_shape(end, get<1>(m.shape), get<2>(m.shape), get<3>(m.shape)), m.stride);
+                             make_shape(rows, cols, get<2>(m.shape), get<3>(m.shape)), m.stride);
       cute::detail::fill_tma_gmem_shape_stride(tma, t, shape, stride);
-      for (auto& s : stride) s = s * sizeof(Element);  // the maps count strides in bytes
+      for (auto& s : stride) s = s * m.elem_bytes;  // the maps count strides in bytes
       cute::tma_descriptor_replace_dims_strides_in_shared_mem(smem_desc, shape, stride);
     }
     __syncwarp();

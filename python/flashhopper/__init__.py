@@ -11,7 +11,8 @@ from importlib.metadata import PackageNotFoundError, version
 from . import fp8, reference, reference_fp8
 from ._ext import build_info, compiled_kernels, extension_error, has_extension
 from .dispatch import BACKENDS, available_backends, select_backend
-from .fp8 import FP8Tensor, QuantizedKV, flash_attn_fp8_func, hadamard_signs, quantize_fp8, quantize_kv, to_vt
+from .fp8 import (FP8Tensor, PackedFP8Tensor, QuantizedKV, flash_attn_fp8_func, flash_attn_varlen_fp8_func,
+                  hadamard_signs, quantize_fp8, quantize_kv, to_vt)
 from .interface import flash_attn_func
 from .reference import attention_ref, attention_varlen_ref
 from .varlen import flash_attn_varlen_func
@@ -24,6 +25,7 @@ except PackageNotFoundError:  # imported from a source tree that was never insta
 __all__ = [
     "BACKENDS",
     "FP8Tensor",
+    "PackedFP8Tensor",
     "QuantizedKV",
     "__version__",
     "attention_ref",
@@ -34,6 +36,7 @@ __all__ = [
     "extension_error",
     "flash_attn_fp8_func",
     "flash_attn_func",
+    "flash_attn_varlen_fp8_func",
     "flash_attn_varlen_func",
     "fp8",
     "hadamard_signs",

@@ -14,11 +14,13 @@ import math
 
 import torch
 
-from .fp8.format import FP8_DTYPE, GRANULARITIES, FP8Tensor, dequantize, hadamard_signs, nblocks, to_vt, token_scales
+from .fp8.format import (FP8_DTYPE, GRANULARITIES, VT_GROUP, FP8Tensor, dequantize, hadamard_signs, nblocks,
+                         round_up, to_vt, token_scales)
+from .fp8.packed import PackedFP8Tensor, packed_nblocks, to_vt_packed
 from .reference import _rows_per_block, default_scale, visible
 
-__all__ = ["E4M3_MAX", "P_OFFSET", "attention_fp8_ref", "dequantize", "hadamard_matrix", "hadamard_transform",
-           "outlier_inputs", "quantize_ref", "rmse", "token_scales"]
+__all__ = ["E4M3_MAX", "P_OFFSET", "attention_fp8_ref", "attention_varlen_fp8_ref", "dequantize", "hadamard_matrix",
+           "hadamard_transform", "outlier_inputs", "quantize_ref", "quantize_varlen_ref", "rmse", "token_scales"]
 
 E4M3_MAX = 448.0  # largest finite e4m3
 # The kernel computes P' = 2^P_OFFSET * exp(s - rowmax) in [0, 256]: more of e4m3's range for the fp8 P.
@@ -173,6 +175,68 @@ def attention_fp8_ref(q8: FP8Tensor, k8: FP8Tensor, v8: FP8Tensor, softmax_scale
         lse[:, :, rows] = torch.where(seen, m_safe + torch.log(torch.where(seen, l, 1.0)) - P_OFFSET * math.log(2.0),
                                       float("-inf"))
     return out.transpose(1, 2), lse
+
+
+# --- packed batches (fp8/packed.py): each sequence as a padded batch of one ---
+
+def quantize_varlen_ref(x: torch.Tensor, cu_seqlens: torch.Tensor, block_size: int, signs: int | None = None,
+                        transpose: bool = False) -> PackedFP8Tensor:
+    """quantize_ref ("block") of each sequence of packed x (total, nheads, headdim), its blocks aligned with its
+    first token, laid out as fp8/packed.py says: scale (nheads, total // block_size + batch), 1 in blocks of no
+    sequence; data like x (rows of no sequence 0) or V^T (``transpose``). signs: None or an int seed."""
+    total, h, d = x.shape
+    batch = cu_seqlens.shape[0] - 1
+    data = torch.zeros((total, h, d), dtype=FP8_DTYPE, device=x.device)
+    scale = torch.ones((h, packed_nblocks(total, batch, block_size)), dtype=torch.float32, device=x.device)
+    starts = cu_seqlens.tolist()
+    for b in range(batch):
+        s0, s1 = starts[b], starts[b + 1]
+        if s1 <= s0:
+            continue
+        t = quantize_ref(x[None, s0:s1], block_size, "block", signs)
+        data[s0:s1] = t.data[0]
+        first = s0 // block_size + b
+        scale[:, first:first + t.nblocks] = t.scale[0]
+    packed = PackedFP8Tensor(data, scale, block_size, signs, False, cu_seqlens, total)
+    return to_vt_packed(packed) if transpose else packed
+
+
+def _sequence(t: PackedFP8Tensor, b: int, start: int, length: int) -> FP8Tensor:
+    """Sequence b (its first ``length`` tokens, from ``start``) of a packed tensor as a padded batch of one,
+    with its own scale blocks (V^T: its columns, the group padding included)."""
+    first = start // t.block_size + b
+    scale = t.scale[None, :, first:first + nblocks(length, t.block_size)]
+    if t.transposed:
+        c0 = first * t.block_size
+        data = t.data[None, :, :, c0:c0 + round_up(length, VT_GROUP)]
+    else:
+        data = t.data[None, start:start + length]
+    return FP8Tensor(data, scale, t.block_size, t.hadamard_seed, t.transposed, length)
+
+
+def attention_varlen_fp8_ref(q8: PackedFP8Tensor, k8: PackedFP8Tensor, v8: PackedFP8Tensor,
+                             softmax_scale: float | None = None, causal: bool = False, *,
+                             seqused_q: torch.Tensor | None = None,
+                             seqused_k: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """attention_fp8_ref of each sequence of a packed batch (v8 in V^T), the first seqused tokens of each slot
+    when given: (out (total_q, nheads_q, headdim), lse (nheads_q, total_q)) float32; rows of no sequence's
+    used range get out 0 and lse -inf (the kernel leaves them unwritten)."""
+    hq, d = q8.nheads, q8.headdim
+    out = torch.zeros((q8.total, hq, d), dtype=torch.float32, device=q8.device)
+    lse = torch.full((hq, q8.total), -math.inf, dtype=torch.float32, device=q8.device)
+    cq, ck = q8.cu_seqlens.tolist(), k8.cu_seqlens.tolist()
+    used_q = None if seqused_q is None else seqused_q.tolist()
+    used_k = None if seqused_k is None else seqused_k.tolist()
+    for b in range(len(cq) - 1):
+        lq = cq[b + 1] - cq[b] if used_q is None else used_q[b]
+        lk = ck[b + 1] - ck[b] if used_k is None else used_k[b]
+        if lq <= 0:
+            continue
+        o_b, lse_b = attention_fp8_ref(_sequence(q8, b, cq[b], lq), _sequence(k8, b, ck[b], lk),
+                                       _sequence(v8, b, ck[b], lk), softmax_scale, causal)
+        out[cq[b]:cq[b] + lq] = o_b[0]
+        lse[:, cq[b]:cq[b] + lq] = lse_b[0]
+    return out, lse
 
 
 def outlier_inputs(shape: tuple[int, ...], generator: torch.Generator | None = None) -> torch.Tensor:

@@ -364,19 +364,30 @@ def check_varlen_inputs(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k:
             raise ValueError(f"{name} must have 3 dimensions (total_tokens, nheads, headdim) in a packed batch, "
                              f"got shape {tuple(x.shape)}")
     shapes, scale = check_inputs(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), softmax_scale, causal)
-    batch = None
-    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        check_tensor(name, cu)
-        if cu.dtype != torch.int32:
-            raise TypeError(f"{name} has dtype {cu.dtype}; it must be torch.int32 (flash-attn's cu_seqlens)")
-        if cu.dim() != 1 or cu.shape[0] < 1:
-            raise ValueError(f"{name} must have shape (batch + 1,), got {tuple(cu.shape)}")
-        if cu.device != q.device:
-            raise ValueError(f"{name} is on {cu.device} but q is on {q.device}")
-        if batch is not None and cu.shape[0] - 1 != batch:
-            raise ValueError(f"cu_seqlens_k has {cu.shape[0]} entries but cu_seqlens_q has {batch + 1}: one batch")
-        batch = cu.shape[0] - 1
-    assert batch is not None
+    batch = check_varlen_bounds(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, q.device)
+    return shapes._replace(batch=batch, seqlen_q=max_seqlen_q, seqlen_k=max_seqlen_k), scale
+
+
+def check_cu_seqlens(name: str, cu: Any, device: torch.device) -> None:
+    """flash-attn's cu_seqlens: int32 (batch + 1,) on ``device`` (the values are check_varlen_values' job)."""
+    check_tensor(name, cu)
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{name} has dtype {cu.dtype}; it must be torch.int32 (flash-attn's cu_seqlens)")
+    if cu.dim() != 1 or cu.shape[0] < 1:
+        raise ValueError(f"{name} must have shape (batch + 1,), got {tuple(cu.shape)}")
+    if cu.device != device:
+        raise ValueError(f"{name} is on {cu.device} but q is on {device}")
+
+
+def check_varlen_bounds(cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: Any, max_seqlen_k: Any, seqused_q: Any,
+                        seqused_k: Any, device: torch.device) -> int:
+    """The sequence bounds of a packed batch (check_varlen_inputs' arguments of the same names); returns batch."""
+    check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, device)
+    check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, device)
+    batch = cu_seqlens_q.shape[0] - 1
+    if cu_seqlens_k.shape[0] - 1 != batch:
+        raise ValueError(f"cu_seqlens_k has {cu_seqlens_k.shape[0]} entries but cu_seqlens_q has {batch + 1}: "
+                         "one batch")
     for name, used in (("seqused_q", seqused_q), ("seqused_k", seqused_k)):
         if used is None:
             continue
@@ -385,14 +396,14 @@ def check_varlen_inputs(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k:
             raise TypeError(f"{name} has dtype {used.dtype}; it must be torch.int32")
         if used.shape != (batch,):
             raise ValueError(f"{name} must have shape ({batch},) (one length per sequence), got {tuple(used.shape)}")
-        if used.device != q.device:
-            raise ValueError(f"{name} is on {used.device} but q is on {q.device}")
+        if used.device != device:
+            raise ValueError(f"{name} is on {used.device} but q is on {device}")
     for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if isinstance(m, bool) or not isinstance(m, int):
             raise TypeError(f"{name} must be a Python int (the longest sequence), got {type(m).__name__}")
         if m < 0:
             raise ValueError(f"{name} must be >= 0, got {m}")
-    return shapes._replace(batch=batch, seqlen_q=max_seqlen_q, seqlen_k=max_seqlen_k), scale
+    return batch
 
 
 def check_varlen_values(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,

@@ -8,8 +8,9 @@
 The contract with the CUDA side is docs/fp8.md: descales ``x ~ float(x_fp8) * scale`` per (batch, head,
 block of tokens), optional random-sign Hadamard transform of Q and K rows (incoherent processing), V
 given to the kernel transposed with its keys permuted. One concern per module: ``format`` (FP8Tensor,
-Hadamard signs, the V^T layout), ``validation``, ``quantize``, ``attention``, ``quantized_kv``, and
-``ops`` (the torch ops ``flashhopper::quantize_fp8`` / ``flashhopper::fwd_fp8``: the kernels on CUDA,
+Hadamard signs, the V^T layout), ``packed`` (PackedFP8Tensor: packed batches), ``validation``, ``quantize``,
+``attention``, ``varlen`` (packed batches), ``quantized_kv``, and ``ops`` (the torch ops
+``flashhopper::quantize_fp8`` / ``fwd_fp8`` and their packed-batch forms ``varlen_*``: the kernels on CUDA,
 the reference emulation of ``reference_fp8`` on CPU). Forward only: nothing here is differentiable.
 """
 from __future__ import annotations
@@ -17,9 +18,13 @@ from __future__ import annotations
 from .attention import flash_attn_fp8_func, fwd_fp8_into, require_kernel
 from .format import (FP8_DTYPE, GRANULARITIES, HEADDIMS, VT_GROUP, VT_ORDER, FP8Tensor, check_fp8_tensor, dequantize,
                      from_vt, hadamard_signs, nblocks, round_up, to_vt, token_scales, vt_key_index)
-from .ops import NO_BLOCK, fill_fwd_params, fill_quant_params, kernel_key, kernel_tiles, launch_fwd, launch_quantize
+from .ops import (NO_BLOCK, fill_fwd_params, fill_quant_params, kernel_key, kernel_tiles, launch_fwd, launch_quantize,
+                  launch_varlen_fwd, varlen_kernel_key, varlen_kernel_tiles)
+from .packed import (PackedFP8Tensor, check_packed_fp8_tensor, dequantize_packed, from_vt_packed, packed_nblocks,
+                     to_vt_packed, token_layout)
 from .quantize import DEFAULT_KV_BLOCK, default_kv_block_size, quantize_fp8
 from .quantized_kv import QuantizedKV, quantize_kv
+from .varlen import flash_attn_varlen_fp8_func, require_varlen_kernel
 from .validation import (INPUT_DTYPES, Q_BLOCK, QUANT_MAX_BLOCK_ELEMENTS, check_fp8_inputs, check_input,
                          check_quant_block_size, check_tile_alignment)
 
@@ -30,4 +35,8 @@ __all__ = [
     "fill_fwd_params", "fill_quant_params", "flash_attn_fp8_func", "from_vt", "fwd_fp8_into", "hadamard_signs",
     "kernel_key", "kernel_tiles", "launch_fwd", "launch_quantize", "nblocks", "quantize_fp8", "quantize_kv",
     "require_kernel", "round_up", "to_vt", "token_scales", "vt_key_index",
+    # packed batches (fp8/packed.py, fp8/varlen.py)
+    "PackedFP8Tensor", "check_packed_fp8_tensor", "dequantize_packed", "flash_attn_varlen_fp8_func", "from_vt_packed",
+    "launch_varlen_fwd", "packed_nblocks", "require_varlen_kernel", "to_vt_packed", "token_layout",
+    "varlen_kernel_key", "varlen_kernel_tiles",
 ]

@@ -18,6 +18,7 @@ import torch
 from .. import _device, _ext, _launch, _op, reference_fp8, validation
 from ..kernel_key import KernelKey, mask_of
 from .format import FP8_DTYPE, VT_GROUP, FP8Tensor, nblocks, round_up, vt_strides
+from .packed import PackedFP8Tensor
 from .validation import check_vt_layout
 
 # "Tokens per scale" handed to the kernel for one scale per head (any value > every seqlen).
@@ -188,6 +189,7 @@ def fill_quant_params(p: Any, x: torch.Tensor, out: torch.Tensor, scale: torch.T
     p.batch, p.seqlen, p.nheads, p.headdim = b, s, h, d
     p.block_size = block_size
     p.transpose = transpose
+    p.cu_seqlens = 0  # a padded batch (the params object is this thread's, shared with packed launches)
     p.dtype = _launch.c_dtype(x.dtype)
     _launch.fill_device(p, x)
     return p
@@ -234,3 +236,169 @@ quantize_op = _op.define("quantize_fp8", quantize, _quantize_cpu, autocast=("x",
 def _(x: torch.Tensor, block_size: int, hadamard_seed: Optional[int],  # noqa: UP045
       transpose: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return empty_quantized(x, block_size, transpose)
+
+
+# --- packed batches (fp8/packed.py) ---
+
+@functools.lru_cache(maxsize=64)
+def varlen_kernel_key(headdim: int, causal: bool) -> KernelKey:
+    """The feature key of the packed-batch fp8 forward kernel."""
+    return KernelKey(90, "float8_e4m3fn", headdim, headdim, mask_of(causal), varlen=True)
+
+
+@torch.compiler.assume_constant_result
+def varlen_kernel_tiles(headdim: int, causal: bool) -> tuple[int, int] | None:
+    """(block_m, block_n) of this build's packed-batch fp8 forward kernel, None without one."""
+    entry = _ext.kernel("fwd", varlen_kernel_key(headdim, causal))
+    return None if entry is None else (entry.block_m, entry.block_n)
+
+
+def missing_varlen_kernel(headdim: int, causal: bool) -> str:
+    return missing_kernel(headdim, causal).replace("forward kernel", "packed-batch (varlen) forward kernel", 1) + (
+        "; FLASHHOPPER_VARLEN must include 'on'")
+
+
+def empty_quantized_packed(x: torch.Tensor, cu_seqlens: torch.Tensor, block_size: int,
+                           transpose: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (data, scale) the quantization of packed x (total, nheads, headdim) fills, contiguous (fp8/packed.py):
+    data like x or V^T (nheads, headdim, nblocks * block_size); scale (nheads, nblocks)."""
+    total, h, d = x.shape
+    n = total // block_size + (cu_seqlens.shape[0] - 1)
+    shape = (h, d, n * block_size) if transpose else (total, h, d)
+    return (torch.empty(shape, dtype=FP8_DTYPE, device=x.device),
+            torch.empty((h, n), dtype=torch.float32, device=x.device))
+
+
+def quantize_varlen(x: torch.Tensor, cu_seqlens: torch.Tensor, block_size: int,
+                    hadamard_seed: Optional[int], transpose: bool) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: UP045
+    """Quantize packed bf16/fp16 x (total, nheads, headdim), each sequence in blocks of ``block_size`` from its
+    first token (fp8/packed.py): (data, scale). Blocks of no sequence get scale 1 (and zero V^T keys); rows of no
+    sequence are left unwritten."""
+    data, scale = empty_quantized_packed(x, cu_seqlens, block_size, transpose)
+    if x.shape[0] == 0:  # no rows: nothing for the kernel, every block empty
+        scale.fill_(1.0)
+        data.zero_()
+        return data, scale
+    validation.check_alignment("x", x.unsqueeze(0))
+    p = fill_quant_params(_launch.params("QuantParams"), x.unsqueeze(0), data.unsqueeze(0), scale.unsqueeze(0),
+                          block_size, hadamard_seed, transpose)
+    # One block mode for all sequences: no batch slices (fill_quant_params set them for a batch of one).
+    p.batch, p.cu_seqlens = cu_seqlens.shape[0] - 1, cu_seqlens.contiguous().data_ptr()
+    p.x_batch_stride = p.out_batch_stride = p.scale_batch_stride = 0
+    _ext.extension().quantize_fp8(p, _launch.stream(x.device))
+    return data, scale
+
+
+def _quantize_varlen_cpu(x: torch.Tensor, cu_seqlens: torch.Tensor, block_size: int,
+                         hadamard_seed: Optional[int], transpose: bool) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: UP045
+    t = reference_fp8.quantize_varlen_ref(x, cu_seqlens, block_size, hadamard_seed, transpose)
+    return t.data, t.scale
+
+
+quantize_varlen_op = _op.define("varlen_quantize_fp8", quantize_varlen, _quantize_varlen_cpu, autocast=("x",))
+
+
+@torch.library.register_fake("flashhopper::varlen_quantize_fp8")
+def _(x: torch.Tensor, cu_seqlens: torch.Tensor, block_size: int, hadamard_seed: Optional[int],  # noqa: UP045
+      transpose: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return empty_quantized_packed(x, cu_seqlens, block_size, transpose)
+
+
+def _packed_tensors(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor,
+                    v_t: torch.Tensor, v_scale: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                    q_block: int, k_block: int, v_block: int
+                    ) -> tuple[PackedFP8Tensor, PackedFP8Tensor, PackedFP8Tensor]:
+    tq, tk = q.shape[0], k.shape[0]
+    return (PackedFP8Tensor(q, q_scale, q_block, None, False, cu_seqlens_q, tq),
+            PackedFP8Tensor(k, k_scale, k_block, None, False, cu_seqlens_k, tk),
+            PackedFP8Tensor(v_t, v_scale, v_block, None, True, cu_seqlens_k, tk))
+
+
+def _empty_varlen_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    total, hq, d = q.shape
+    return (torch.empty((total, hq, d), dtype=torch.bfloat16, device=q.device),
+            torch.empty((hq, total), dtype=torch.float32, device=q.device))
+
+
+def launch_varlen_fwd(q8: PackedFP8Tensor, k8: PackedFP8Tensor, v8: PackedFP8Tensor, seqused_q: torch.Tensor | None,
+                      seqused_k: torch.Tensor | None, max_seqlen_q: int, max_seqlen_k: int, out: torch.Tensor,
+                      lse: torch.Tensor, softmax_scale: float, causal: bool) -> int:
+    """Check the memory layouts and launch the packed-batch fp8 forward into ``out`` (bf16 (total_q, nheads_q,
+    headdim)) and ``lse`` (float32 (nheads_q, total_q)); v8 is V^T. Returns the CTAs launched."""
+    q4, k4, o4, vt4 = q8.data.unsqueeze(0), k8.data.unsqueeze(0), out.unsqueeze(0), v8.data.unsqueeze(0)
+    for name, x in (("q", q4), ("k", k4), ("out", o4)):
+        validation.check_kernel_layout(name, x)
+    check_vt_layout("v", vt4)
+    entry = _ext.kernel("fwd", varlen_kernel_key(q8.headdim, causal))
+    if entry is None:
+        raise ValueError(f"q: {missing_varlen_kernel(q8.headdim, causal)}")
+    batch = q8.batch
+    stream = _launch.stream(out.device)
+    workspace = torch.empty(int(_ext.extension().varlen_workspace_bytes(batch)), dtype=torch.uint8, device=out.device)
+    p = _launch.params("FwdParams")
+    p.q_ptr, p.k_ptr, p.v_ptr = q8.data.data_ptr(), k8.data.data_ptr(), v8.data.data_ptr()
+    p.o_ptr, p.lse_ptr = out.data_ptr(), lse.data_ptr()
+    _launch.fill_strides(p, q=q4, k=k4, o=o4)
+    _, p.v_head_stride, p.v_dim_stride = vt_strides(vt4)
+    p.v_row_stride = 0
+    p.batch, p.seqlen_q, p.seqlen_k = batch, max_seqlen_q, max_seqlen_k
+    p.total_q, p.total_k = q8.total, k8.total
+    p.nheads_q, p.nheads_kv, p.headdim, p.headdim_v = q8.nheads, k8.nheads, q8.headdim, q8.headdim
+    p.softmax_scale = softmax_scale
+    p.window_left, p.window_right = (-1, 0) if causal else (-1, -1)
+    p.softcap, p.sinks_ptr = 0.0, 0
+    p.dropout_threshold, p.dropout_rng = 0, 0
+    for name, t in (("q", q8), ("k", k8), ("v", v8)):
+        setattr(p, f"{name}_scale_ptr", t.scale.data_ptr())
+        setattr(p, f"{name}_scale_batch_stride", 0)
+        setattr(p, f"{name}_scale_head_stride", t.scale.stride(0))
+        setattr(p, f"{name}_scale_block_stride", t.scale.stride(1))
+        setattr(p, f"{name}_scale_block", t.block_size)
+    cu_q, cu_k = q8.cu_seqlens.contiguous(), k8.cu_seqlens.contiguous()
+    p.cu_seqlens_q, p.cu_seqlens_k = cu_q.data_ptr(), cu_k.data_ptr()
+    p.seqused_q = 0 if seqused_q is None else seqused_q.contiguous().data_ptr()
+    p.seqused_k = 0 if seqused_k is None else seqused_k.contiguous().data_ptr()
+    p.varlen_workspace = workspace.data_ptr()
+    p.tile_counter = _launch.tile_counter(out.device, stream).data_ptr()
+    p.max_smem_bytes = 0
+    _launch.fill_device(p, out)
+    return int(_ext.extension().fwd(p, entry.index, stream))
+
+
+def varlen_fwd(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor, v_t: torch.Tensor,
+               v_scale: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+               seqused_q: Optional[torch.Tensor], seqused_k: Optional[torch.Tensor],  # noqa: UP045
+               max_seqlen_q: int, max_seqlen_k: int, q_block: int, k_block: int, v_block: int,
+               softmax_scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed-batch fp8 attention forward (fp8/packed.py): (out bfloat16 (total_q, nheads_q, headdim), lse float32
+    (nheads_q, total_q)); rows of no sequence's used range are left unwritten. The PackedFP8Tensor fields of q, k
+    and V^T flattened, as validated by flash_attn_varlen_fp8_func."""
+    out, lse = _empty_varlen_outputs(q)
+    q8, k8, v8 = _packed_tensors(q, q_scale, k, k_scale, v_t, v_scale, cu_seqlens_q, cu_seqlens_k, q_block, k_block,
+                                 v_block)
+    launch_varlen_fwd(q8, k8, v8, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k, out, lse, softmax_scale, causal)
+    return out, lse
+
+
+def _varlen_fwd_cpu(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor,
+                    v_t: torch.Tensor, v_scale: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                    seqused_q: Optional[torch.Tensor], seqused_k: Optional[torch.Tensor],  # noqa: UP045
+                    max_seqlen_q: int, max_seqlen_k: int, q_block: int, k_block: int, v_block: int,
+                    softmax_scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    q8, k8, v8 = _packed_tensors(q, q_scale, k, k_scale, v_t, v_scale, cu_seqlens_q, cu_seqlens_k, q_block, k_block,
+                                 v_block)
+    out, lse = reference_fp8.attention_varlen_fp8_ref(q8, k8, v8, softmax_scale, causal, seqused_q=seqused_q,
+                                                      seqused_k=seqused_k)
+    return out.to(torch.bfloat16), lse
+
+
+varlen_fwd_op = _op.define("varlen_fwd_fp8", varlen_fwd, _varlen_fwd_cpu, autocast=())
+
+
+@torch.library.register_fake("flashhopper::varlen_fwd_fp8")
+def _(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor, v_t: torch.Tensor,
+      v_scale: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+      seqused_q: Optional[torch.Tensor], seqused_k: Optional[torch.Tensor],  # noqa: UP045
+      max_seqlen_q: int, max_seqlen_k: int, q_block: int, k_block: int, v_block: int,
+      softmax_scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _empty_varlen_outputs(q)

@@ -3,13 +3,15 @@ fp8 kernel wants, ``default_kv_block_size``."""
 from __future__ import annotations
 
 import math
+from typing import overload
 
 import torch
 
 from .. import _autocast, _ext, reference_fp8, validation
 from . import ops
 from .format import GRANULARITIES, FP8Tensor, check_int, check_seed, seed_int64
-from .validation import check_input, check_quant_block_size, quant_kernel_takes
+from .packed import PackedFP8Tensor
+from .validation import check_input, check_packed_input, check_quant_block_size, quant_kernel_takes
 
 # K/V scale block when there is no kernel table to take block_n from.
 DEFAULT_KV_BLOCK = 128
@@ -50,9 +52,22 @@ def use_quant_kernel(x: torch.Tensor, granularity: str = "block", kernel: bool |
     raise ValueError(f"kernel=True: {why}")
 
 
+@overload
+def quantize_fp8(x: torch.Tensor, block_size: int | None = ..., hadamard: bool = ..., seed: int = ...,
+                 granularity: str = ..., transpose: bool = ..., *, kernel: bool | None = ...,
+                 cu_seqlens: None = ...) -> FP8Tensor: ...
+
+
+@overload
+def quantize_fp8(x: torch.Tensor, block_size: int | None = ..., hadamard: bool = ..., seed: int = ...,
+                 granularity: str = ..., transpose: bool = ..., *, kernel: bool | None = ...,
+                 cu_seqlens: torch.Tensor) -> PackedFP8Tensor: ...
+
+
 @torch.no_grad()
 def quantize_fp8(x: torch.Tensor, block_size: int | None = 128, hadamard: bool = True, seed: int = 0,
-                 granularity: str = "block", transpose: bool = False, *, kernel: bool | None = None) -> FP8Tensor:
+                 granularity: str = "block", transpose: bool = False, *, kernel: bool | None = None,
+                 cu_seqlens: torch.Tensor | None = None) -> FP8Tensor | PackedFP8Tensor:
     """Quantize bf16/fp16 ``x`` (batch, seqlen, nheads, headdim), headdim 64/128/256, to e4m3 (docs/fp8.md).
 
     granularity: "block" (one scale per ``block_size`` tokens of a (batch, head)), "head" (one per
@@ -66,9 +81,16 @@ def quantize_fp8(x: torch.Tensor, block_size: int | None = 128, hadamard: bool =
     reference on CPU); kernel=False on CUDA and "head"/"tensor" call reference_fp8 directly.
     Under ``torch.autocast("cuda")`` a float32, float16 or bfloat16 x on CUDA is cast to the autocast
     dtype first and quantized from it, as SDPA takes its inputs in that dtype (CPU tensors: never cast).
+
+    cu_seqlens (int32 (batch + 1,) on x's device): x is a packed batch (total, nheads, headdim) as in
+    flash_attn_varlen_func, and each sequence is quantized in blocks aligned with its first token; returns a
+    PackedFP8Tensor (fp8/packed.py: scales (nheads, total // block_size + batch), V^T (nheads, headdim,
+    nblocks * block_size) with ``transpose``). "block" granularity only.
     """
     if _autocast.enabled():
         (x,) = _autocast.cast(x)
+    if cu_seqlens is not None:
+        return _quantize_packed(x, block_size, hadamard, seed, granularity, transpose, kernel, cu_seqlens)
     check_input("x", x)
     validation.check_flag("hadamard", hadamard)
     validation.check_flag("transpose", transpose)
@@ -89,3 +111,27 @@ def quantize_fp8(x: torch.Tensor, block_size: int | None = 128, hadamard: bool =
         return FP8Tensor(data, scale, block_size, hadamard_seed, transpose, x.shape[1])
     return reference_fp8.quantize_ref(x, block_size if granularity == "block" else None, granularity,
                                       hadamard_seed, transpose)
+
+
+def _quantize_packed(x: torch.Tensor, block_size: int | None, hadamard: bool, seed: int, granularity: str,
+                     transpose: bool, kernel: bool | None, cu_seqlens: torch.Tensor) -> PackedFP8Tensor:
+    """quantize_fp8 of a packed batch (validated here, autocast already applied)."""
+    check_packed_input("x", x)
+    validation.check_cu_seqlens("cu_seqlens", cu_seqlens, x.device)
+    validation.check_flag("hadamard", hadamard)
+    validation.check_flag("transpose", transpose)
+    check_seed("seed", seed)
+    if granularity != "block":
+        raise ValueError(f"granularity {granularity!r}: a packed batch (cu_seqlens) is quantized in blocks per "
+                         "sequence only ('block')")
+    if kernel is not None:
+        validation.check_flag("kernel", kernel)
+    use_kernel = use_quant_kernel(x, granularity, kernel)
+    check_quant_block_size(block_size, x.shape[-1], use_kernel)
+    assert block_size is not None  # (checked above)
+    hadamard_seed = seed if hadamard else None
+    if use_kernel or x.device.type == "cpu":
+        data, scale = torch.ops.flashhopper.varlen_quantize_fp8.default(
+            x, cu_seqlens, block_size, None if hadamard_seed is None else seed_int64(hadamard_seed), transpose)
+        return PackedFP8Tensor(data, scale, block_size, hadamard_seed, transpose, cu_seqlens, x.shape[0])
+    return reference_fp8.quantize_varlen_ref(x, cu_seqlens, block_size, hadamard_seed, transpose)

@@ -34,6 +34,20 @@ def check_input(name: str, x: Any) -> None:
     validation.check_last_dim_contiguous(name, x)
 
 
+def check_packed_input(name: str, x: Any) -> None:
+    """A packed batch to be quantized: bf16/fp16 (total, nheads, headdim), last dim contiguous."""
+    validation.check_tensor(name, x)
+    if x.dtype == FP8_DTYPE:
+        raise TypeError(f"{name} is a float8_e4m3fn tensor without its scales; quantize_fp8(..., cu_seqlens=...) "
+                        "makes a PackedFP8Tensor")
+    validation.check_dtype(name, x, INPUT_DTYPES)
+    if x.dim() != 3:
+        raise ValueError(f"{name} must have 3 dimensions (total_tokens, nheads, headdim) in a packed batch, "
+                         f"got shape {tuple(x.shape)}")
+    check_headdim(name, x.shape[-1])
+    validation.check_last_dim_contiguous(name, x)
+
+
 def check_input_alignment(name: str, x: torch.Tensor) -> None:
     """An input (``check_input`` passed) the quantization kernel will read: its 16-byte loads need the data
     and every batch, row and head step on a 16-byte boundary. Checked before anything is quantized, to name

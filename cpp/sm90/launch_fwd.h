@@ -181,8 +181,9 @@ int64_t run_fwd_sm90(FwdParams const& params, cudaStream_t stream) {
       Epilogue::make_params(static_cast<ElementOut*>(p.o_ptr),
                             typename Mainloop::ShapeQKV{rows_q, p.headdim_v, p.nheads_q, batch_coords},
                             stride(p.o_row_stride, p.o_head_stride, p.o_batch_stride), p.lse_ptr, seqlens),
+      // (params.seqlen_k: packed batches' longest entry; p's is their total by now)
       sm90::make_tile_scheduler_params(num_m_blocks, p.batch, p.nheads_q, p.nheads_q / p.nheads_kv,
-                                       int64_t(p.seqlen_k) * (p.headdim + p.headdim_v) * int64_t(sizeof(Element)),
+                                       int64_t(params.seqlen_k) * (p.headdim + p.headdim_v) * int64_t(sizeof(Element)),
                                        dev.l2_bytes > 0 ? dev.l2_bytes : int64_t(50) << 20, p.tile_counter)};
 
   auto kernel = &sm90::fwd_kernel<Kernel>;
@@ -193,6 +194,10 @@ int64_t run_fwd_sm90(FwdParams const& params, cudaStream_t stream) {
     // The tile bound above sizes the grid; the prepare kernel writes the true count and the schedule.
     kp.scheduler.total_tiles = int(std::min<int64_t>(total_tiles, INT32_MAX));
     kp.scheduler.num_entries = p.batch;
+    // Inside an entry, tiles of equal cost (no mask) go one head after another (the padded static order,
+    // one head's K/V hot in L2); under a mask with a right edge, by block across an L2 section of heads
+    // (the padded causal order). Measured both ways: docs/perf-notes.md (issue #21, K1).
+    if constexpr (Config::kMask == MaskKind::kNone) kp.scheduler.heads_per_section = 1;
     kp.scheduler.entry_m_blocks = ws.blocks;
     kp.scheduler.entry_order = ws.order;
     kp.scheduler.tile_prefix = ws.prefix;

@@ -72,11 +72,10 @@ struct StaticTileScheduler {
 };
 
 // Packed batches' tiles (varlen_prepare.h's schedule: entries sorted by blocks, the inclusive prefix sums of
-// their tiles, blocks x heads, in that order): tile's entry (binary search), head and block index among the
-// entry's `blocks`, each (entry, head)'s blocks consecutive.
-CUTE_DEVICE void decode_sorted_entry_tile(int num_entries, int const* prefix, int const* order,
-                                          int const* entry_blocks, int tile, int& entry, int& head, int& block,
-                                          int& blocks) {
+// their tiles, blocks x heads, in that order): tile's entry (binary search), its index among the entry's
+// tiles and the entry's `blocks`.
+CUTE_DEVICE void decode_sorted_entry(int num_entries, int const* prefix, int const* order, int const* entry_blocks,
+                                     int tile, int& entry, int& idx, int& blocks) {
   int lo = 0, hi = num_entries - 1;  // the first sorted entry whose inclusive prefix exceeds tile
   while (lo < hi) {
     int const mid = (lo + hi) / 2;
@@ -84,7 +83,15 @@ CUTE_DEVICE void decode_sorted_entry_tile(int num_entries, int const* prefix, in
   }
   entry = order[lo];
   blocks = entry_blocks[entry];
-  int const idx = tile - (lo > 0 ? prefix[lo - 1] : 0);
+  idx = tile - (lo > 0 ? prefix[lo - 1] : 0);
+}
+
+// The same, with each (entry, head)'s blocks consecutive: head and block index among the entry's `blocks`.
+CUTE_DEVICE void decode_sorted_entry_tile(int num_entries, int const* prefix, int const* order,
+                                          int const* entry_blocks, int tile, int& entry, int& head, int& block,
+                                          int& blocks) {
+  int idx;
+  decode_sorted_entry(num_entries, prefix, order, entry_blocks, tile, entry, idx, blocks);
   head = idx / blocks;
   block = idx - head * blocks;
 }
@@ -121,10 +128,14 @@ struct DynamicTileScheduler {
 };
 
 // Packed batches: only tiles that hold rows, the longest entries first (their tiles cost the most:
-// more keys per query block), each (entry, head) pair's query blocks consecutive and the highest first
-// (the heaviest under a causal mask), so that the CTAs running at one time share the pair's K/V in L2
-// and the last tiles handed out are the shortest entries' cheap ones. (A query block's heads
-// consecutive instead measured 5-8% slower on long sequences: 16 heads' K/V at once overflow L2.)
+// more keys per query block); inside an entry, sections of heads_per_section heads, each section's tiles
+// by query block from the highest (the heaviest under a causal mask), its heads consecutive. The launcher
+// takes the padded kernels' orders: under a causal mask sections whose K/V fit in half of L2 (the CTAs
+// running at one time share them, and a section's last tiles are its lightest); without a mask one head
+// per section (its blocks consecutive: one head's K/V hot). (All of an entry's heads consecutive measured
+// 5-8% slower on long sequences, 16 heads' K/V overflowing L2; one head per section under a causal mask
+// leaves each pair's causal ramp to the end: 0.92-0.97x the padded kernel at equal lengths, against
+// 0.96-1.0x with sections; sections without a mask: 0.82-1.0x against 0.88-1.01x; docs/perf-notes.md.)
 // Handed out dynamically: tile costs vary with the entries' lengths. varlen_prepare.h sorts the
 // entries by query blocks and writes the prefix sums of their tiles; the producer finds a tile's
 // entry by binary search over them and publishes the decoded tile to the consumers. The kernel waits
@@ -140,10 +151,15 @@ struct VarlenTileScheduler {
   }
 
   CUTE_DEVICE static WorkTile decode(TileSchedulerParams const& p, int tile) {
-    int entry, head, block, blocks;
-    decode_sorted_entry_tile(p.num_entries, p.tile_prefix, p.entry_order, p.entry_m_blocks, tile, entry, head, block,
-                             blocks);
-    return {blocks - 1 - block, head, entry};
+    int entry, idx, blocks;
+    decode_sorted_entry(p.num_entries, p.tile_prefix, p.entry_order, p.entry_m_blocks, tile, entry, idx, blocks);
+    int const per_section = min(p.heads_per_section, p.num_heads);
+    int const section = idx / (blocks * per_section);
+    int const r = idx - section * blocks * per_section;
+    int const head0 = section * per_section;
+    int const heads_here = min(per_section, p.num_heads - head0);  // the entry's last section may be short
+    int const m_idx = r / heads_here;
+    return {blocks - 1 - m_idx, head0 + (r - m_idx * heads_here), entry};
   }
 };
 

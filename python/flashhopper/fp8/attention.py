@@ -19,7 +19,7 @@ from . import ops
 from .format import FP8Tensor, check_fp8_tensor, check_int, check_seed, to_vt
 from .quantize import default_kv_block_size, quantize_fp8
 from .validation import (Q_BLOCK, Q_WHY, check_aligned, check_fp8_inputs, check_input, check_input_alignment,
-                         check_not_transposed, check_qk_seeds, check_tile_alignment, check_v_seed, kv_why)
+                         check_not_transposed, check_tile_alignment, kv_why, qk_seed)
 
 
 def require_kernel(device: torch.device, headdim: int, causal: bool) -> tuple[int, int]:
@@ -158,24 +158,15 @@ def flash_attn_fp8_func(q: torch.Tensor | FP8Tensor, k: torch.Tensor | FP8Tensor
             check_aligned("kv_block_size", kv_bs, tiles[1], kv_why(shapes.headdim, tiles[1]))
 
     # Q and K must share their Hadamard signs; a pre-quantized one decides.
-    if isinstance(q, FP8Tensor) and isinstance(k, FP8Tensor):
-        check_qk_seeds(q.hadamard_seed, k.hadamard_seed)
-    if isinstance(v, FP8Tensor):
-        check_v_seed(v.hadamard_seed)
-    if isinstance(k, FP8Tensor):
-        qk_seed = k.hadamard_seed
-    elif isinstance(q, FP8Tensor):
-        qk_seed = q.hadamard_seed
-    else:
-        qk_seed = seed if hadamard else None
+    seed_qk = qk_seed(q, k, v, hadamard, seed, FP8Tensor)
 
     def quantize(x: torch.Tensor | FP8Tensor, block: int, seed_: int | None, transpose: bool = False) -> FP8Tensor:
         if isinstance(x, FP8Tensor):
             return x
         return quantize_fp8(x, block, seed_ is not None, 0 if seed_ is None else seed_, transpose=transpose)
 
-    q8 = quantize(q, q_bs, qk_seed)
-    k8 = quantize(k, kv_bs, qk_seed)
+    q8 = quantize(q, q_bs, seed_qk)
+    k8 = quantize(k, kv_bs, seed_qk)
     v8 = to_vt(v) if isinstance(v, FP8Tensor) else quantize(v, kv_bs, None, transpose=True)
     check_fp8_inputs(q8, k8, v8, tiles)
     return _attend(q8, k8, v8, scale, causal, return_lse)

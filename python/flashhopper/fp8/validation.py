@@ -124,6 +124,21 @@ def check_v_seed(v_seed: int | None) -> None:
         raise ValueError(f"v.hadamard_seed must be None (V is never Hadamard-transformed), got {v_seed}")
 
 
+def qk_seed(q: Any, k: Any, v: Any, hadamard: bool, seed: int, quantized: type) -> int | None:
+    """The Hadamard seed Q and K are quantized with when some of q, k, v already are (instances of ``quantized``:
+    FP8Tensor or PackedFP8Tensor): pre-quantized Q and K must share theirs and V have none, and a pre-quantized
+    k (else q) decides, so that bf16 queries can attend to a quantized K/V; else ``seed`` when ``hadamard``."""
+    if isinstance(q, quantized) and isinstance(k, quantized):
+        check_qk_seeds(q.hadamard_seed, k.hadamard_seed)
+    if isinstance(v, quantized):
+        check_v_seed(v.hadamard_seed)
+    if isinstance(k, quantized):
+        return k.hadamard_seed
+    if isinstance(q, quantized):
+        return q.hadamard_seed
+    return seed if hadamard else None
+
+
 def check_fp8_inputs(q8: Any, k8: Any, v8: Any, tiles: tuple[int, int] | None = None) -> Shapes:
     """Checks of quantized q, k, v for attention, v in the V^T layout the kernels and the reference read
     (``to_vt`` converts); ``tiles`` (block_m, block_n) of the kernel that will run adds its block alignment."""

@@ -18,8 +18,8 @@ from .attention import _softmax_scale
 from .format import check_int, check_seed
 from .packed import PackedFP8Tensor, check_packed_fp8_tensor, to_vt_packed
 from .quantize import default_kv_block_size, quantize_fp8
-from .validation import (Q_BLOCK, Q_WHY, check_aligned, check_input_alignment, check_packed_input, check_qk_seeds,
-                         check_v_seed, kv_why)
+from .validation import (Q_BLOCK, Q_WHY, check_aligned, check_input_alignment, check_packed_input, kv_why,
+                         qk_seed)
 
 
 def require_varlen_kernel(device: torch.device, headdim: int, causal: bool) -> tuple[int, int]:
@@ -150,16 +150,7 @@ def flash_attn_varlen_fp8_func(q: torch.Tensor | PackedFP8Tensor, k: torch.Tenso
         for name, bs in kv_sizes:
             check_aligned(name, bs, tiles[1], kv_why(d, tiles[1]))
 
-    if isinstance(q, PackedFP8Tensor) and isinstance(k, PackedFP8Tensor):
-        check_qk_seeds(q.hadamard_seed, k.hadamard_seed)
-    if isinstance(v, PackedFP8Tensor):
-        check_v_seed(v.hadamard_seed)
-    if isinstance(k, PackedFP8Tensor):
-        qk_seed = k.hadamard_seed
-    elif isinstance(q, PackedFP8Tensor):
-        qk_seed = q.hadamard_seed
-    else:
-        qk_seed = seed if hadamard else None
+    seed_qk = qk_seed(q, k, v, hadamard, seed, PackedFP8Tensor)
 
     def quantize(x: Any, cu: torch.Tensor, block: int, seed_: int | None, transpose: bool = False) -> PackedFP8Tensor:
         if isinstance(x, PackedFP8Tensor):
@@ -167,8 +158,8 @@ def flash_attn_varlen_fp8_func(q: torch.Tensor | PackedFP8Tensor, k: torch.Tenso
         return quantize_fp8(x, block, seed_ is not None, 0 if seed_ is None else seed_, transpose=transpose,
                             cu_seqlens=cu)
 
-    q8 = quantize(q, cu_seqlens_q, q_bs, qk_seed)
-    k8 = quantize(k, cu_seqlens_k, kv_bs, qk_seed)
+    q8 = quantize(q, cu_seqlens_q, q_bs, seed_qk)
+    k8 = quantize(k, cu_seqlens_k, kv_bs, seed_qk)
     v8 = quantize(v, cu_seqlens_k, kv_bs, None, transpose=True)
     out, lse = ops.varlen_fwd_op(q8.data, q8.scale, k8.data, k8.scale, v8.data, v8.scale, cu_seqlens_q, cu_seqlens_k,
                                  seqused_q, seqused_k, max_seqlen_q, max_seqlen_k, q8.block_size, k8.block_size,

@@ -90,8 +90,7 @@ def flash_attn_varlen_fp8_func(q: torch.Tensor | PackedFP8Tensor, k: torch.Tenso
     validation.check_flag("return_lse", return_lse)
     validation.check_flag("hadamard", hadamard)
     check_seed("seed", seed)
-    for name, x, cu, cu_name in (("q", q, cu_seqlens_q, "cu_seqlens_q"), ("k", k, cu_seqlens_k, "cu_seqlens_k"),
-                                 ("v", v, cu_seqlens_k, "cu_seqlens_k")):
+    for name, x in (("q", q), ("k", k), ("v", v)):
         if isinstance(x, PackedFP8Tensor):
             check_packed_fp8_tensor(name, x)
             if name != "v" and x.transposed:

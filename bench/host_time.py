@@ -2,10 +2,15 @@
 """Host time per call of the entry points, on a tiny shape where the GPU idles: a loop of calls then
 measures the Python layer, the op dispatch and the launch (the kernels take a few microseconds).
 
-    python bench/host_time.py [label]      # one line per entry point, the best of three loops of 400 calls
+    python bench/host_time.py [--label L] [--fa3-path DIR] [--loops N]
+
+One line per entry point: the best of N loops (default 5) of 400 calls each, without grad (inference).
+Issue #20's shape: batch 1, 128 tokens, 8 heads of 64, causal. PyTorch's SDPA and, with --fa3-path (a folder
+with FlashAttention-3's flash_attn_interface), FA3 are timed on the same tensors for scale.
 """
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from collections.abc import Callable
@@ -28,23 +33,37 @@ def per_call_us(fn: Callable[[], object], n: int = 400) -> float:
 
 
 def main() -> None:
-    label = sys.argv[1] if len(sys.argv) > 1 else "this"
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--label", default="this")
+    ap.add_argument("--fa3-path", default=None)
+    ap.add_argument("--loops", type=int, default=5)
+    args = ap.parse_args()
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 128, 8, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     cu = torch.tensor([0, 128], dtype=torch.int32, device="cuda")
     q8 = fp8.quantize_fp8(q, block_size=64)
     k8 = fp8.quantize_fp8(k, block_size=128)
     v8 = fp8.quantize_fp8(v, block_size=128, hadamard=False, transpose=True)
+    kv = fp8.quantize_kv(k, v, block_size=128)
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
     rows: dict[str, Callable[[], object]] = {
+        "sdpa causal": lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True),
         "bf16 flash_attn_func causal": lambda: fh.flash_attn_func(q, k, v, causal=True),
         "bf16 flash_attn_varlen_func causal": lambda: fh.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 128, 128,
                                                                                causal=True),
         "fp8 pre-quantized causal": lambda: fp8.flash_attn_fp8_func(q8, k8, v8, causal=True),
+        "fp8 QuantizedKV.attend causal": lambda: kv.attend(q, causal=True),
         "fp8 e2e causal": lambda: fp8.flash_attn_fp8_func(q, k, v, causal=True),
         "quantize_fp8": lambda: fp8.quantize_fp8(q, block_size=64),
     }
-    for name, fn in rows.items():
-        print(f"{label:5s} {name:36s} {min(per_call_us(fn) for _ in range(3)):7.1f} us")
+    if args.fa3_path:
+        sys.path.insert(0, args.fa3_path)
+        import flash_attn_interface as fa3  # noqa: PLC0415  (a measuring instrument, optional)
+        rows["fa3 flash_attn_func causal"] = lambda: fa3.flash_attn_func(q, k, v, causal=True)
+    with torch.no_grad():
+        for name, fn in rows.items():
+            best = min(per_call_us(fn) for _ in range(args.loops))
+            print(f"{args.label:5s} {name:36s} {best:7.1f} us", flush=True)
 
 
 if __name__ == "__main__":

@@ -64,6 +64,12 @@ void bind_field(py::class_<P>& c, char const* name, T P::*member) {
   }
 }
 
+// A pointer argument as the field's type (Python passes tensor.data_ptr(), 0 for none).
+template <class T>
+void set_ptr(T& field, uintptr_t v) {
+  field = reinterpret_cast<T>(v);
+}
+
 #define FLASHHOPPER_BIND(type, name, init) bind_field(cls, #name, &Struct::name);
 template <class Struct>
 void bind_fwd_params(py::class_<Struct>& cls) { FLASHHOPPER_FWD_PARAMS(FLASHHOPPER_BIND) }
@@ -168,6 +174,22 @@ PYBIND11_MODULE(_C, m) {
   }, py::arg("params"), py::arg("index"), py::arg("stream"),
         "Launch forward kernel `index` (an entry of kernels()) on `stream` (a cudaStream_t as int). "
         "Returns the CTAs launched (0: empty grid, nothing to compute).");
+  // The eager calls' launch (python/flashhopper/_plans.py): params prepared once for a configuration, with
+  // one call's tensors. Taken by value, so the prepared object, which threads share, is never written.
+  m.def("fwd_with", [](FwdParams params, int index, uintptr_t stream, uintptr_t q, uintptr_t k, uintptr_t v,
+                       uintptr_t o, uintptr_t lse, uintptr_t tile_counter, uintptr_t sinks, uintptr_t dropout_rng,
+                       uintptr_t q_scale, uintptr_t k_scale, uintptr_t v_scale) {
+    FwdEntry const& e = entry(fwd_kernels(), index, "forward");
+    set_ptr(params.q_ptr, q), set_ptr(params.k_ptr, k), set_ptr(params.v_ptr, v), set_ptr(params.o_ptr, o);
+    set_ptr(params.lse_ptr, lse), set_ptr(params.tile_counter, tile_counter), set_ptr(params.sinks_ptr, sinks);
+    set_ptr(params.dropout_rng, dropout_rng);
+    set_ptr(params.q_scale_ptr, q_scale), set_ptr(params.k_scale_ptr, k_scale), set_ptr(params.v_scale_ptr, v_scale);
+    return on_device(params.device, "forward kernel launch",
+                     [&] { return e.launch(params, reinterpret_cast<cudaStream_t>(stream)); });
+  }, py::arg("params"), py::arg("index"), py::arg("stream"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"),
+        py::arg("lse"), py::arg("tile_counter"), py::arg("sinks"), py::arg("dropout_rng"), py::arg("q_scale"), py::arg("k_scale"),
+        py::arg("v_scale"),
+        "fwd() with these pointers in place of params' (0: none); params itself is left as it was.");
   m.def("bwd", [](BwdParams const& params, int index, uintptr_t stream) {
     BwdEntry const& e = entry(bwd_kernels(), index, "backward");
     if (params.workspace == nullptr) throw std::invalid_argument("flashhopper: the backward needs a workspace");
@@ -191,6 +213,12 @@ PYBIND11_MODULE(_C, m) {
   }, py::arg("params"), py::arg("stream"),
         "Quantize to e4m3 with per-block descales, optionally Hadamard-transformed / transposed (docs/fp8.md). "
         "Returns the CTAs launched.");
+  m.def("quantize_fp8_with", [](QuantParams params, uintptr_t stream, uintptr_t x, uintptr_t out, uintptr_t scale) {
+    set_ptr(params.x_ptr, x), set_ptr(params.out_ptr, out), set_ptr(params.scale_ptr, scale);
+    return on_device(params.device, "quantize_fp8 launch",
+                     [&] { return launch_quantize_fp8(params, reinterpret_cast<cudaStream_t>(stream)); });
+  }, py::arg("params"), py::arg("stream"), py::arg("x"), py::arg("out"), py::arg("scale"),
+        "quantize_fp8() with these pointers in place of params'; params itself is left as it was.");
 #endif
 
   m.def("kernels", [] {

@@ -780,9 +780,21 @@ class FakeC:
         self.calls: list[tuple[dict[str, Any], int, int]] = []
         self.quant_calls: list[tuple[dict[str, Any], int]] = []
 
+    def fwd_with(self, params: FwdParams, index: int, stream: int, q: int, k: int, v: int, o: int, lse: int,
+                 tile_counter: int, sinks: int, dropout_rng: int, q_scale: int, k_scale: int, v_scale: int) -> int:
+        """_C.fwd_with: recorded as fwd() with the pointers in the params; the prepared object is left as it was."""
+        p = dict(vars(params), q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=o, lse_ptr=lse, tile_counter=tile_counter,
+                 sinks_ptr=sinks, dropout_rng=dropout_rng)
+        if "q_scale_ptr" in p:  # (fp8 params)
+            p.update(q_scale_ptr=q_scale, k_scale_ptr=k_scale, v_scale_ptr=v_scale)
+        return self.fwd(SimpleNamespace(**p), index, stream)
+
     def fwd(self, params: FwdParams, index: int, stream: int) -> int:
         self.calls.append((dict(vars(params)), index, stream))
         return 132
+
+    def quantize_fp8_with(self, params: QuantParams, stream: int, x: int, out: int, scale: int) -> int:
+        return self.quantize_fp8(SimpleNamespace(**dict(vars(params), x_ptr=x, out_ptr=out, scale_ptr=scale)), stream)
 
     def quantize_fp8(self, params: QuantParams, stream: int) -> int:
         self.quant_calls.append((dict(vars(params)), stream))
@@ -796,8 +808,8 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeC]:
     monkeypatch.setattr(_launch, "_c_dtypes", {})
     monkeypatch.setattr(_launch, "_local", threading.local())
     monkeypatch.setattr(_launch, "_tile_counters", {})  # keyed (None, stream) here: CPU tensors have no index
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda index: SimpleNamespace(cuda_stream=4242))
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # CPU-only torch cannot say
+    monkeypatch.setattr(_launch, "_raw_stream", lambda index: 4242)
+    monkeypatch.setattr(_launch, "_capturing", lambda: False)  # CPU-only torch cannot say
     monkeypatch.setattr(_device, "device_info", lambda index: _device.DeviceInfo("H100", (9, 0), 132))
     monkeypatch.setattr(_ext, "kernel", lambda mode, key: Entry(7 if key.mask == "causal" else 3, 128, 128)
                         if mode == "fwd" and key.dtype == "float8_e4m3fn" and key.headdim == 128 else None)
@@ -869,7 +881,7 @@ def test_launch_fwd(fake: FakeC) -> None:
         fp8.launch_fwd(q64, q64, v64, torch.empty(1, 16, 1, 64, dtype=torch.bfloat16), torch.empty(1, 1, 16), 0.3,
                        False)
     assert len(fake.calls) == 5
-    assert _launch._local.FwdParams is not None  # one params object, reused
+    assert not hasattr(_launch._local, "FwdParams")  # each Launch fills params of its own (_plans)
 
 
 def test_fwd_fp8_into_needs_cuda() -> None:

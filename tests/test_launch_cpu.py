@@ -53,6 +53,15 @@ class FakeC:
         (entry,) = (k for k in self.table if (k["mode"], k["index"]) == (mode, index))
         return from_dict(entry)
 
+    def fwd_with(self, params: FwdParams, index: int, stream: int, q: int, k: int, v: int, o: int, lse: int,
+                 tile_counter: int, sinks: int, dropout_rng: int, q_scale: int, k_scale: int, v_scale: int) -> int:
+        """_C.fwd_with: recorded as fwd() with the pointers in the params; the prepared object is left as it was."""
+        p = dict(vars(params), q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=o, lse_ptr=lse, tile_counter=tile_counter,
+                 sinks_ptr=sinks, dropout_rng=dropout_rng)
+        if "q_scale_ptr" in p:  # (fp8 params)
+            p.update(q_scale_ptr=q_scale, k_scale_ptr=k_scale, v_scale_ptr=v_scale)
+        return self.fwd(SimpleNamespace(**p), index, stream)
+
     def fwd(self, params: FwdParams, index: int, stream: int) -> int:
         self.calls.append((dict(vars(params)), index, stream))
         return self.ctas
@@ -74,9 +83,9 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeC]:
     monkeypatch.setattr(_ext, "kernel", lambda mode, key: table.get((mode, key)))
     monkeypatch.setattr(_launch, "_local", threading.local())
     monkeypatch.setattr(_device, "device_info", lambda index: _device.DeviceInfo("fake", (9, 0), 132))
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda index: SimpleNamespace(cuda_stream=4242))
+    monkeypatch.setattr(_launch, "_raw_stream", lambda index: 4242)
     # CPU stand-ins for the per-stream tile counters (keyed (None, stream): CPU tensors have no index).
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(_launch, "_capturing", lambda: False)
     monkeypatch.setattr(_launch, "_tile_counters", {})
     yield c
 

@@ -49,9 +49,20 @@ def fill_device(p: Any, x: torch.Tensor) -> None:
         p.num_sms = _device.device_info(x.device.index).num_sms
 
 
+def _raw_stream(index: int) -> int:
+    # torch's raw handle of the current stream, as Inductor's generated code asks for it: no torch.cuda.Stream
+    # object per call (2 us). Looked up at call time: a CPU-only torch has no _cuda_* functions.
+    return torch._C._cuda_getCurrentRawStream(index)
+
+
+def _capturing() -> bool:
+    # torch.cuda.is_current_stream_capturing() without its Python wrapper.
+    return torch._C._cuda_isCurrentStreamCapturing()
+
+
 def stream(device: torch.device) -> int:
     """The current stream of ``device``, as the extension takes it."""
-    return torch.cuda.current_stream(device.index).cuda_stream
+    return _raw_stream(device.index)
 
 
 def tile_counter(device: torch.device, stream_handle: int) -> torch.Tensor:
@@ -59,7 +70,7 @@ def tile_counter(device: torch.device, stream_handle: int) -> torch.Tensor:
     by it. Eagerly, one per (device, stream), zeroed once and reused, so that launches on two streams
     never share one. Inside a CUDA-graph capture, a fresh one per call, zeroed by a node of the graph: a
     cached one made during the capture would hold garbage until the graph first replays."""
-    if torch.cuda.is_current_stream_capturing():
+    if _capturing():
         return torch.zeros(1, dtype=torch.int32, device=device)
     key = (device.index, stream_handle)
     c = _tile_counters.get(key)

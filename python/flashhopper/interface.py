@@ -1,12 +1,12 @@
 """The public entry point: validation -> dispatch -> op."""
 from __future__ import annotations
 
-from typing import Literal, overload
+from typing import Any, Literal, overload
 
 import torch
 
-from . import _autocast, ops  # noqa: F401  (ops: registers the ops flashhopper::fwd / bwd and fwd's autograd)
-from .dispatch import require_bwd_kernel, resolve_backend
+from . import _autocast, _plans, ops  # ops: registers the ops flashhopper::fwd / bwd and fwd's autograd
+from .dispatch import ARCH, require_bwd_kernel, resolve_backend
 from .dropout import from_rng_state, keep_mask, new_rng_state
 from .kernel_key import normalize_window
 from .validation import (check_dropout_p, check_flag, check_generator, check_inputs, check_sinks, check_softcap,
@@ -89,6 +89,15 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
     """
     if _autocast.enabled():  # the dtype picks the kernel: cast before validation and dispatch
         q, k, v = _autocast.cast(q, k, v)
+    key = _call_key(q, k, v, softmax_scale, causal, return_lse, backend, deterministic, window_size, softcap, sinks,
+                    dropout_p, generator, return_dropout_mask)
+    if key is not None:  # a configuration that passed everything below before: launch it straight (_plans)
+        launch = _PLANS.get(key)
+        ptrs = None if launch is None or _plans.needs_grad(q, k, v, sinks) else _plans.pointers(q, k, v)
+        if ptrs is not None:
+            out, lse = ops.empty_outputs(q, v)
+            launch.fwd(*ptrs, out.data_ptr(), lse.data_ptr(), 0 if sinks is None else sinks.data_ptr())
+            return (out, lse) if return_lse else out
     shapes, scale = check_inputs(q, k, v, softmax_scale, causal)
     check_flag("return_lse", return_lse)
     check_flag("deterministic", deterministic)
@@ -109,6 +118,9 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
         out, lse = torch.ops.flashhopper.fwd.default(q, k, v, scale, causal, left, right, softcap, sinks,
                                                      deterministic, name)
         rng = None
+        if key is not None and name in ARCH and q.is_cuda and (sinks is None or sinks.is_contiguous()):
+            _PLANS.put(key, ops.fwd_launch(q, k, v, out, lse, scale, causal, window, ARCH[name], softcap=softcap,
+                                           sinks=sinks))
     else:
         rng = new_rng_state(q.device, generator)
         out, lse = torch.ops.flashhopper.fwd.default(q, k, v, scale, causal, left, right, softcap, sinks,
@@ -120,3 +132,20 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
                 else torch.ones((b, hq, sq, k.shape[1]), dtype=torch.bool, device=q.device))
         result = (*result, mask)
     return result if len(result) > 1 else result[0]
+
+
+# flash_attn_func's configurations that took the full path once (_plans): call key -> Launch.
+_PLANS = _plans.Plans()
+
+
+def _call_key(q: Any, k: Any, v: Any, softmax_scale: Any, causal: Any, return_lse: Any, backend: Any,
+              deterministic: Any, window_size: Any, softcap: Any, sinks: Any, dropout_p: Any, generator: Any,
+              return_dropout_mask: Any) -> tuple[Any, ...] | None:
+    """flash_attn_func's call key for the fast path: every argument its validation and dispatch read (_plans);
+    None for a call that must take the full path (dropout draws a seed per call; see _plans.direct)."""
+    if (type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor
+            or (sinks is not None and type(sinks) is not torch.Tensor) or dropout_p != 0 or generator is not None
+            or return_dropout_mask is not False or type(window_size) is not tuple or not _plans.direct()):
+        return None
+    return (_plans.meta(q), _plans.meta(k), _plans.meta(v), None if sinks is None else _plans.meta(sinks),
+            _plans.scalars(softmax_scale, causal, return_lse, backend, deterministic, softcap, dropout_p, *window_size))

@@ -13,7 +13,7 @@ from typing import Any, Literal, overload
 
 import torch
 
-from .. import _autocast, validation
+from .. import _autocast, _plans, validation
 from ..validation import Shapes
 from . import ops
 from .format import FP8Tensor, check_fp8_tensor, check_int, check_seed, to_vt
@@ -80,7 +80,6 @@ def flash_attn_fp8_func(q: torch.Tensor | FP8Tensor, k: torch.Tensor | FP8Tensor
                         kv_block_size: int | None = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
-@torch.no_grad()
 def flash_attn_fp8_func(q: torch.Tensor | FP8Tensor, k: torch.Tensor | FP8Tensor, v: torch.Tensor | FP8Tensor,
                         softmax_scale: float | None = None, causal: bool = False, return_lse: bool = False,
                         hadamard: bool = True, seed: int = 0, q_block_size: int | None = None,
@@ -106,6 +105,26 @@ def flash_attn_fp8_func(q: torch.Tensor | FP8Tensor, k: torch.Tensor | FP8Tensor
     quantized from it; FP8Tensors are left as they are, and out stays bfloat16 (the kernel's output,
     whatever the inputs' dtype). CPU tensors are never cast.
     """
+    key = _call_key(q, k, v, softmax_scale, causal, return_lse, hadamard, seed, q_block_size, kv_block_size)
+    if key is not None:  # pre-quantized inputs of a configuration that passed everything before (_plans)
+        launch = _PLANS.get(key)
+        ptrs = None if launch is None else _plans.pointers(q.data, k.data, v.data)  # type: ignore[union-attr]
+        if ptrs is not None:
+            out, lse = ops.empty_outputs(q.data)  # type: ignore[union-attr]
+            launch.fwd(*ptrs, out.data_ptr(), lse.data_ptr(), 0, 0, q.scale.data_ptr(),  # type: ignore[union-attr]
+                       k.scale.data_ptr(), v.scale.data_ptr())  # type: ignore[union-attr]
+            return (out, lse) if return_lse else out
+    with torch.no_grad():  # nothing here is differentiable; quantizing an input that requires grad is fine
+        return _fp8_attention(q, k, v, softmax_scale, causal, return_lse, hadamard, seed, q_block_size, kv_block_size,
+                              key)
+
+
+def _fp8_attention(q: torch.Tensor | FP8Tensor, k: torch.Tensor | FP8Tensor, v: torch.Tensor | FP8Tensor,
+                   softmax_scale: float | None, causal: bool, return_lse: bool, hadamard: bool, seed: int,
+                   q_block_size: int | None, kv_block_size: int | None,
+                   key: tuple[Any, ...] | None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """flash_attn_fp8_func's full path: validation, quantization, the op; ``key``: the call key under which a
+    pre-quantized call's Launch is kept (None: none)."""
     if _autocast.enabled():
         q, k, v = _autocast.cast(q, k, v)
     validation.check_flag("causal", causal)
@@ -123,7 +142,11 @@ def flash_attn_fp8_func(q: torch.Tensor | FP8Tensor, k: torch.Tensor | FP8Tensor
         tiles = _kernel_tiles(q.device, shapes.headdim, causal)
         if tiles is not None:
             check_tile_alignment(q, k, v8, tiles)
-        return _attend(q, k, v8, _softmax_scale(softmax_scale, shapes.headdim), causal, return_lse)
+        scale = _softmax_scale(softmax_scale, shapes.headdim)
+        out, lse = _attend(q, k, v8, scale, causal)
+        if key is not None and tiles is not None:  # (key: v was V^T already, so v8 is v)
+            _PLANS.put(key, ops.fwd_launch(q, k, v8, out, lse, scale, causal))
+        return (out, lse) if return_lse else out
     for name, x in (("q", q), ("k", k), ("v", v)):
         if isinstance(x, FP8Tensor):
             check_fp8_tensor(name, x)
@@ -169,11 +192,34 @@ def flash_attn_fp8_func(q: torch.Tensor | FP8Tensor, k: torch.Tensor | FP8Tensor
     k8 = quantize(k, kv_bs, seed_qk)
     v8 = to_vt(v) if isinstance(v, FP8Tensor) else quantize(v, kv_bs, None, transpose=True)
     check_fp8_inputs(q8, k8, v8, tiles)
-    return _attend(q8, k8, v8, scale, causal, return_lse)
-
-
-def _attend(q8: FP8Tensor, k8: FP8Tensor, v8: FP8Tensor, scale: float, causal: bool,
-            return_lse: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    out, lse = torch.ops.flashhopper.fwd_fp8.default(q8.data, q8.scale, k8.data, k8.scale, v8.data, v8.scale,
-                                                     q8.block_size, k8.block_size, v8.block_size, scale, causal)
+    out, lse = _attend(q8, k8, v8, scale, causal)
     return (out, lse) if return_lse else out
+
+
+def _attend(q8: FP8Tensor, k8: FP8Tensor, v8: FP8Tensor, scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.ops.flashhopper.fwd_fp8.default(q8.data, q8.scale, k8.data, k8.scale, v8.data, v8.scale,
+                                                 q8.block_size, k8.block_size, v8.block_size, scale, causal)
+
+
+# flash_attn_fp8_func's pre-quantized configurations that took the full path once (_plans): call key -> Launch.
+_PLANS = _plans.Plans()
+
+
+def fp8_key(t: FP8Tensor) -> tuple[Any, ...] | None:
+    """An FP8Tensor's part of a call key (_plans): what its validation reads; None unless its data and scale
+    are plain tensors."""
+    d, s = t.data, t.scale
+    if type(d) is not torch.Tensor or type(s) is not torch.Tensor:
+        return None
+    return _plans.meta(d), _plans.meta(s), _plans.scalars(t.block_size, t.hadamard_seed, t.transposed, t.seqlen)
+
+
+def _call_key(q: Any, k: Any, v: Any, *args: Any) -> tuple[Any, ...] | None:
+    """flash_attn_fp8_func's call key (``args``: its scalar arguments) when q, k and v are FP8Tensors, v as V^T
+    (a row-major v is converted on every call); None for any other call."""
+    if type(q) is not FP8Tensor or type(k) is not FP8Tensor or type(v) is not FP8Tensor or v.transposed is not True:
+        return None
+    parts = fp8_key(q), fp8_key(k), fp8_key(v)
+    if parts[0] is None or parts[1] is None or parts[2] is None or not _plans.direct():
+        return None
+    return (*parts, _plans.scalars(*args))

@@ -16,6 +16,7 @@ from typing import Any, Optional
 import torch
 
 from .. import _device, _ext, _launch, _op, reference_fp8, validation
+from .._plans import Launch
 from ..kernel_key import KernelKey, mask_of
 from .format import FP8_DTYPE, VT_GROUP, FP8Tensor, nblocks, round_up, vt_strides
 from .packed import PackedFP8Tensor
@@ -101,6 +102,17 @@ def fill_fwd_params(p: Any, q8: FP8Tensor, k8: FP8Tensor, v8: FP8Tensor, out: to
     return p
 
 
+def fwd_launch(q8: FP8Tensor, k8: FP8Tensor, v8: FP8Tensor, out: torch.Tensor, lse: torch.Tensor,
+               softmax_scale: float, causal: bool) -> Launch:
+    """The Launch (_plans) of an fp8 forward like this one (v8 is V^T): its kernel, or ValueError, and its params
+    from these tensors' metadata. Checks nothing else."""
+    entry = _ext.kernel("fwd", kernel_key(q8.headdim, causal))
+    if entry is None:  # reached only by calling the op directly: flash_attn_fp8_func checked before
+        raise ValueError(f"q: {missing_kernel(q8.headdim, causal)}")
+    p = fill_fwd_params(_ext.extension().FwdParams(), q8, k8, v8, out, lse, softmax_scale)
+    return Launch(p, entry.index, causal, out.device)  # causal kernels take tiles from a counter
+
+
 def launch_fwd(q8: FP8Tensor, k8: FP8Tensor, v8: FP8Tensor, out: torch.Tensor, lse: torch.Tensor,
                softmax_scale: float, causal: bool) -> int:
     """Check the memory layouts and launch the fp8 forward into ``out`` (bf16) and ``lse``; v8 is V^T.
@@ -109,14 +121,9 @@ def launch_fwd(q8: FP8Tensor, k8: FP8Tensor, v8: FP8Tensor, out: torch.Tensor, l
     for name, x in (("q", q8.data), ("k", k8.data), ("out", out)):
         validation.check_kernel_layout(name, x)
     check_vt_layout("v", v8.data)
-    entry = _ext.kernel("fwd", kernel_key(q8.headdim, causal))
-    if entry is None:  # reached only by calling the op directly: flash_attn_fp8_func checked before
-        raise ValueError(f"q: {missing_kernel(q8.headdim, causal)}")
-    p = _launch.params("FwdParams")
-    stream = _launch.stream(out.device)
-    counter = _launch.tile_counter(out.device, stream).data_ptr() if causal else 0
-    fill_fwd_params(p, q8, k8, v8, out, lse, softmax_scale, counter)
-    return int(_ext.extension().fwd(p, entry.index, stream))
+    launch = fwd_launch(q8, k8, v8, out, lse, softmax_scale, causal)
+    return launch.fwd(q8.data.data_ptr(), k8.data.data_ptr(), v8.data.data_ptr(), out.data_ptr(), lse.data_ptr(),
+                      q_scale=q8.scale.data_ptr(), k_scale=k8.scale.data_ptr(), v_scale=v8.scale.data_ptr())
 
 
 def _fp8_tensors(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor,
@@ -128,10 +135,9 @@ def _fp8_tensors(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_scal
             FP8Tensor(v_t, v_scale, v_block, None, True, sk))
 
 
-def _empty_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def empty_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     b, sq, hq, d = q.shape
-    return (torch.empty((b, sq, hq, d), dtype=torch.bfloat16, device=q.device),
-            torch.empty((b, hq, sq), dtype=torch.float32, device=q.device))
+    return q.new_empty((b, sq, hq, d), dtype=torch.bfloat16), q.new_empty((b, hq, sq), dtype=torch.float32)
 
 
 # Optional[...], not "| None": the op's schema is inferred from these annotations.
@@ -143,7 +149,7 @@ def fwd(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_scale: torch.
     headdim) and v_t (V^T: batch, nheads_kv, headdim, round_up(seqlen_k, 16)) are e4m3; each scale is float32
     broadcastable to (batch, nheads, nblocks) of its tensor, with *_block tokens per scale (None: one per
     head). The FP8Tensor fields flattened, since an op takes tensors and scalars only."""
-    out, lse = _empty_outputs(q)
+    out, lse = empty_outputs(q)
     launch_fwd(*_fp8_tensors(q, q_scale, k, k_scale, v_t, v_scale, q_block, k_block, v_block), out, lse,
                softmax_scale, causal)
     return out, lse
@@ -166,7 +172,7 @@ fwd_op = _op.define("fwd_fp8", fwd, _fwd_cpu, autocast=())
 def _(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor, v_t: torch.Tensor,
       v_scale: torch.Tensor, q_block: Optional[int], k_block: Optional[int], v_block: Optional[int],  # noqa: UP045
       softmax_scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return _empty_outputs(q)
+    return empty_outputs(q)
 
 
 # --- quantization ---
@@ -195,12 +201,19 @@ def fill_quant_params(p: Any, x: torch.Tensor, out: torch.Tensor, scale: torch.T
     return p
 
 
+def quantize_launch(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, block_size: int,
+                    hadamard_seed: int | None, transpose: bool) -> Launch:
+    """The Launch (_plans) of a quantization like this one: params from these tensors' metadata."""
+    p = fill_quant_params(_ext.extension().QuantParams(), x, out, scale, block_size, hadamard_seed, transpose)
+    return Launch(p, -1, False, x.device)
+
+
 def launch_quantize(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, block_size: int,
                     hadamard_seed: int | None, transpose: bool) -> int:
     """Check x's memory layout and launch the quantization kernel; the CTAs launched (0: nothing to do)."""
     validation.check_alignment("x", x)  # 16-byte loads
-    p = fill_quant_params(_launch.params("QuantParams"), x, out, scale, block_size, hadamard_seed, transpose)
-    return int(_ext.extension().quantize_fp8(p, _launch.stream(x.device)))
+    launch = quantize_launch(x, out, scale, block_size, hadamard_seed, transpose)
+    return launch.quantize(x.data_ptr(), out.data_ptr(), scale.data_ptr())
 
 
 def empty_quantized(x: torch.Tensor, block_size: int, transpose: bool) -> tuple[torch.Tensor, torch.Tensor]:

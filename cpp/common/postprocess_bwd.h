@@ -232,7 +232,7 @@ void launch_convert_dq_when_ready(BwdParams const& p, BwdWorkspace const& ws, Se
   static_assert(kBlockM == DqFragLayout<8>::kBlockM, "fragment order is in 64-row blocks");
   auto kernel = &convert_dq_when_ready_kernel<Element, BlockInfo<kBlockM, kBlockN, kMask>, kFragCols, Seqlens>;
   int per_sm = 0;
-  check_launch(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, 256, 0), "occupancy query");
+  check_launch(max_blocks_per_sm_once(per_sm, kernel, p.device, 256, 0), "occupancy query");
   int64_t const blocks = int64_t(ws.batch_coords) * p.nheads_q * rp.blocks_per_head;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;

@@ -359,10 +359,10 @@ int64_t launch_quantize(QuantParams const& p, cudaStream_t stream) {
     auto kernel = &quantize_fp8_kernel<T, kHeadDim, kTranspose>;
     DeviceInfo const& dev = device_info(p.device);
     int const smem = smem_bytes<T, kHeadDim, kTranspose>(p.block_size, p.hadamard);
-    if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (smem > 48 * 1024) raise_max_dynamic_smem(kernel, p.device, smem);
     // As many CTAs as fit at once (by registers and shared memory), each looping over blocks.
     int per_sm = 0;
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem);
+    max_blocks_per_sm_once(per_sm, kernel, p.device, threads, smem);
     int64_t const grid = std::min<int64_t>(work, int64_t(std::max(per_sm, 1)) * dev.num_sms);
     kernel<<<unsigned(grid), threads, smem, stream>>>(p);
     return grid;

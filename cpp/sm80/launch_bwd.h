@@ -102,7 +102,7 @@ int64_t run_bwd(BwdParams const& p, cudaStream_t stream) {
         p.window_left, p.window_right, score_mod.softmax_scale_log2(float(p.softmax_scale * M_LOG2E)),
         p.softmax_scale, score_mod, dropout};
     auto kernel = &bwd_kernel<Kernel>;
-    check_launch(set_max_dynamic_smem_once(kernel, p.device, Kernel::kSmemBytes), "cudaFuncSetAttribute");
+    check_launch(raise_max_dynamic_smem(kernel, p.device, Kernel::kSmemBytes), "cudaFuncSetAttribute");
     kernel<<<grid, Kernel::kNumThreads, Kernel::kSmemBytes, stream>>>(kp);
     check_launch(cudaGetLastError(), "backward kernel launch");
   }
@@ -115,7 +115,7 @@ int64_t run_bwd(BwdParams const& p, cudaStream_t stream) {
                                       p.dq_batch_stride, p.dq_row_stride, p.dq_head_stride,
                                       seqlens, ws.seqlen_q_rounded, p.nheads_q, p.softmax_scale};
     auto convert = &convert_dq_kernel<typename C::Mainloop, typename C::Seqlens>;
-    check_launch(set_max_dynamic_smem_once(convert, p.device, Convert::kSmemBytes), "cudaFuncSetAttribute");
+    check_launch(raise_max_dynamic_smem(convert, p.device, Convert::kSmemBytes), "cudaFuncSetAttribute");
     convert<<<dim3(ceil_div(p.seqlen_q, Tile::kBlockM), p.nheads_q, p.batch), Kernel::kNumThreads,
               Convert::kSmemBytes, stream>>>(cp);
     check_launch(cudaGetLastError(), "backward dQ postprocess launch");

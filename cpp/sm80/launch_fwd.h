@@ -78,7 +78,7 @@ int64_t run_fwd(FwdParams const& p, cudaStream_t stream) {
                                    p.window_left, p.window_right, p.sinks_ptr,
                                    score_mod.softmax_scale_log2(float(p.softmax_scale * M_LOG2E)), score_mod, dropout};
   auto kernel = &fwd_kernel<Kernel>;
-  cudaError_t err = set_max_dynamic_smem_once(kernel, p.device, Kernel::kSmemBytes);
+  cudaError_t err = raise_max_dynamic_smem(kernel, p.device, Kernel::kSmemBytes);
   if (err != cudaSuccess) throw std::runtime_error(std::string("flashhopper: cudaFuncSetAttribute: ") + cudaGetErrorString(err));
   kernel<<<grid, Kernel::kNumThreads, Kernel::kSmemBytes, stream>>>(kp);
   return int64_t(grid.x) * grid.y * grid.z;

@@ -149,7 +149,7 @@ int64_t launch_bwd_main(BwdParams const& params, BwdWorkspace const& ws, int num
     }
     auto kernel = &bwd_kernel<Kernel>;
     int const smem_bytes = int(sizeof(typename Kernel::SharedStorage));
-    check_launch(set_max_dynamic_smem_once(kernel, p.device, smem_bytes), "cudaFuncSetAttribute");
+    check_launch(raise_max_dynamic_smem(kernel, p.device, smem_bytes), "cudaFuncSetAttribute");
     kernel<<<dim3(unsigned(ctas)), Kernel::kNumThreads, smem_bytes, stream>>>(kp);
     check_launch(cudaGetLastError(), "backward kernel launch");
   }

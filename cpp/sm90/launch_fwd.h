@@ -188,7 +188,7 @@ int64_t run_fwd_sm90(FwdParams const& params, cudaStream_t stream) {
 
   auto kernel = &sm90::fwd_kernel<Kernel>;
   int const smem_bytes = int(sizeof(typename Kernel::SharedStorage));
-  cudaError_t err = set_max_dynamic_smem_once(kernel, p.device, smem_bytes);
+  cudaError_t err = raise_max_dynamic_smem(kernel, p.device, smem_bytes);
   if (err != cudaSuccess) throw std::runtime_error(std::string("flashhopper: cudaFuncSetAttribute: ") + cudaGetErrorString(err));
   if constexpr (kVarlen) {
     // The tile bound above sizes the grid; the prepare kernel writes the true count and the schedule.

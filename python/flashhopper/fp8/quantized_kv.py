@@ -43,11 +43,13 @@ class QuantizedKV(NamedTuple):
 
 class _AttendPlan(NamedTuple):
     """QuantizedKV.attend's launches for bf16/fp16 queries (_plans): q's quantization into one scratch buffer
-    (its e4m3 rows, then at ``scale_offset`` its descales) and the fp8 forward from it."""
+    (its e4m3 rows, at ``scale_offset`` its descales) and the fp8 forward from it, whose lse (not returned) goes
+    to the same buffer at ``lse_offset``: one allocation besides out."""
 
     quantize: Launch
     fwd: Launch
     scale_offset: int
+    lse_offset: int
     nbytes: int
 
     @staticmethod
@@ -62,7 +64,8 @@ class _AttendPlan(NamedTuple):
         fwd = ops.fwd_launch(FP8Tensor(data, scale, Q_BLOCK, seed, False, q.shape[1]), k8, v8, out, lse, sm_scale,
                              causal)
         scale_offset = round_up(data.numel(), 16)
-        return _AttendPlan(quantize, fwd, scale_offset, scale_offset + 4 * scale.numel())
+        lse_offset = round_up(scale_offset + 4 * scale.numel(), 16)
+        return _AttendPlan(quantize, fwd, scale_offset, lse_offset, lse_offset + 4 * lse.numel())
 
     def __call__(self, q: torch.Tensor, k8: FP8Tensor, v8: FP8Tensor, ptrs: tuple[int, int, int]) -> torch.Tensor:
         """attend(q) on k8, v8, whose data pointers (q's, k8's, v8's) are ``ptrs``."""
@@ -70,8 +73,8 @@ class _AttendPlan(NamedTuple):
         q8 = scratch.data_ptr()
         q8_scale = q8 + self.scale_offset
         self.quantize.quantize(ptrs[0], q8, q8_scale)
-        out, lse = ops.empty_outputs(q)
-        self.fwd.fwd(q8, ptrs[1], ptrs[2], out.data_ptr(), lse.data_ptr(), 0, 0, q8_scale, k8.scale.data_ptr(),
+        out = q.new_empty(q.shape, dtype=torch.bfloat16)  # (contiguous, as the plan's params were filled for)
+        self.fwd.fwd(q8, ptrs[1], ptrs[2], out.data_ptr(), q8 + self.lse_offset, 0, 0, q8_scale, k8.scale.data_ptr(),
                      v8.scale.data_ptr())
         return out
 

@@ -70,7 +70,10 @@ class Plans:
 
     def put(self, key: Any, value: Any) -> None:
         if len(self._d) >= self.LIMIT:
-            self._d.pop(next(iter(self._d)), None)
+            try:
+                del self._d[next(iter(self._d))]
+            except (KeyError, RuntimeError, StopIteration):  # another thread evicted or inserted meanwhile
+                pass
         try:
             self._d[key] = value
         except TypeError:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -333,3 +335,14 @@ def require_backend(backend: str, dtype: torch.dtype, headdim: int, causal: bool
                                 softcap=softcap, headdim_v=headdim_v, dropout=dropout, varlen=varlen)
     except ValueError as e:
         pytest.fail(f"dispatch refuses {backend} for {key.describe()}, which the build has: {e}")
+
+
+def with_pointers(params: Any, q: int, k: int, v: int, o: int, lse: int, tile_counter: int, sinks: int,
+                  dropout_rng: int, q_scale: int, k_scale: int, v_scale: int) -> SimpleNamespace:
+    """What ``_C.fwd_with`` launches, for the CPU stand-ins of _C: a copy of ``params`` (a SimpleNamespace) with
+    these pointers in place (the fp8 descales only in params that have them)."""
+    p = dict(vars(params), q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=o, lse_ptr=lse, tile_counter=tile_counter,
+             sinks_ptr=sinks, dropout_rng=dropout_rng)
+    if "q_scale_ptr" in p:
+        p.update(q_scale_ptr=q_scale, k_scale_ptr=k_scale, v_scale_ptr=v_scale)
+    return SimpleNamespace(**p)

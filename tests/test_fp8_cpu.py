@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import rel_err
+from helpers import rel_err, with_pointers
 
 from flashhopper import (FP8Tensor, QuantizedKV, _device, _ext, _launch, flash_attn_fp8_func, fp8, hadamard_signs,
                          quantize_fp8, quantize_kv, to_vt)
@@ -780,14 +780,9 @@ class FakeC:
         self.calls: list[tuple[dict[str, Any], int, int]] = []
         self.quant_calls: list[tuple[dict[str, Any], int]] = []
 
-    def fwd_with(self, params: FwdParams, index: int, stream: int, q: int, k: int, v: int, o: int, lse: int,
-                 tile_counter: int, sinks: int, dropout_rng: int, q_scale: int, k_scale: int, v_scale: int) -> int:
+    def fwd_with(self, params: FwdParams, index: int, stream: int, *pointers: int) -> int:
         """_C.fwd_with: recorded as fwd() with the pointers in the params; the prepared object is left as it was."""
-        p = dict(vars(params), q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=o, lse_ptr=lse, tile_counter=tile_counter,
-                 sinks_ptr=sinks, dropout_rng=dropout_rng)
-        if "q_scale_ptr" in p:  # (fp8 params)
-            p.update(q_scale_ptr=q_scale, k_scale_ptr=k_scale, v_scale_ptr=v_scale)
-        return self.fwd(SimpleNamespace(**p), index, stream)
+        return self.fwd(with_pointers(params, *pointers), index, stream)
 
     def fwd(self, params: FwdParams, index: int, stream: int) -> int:
         self.calls.append((dict(vars(params)), index, stream))

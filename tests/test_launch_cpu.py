@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import randn_qkv
+from helpers import randn_qkv, with_pointers
 
 from flashhopper import _device, _ext, _launch, ops
 from flashhopper.kernel_key import KernelKey, from_dict
@@ -53,14 +53,9 @@ class FakeC:
         (entry,) = (k for k in self.table if (k["mode"], k["index"]) == (mode, index))
         return from_dict(entry)
 
-    def fwd_with(self, params: FwdParams, index: int, stream: int, q: int, k: int, v: int, o: int, lse: int,
-                 tile_counter: int, sinks: int, dropout_rng: int, q_scale: int, k_scale: int, v_scale: int) -> int:
+    def fwd_with(self, params: FwdParams, index: int, stream: int, *pointers: int) -> int:
         """_C.fwd_with: recorded as fwd() with the pointers in the params; the prepared object is left as it was."""
-        p = dict(vars(params), q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=o, lse_ptr=lse, tile_counter=tile_counter,
-                 sinks_ptr=sinks, dropout_rng=dropout_rng)
-        if "q_scale_ptr" in p:  # (fp8 params)
-            p.update(q_scale_ptr=q_scale, k_scale_ptr=k_scale, v_scale_ptr=v_scale)
-        return self.fwd(SimpleNamespace(**p), index, stream)
+        return self.fwd(with_pointers(params, *pointers), index, stream)
 
     def fwd(self, params: FwdParams, index: int, stream: int) -> int:
         self.calls.append((dict(vars(params)), index, stream))

@@ -1,7 +1,6 @@
 """K and V quantized once, e.g. a KV cache, for attention with bf16/fp16 queries."""
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple
 
 import torch
@@ -9,7 +8,7 @@ import torch
 from .. import _autocast, _plans, validation
 from .._plans import Launch
 from . import ops
-from .attention import flash_attn_fp8_func, fp8_key
+from .attention import _softmax_scale, flash_attn_fp8_func, fp8_key
 from .format import FP8Tensor, round_up, seed_int64
 from .quantize import default_kv_block_size, quantize_fp8, use_quant_kernel
 from .validation import Q_BLOCK, check_input, check_input_alignment
@@ -60,9 +59,8 @@ class _AttendPlan(NamedTuple):
         seed = k8.hadamard_seed
         quantize = ops.quantize_launch(q, data, scale, Q_BLOCK, None if seed is None else seed_int64(seed), False)
         out, lse = ops.empty_outputs(data)
-        sm_scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-        fwd = ops.fwd_launch(FP8Tensor(data, scale, Q_BLOCK, seed, False, q.shape[1]), k8, v8, out, lse, sm_scale,
-                             causal)
+        fwd = ops.fwd_launch(FP8Tensor(data, scale, Q_BLOCK, seed, False, q.shape[1]), k8, v8, out, lse,
+                             _softmax_scale(softmax_scale, q.shape[-1]), causal)
         scale_offset = round_up(data.numel(), 16)
         lse_offset = round_up(scale_offset + 4 * scale.numel(), 16)
         return _AttendPlan(quantize, fwd, scale_offset, lse_offset, lse_offset + 4 * lse.numel())

@@ -108,6 +108,13 @@ def test_fp8_keys() -> None:
     assert fp8_attention._call_key(q._replace(transposed=1), k, v, *scalars) != base  # type: ignore[arg-type]
     assert fp8_attention._call_key(q._replace(data=torch.nn.Parameter(q.data, requires_grad=False)), k, v,
                                    *scalars) is None
+    # bf16/fp16 q, k, v (quantized in the call) have keys of their own; a mix of tensors and FP8Tensors has none.
+    x = torch.zeros(1, 32, 4, 64, dtype=torch.bfloat16)
+    assert fp8_attention._call_key(x, x, x, *scalars) not in (None, base)
+    assert fp8_attention._call_key(x, x, x, *scalars) != fp8_attention._call_key(x, x, x.half(), *scalars)
+    assert fp8_attention._call_key(x, x, x, None, False, False, True, 1, None, None) != \
+        fp8_attention._call_key(x, x, x, *scalars)  # another seed
+    assert fp8_attention._call_key(x, k, v, *scalars) is None
     kv = quantized_kv.QuantizedKV(k, v)
     qb = torch.zeros(1, 32, 4, 64, dtype=torch.bfloat16)
     assert quantized_kv._call_key(kv, qb, None, False) is not None

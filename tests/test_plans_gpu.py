@@ -173,6 +173,21 @@ def test_fp8_prequantized_and_quantized_kv(causal: bool, monkeypatch: pytest.Mon
     expect = fp8.flash_attn_fp8_func(fp8.quantize_fp8(q2, block_size=64, seed=kv.k.hadamard_seed), kv.k, kv.v,
                                      causal=causal)
     assert torch.equal(kv.attend(q2, causal=causal), expect)
+    # bf16 q, k, v quantized in the call (three quantizations, then the forward), with and without lse.
+    n = full_checks.n
+    e2e = [fp8.flash_attn_fp8_func(q, k, v, causal=causal, return_lse=True) for _ in range(3)]
+    assert full_checks.n == n + 1
+    for out, lse in e2e[1:]:  # (the second and third: the fast path)
+        assert torch.equal(out, e2e[0][0]) and torch.equal(lse, e2e[0][1])
+    plain = fp8.flash_attn_fp8_func(q, k, v, causal=causal)
+    assert full_checks.n == n + 2 and torch.equal(plain, e2e[0][0])
+    poison(((b, sq, hq, d), torch.bfloat16))
+    assert torch.equal(fp8.flash_attn_fp8_func(q, k, v, causal=causal), plain) and full_checks.n == n + 2
+    # ... and equal to quantizing first (the kernel's K/V block for this causal flag).
+    kv_block = fp8.default_kv_block_size(d, causal)
+    q8s, k8s = (fp8.quantize_fp8(x, block_size=bs) for x, bs in ((q, 64), (k, kv_block)))
+    v8s = fp8.quantize_fp8(v, block_size=kv_block, hadamard=False, transpose=True)
+    assert torch.equal(plain, fp8.flash_attn_fp8_func(q8s, k8s, v8s, causal=causal))
     # Another K seed is another key: quantized with its own signs.
     kv7 = fp8.quantize_kv(k, v, causal=causal, seed=7)
     q87 = fp8.quantize_fp8(q, block_size=64, seed=7)

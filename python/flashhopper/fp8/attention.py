@@ -9,14 +9,15 @@ break, and a CUDA-graph capture may hold its very first call.
 from __future__ import annotations
 
 import math
-from typing import Any, Literal, overload
+from typing import Any, Literal, NamedTuple, overload
 
 import torch
 
 from .. import _autocast, _plans, validation
+from .._plans import Launch
 from ..validation import Shapes
 from . import ops
-from .format import FP8Tensor, check_fp8_tensor, check_int, check_seed, to_vt
+from .format import FP8Tensor, check_fp8_tensor, check_int, check_seed, round_up, seed_int64, to_vt
 from .quantize import default_kv_block_size, quantize_fp8
 from .validation import (Q_BLOCK, Q_WHY, check_aligned, check_fp8_inputs, check_input, check_input_alignment,
                          check_not_transposed, check_tile_alignment, kv_why, qk_seed)
@@ -106,14 +107,12 @@ def flash_attn_fp8_func(q: torch.Tensor | FP8Tensor, k: torch.Tensor | FP8Tensor
     whatever the inputs' dtype). CPU tensors are never cast.
     """
     key = _call_key(q, k, v, softmax_scale, causal, return_lse, hadamard, seed, q_block_size, kv_block_size)
-    if key is not None:  # pre-quantized inputs of a configuration that passed everything before (_plans)
-        launch = _PLANS.get(key)
-        ptrs = None if launch is None else _plans.pointers(q.data, k.data, v.data)  # type: ignore[union-attr]
+    if key is not None:  # a configuration that passed everything below before (_plans)
+        plan = _PLANS.get(key)
+        ptrs = None if plan is None else _plans.pointers(*(x.data if type(x) is FP8Tensor else x  # type: ignore[union-attr]
+                                                           for x in (q, k, v)))
         if ptrs is not None:
-            out, lse = ops.empty_outputs(q.data)  # type: ignore[union-attr]
-            launch.fwd(*ptrs, out.data_ptr(), lse.data_ptr(), 0, 0, q.scale.data_ptr(),  # type: ignore[union-attr]
-                       k.scale.data_ptr(), v.scale.data_ptr())  # type: ignore[union-attr]
-            return (out, lse) if return_lse else out
+            return plan((q, k, v), ptrs, return_lse)
     with torch.no_grad():  # nothing here is differentiable; quantizing an input that requires grad is fine
         return _fp8_attention(q, k, v, softmax_scale, causal, return_lse, hadamard, seed, q_block_size, kv_block_size,
                               key)
@@ -145,7 +144,7 @@ def _fp8_attention(q: torch.Tensor | FP8Tensor, k: torch.Tensor | FP8Tensor, v: 
         scale = _softmax_scale(softmax_scale, shapes.headdim)
         out, lse = _attend(q, k, v8, scale, causal)
         if key is not None and tiles is not None:  # (key: v was V^T already, so v8 is v)
-            _PLANS.put(key, ops.fwd_launch(q, k, v8, out, lse, scale, causal))
+            _PLANS.put(key, QuantizingPlan.make((q, k, v8), (), scale, causal, return_lse))
         return (out, lse) if return_lse else out
     for name, x in (("q", q), ("k", k), ("v", v)):
         if isinstance(x, FP8Tensor):
@@ -193,6 +192,10 @@ def _fp8_attention(q: torch.Tensor | FP8Tensor, k: torch.Tensor | FP8Tensor, v: 
     v8 = to_vt(v) if isinstance(v, FP8Tensor) else quantize(v, kv_bs, None, transpose=True)
     check_fp8_inputs(q8, k8, v8, tiles)
     out, lse = _attend(q8, k8, v8, scale, causal)
+    if key is not None and tiles is not None and ops.has_quant_kernel():  # (key: q, k, v are tensors)
+        seed64 = None if seed_qk is None else seed_int64(seed_qk)
+        _PLANS.put(key, QuantizingPlan.make((None, None, None), ((q, 0, q_bs, seed64, False), (k, 1, kv_bs, seed64, False),
+                                                                 (v, 2, kv_bs, None, True)), scale, causal, return_lse))
     return (out, lse) if return_lse else out
 
 
@@ -216,10 +219,63 @@ def fp8_key(t: FP8Tensor) -> tuple[Any, ...] | None:
 
 def _call_key(q: Any, k: Any, v: Any, *args: Any) -> tuple[Any, ...] | None:
     """flash_attn_fp8_func's call key (``args``: its scalar arguments) when q, k and v are FP8Tensors, v as V^T
-    (a row-major v is converted on every call); None for any other call."""
-    if type(q) is not FP8Tensor or type(k) is not FP8Tensor or type(v) is not FP8Tensor or v.transposed is not True:
+    (a row-major v is converted on every call), or all three plain tensors; None for any other call (a mix)."""
+    if type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor:
+        parts: tuple[Any, ...] = (_plans.meta(q), _plans.meta(k), _plans.meta(v))
+    elif type(q) is FP8Tensor and type(k) is FP8Tensor and type(v) is FP8Tensor and v.transposed is True:
+        parts = fp8_key(q), fp8_key(k), fp8_key(v)
+        if parts[0] is None or parts[1] is None or parts[2] is None:
+            return None
+    else:
         return None
-    parts = fp8_key(q), fp8_key(k), fp8_key(v)
-    if parts[0] is None or parts[1] is None or parts[2] is None or not _plans.direct():
-        return None
-    return (*parts, _plans.scalars(*args))
+    return (*parts, _plans.scalars(*args)) if _plans.direct() else None
+
+
+class QuantizingPlan(NamedTuple):
+    """The launches of an fp8 call (_plans): the quantization of those of q, k, v that are bf16/fp16 here, each into
+    one scratch buffer at the offsets of its data and scales, and the forward, which reads them from there (the
+    others from their FP8Tensors). Its lse goes to the scratch too when the call does not return it
+    (``lse_offset`` >= 0): one allocation besides the outputs, none for pre-quantized inputs that return lse."""
+
+    quantize: tuple[tuple[Launch, int, int, int], ...]  # (launch, which input: 0 q / 1 k / 2 v, data, scale offsets)
+    fwd: Launch
+    lse_offset: int
+    nbytes: int
+
+    @staticmethod
+    def make(xs8: tuple[FP8Tensor | None, FP8Tensor | None, FP8Tensor | None],
+             quantized: tuple[tuple[torch.Tensor, int, int, int | None, bool], ...], softmax_scale: float, causal: bool,
+             return_lse: bool) -> QuantizingPlan:
+        """The plan of a call like one that just passed the full path: ``xs8`` its q, k, v that were FP8Tensors (v
+        as V^T; None for the others), ``quantized`` the others as (tensor, which input, block size, Hadamard seed as
+        the quantization op takes it, transpose)."""
+        xs8_ = list(xs8)
+        launches, offset = [], 0
+        for x, i, block, seed64, transpose in quantized:
+            data, scale = ops.empty_quantized(x, block, transpose)  # contiguous, as the scratch's views will be
+            data_offset, scale_offset = offset, round_up(offset + data.numel(), 16)
+            offset = round_up(scale_offset + 4 * scale.numel(), 16)
+            launches.append((ops.quantize_launch(x, data, scale, block, seed64, transpose), i, data_offset, scale_offset))
+            xs8_[i] = FP8Tensor(data, scale, block, None, transpose, x.shape[1])  # (the signs do not enter params)
+        q8, k8, v8 = xs8_
+        out, lse = ops.empty_outputs(q8.data)  # type: ignore[union-attr]
+        fwd = ops.fwd_launch(q8, k8, v8, out, lse, softmax_scale, causal)  # type: ignore[arg-type]
+        lse_offset = -1 if return_lse else offset
+        return QuantizingPlan(tuple(launches), fwd, lse_offset, offset + (0 if return_lse else 4 * lse.numel()))
+
+    def __call__(self, xs: tuple[torch.Tensor | FP8Tensor, ...], ptrs: tuple[int, ...],
+                 return_lse: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The call on q, k, v ``xs``, whose data pointers (a tensor's, or an FP8Tensor's data's) are ``ptrs``."""
+        q = xs[0].data if type(xs[0]) is FP8Tensor else xs[0]
+        # One scratch allocation, freed in stream order as any op's temporary.
+        base = q.new_empty(self.nbytes, dtype=torch.uint8).data_ptr() if self.nbytes else 0  # type: ignore[union-attr]
+        data = list(ptrs)
+        scales = [x.scale.data_ptr() if type(x) is FP8Tensor else 0 for x in xs]  # type: ignore[union-attr]
+        for launch, i, data_offset, scale_offset in self.quantize:
+            launch.quantize(ptrs[i], base + data_offset, base + scale_offset)
+            data[i], scales[i] = base + data_offset, base + scale_offset
+        b, sq, hq, d = q.shape
+        out = q.new_empty((b, sq, hq, d), dtype=torch.bfloat16)  # contiguous, as the plan's params were filled for
+        lse = q.new_empty((b, hq, sq), dtype=torch.float32) if return_lse else None  # type: ignore[union-attr]
+        self.fwd.fwd(*data, out.data_ptr(), base + self.lse_offset if lse is None else lse.data_ptr(), 0, 0, *scales)
+        return (out, lse) if return_lse else out  # type: ignore[return-value]

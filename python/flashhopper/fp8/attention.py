@@ -267,8 +267,10 @@ class QuantizingPlan(NamedTuple):
                  return_lse: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The call on q, k, v ``xs``, whose data pointers (a tensor's, or an FP8Tensor's data's) are ``ptrs``."""
         q = xs[0].data if type(xs[0]) is FP8Tensor else xs[0]
-        # One scratch allocation, freed in stream order as any op's temporary.
-        base = q.new_empty(self.nbytes, dtype=torch.uint8).data_ptr() if self.nbytes else 0  # type: ignore[union-attr]
+        # One scratch allocation, held until the launches are queued (freed then in stream order, as any op's
+        # temporary: a buffer dropped before would be handed to out below).
+        scratch = q.new_empty(self.nbytes, dtype=torch.uint8) if self.nbytes else None  # type: ignore[union-attr]
+        base = 0 if scratch is None else scratch.data_ptr()
         data = list(ptrs)
         scales = [x.scale.data_ptr() if type(x) is FP8Tensor else 0 for x in xs]  # type: ignore[union-attr]
         for launch, i, data_offset, scale_offset in self.quantize:
@@ -278,4 +280,5 @@ class QuantizingPlan(NamedTuple):
         out = q.new_empty((b, sq, hq, d), dtype=torch.bfloat16)  # contiguous, as the plan's params were filled for
         lse = q.new_empty((b, hq, sq), dtype=torch.float32) if return_lse else None  # type: ignore[union-attr]
         self.fwd.fwd(*data, out.data_ptr(), base + self.lse_offset if lse is None else lse.data_ptr(), 0, 0, *scales)
+        del scratch
         return (out, lse) if return_lse else out  # type: ignore[return-value]

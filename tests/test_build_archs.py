@@ -11,14 +11,16 @@ import pytest
 MODULE = Path(__file__).resolve().parents[1] / "cmake" / "DetectGpuArchs.cmake"
 
 
-def archs_for(caps: str) -> tuple[str, str]:
+def archs_for(caps: str, tmp: Path) -> tuple[str, str]:
     cmake = shutil.which("cmake")
     if cmake is None:
         pytest.skip("no cmake on PATH")
-    script = (f'include("{MODULE.as_posix()}")\n'
-              f'flashhopper_archs_for_caps("{caps}" archs from)\n'
-              'message(NOTICE "archs=${archs}|from=${from}")\n')
-    run = subprocess.run([cmake, "-P", "/dev/stdin"], input=script, capture_output=True, text=True, check=True)
+    # A script file, not /dev/stdin: some cmake builds refuse a pipe ("File not seekable").
+    script = tmp / "archs.cmake"
+    script.write_text(f'include("{MODULE.as_posix()}")\n'
+                      f'flashhopper_archs_for_caps("{caps}" archs from)\n'
+                      'message(NOTICE "archs=${archs}|from=${from}")\n')
+    run = subprocess.run([cmake, "-P", str(script)], capture_output=True, text=True, check=True)
     line = next(s for s in run.stderr.splitlines() if s.startswith("archs="))
     archs, origin = line.removeprefix("archs=").split("|from=")
     return archs, origin
@@ -32,8 +34,8 @@ def archs_for(caps: str) -> tuple[str, str]:
     ("12.0", "90;80"), ("7.5", "90;80"),  # only unsupported GPUs: as if none
     ("10.0;8.6", "80"),            # an unsupported GPU beside a supported one: the supported one's family
 ])
-def test_auto_archs(caps: str, archs: str) -> None:
-    got, origin = archs_for(caps)
+def test_auto_archs(caps: str, archs: str, tmp_path: Path) -> None:
+    got, origin = archs_for(caps, tmp_path)
     assert got == archs
     assert origin.startswith("auto, ")
     assert ("no GPU visible" in origin) == (caps == "")

@@ -15,6 +15,8 @@ from helpers import assert_matches_reference, randn_qkv, require_backend
 import flashhopper as fh
 from flashhopper import _plans, fp8, interface
 from flashhopper.fp8 import attention as fp8_attention
+from flashhopper.fp8 import ops as fp8_ops
+from flashhopper.fp8 import quantize as fp8_quantize
 from flashhopper.fp8 import quantized_kv
 
 pytestmark = pytest.mark.gpu
@@ -193,3 +195,24 @@ def test_fp8_prequantized_and_quantized_kv(causal: bool, monkeypatch: pytest.Mon
     q87 = fp8.quantize_fp8(q, block_size=64, seed=7)
     assert torch.equal(kv7.attend(q, causal=causal), fp8.flash_attn_fp8_func(q87, kv7.k, kv7.v, causal=causal))
     assert torch.equal(kv7.attend(q, causal=causal), fp8.flash_attn_fp8_func(q87, kv7.k, kv7.v, causal=causal))
+
+
+@pytest.mark.parametrize("transpose", [False, True])
+def test_quantize_fp8_repeat(transpose: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if not fp8_ops.has_quant_kernel():
+        pytest.skip("no fp8 quantization kernel in this build")
+    _plans.clear()
+    x = torch.randn(2, 200, 3, 128, device="cuda", dtype=torch.bfloat16)
+    checks = Counter(fp8_quantize.check_input)
+    monkeypatch.setattr(fp8_quantize, "check_input", checks)
+    first = fp8.quantize_fp8(x, block_size=64, seed=5, transpose=transpose)
+    assert checks.n == 1
+    for _ in range(2):
+        poison((tuple(first.data.shape), torch.float8_e4m3fn), (tuple(first.scale.shape), torch.float32))
+        again = fp8.quantize_fp8(x, block_size=64, seed=5, transpose=transpose)
+        assert checks.n == 1  # the fast path
+        assert torch.equal(again.data.view(torch.uint8), first.data.view(torch.uint8))
+        assert torch.equal(again.scale, first.scale) and again._replace(data=None, scale=None) == first._replace(
+            data=None, scale=None)
+    fp8.quantize_fp8(x, block_size=64, seed=6, transpose=transpose)  # another seed: the full path
+    assert checks.n == 2

@@ -3,11 +3,11 @@ fp8 kernel wants, ``default_kv_block_size``."""
 from __future__ import annotations
 
 import math
-from typing import overload
+from typing import Any, overload
 
 import torch
 
-from .. import _autocast, _ext, reference_fp8, validation
+from .. import _autocast, _ext, _plans, reference_fp8, validation
 from . import ops
 from .format import GRANULARITIES, FP8Tensor, check_int, check_seed, seed_int64
 from .packed import PackedFP8Tensor
@@ -64,7 +64,6 @@ def quantize_fp8(x: torch.Tensor, block_size: int | None = ..., hadamard: bool =
                  cu_seqlens: torch.Tensor) -> PackedFP8Tensor: ...
 
 
-@torch.no_grad()
 def quantize_fp8(x: torch.Tensor, block_size: int | None = 128, hadamard: bool = True, seed: int = 0,
                  granularity: str = "block", transpose: bool = False, *, kernel: bool | None = None,
                  cu_seqlens: torch.Tensor | None = None) -> FP8Tensor | PackedFP8Tensor:
@@ -87,6 +86,23 @@ def quantize_fp8(x: torch.Tensor, block_size: int | None = 128, hadamard: bool =
     PackedFP8Tensor (fp8/packed.py: scales (nheads, total // block_size + batch), V^T (nheads, headdim,
     nblocks * block_size) with ``transpose``). "block" granularity only.
     """
+    key = None
+    if type(x) is torch.Tensor and cu_seqlens is None and _plans.direct():
+        key = (_plans.meta(x), _plans.scalars(block_size, hadamard, seed, granularity, transpose, kernel))
+        launch = _PLANS.get(key)  # a configuration that passed everything below before (_plans)
+        ptrs = None if launch is None else _plans.pointers(x)
+        if ptrs is not None:
+            data, scale = ops.empty_quantized(x, block_size, transpose)  # type: ignore[arg-type]
+            launch.quantize(ptrs[0], data.data_ptr(), scale.data_ptr())
+            return FP8Tensor(data, scale, block_size, seed if hadamard else None, transpose, x.shape[1])
+    with torch.no_grad():  # nothing here is differentiable (x may require grad)
+        return _quantize(x, block_size, hadamard, seed, granularity, transpose, kernel, cu_seqlens, key)
+
+
+def _quantize(x: torch.Tensor, block_size: int | None, hadamard: bool, seed: int, granularity: str, transpose: bool,
+              kernel: bool | None, cu_seqlens: torch.Tensor | None,
+              key: tuple[Any, ...] | None) -> FP8Tensor | PackedFP8Tensor:
+    """quantize_fp8's full path; ``key``: the call key under which a kernel call's Launch is kept (None: none)."""
     if _autocast.enabled():
         (x,) = _autocast.cast(x)
     if cu_seqlens is not None:
@@ -106,11 +122,17 @@ def quantize_fp8(x: torch.Tensor, block_size: int | None = 128, hadamard: bool =
         check_int("block_size", block_size, minimum=1)
     hadamard_seed = seed if hadamard else None
     if use_kernel or (granularity == "block" and x.device.type == "cpu"):
-        data, scale = torch.ops.flashhopper.quantize_fp8.default(
-            x, block_size, None if hadamard_seed is None else seed_int64(hadamard_seed), transpose)
+        seed64 = None if hadamard_seed is None else seed_int64(hadamard_seed)
+        data, scale = torch.ops.flashhopper.quantize_fp8.default(x, block_size, seed64, transpose)
+        if key is not None and use_kernel:
+            _PLANS.put(key, ops.quantize_launch(x, data, scale, block_size, seed64, transpose))  # type: ignore[arg-type]
         return FP8Tensor(data, scale, block_size, hadamard_seed, transpose, x.shape[1])
     return reference_fp8.quantize_ref(x, block_size if granularity == "block" else None, granularity,
                                       hadamard_seed, transpose)
+
+
+# quantize_fp8's kernel configurations that took the full path once (_plans): call key -> Launch.
+_PLANS = _plans.Plans()
 
 
 def _quantize_packed(x: torch.Tensor, block_size: int | None, hadamard: bool, seed: int, granularity: str,

@@ -14,8 +14,8 @@ A later call with that key allocates its outputs and launches, and nothing else.
 vouch for goes the full way, which validates and raises: the fast path raises no error of its own.
 
 It is taken only where the op's dispatch would add nothing (``direct``): eager (no torch.compile trace),
-autocast off, no torch function or dispatch mode, no functorch transform, plain ``torch.Tensor`` inputs; and
-(``needs_grad``) no autograd to record. Per call it checks the one layout property metadata cannot show, the
+autocast off, no torch function or dispatch mode, no functorch transform, plain ``torch.Tensor`` inputs; and,
+for the differentiable entry point, no autograd to record (``needs_grad``). Per call it checks the one layout property metadata cannot show, the
 16-byte alignment of the data pointers (TMA). The kernel table and device properties are fixed for a process,
 so a Launch does not go stale; ``clear()`` empties every cache (tests that fake the build).
 """
@@ -26,8 +26,7 @@ from typing import Any, NamedTuple
 import torch
 
 from . import _ext, _launch
-
-_TMA_ALIGN_MASK = 15  # validation.TMA_ALIGN_BYTES - 1
+from .validation import TMA_ALIGN_BYTES
 
 
 class Launch(NamedTuple):
@@ -54,7 +53,8 @@ class Launch(NamedTuple):
 
 
 class Plans:
-    """A bounded cache from call keys to what the fast path needs (a Launch, or a tuple of them)."""
+    """A bounded cache from call keys to what the fast path runs: a Launch, or a plan of several
+    (fp8.attention.QuantizingPlan)."""
 
     LIMIT = 256  # configurations per entry point; past it the oldest goes (a model has a handful)
 
@@ -121,7 +121,7 @@ def pointers(*xs: torch.Tensor) -> tuple[int, ...] | None:
     bits = 0
     for p in ptrs:
         bits |= p
-    return None if bits & _TMA_ALIGN_MASK else ptrs
+    return None if bits % TMA_ALIGN_BYTES else ptrs
 
 
 def needs_grad(*xs: torch.Tensor | None) -> bool:

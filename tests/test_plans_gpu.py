@@ -130,8 +130,9 @@ def test_graph_capture_of_the_fast_path() -> None:
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
-            fh.flash_attn_func(q, k, v, causal=True)  # the fast path on a side stream
+            side = fh.flash_attn_func(q, k, v, causal=True)  # the fast path on a side stream (its own tile counter)
         torch.cuda.current_stream().wait_stream(s)
+        assert torch.equal(side, eager)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             out = fh.flash_attn_func(q, k, v, causal=True)

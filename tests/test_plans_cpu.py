@@ -67,6 +67,9 @@ def test_calls_that_need_the_op_have_no_key() -> None:
     seen: list[bool] = []
     torch.vmap(lambda x: (seen.append(_plans.direct()), x)[1])(torch.ones(2, 3))
     assert seen == [False]
+    seen.clear()
+    torch.jit.trace(lambda x: (seen.append(_plans.direct()), x * 2)[1], torch.ones(2), check_trace=False)
+    assert seen == [False]  # a jit trace records ops: a launch behind its back would be missing from it
     assert _plans.direct()
 
 

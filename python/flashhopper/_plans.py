@@ -13,7 +13,7 @@ True == 1 == 1.0) to the Launch that the first such call made, after it passed e
 A later call with that key allocates its outputs and launches, and nothing else. Whatever the fast path cannot
 vouch for goes the full way, which validates and raises: the fast path raises no error of its own.
 
-It is taken only where the op's dispatch would add nothing (``direct``): eager (no torch.compile trace),
+It is taken only where the op's dispatch would add nothing (``direct``): eager (no torch.compile or jit trace),
 autocast off, no torch function or dispatch mode, no functorch transform, plain ``torch.Tensor`` inputs; and,
 for the differentiable entry point, no autograd to record (``needs_grad``). Per call it checks the one layout property metadata cannot show, the
 16-byte alignment of the data pointers (TMA). The kernel table and device properties are fixed for a process,
@@ -97,11 +97,11 @@ def clear() -> None:
 
 def direct() -> bool:
     """Whether an eager call may skip the op dispatcher: nothing that hooks into it is active (a torch.compile
-    trace, autocast, a torch function or dispatch mode, a functorch transform). The inputs' own types
-    (plain ``torch.Tensor``) and grad are the caller's to check."""
-    return not (torch.compiler.is_compiling() or torch.is_autocast_enabled()
-                or torch._C._is_torch_function_mode_enabled() or torch._C._len_torch_dispatch_stack()
-                or torch._C._functorch.peek_interpreter_stack() is not None)
+    or torch.jit trace, which must record the op; autocast; a torch function or dispatch mode; a functorch
+    transform). The inputs' own types (plain ``torch.Tensor``) and grad are the caller's to check."""
+    return not (torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None
+                or torch.is_autocast_enabled() or torch._C._is_torch_function_mode_enabled()
+                or torch._C._len_torch_dispatch_stack() or torch._C._functorch.peek_interpreter_stack() is not None)
 
 
 def meta(x: torch.Tensor) -> tuple[Any, ...]:

@@ -202,6 +202,14 @@ PYBIND11_MODULE(_C, m) {
     return VarlenWorkspace::bytes(batch);
   }, py::arg("batch"),
         "Bytes of device workspace a packed-batch (varlen) forward of `batch` entries needs (FwdParams.varlen_workspace).");
+  m.def("kvcache_split_workspace_bytes", [](int num_splits, int batch, int nheads, int seqlen_q, int headdim_v) {
+    if (num_splits < 1 || batch < 0 || nheads < 0 || seqlen_q < 0 || headdim_v < 0) {
+      throw std::invalid_argument("flashhopper: kvcache_split_workspace_bytes takes num_splits >= 1 and sizes >= 0");
+    }
+    return size_t(num_splits) * size_t(batch) * size_t(nheads) * size_t(seqlen_q) * size_t(headdim_v + 1) * sizeof(float);
+  }, py::arg("num_splits"), py::arg("batch"), py::arg("nheads"), py::arg("seqlen_q"), py::arg("headdim_v"),
+        "Bytes of device workspace a split-KV launch needs (FwdParams.split_workspace): float32 partial O and LSE, "
+        "(num_splits, batch, nheads, seqlen_q, headdim_v + 1), in the kernel's view of the query rows and heads.");
   m.def("bwd_workspace_bytes", [](BwdParams const& params, int index) {
     return entry(bwd_kernels(), index, "backward").workspace_bytes(params);
   }, py::arg("params"), py::arg("index"),
@@ -249,9 +257,10 @@ PYBIND11_MODULE(_C, m) {
     d["score_mods"] = c.score_mods;
     d["dropout"] = c.dropout;
     d["varlen"] = c.varlen;
+    d["kvcache"] = c.kvcache;
     return d;
   }, "What this build was configured with (FLASHHOPPER_ARCHS, _MODES, _DTYPES, _HDIMS, _MASKS, _VARIANTS, "
-     "_SCORE_MODS, _DROPOUT, _VARLEN).");
+     "_SCORE_MODS, _DROPOUT, _VARLEN, _KVCACHE).");
 
   m.def("block_ranges", &block_ranges, py::arg("block_m"), py::arg("block_n"), py::arg("mask"), py::arg("seqlen_q"),
         py::arg("seqlen_k"), py::arg("window_left") = -1, py::arg("window_right") = -1,

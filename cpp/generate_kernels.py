@@ -9,7 +9,7 @@ cpp/common/kernel_key.h.
 
     python cpp/generate_kernels.py --out build/gen --archs 90 80 --modes fwd bwd --dtypes bf16 fp16 \\
         --hdims 64 96 128 192 256 --masks none causal --variants no-pingpong --score-mods none softcap \\
-        --dropout off on --varlen off on
+        --dropout off on --varlen off on --kvcache off on
 """
 from __future__ import annotations
 
@@ -40,11 +40,12 @@ class Family(NamedTuple):
     dtypes: tuple[str, ...] = ("fp16", "bf16")  # element types the family has kernels for
     score_mod_dtypes: tuple[str, ...] = ("fp16", "bf16")  # those with score mods (softcap) and dropout
     varlen: bool = False  # has packed-batch (varlen) kernels (of its dtypes: e4m3 too), without dropout
+    kvcache: bool = False  # has KV-cache kernels (16-bit, no score mod or dropout, at the varlen head dims)
 
 
 FAMILIES = {
     (90, "fwd"): Family("sm90/launch_fwd.h", "run_fwd_sm90", "fwd_tiles_sm90", dtypes=("fp16", "bf16", "e4m3"),
-                        varlen=True),
+                        varlen=True, kvcache=True),
     (90, "bwd"): Family("sm90/launch_bwd.h", "run_bwd_sm90", "bwd_tiles_sm90", "bwd_workspace_bytes_sm90",
                         varlen=True),
     (80, "fwd"): Family("sm80/launch_fwd.h", "run_fwd_sm80", "fwd_tiles_sm80", varlen=True),
@@ -71,7 +72,8 @@ VARIANTS = {
 def cpp_config(key: kk.KernelKey) -> str:
     args = [str(key.arch), f"DType::{CPP_DTYPES[key.dtype]}", str(key.headdim), str(key.headdim_v),
             f"MaskKind::{CPP_MASKS[key.mask]}", f"ScoreModKind::{CPP_SCORE_MODS[key.score_mod]}",
-            "true" if key.dropout else "false", "true" if key.varlen else "false"]
+            "true" if key.dropout else "false", "true" if key.varlen else "false",
+            "true" if key.kvcache else "false"]
     if key.variant:
         args.append(VARIANTS[key.variant].cpp)
     return f"KernelConfig<{', '.join(args)}>"
@@ -98,6 +100,9 @@ def main() -> None:
     ap.add_argument("--varlen", nargs="*", choices=kk.VARLENS, default=["off"],
                     help="off: padded-batch kernels; on: packed-batch (varlen) ones too, for the families that "
                          "have them (16-bit, without dropout), beside each configuration")
+    ap.add_argument("--kvcache", nargs="*", choices=kk.KVCACHES, default=["off"],
+                    help="off: no KV-cache kernels; on: the Hopper forward's KV-cache kernels (flash_attn_with_kvcache: "
+                         "16-bit, head dims %s), beside each configuration" % "/".join(map(str, kk.VARLEN_HEADDIMS)))
     args = ap.parse_args()
     families = []
     for a in args.archs:
@@ -114,8 +119,8 @@ def main() -> None:
     entries: dict[str, list[str]] = {m: [] for m in kk.MODES}
     aliases: list[str] = []  # the registry's name for each configuration
     sources = []
-    for (arch, mode, fam), dtype, (hdim, hdim_v), mask, score_mod, dropout, varlen, variant in itertools.product(
-            families, args.dtypes, args.hdims, args.masks, args.score_mods, args.dropout, args.varlen,
+    for (arch, mode, fam), dtype, (hdim, hdim_v), mask, score_mod, dropout, varlen, kvcache, variant in itertools.product(
+            families, args.dtypes, args.hdims, args.masks, args.score_mods, args.dropout, args.varlen, args.kvcache,
             [""] + args.variants):
         if dtype not in fam.dtypes or (dtype == "e4m3" and hdim not in kk.FP8_HEADDIMS):  # e.g. e4m3: forward only
             continue
@@ -126,11 +131,15 @@ def main() -> None:
         if varlen == "on" and (not fam.varlen or dropout == "on" or variant
                                or hdim != hdim_v or hdim not in kk.VARLEN_HEADDIMS):
             continue
+        if kvcache == "on" and (not fam.kvcache or dtype == "e4m3" or varlen == "on" or dropout == "on"
+                                or score_mod != "none" or variant or hdim != hdim_v
+                                or hdim not in kk.VARLEN_HEADDIMS or mask == "window"):
+            continue
         if variant and ((arch, mode) not in VARIANTS[variant].families or dtype not in VARIANTS[variant].dtypes
                         or mask not in VARIANTS[variant].masks):
             continue
         key = kk.KernelKey(arch, kk.BUILD_DTYPES[dtype], hdim, hdim_v, mask, variant, score_mod, dropout == "on",
-                           varlen == "on")
+                           varlen == "on", kvcache == "on")
         config = cpp_config(key)
         params = "FwdParams" if mode == "fwd" else "BwdParams"
         lines = [f"using Config = {config};",
@@ -164,7 +173,7 @@ def main() -> None:
         "  static BuildConfig const config{"
         f"{{{', '.join(map(str, args.archs))}}}, {strings(args.modes)}, {strings(args.dtypes)}, "
         f"{strings(args.masks)}, {strings(args.variants)}, {strings(args.score_mods)}, {strings(args.dropout)}, "
-        f"{strings(args.varlen)}, "
+        f"{strings(args.varlen)}, {strings(args.kvcache)}, "
         f"{{{', '.join(str(d) for d, dv in args.hdims if d == dv)}}}, "
         f"{{{', '.join(f'{{{d}, {dv}}}' for d, dv in args.hdims if d != dv)}}}}};\n"
         "  return config;\n}\n")

@@ -43,7 +43,7 @@ struct BwdEntry {
 // What the build was asked for (CMake's FLASHHOPPER_* options, as the generator read them).
 struct BuildConfig {
   std::vector<int> archs;
-  std::vector<std::string> modes, dtypes, masks, variants, score_mods, dropout, varlen;
+  std::vector<std::string> modes, dtypes, masks, variants, score_mods, dropout, varlen, kvcache;
   std::vector<int> headdims;                         // Q/K head dims with V's the same
   std::vector<std::vector<int>> headdim_pairs;       // (Q/K, V) head dims that differ
 };

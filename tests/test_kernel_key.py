@@ -17,7 +17,8 @@ needs_ext = pytest.mark.skipif(not _ext.has_extension(),
 
 
 def test_fields() -> None:
-    assert FIELDS == ("arch", "dtype", "headdim", "headdim_v", "mask", "variant", "score_mod", "dropout", "varlen")
+    assert FIELDS == ("arch", "dtype", "headdim", "headdim_v", "mask", "variant", "score_mod", "dropout", "varlen",
+                      "kvcache")
 
 
 def test_validation() -> None:
@@ -76,7 +77,7 @@ def test_mask_of() -> None:
 def test_from_dict() -> None:
     entry: dict[str, Any] = {"mode": "bwd", "index": 3, "arch": 80, "dtype": "float16", "headdim": 64, "headdim_v": 64,
                              "mask": "causal", "variant": "", "score_mod": "none", "dropout": False,
-                             "varlen": False, "block_m": 64, "block_n": 128}
+                             "varlen": False, "kvcache": False, "block_m": 64, "block_n": 128}
     assert from_dict(entry) == KernelKey(80, "float16", 64, 64, "causal")
     with pytest.raises(KeyError):
         from_dict({k: v for k, v in entry.items() if k != "mask"})

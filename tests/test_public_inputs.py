@@ -26,6 +26,7 @@ import flashhopper
 from flashhopper import (FP8Tensor, QuantizedKV, _device, attention_ref, attention_varlen_ref, available_backends,
                          flash_attn_fp8_func, flash_attn_func, flash_attn_varlen_fp8_func, flash_attn_varlen_func, fp8,
                          hadamard_signs, quantize_fp8, quantize_kv, select_backend, to_vt)
+from flashhopper import attention_kvcache_ref, flash_attn_with_kvcache
 from flashhopper import reference_fp8 as R
 
 KINDS = ("dtype", "device", "shape", "stride", "alignment", "option")
@@ -146,6 +147,26 @@ def fp8_varlen_kernel() -> None:
     from test_fp8_varlen_gpu import require_kernel
 
     require_kernel(64, False)
+
+
+def kvcache(gpu: bool = False, d: int = 64) -> list[Any]:
+    """flash_attn_with_kvcache's q (2, 1, 8, d), paged caches (6 pages of 16 rows, 2 kv heads), no k/v, cache_seqlens,
+    page_table."""
+    table = torch.tensor([[4, 0], [2, 5]], dtype=torch.int32, device=dev(gpu))
+    lens = torch.tensor([20, 3], dtype=torch.int32, device=dev(gpu))
+    return [randn(2, 1, 8, d, gpu=gpu), randn(6, 16, 2, d, gpu=gpu), randn(6, 16, 2, d, gpu=gpu), None, None, lens,
+            table]
+
+
+def kvcache_with(i: int, f: Callable[[Any], Any], gpu: bool = False) -> list[Any]:
+    xs = kvcache(gpu)
+    return with_(xs, i, f(xs[i]))
+
+
+def kvcache_kernel() -> None:
+    from test_kvcache_gpu import require_kvcache
+
+    require_kvcache(BF16, 64, 1, True)
 
 
 def quant_kernel() -> None:
@@ -435,6 +456,38 @@ CASES: dict[str, list[Case]] = {
         Case("option", "causal", TypeError, r"^causal must be a bool",
              lambda: attention_varlen_ref(*packed()[:5], causal=1)),  # type: ignore[arg-type]
     ],
+    "flash_attn_with_kvcache": [
+        Case("dtype", "k_cache float32", TypeError, r"^k_cache has dtype torch.float32 but q has torch.bfloat16",
+             lambda: flash_attn_with_kvcache(*kvcache_with(1, lambda x: x.float()))),
+        Case("dtype", "page_table int64", TypeError, r"^page_table has dtype torch.int64",
+             lambda: flash_attn_with_kvcache(*kvcache_with(6, lambda x: x.long()))),
+        Case("device", "cache_seqlens meta", ValueError, r"^cache_seqlens is on meta",
+             lambda: flash_attn_with_kvcache(*kvcache_with(5, lambda x: x.to("meta")))),
+        Case("shape", "page size 8", ValueError, r"^k_cache page size 8",
+             lambda: flash_attn_with_kvcache(*with_(kvcache_with(1, lambda x: x[:, :8]), 2, randn(6, 8, 2, 64)))),
+        Case("shape", "page_table batch", ValueError, r"^page_table must have shape \(2, max_pages_per_seq\)",
+             lambda: flash_attn_with_kvcache(*kvcache_with(6, lambda x: x[:1]))),
+        gpu("stride", "q last dim stride 2", ValueError, r"^q must have a contiguous last dimension",
+            lambda: flash_attn_with_kvcache(*kvcache_with(0, strided, gpu=True)), kvcache_kernel),
+        gpu("alignment", "k_cache misaligned", ValueError, r"^k_cache data pointer .* is not 16-byte aligned",
+            lambda: flash_attn_with_kvcache(*kvcache_with(1, misaligned, gpu=True)), kvcache_kernel),
+        Case("option", "num_splits", ValueError, r"^num_splits must be 0",
+             lambda: flash_attn_with_kvcache(*kvcache(), num_splits=-1)),
+        Case("option", "window_size", NotImplementedError, r"^window_size=\(8, 0\)",
+             lambda: flash_attn_with_kvcache(*kvcache(), window_size=(8, 0))),
+        Case("option", "cache_seqlens None with pages", ValueError, r"^cache_seqlens is required with page_table",
+             lambda: flash_attn_with_kvcache(*kvcache_with(5, lambda x: None))),
+    ],
+    "attention_kvcache_ref": [
+        Case("dtype", "v_cache float32", TypeError, r"^v_cache has dtype torch.float32",
+             lambda: attention_kvcache_ref(*kvcache_with(2, lambda x: x.float())[:3], 3)),
+        Case("device", "k_cache meta", ValueError, r"^k_cache is on meta",
+             lambda: attention_kvcache_ref(*kvcache_with(1, lambda x: x.to("meta"))[:3], 3)),
+        Case("shape", "cache_seqlens length", ValueError, r"^cache_seqlens must have shape \(2,\)",
+             lambda: attention_kvcache_ref(*kvcache()[:3], torch.ones(3, dtype=torch.int32))),
+        Case("option", "causal", TypeError, r"^causal must be a bool",
+             lambda: attention_kvcache_ref(*kvcache()[:3], 3, causal=1)),  # type: ignore[arg-type]
+    ],
     "select_backend": [
         Case("dtype", "dtype int32", TypeError, r"^dtype must be one of",
              lambda: select_backend(randn(1, 4, 2, 64), 64, torch.int32, False)),
@@ -473,6 +526,8 @@ NOT_APPLICABLE: dict[tuple[str, str], str] = {
     ("attention_ref", "alignment"): "torch math: any layout",
     ("attention_varlen_ref", "stride"): "torch math: any layout",
     ("attention_varlen_ref", "alignment"): "torch math: any layout",
+    ("attention_kvcache_ref", "stride"): "torch math: any layout",
+    ("attention_kvcache_ref", "alignment"): "torch math: any layout",
     ("select_backend", "stride"): "reads q's device only",
     ("select_backend", "alignment"): "reads q's device only",
 }

@@ -48,7 +48,8 @@ inline char const* score_mod_name(ScoreModKind s) {
   X(std::string, variant)   /* "" = production; else a named ablation variant (generate_kernels.py) */ \
   X(ScoreModKind, score_mod)                                                                                     \
   X(bool, dropout)          /* P's scores dropped at random (common/dropout.h); training kernels */ \
-  X(bool, varlen)           /* packed batches: cu_seqlens / seqused bounds (common/seqlen.h) */
+  X(bool, varlen)           /* packed batches: cu_seqlens / seqused bounds (common/seqlen.h) */ \
+  X(bool, kvcache)          /* K/V from a (paged) cache: page table, cache_seqlens, split-KV (sm90/kv_blocks.h) */
 
 struct KernelKey {
 #define FLASHHOPPER_KEY_MEMBER(type, name) type name{};
@@ -67,7 +68,7 @@ struct KernelKey {
     return "sm" + std::to_string(arch) + " " + dtype_name(dtype) + " headdim " + std::to_string(headdim) +
            (headdim_v != headdim ? "/" + std::to_string(headdim_v) : std::string()) + " mask " + mask_name(mask) +
            (score_mod == ScoreModKind::kNone ? std::string() : std::string(" ") + score_mod_name(score_mod)) +
-           (dropout ? " dropout" : "") + (varlen ? " varlen" : "") +
+           (dropout ? " dropout" : "") + (varlen ? " varlen" : "") + (kvcache ? " kvcache" : "") +
            (variant.empty() ? std::string() : " variant " + variant);
   }
 };
@@ -81,7 +82,7 @@ struct DefaultVariant {
 // launchers with. Variant: a family's policy type (e.g. sm90/variants.h), DefaultVariant in production.
 template <int kArch_, DType kDType_, int kHeadDim_, int kHeadDimV_, MaskKind kMask_,
           ScoreModKind kScoreMod_ = ScoreModKind::kNone, bool kDropout_ = false, bool kVarlen_ = false,
-          class Variant_ = DefaultVariant>
+          bool kKVCache_ = false, class Variant_ = DefaultVariant>
 struct KernelConfig {
   static constexpr int kArch = kArch_;
   static constexpr DType kDType = kDType_;
@@ -90,9 +91,10 @@ struct KernelConfig {
   static constexpr ScoreModKind kScoreMod = kScoreMod_;
   static constexpr bool kDropout = kDropout_;
   static constexpr bool kVarlen = kVarlen_;
+  static constexpr bool kKVCache = kKVCache_;
   using Variant = Variant_;
   static KernelKey key() {
-    return {kArch, kDType, kHeadDim, kHeadDimV, kMask, Variant::kName, kScoreMod, kDropout, kVarlen};
+    return {kArch, kDType, kHeadDim, kHeadDimV, kMask, Variant::kName, kScoreMod, kDropout, kVarlen, kKVCache};
   }
 };
 

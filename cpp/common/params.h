@@ -42,6 +42,17 @@ inline const char* dtype_name(DType d) {
 // seqlen_q / seqlen_k are the entries' maxima; LSE is (nheads_q, total_q); varlen_workspace:
 // VarlenWorkspace::bytes(batch) bytes of device memory (common/varlen_workspace.h), 256-byte aligned,
 // any contents, not shared with a concurrent launch.
+// KV-cache kernels (KernelKey.kvcache, sm90/kv_blocks.h): K/V are a cache of pages, (num_pages, page_size,
+// nheads_kv, headdim) with k/v_batch_stride the page stride; key j of entry b lives in page
+// page_table[b * page_table_batch_stride + j / page_size] (int32 on the device; nullptr: page b), row j % page_size.
+// A contiguous cache (batch_cache, max_seqlen, ...) is one page of max_seqlen rows per entry, page_table its
+// cache_batch_idx (stride 1) or nullptr; a paged one needs page_size % 16 == 0 (the loads copy 16-row chunks).
+// Entry b has cache_seqlens[b] keys (int32 (batch,) on the device; nullptr: seqlen_k each), seqlen_k >= all of
+// them; cache rows at or past an entry's length are never weighted, whatever they hold (NaN included). Q, O and
+// LSE as in the padded forward. num_splits > 1 (split-KV): each entry's key blocks are cut into num_splits ranges
+// run by different CTAs, partial O and LSE go to split_workspace (kvcache_split_workspace_bytes: float32
+// (num_splits, batch, nheads_q, seqlen_q, headdim_v + 1), 256-byte aligned, any contents, not shared with a
+// concurrent launch) and a combine kernel on the same stream writes O and LSE.
 // num_sms: multiprocessors for a persistent grid (0: the launcher asks the device). max_smem_bytes:
 // sm80 kernels pick their tiles as on a device with this much shared memory per block (0: this
 // device's limit); tests run the 99 KB tiles of sm_86/sm_89 on larger GPUs with it.
@@ -67,7 +78,10 @@ inline const char* dtype_name(DType d) {
   X(const int*, cu_seqlens_q, nullptr) X(const int*, cu_seqlens_k, nullptr)                              \
   X(const int*, seqused_q, nullptr) X(const int*, seqused_k, nullptr)                                    \
   X(int, total_q, 0) X(int, total_k, 0) X(void*, varlen_workspace, nullptr)                              \
-  X(int*, tile_counter, nullptr) X(int, device, 0) X(int, num_sms, 0) X(int, max_smem_bytes, 0)
+  X(int*, tile_counter, nullptr) X(int, device, 0) X(int, num_sms, 0) X(int, max_smem_bytes, 0)            \
+  X(const int*, page_table, nullptr) X(int64_t, page_table_batch_stride, 0) X(int, page_size, 0)        \
+  X(int, num_pages, 0) X(const int*, cache_seqlens, nullptr) X(int, num_splits, 1)                       \
+  X(void*, split_workspace, nullptr)
 
 // Backward attention: gradients of the forward above with respect to q, k and v, given dO and the
 // forward's O and LSE (lse_ptr: (batch, nheads_q, seqlen_q) contiguous, natural log; dlse_ptr: the

@@ -28,6 +28,8 @@ struct UniformSeqlens {
   int seqlen_q = 0, seqlen_k = 0;
   // Each entry is a slice of the batch mode, which TMA bounds by the entry's own length.
   static constexpr bool kTmaClipsRows = true;
+  static constexpr bool kKVRowsClipped = true;  // K/V loads past the entry's keys read zeros
+  static constexpr bool kSplits = false;        // split-KV (partial results and a combine kernel)
   static constexpr bool kPerEntryTma = false;
   static constexpr bool kPacked = false;  // entries share one row mode (batch coordinate 0)
   CUTE_HOST_DEVICE SeqlenInfo operator()(int batch) const { return {0, 0, seqlen_q, seqlen_k, batch}; }
@@ -56,6 +58,8 @@ struct VarlenSeqlens {
   void const* tma_descs = nullptr;    // kVarlenGroup 128-byte tensor maps per entry (varlen_prepare.h)
   void const* tma_descs_extra = nullptr;  // the rest (kVarlenTensors - kVarlenGroup per entry)
   static constexpr bool kTmaClipsRows = true;  // through the per-entry tensor maps
+  static constexpr bool kKVRowsClipped = true;
+  static constexpr bool kSplits = false;
   static constexpr bool kPerEntryTma = true;
   static constexpr bool kPacked = true;
   CUTE_HOST_DEVICE SeqlenInfo operator()(int batch) const {
@@ -82,6 +86,28 @@ struct VarlenSeqlens {
   CUTE_HOST_DEVICE int padded_offset_k(int batch, int block) const {
     return first_block(cu_seqlens_k[batch], batch, block) * block;
   }
+};
+
+// A KV cache (flash_attn_with_kvcache): Q/O padded as in UniformSeqlens (batch mode, seqlen_q rows each), entry b's
+// keys cache_seqlens[b] (or seqlen_k each) of a cache whose rows KVBlocks finds (sm90/kv_blocks.h: pages). The
+// cache holds rows past an entry's length (the rest of its last page, of a contiguous cache's row), which TMA
+// does not clip: the mainloop keeps them out of the PV GEMM itself (kKVRowsClipped false). Split-KV: an entry's
+// key blocks may be cut into ranges run by different CTAs (kSplits; the params' num_splits).
+struct CacheSeqlens {
+  int seqlen_q = 0, seqlen_k = 0;
+  int const* cache_seqlens = nullptr;  // (batch,) keys per entry, or nullptr: seqlen_k each
+  static constexpr bool kTmaClipsRows = true;    // Q/O: the batch mode
+  static constexpr bool kKVRowsClipped = false;
+  static constexpr bool kSplits = true;
+  static constexpr bool kPerEntryTma = false;
+  static constexpr bool kPacked = false;
+  CUTE_HOST_DEVICE SeqlenInfo operator()(int batch) const {
+    return {0, 0, seqlen_q, cache_seqlens != nullptr ? cache_seqlens[batch] : seqlen_k, batch};
+  }
+  CUTE_HOST_DEVICE void const* tma_desc(void const* shared, int /*which*/, int /*batch*/) const { return shared; }
+  CUTE_HOST_DEVICE int padded_offset_q(int /*batch*/, int /*block*/) const { return 0; }
+  CUTE_HOST_DEVICE int padded_offset_k(int /*batch*/, int /*block*/) const { return 0; }
+  CUTE_HOST_DEVICE static int first_block(int /*offset*/, int /*batch*/, int /*block*/) { return 0; }
 };
 
 }  // namespace flashhopper

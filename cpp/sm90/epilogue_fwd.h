@@ -41,6 +41,12 @@ struct FwdEpilogue {
     StrideO stride_o;
     float* lse_ptr;  // (batch, head, seqlen_q) contiguous; packed: (head, total rows)
     Seqlens seqlens;
+    // Split-KV (Seqlens::kSplits, num_splits > 1): each split's normalized O and its LSE, float32
+    // (num_splits, batch, head, seqlen_q, headdim) and (num_splits, batch, head, seqlen_q), for the combine kernel.
+    float* o_partial = nullptr;
+    float* lse_partial = nullptr;
+    int num_splits = 1;
+    int batch = 0;
   };
 
   // The entry's (rows, headdim) slice of O for this head.
@@ -49,10 +55,42 @@ struct FwdEpilogue {
     return entry_rows(m, seq.offset_q, head, seq.batch_coord);
   }
 
-  static Params make_params(Element* o, ShapeO shape_o, StrideO stride_o, float* lse, Seqlens seqlens = {}) {
+  static Params make_params(Element* o, ShapeO shape_o, StrideO stride_o, float* lse, Seqlens seqlens = {},
+                            float* split_workspace = nullptr, int num_splits = 1) {
     auto mO = make_tensor(make_gmem_ptr(o), shape_o, stride_o);
+    int64_t const rows = int64_t(num_splits) * get<3>(shape_o) * get<2>(shape_o) * get<0>(shape_o);
     return {make_tma_copy(SM90_TMA_STORE{}, mO, SmemLayoutO{}, Shape<_64, D>{}, _1{}), shape_o, o,
-            stride_o, lse, seqlens};
+            stride_o, lse, seqlens, split_workspace,
+            split_workspace != nullptr ? split_workspace + rows * kHeadDim : nullptr, num_splits, get<3>(shape_o)};
+  }
+
+  CUTE_DEVICE static bool split_store(Params const& p) {
+    if constexpr (Seqlens::kSplits) return p.num_splits > 1;
+    else return false;
+  }
+  // The partial rows of (split, entry, head): their first row in the split workspace.
+  CUTE_DEVICE static int64_t partial_row0(Params const& p, int split, int batch, int head) {
+    return ((int64_t(split) * p.batch + batch) * get<2>(p.shape_o) + head) * get<0>(p.shape_o);
+  }
+
+  // Split-KV: this warpgroup's rows of O (normalized within the split, fp32) and their LSE, straight from
+  // registers (a split's partial is small: the combine kernel reads it once).
+  template <class FragO, class LSE>
+  CUTE_DEVICE static void store_partial(Params const& p, FragO const& tOrO, LSE const& lse, SeqlenInfo const& seq,
+                                        int m_block, int head, int batch, int wg, int thread_idx, int split) {
+    auto thr_mma = TiledMmaPV{}.get_thread_slice(thread_idx);
+    Tensor tOcO = rowcol(thr_mma.partition_C(make_identity_tensor(Shape<_64, D>{})));
+    Tensor o = rowcol(tOrO);
+    int64_t const row0 = partial_row0(p, split, batch, head);
+    CUTE_UNROLL
+    for (int mi = 0; mi < size<0>(tOcO); ++mi) {
+      int const row = (m_block * kNumMmaWG + wg) * 64 + int(get<0>(tOcO(mi, _0{})));
+      if (row >= seq.seqlen_q) continue;
+      float* dst = p.o_partial + (row0 + row) * kHeadDim;
+      CUTE_UNROLL
+      for (int ni = 0; ni < size<1>(tOcO); ++ni) dst[get<1>(tOcO(mi, ni))] = o(mi, ni);
+      if (get<1>(tOcO(mi, _0{})) == 0) p.lse_partial[row0 + row] = lse[mi];
+    }
   }
 
   CUTE_DEVICE static void prefetch_descriptors(Params const& p) {
@@ -81,7 +119,12 @@ struct FwdEpilogue {
 
   template <class FragO, class LSE>
   CUTE_DEVICE static void store(Params const& p, FragO const& tOrO, LSE const& lse, Element* smem_o, int stage,
-                                SeqlenInfo const& seq, int m_block, int head, int batch, int wg, int thread_idx) {
+                                SeqlenInfo const& seq, int m_block, int head, int batch, int wg, int thread_idx,
+                                int split = 0) {
+    if (split_store(p)) {
+      store_partial(p, tOrO, lse, seq, m_block, head, batch, wg, thread_idx, split);
+      return;
+    }
     Tensor sO = make_tensor(make_smem_ptr(smem_o + kSlotElems * (stage * kNumMmaWG + wg)), SmemLayoutO{});  // (64, D)
     Tensor tOrO_out = convert_type<Element>(tOrO);
     if constexpr (kOwnBuffer) {
@@ -126,7 +169,14 @@ struct FwdEpilogue {
   // head's sink logit), written directly (16-byte stores) so that it never touches shared memory the
   // producer may be filling.
   CUTE_DEVICE static void store_empty(Params const& p, SeqlenInfo const& seq, int m_block, int head, int batch,
-                                      int wg, int thread_idx, float empty_lse = -INFINITY) {
+                                      int wg, int thread_idx, float empty_lse = -INFINITY, int split = 0) {
+    if (split_store(p)) {  // the combine kernel skips a split whose LSE is -inf (its O is never read)
+      int64_t const row0 = partial_row0(p, split, batch, head) + (m_block * kNumMmaWG + wg) * 64;
+      for (int r = thread_idx; r < 64; r += cutlass::NumThreadsPerWarpGroup) {
+        if ((m_block * kNumMmaWG + wg) * 64 + r < seq.seqlen_q) p.lse_partial[row0 + r] = -INFINITY;
+      }
+      return;
+    }
     constexpr int kVec = 16 / sizeof(Element);
     constexpr int kVecsPerRow = kHeadDim / kVec;
     int const seqlen_q = seq.seqlen_q;

@@ -29,8 +29,11 @@ struct FwdKernel {
   static constexpr int kNumMmaWG = Mainloop::kNumMmaWG;
   static constexpr int kNumThreads = (kNumMmaWG + 1) * cutlass::NumThreadsPerWarpGroup;
   // Register split (producer / consumer) that fills the 64K-register file.
-  static constexpr int kProducerRegs = kNumMmaWG == 2 ? 24 : 32;
-  static constexpr int kConsumerRegs = kNumMmaWG == 2 ? 240 : 160;
+  // Paged K/V (Mainloop::kProducerRegsBoost): the producer thread reads the page table for each 16-key chunk of a
+  // block before issuing its copies, so it gets 16 more registers, the consumers 8 fewer (where they do not spill).
+  static constexpr int kBoost = Mainloop::kProducerRegsBoost ? 16 : 0;
+  static constexpr int kProducerRegs = (kNumMmaWG == 2 ? 24 : 32) + kBoost;
+  static constexpr int kConsumerRegs = (kNumMmaWG == 2 ? 240 : 160) - kBoost / 2;
   static_assert(kNumMmaWG == 2 || kNumMmaWG == 3);
   // setmaxnreg only moves registers inside the CTA's launch allocation: kNumThreads x kLaunchRegs (ptxas gives
   // one CTA of kNumThreads at most 64K / kNumThreads, in steps of 8): 64512 at 384 threads, which 24 + 2 x 240
@@ -79,7 +82,7 @@ struct FwdKernel {
     return tile_work(params, w, Mainloop::seqlen_info(params.mainloop, w.batch));
   }
   CUTE_DEVICE static TileWork tile_work(Params const& params, WorkTile const& w, SeqlenInfo const& seq) {
-    auto const bi = Mainloop::block_info(params.mainloop, seq);
+    auto const bi = Mainloop::block_info(params.mainloop, seq, w.split);
     return {w, seq, bi, w.m_block * Mainloop::kBlockM < seq.seqlen_q,
             bi.n_block_max(w.m_block) > bi.n_block_min(w.m_block)};
   }
@@ -208,7 +211,7 @@ struct FwdKernel {
         if (!t.has_rows) continue;
         if (!t.has_keys) {
           Epilogue::store_empty(params.epilogue, t.seq, w.m_block, w.head, w.batch, wg, thread_idx,
-                                Mainloop::sink_log2(params.mainloop, w.head) * float(M_LN2));
+                                Mainloop::sink_log2(params.mainloop, w.head) * float(M_LN2), w.split);
           continue;
         }
         Epilogue::begin_tile(params.epilogue, w.batch, thread_idx, w.batch != last_entry);
@@ -235,7 +238,7 @@ struct FwdKernel {
         Mainloop::Softmax::rescale(o, inv_sum);
         if constexpr (kOInQ) {
           Epilogue::store(params.epilogue, tOrO, lse, ss.tensors.smem_q.data(), read_q.index(), t.seq, w.m_block,
-                          w.head, w.batch, wg, thread_idx);
+                          w.head, w.batch, wg, thread_idx, w.split);
         } else {
           Epilogue::store(params.epilogue, tOrO, lse, ss.tensors.smem_o.data(), 0, t.seq, w.m_block, w.head, w.batch,
                           wg, thread_idx);

@@ -1,22 +1,32 @@
 // K/V block addressing, the producer's hook: where key block n_block of one (batch entry, kv head)
 // lives and how it reaches its shared-memory stage. Every K and V load of the forward and backward
-// producers goes through it; the consumers only ever see stages, so another addressing (a paged KV
-// cache: a page-table lookup, and several copies per block where pages are smaller than kBlockN)
-// replaces this type alone.
+// producers goes through it; the consumers only ever see stages.
+//
+// ContiguousKVBlocks: each entry's keys are consecutive rows of (rows, headdim, kv head, batch) tensors; one
+// TMA copy per block.
+// PagedKVBlocks (KV caches, flash_attn_with_kvcache): K/V are pages (page_size, headdim, kv head, page) and key
+// j of entry b lives in page page_table[b][j / page_size], row j % page_size. Where every block lies inside one
+// page (pages a multiple of kBlockN, or a contiguous cache: one page of max_seqlen rows per entry) a block is one
+// TMA copy, as for contiguous K/V. Otherwise it is copied in chunks of kChunkRows keys, each chunk one TMA copy
+// per panel of the stage's swizzle atom (16 rows x 64 16-bit columns: 2 KB, contiguous in the stage), from the
+// chunk's own page, so pages of any multiple of kChunkRows (16 .. 256) land in the same stages.
+// Chunks past the entry's last key take a page coordinate past the tensor (TMA fills zeros, counts the bytes):
+// the page table is never read past the entry's pages.
 #pragma once
 
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
+#include <cutlass/fast_math.h>
 
 namespace flashhopper::sm90 {
 
 using namespace cute;
 
-// K and V as (rows, headdim, kv head, batch) tensors, each entry's keys contiguous in its rows.
 struct ContiguousKVBlocks {
+  static constexpr bool kPaged = false;
   struct Params {};
 
-  CUTE_DEVICE ContiguousKVBlocks(Params const&, int /*batch*/) {}
+  CUTE_DEVICE ContiguousKVBlocks(Params const&, int /*batch*/, int /*seqlen_k*/) {}
 
   // One TMA copy: block n_block of `blocks` ((TMA, n) partitioned source) into `stage`, through tensor map
   // `desc` (the params' own, or the batch entry's: common/seqlen.h).
@@ -24,6 +34,87 @@ struct ContiguousKVBlocks {
   CUTE_DEVICE void load(TmaCopy const& tma, TmaDescriptor const* desc, uint64_t& barrier, Blocks const& blocks,
                         int n_block, Stage&& stage, TMA::CacheHintSm90 hint) const {
     copy(tma.with(desc, barrier, 0, hint), blocks(_, n_block), stage);
+  }
+};
+
+struct PagedKVBlocks {
+  static constexpr bool kPaged = true;
+  static constexpr int kChunkRows = 16;
+  struct Params {
+    int const* page_table = nullptr;  // int32 (batch, pages per entry), or nullptr: entry b's one page is b
+    int64_t table_stride = 0;         // elements between entries' rows of the table
+    cutlass::FastDivmod page_size{1};  // rows per page (a multiple of kChunkRows where an entry spans pages)
+    int num_pages = 0;                // pages in the cache: a chunk at this page reads zeros
+    bool whole_blocks = false;        // every kBlockN-key block lies inside one page
+  };
+
+  int const* table_;
+  cutlass::FastDivmod page_size_;
+  int num_pages_, batch_, seqlen_k_;
+  bool whole_blocks_;
+
+  CUTE_DEVICE PagedKVBlocks(Params const& p, int batch, int seqlen_k)
+      : table_(p.page_table != nullptr ? p.page_table + batch * p.table_stride : nullptr),
+        page_size_(p.page_size),
+        num_pages_(p.num_pages),
+        batch_(batch),
+        seqlen_k_(seqlen_k),
+        whole_blocks_(p.whole_blocks) {}
+
+  // The page and the row in it of the chunk starting at key `key`.
+  CUTE_DEVICE void locate(int key, int& page, int& row) const {
+    if (key >= seqlen_k_) {  // past the entry's keys: no table read, zeros
+      page = num_pages_;
+      row = 0;
+      return;
+    }
+    int idx;
+    page_size_(idx, row, key);
+    page = table_ != nullptr ? table_[idx] : batch_;
+  }
+
+  // Block n_block (kBlockN keys) of one kv head into `stage` ((kBlockN, headdim) smem tensor): `pages` /
+  // `block_pages` are the kv head's (page_size, headdim, page) tensor as the atoms `tma` ((kChunkRows, kPanel)
+  // boxes) and `tma_block` (a whole block, tile BlockTile) see it.
+  // kUpfront: all the chunks' table reads before the first copy (needs 2 x kBlockN / 16 producer registers).
+  template <int kBlockN, int kPanel, class BlockTile, bool kUpfront, class TmaCopy, class TmaBlock, class Pages,
+            class BlockPages, class Stage>
+  CUTE_DEVICE void load_paged(TmaCopy const& tma, TmaBlock const& tma_block, uint64_t& barrier, Pages const& pages,
+                              BlockPages const& block_pages, int n_block, Stage&& stage, TMA::CacheHintSm90 hint) const {
+    static_assert(kBlockN % kChunkRows == 0);
+    if (whole_blocks_) {
+      int page, row;
+      locate(n_block * kBlockN, page, row);  // row: a multiple of kBlockN
+      Tensor g = local_tile(block_pages(_, _, page), BlockTile{}, make_coord(row / kBlockN, _0{}));
+      auto parts = tma_partition(tma_block, _0{}, Layout<_1>{}, group_modes<0, 2>(stage), group_modes<0, 2>(g));
+      copy(tma_block.with(barrier, 0, hint), get<0>(parts), get<1>(parts));
+      return;
+    }
+    // kUpfront: the chunks' table reads first, all independent, so that their latencies overlap; else each right
+    // before its chunk's copies (a block's chunks share one or a few 32-byte sectors of the table: all but the
+    // first hit L1). Issuing the copies is this one thread's work: 2 x kBlockN / 16 x panels per K/V block pair.
+    constexpr int kChunks = kBlockN / kChunkRows;
+    constexpr int kKept = kUpfront ? kChunks : 1;
+    int page[kKept], chunk[kKept];
+    auto lookup = [&](int c, int slot) {
+      int row;
+      locate(n_block * kBlockN + c * kChunkRows, page[slot], row);
+      chunk[slot] = row / kChunkRows;
+    };
+    if constexpr (kUpfront) {
+      CUTE_UNROLL
+      for (int c = 0; c < kChunks; ++c) lookup(c, c);
+    }
+    CUTE_UNROLL
+    for (int c = 0; c < kChunks; ++c) {
+      int const slot = kUpfront ? c : 0;
+      if constexpr (!kUpfront) lookup(c, 0);
+      Tensor g = local_tile(pages(_, _, page[slot]), Shape<Int<kChunkRows>, Int<kPanel>>{},
+                            make_coord(chunk[slot], _));                                          // (16, P, panels)
+      Tensor s = local_tile(stage, Shape<Int<kChunkRows>, Int<kPanel>>{}, make_coord(c, _));  // (16, P, panels)
+      auto parts = tma_partition(tma, _0{}, Layout<_1>{}, group_modes<0, 2>(s), group_modes<0, 2>(g));
+      copy(tma.with(barrier, 0, hint), get<0>(parts), get<1>(parts));
+    }
   }
 };
 

@@ -13,6 +13,7 @@
 #include <type_traits>
 
 #include "../common/block_info.h"
+#include "../common/combine_splits.h"
 #include "../common/device_info.h"
 #include "../common/element_type.h"
 #include "../common/kernel_key.h"
@@ -39,9 +40,14 @@ struct FwdConfig {
                 "the fp8 kernels have no score mod");
   using Dropout = DropoutOf<Config::kDropout>;
   static constexpr bool kVarlen = Config::kVarlen;
-  using Seqlens = std::conditional_t<kVarlen, VarlenSeqlens, UniformSeqlens>;
+  // KV caches: pages through a page table, per-entry cache lengths, split-KV (kv_blocks.h, common/seqlen.h).
+  static constexpr bool kKVCache = Config::kKVCache;
+  static_assert(!kKVCache || (!kVarlen && !Config::kDropout && Config::kDType != DType::kFloat8E4M3),
+                "KV-cache kernels: padded 16-bit queries without dropout");
+  using Seqlens = std::conditional_t<kVarlen, VarlenSeqlens, std::conditional_t<kKVCache, CacheSeqlens, UniformSeqlens>>;
+  using KVBlocks = std::conditional_t<kKVCache, PagedKVBlocks, ContiguousKVBlocks>;
   using Mainloop = FwdMainloop<Element, Config::kHeadDim, Config::kHeadDimV, Tile, Config::kMask, ScoreMod, Dropout,
-                               ContiguousKVBlocks, Seqlens>;
+                               KVBlocks, Seqlens>;
   using ElementOut = typename Mainloop::ElementOut;
   static constexpr bool kFp8 = Mainloop::kFp8;
   // FP8 stages O in a buffer of its own; 16-bit O goes through the Q stage the tile used.
@@ -50,9 +56,11 @@ struct FwdConfig {
   static_assert(!kVarlen || !Config::kDropout, "packed batches: kernels without dropout for now");
   // Tiles whose cost varies (a mask with a right edge, packed entries of different lengths) are handed
   // out heaviest first, dynamically.
+  // KV caches: a split's share of an entry's keys costs about the same as any other's (decode), so static.
   using Scheduler = std::conditional_t<
       kVarlen, VarlenTileScheduler,
-      std::conditional_t<Config::kMask != MaskKind::kNone, DynamicTileScheduler, StaticTileScheduler>>;
+      std::conditional_t<kKVCache, SplitTileScheduler,
+                         std::conditional_t<Config::kMask != MaskKind::kNone, DynamicTileScheduler, StaticTileScheduler>>>;
   using Kernel = FwdKernel<Mainloop, Epilogue, Scheduler>;
   using Prepare = VarlenPrepare<Element, Tile::kBlockM, false, typename Mainloop::TMA_Q, typename Mainloop::TMA_K,
                                 typename Mainloop::TMA_V, typename Epilogue::TMA_O>;
@@ -95,6 +103,20 @@ int64_t run_fwd_sm90(FwdParams const& params, cudaStream_t stream) {
   // tensor maps must still be valid: extents >= 1 and 16-byte strides over real memory, which empty
   // K/V tensors need not have. Q's serve.
   FwdParams p = params;
+  constexpr bool kKVCache = C::kKVCache;
+  int const num_splits = kKVCache ? std::max(1, p.num_splits) : 1;
+  if constexpr (kKVCache) {
+    if (p.num_pages < 1 || p.page_size < 1) {
+      throw std::invalid_argument("flashhopper: KV-cache kernels need a cache of at least one page of at least one row");
+    }
+    if (p.sinks_ptr != nullptr || p.softcap != 0.f || p.window_left >= 0 || p.window_right >= 0) {
+      throw std::invalid_argument("flashhopper: KV-cache kernels have no sinks, softcap or window yet");
+    }
+    if (num_splits > kCombineMaxSplits || (num_splits > 1 && p.split_workspace == nullptr)) {
+      throw std::invalid_argument("flashhopper: num_splits must be 1.." + std::to_string(kCombineMaxSplits) +
+                                  ", and a split needs split_workspace");
+    }
+  }
   // Packed: (total rows, headdim, heads, 1), each tensor's one batch coordinate given a stride past its
   // rows (tensor maps want strides that are non-zero multiples of 16 bytes).
   int const rows_q = kVarlen ? p.total_q : p.seqlen_q;
@@ -109,7 +131,7 @@ int64_t run_fwd_sm90(FwdParams const& params, cudaStream_t stream) {
     }
   }
   int const batch_coords = kVarlen ? 1 : p.batch;
-  if (p.seqlen_k == 0) {
+  if (!kKVCache && p.seqlen_k == 0) {
     p.k_ptr = p.v_ptr = p.q_ptr;
     p.k_row_stride = p.v_row_stride = p.v_dim_stride = p.q_row_stride;
     p.k_head_stride = p.v_head_stride = p.q_head_stride;
@@ -117,7 +139,10 @@ int64_t run_fwd_sm90(FwdParams const& params, cudaStream_t stream) {
   }
   int const rows_k = std::max(p.seqlen_k, 1);
   typename Mainloop::ShapeQKV const shape_q{rows_q, p.headdim, p.nheads_q, batch_coords};
-  typename Mainloop::ShapeQKV const shape_k{rows_k, p.headdim, p.nheads_kv, batch_coords};
+  // KV caches: (page_size, headdim, kv heads, pages), the batch stride the page stride.
+  typename Mainloop::ShapeQKV const shape_k = kKVCache
+      ? typename Mainloop::ShapeQKV{p.page_size, p.headdim, p.nheads_kv, p.num_pages}
+      : typename Mainloop::ShapeQKV{rows_k, p.headdim, p.nheads_kv, batch_coords};
   auto stride = [](int64_t row, int64_t head, int64_t batch) { return make_stride(row, _1{}, head, batch); };
   typename Mainloop::Descales descale{};
   if constexpr (kFp8) {
@@ -166,6 +191,8 @@ int64_t run_fwd_sm90(FwdParams const& params, cudaStream_t stream) {
   auto const seqlens = [&] {
     if constexpr (kVarlen) {
       return VarlenSeqlens{p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_q, p.seqused_k, ws.descs, ws.descs_extra};
+    } else if constexpr (kKVCache) {
+      return CacheSeqlens{p.seqlen_q, p.seqlen_k, p.cache_seqlens};
     } else {
       return UniformSeqlens{p.seqlen_q, p.seqlen_k};
     }
@@ -177,15 +204,24 @@ int64_t run_fwd_sm90(FwdParams const& params, cudaStream_t stream) {
                             static_cast<Element const*>(p.v_ptr), stride_v, shape_k, p.softmax_scale,
                             seqlens, p.window_left, p.window_right, p.sinks_ptr,
                             make_score_mod<typename C::ScoreMod>(p.softmax_scale, p.softcap), {}, descale,
-                            make_dropout<typename C::Dropout>(p.dropout_rng, p.dropout_threshold), vt_keys),
+                            make_dropout<typename C::Dropout>(p.dropout_rng, p.dropout_threshold), vt_keys, num_splits),
       Epilogue::make_params(static_cast<ElementOut*>(p.o_ptr),
                             typename Mainloop::ShapeQKV{rows_q, p.headdim_v, p.nheads_q, batch_coords},
-                            stride(p.o_row_stride, p.o_head_stride, p.o_batch_stride), p.lse_ptr, seqlens),
+                            stride(p.o_row_stride, p.o_head_stride, p.o_batch_stride), p.lse_ptr, seqlens,
+                            num_splits > 1 ? static_cast<float*>(p.split_workspace) : nullptr, num_splits),
       // (params.seqlen_k: packed batches' longest entry; p's is their total by now)
       sm90::make_tile_scheduler_params(num_m_blocks, p.batch, p.nheads_q, p.nheads_q / p.nheads_kv,
                                        int64_t(params.seqlen_k) * (p.headdim + p.headdim_v) * int64_t(sizeof(Element)),
                                        dev.l2_bytes > 0 ? dev.l2_bytes : int64_t(50) << 20, p.tile_counter)};
 
+  if constexpr (kKVCache) {
+    // A block inside one page: pages a multiple of the block, or one page per entry (a contiguous cache).
+    bool const whole_blocks = p.page_size % Tile::kBlockN == 0 || p.seqlen_k <= p.page_size;
+    kp.mainloop.kv_blocks = {p.page_table, p.page_table_batch_stride, cutlass::FastDivmod(p.page_size), p.num_pages,
+                             whole_blocks};
+    kp.scheduler.num_splits = num_splits;
+    kp.scheduler.total_tiles = int(std::min<int64_t>(total_tiles * num_splits, INT32_MAX));
+  }
   auto kernel = &sm90::fwd_kernel<Kernel>;
   int const smem_bytes = int(sizeof(typename Kernel::SharedStorage));
   cudaError_t err = raise_max_dynamic_smem(kernel, p.device, smem_bytes);
@@ -231,6 +267,24 @@ int64_t run_fwd_sm90(FwdParams const& params, cudaStream_t stream) {
     if (err != cudaSuccess) throw std::runtime_error(std::string("flashhopper: varlen forward launch: ") + cudaGetErrorString(err));
   } else {
     kernel<<<grid, Kernel::kNumThreads, smem_bytes, stream>>>(kp);
+  }
+  if constexpr (kKVCache) {
+    if (num_splits > 1) {
+      CombineParams cp;
+      cp.o_partial = kp.epilogue.o_partial;
+      cp.lse_partial = kp.epilogue.lse_partial;
+      cp.o = p.o_ptr;
+      cp.o_batch_stride = p.o_batch_stride;
+      cp.o_row_stride = p.o_row_stride;
+      cp.o_head_stride = p.o_head_stride;
+      cp.lse = p.lse_ptr;
+      cp.num_splits = num_splits;
+      cp.batch = p.batch;
+      cp.heads = p.nheads_q;
+      cp.rows = p.seqlen_q;
+      err = launch_combine_splits<ElementOut, Config::kHeadDimV>(cp, stream);
+      if (err != cudaSuccess) throw std::runtime_error(std::string("flashhopper: split-KV combine launch: ") + cudaGetErrorString(err));
+    }
   }
   return grid.x;
 }

@@ -335,7 +335,7 @@ struct BwdMainloop {
     int const m_begin = bi.m_block_min(n_block), m_end = bi.m_block_max(n_block);
     if (m_end <= m_begin) return;
     int const kv_head = head / p.heads_ratio;
-    KVBlocks const kv_blocks(p.kv_blocks, batch);
+    KVBlocks const kv_blocks(p.kv_blocks, batch, seq.seqlen_k);
 
     Tensor sQ = make_tensor(make_smem_ptr(ts.smem_q.data()), SmemLayoutQ{});
     Tensor sdO = make_tensor(make_smem_ptr(ts.smem_do.data()), SmemLayoutdO{});

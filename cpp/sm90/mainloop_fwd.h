@@ -72,7 +72,10 @@ struct FwdMainloop {
   static constexpr int kNumMmaThreads = kNumMmaWG * cutlass::NumThreadsPerWarpGroup;
   static_assert(kBlockM % 64 == 0 && kNumMmaWG >= 1 && kNumMmaWG <= 3);
   using Sched = PingPong<kNumMmaWG, Tile::kPingPong>;
-  using BlockInfoT = BlockInfo<kBlockM, kBlockN, kMask>;
+  // Split-KV (KV caches): a tile's key range is its split's share (common/block_info.h).
+  static constexpr bool kSplits = Seqlens::kSplits;
+  using BlockInfoT = std::conditional_t<kSplits, SplitBlockInfo<BlockInfo<kBlockM, kBlockN, kMask>>,
+                                        BlockInfo<kBlockM, kBlockN, kMask>>;
   using MaskT = Mask<kBlockN, kMask>;
 
   using D = Int<kHeadDim>;
@@ -112,8 +115,29 @@ struct FwdMainloop {
   using StrideQKV = Stride<int64_t, _1, int64_t, int64_t>;
   using GmemTensor = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{}, StrideQKV{}));
   using TMA_Q = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutQ{}), Shape<_64, D>{}, _1{}));
-  using TMA_K = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutK{}), Shape<BN, D>{}, _1{}));
-  using TMA_V = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutV{}), TileV{}, _1{}));
+  // Paged K/V (kv_blocks.h): boxes of 16 keys x one swizzle-atom panel of the stage, copied chunk by chunk.
+  static constexpr bool kPaged = KVBlocks::kPaged;
+  static_assert(!kPaged || !kFp8, "paged K/V: 16-bit kernels");
+  static constexpr int kPanelK = size<1>(SmemAtomKV{}), kPanelV = size<1>(SmemAtomV{});
+  // The paged producer reads a block's page indices at once with 16 more registers; consumers at 232 registers
+  // spill at head dim 256, and 3 consumer warpgroups (head dim 64) have none to give (ptxas -v).
+  static constexpr bool kProducerRegsBoost = kPaged && kNumMmaWG == 2 && kHeadDim <= 128;
+  using ChunkK = Shape<Int<PagedKVBlocks::kChunkRows>, Int<kPanelK>>;
+  using ChunkV = Shape<Int<PagedKVBlocks::kChunkRows>, Int<kPanelV>>;
+  using TMA_K = std::conditional_t<
+      kPaged, decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, tile_to_shape(SmemAtomKV{}, ChunkK{}), ChunkK{}, _1{})),
+      decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutK{}), Shape<BN, D>{}, _1{}))>;
+  using TMA_V = std::conditional_t<
+      kPaged, decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, tile_to_shape(SmemAtomV{}, ChunkV{}), ChunkV{}, _1{})),
+      decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutV{}), TileV{}, _1{}))>;
+  // Paged K/V whose blocks each lie inside one page: one copy per block, as for contiguous K/V.
+  using TMA_KBlock = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutK{}), Shape<BN, D>{}, _1{}));
+  using TMA_VBlock = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutV{}), TileV{}, _1{}));
+  struct NoBlockTma {};
+  struct BlockTmas {
+    TMA_KBlock k;
+    TMA_VBlock v;
+  };
 
   static constexpr uint32_t kQStageBytes = uint32_t(size(take<0, 3>(SmemLayoutQ{})) * sizeof(Element));
   static constexpr uint32_t kKStageBytes = uint32_t(size(take<0, 2>(SmemLayoutK{})) * sizeof(Element));
@@ -169,6 +193,8 @@ struct FwdMainloop {
     typename KVBlocks::Params kv_blocks;
     Descales descale;                    // FP8 only
     Dropout dropout;
+    int num_splits;                      // split-KV (kSplits): each entry's key blocks in this many ranges
+    std::conditional_t<kPaged, BlockTmas, NoBlockTma> tma_block;  // paged: whole-block copies
   };
 
   // The head's sink logit in the softmax's exp2 units (OnlineSoftmax::finalize), -inf without sinks.
@@ -178,8 +204,12 @@ struct FwdMainloop {
 
   // What the params' seqlens say of one batch entry, and its block ranges.
   CUTE_DEVICE static SeqlenInfo seqlen_info(Params const& p, int batch) { return p.seqlens(batch); }
-  CUTE_DEVICE static BlockInfoT block_info(Params const& p, SeqlenInfo const& s) {
-    return {s, p.window_left, p.window_right};
+  CUTE_DEVICE static BlockInfoT block_info(Params const& p, SeqlenInfo const& s, int split = 0) {
+    if constexpr (kSplits) {
+      return {s, p.window_left, p.window_right, split, p.num_splits};
+    } else {
+      return {s, p.window_left, p.window_right};
+    }
   }
 
   // shape_q, shape_k: the global tensors (rows, headdim, heads, batch); q, k, v with their strides.
@@ -187,7 +217,7 @@ struct FwdMainloop {
                             StrideQKV stride_k, Element const* v, StrideQKV stride_v, ShapeQKV shape_k,
                             float softmax_scale, Seqlens seqlens, int window_left, int window_right,
                             float const* sinks = nullptr, ScoreMod score_mod = {}, typename KVBlocks::Params kv_blocks = {},
-                            Descales descale = {}, Dropout dropout = {}, int vt_keys = 0) {
+                            Descales descale = {}, Dropout dropout = {}, int vt_keys = 0, int num_splits = 1) {
     auto mQ = make_tensor(make_gmem_ptr(q), shape_q, stride_q);
     auto mK = make_tensor(make_gmem_ptr(k), shape_k, stride_k);
     // FP8's V^T: (headdim, keys); the TMA bound is the padded key count, since a group of 16 keys
@@ -197,9 +227,25 @@ struct FwdMainloop {
                                              get<2>(shape_k), get<3>(shape_k)}
                                   : ShapeQKV{get<0>(shape_k), kHeadDimV, get<2>(shape_k), get<3>(shape_k)};
     auto mV = make_tensor(make_gmem_ptr(v), shape_v, stride_v);
+    auto tma_k = [&] {
+      if constexpr (kPaged) return make_tma_copy(SM90_TMA_LOAD{}, mK, tile_to_shape(SmemAtomKV{}, ChunkK{}), ChunkK{}, _1{});
+      else return make_tma_copy(SM90_TMA_LOAD{}, mK, take<0, 2>(SmemLayoutK{}), Shape<BN, D>{}, _1{});
+    };
+    auto tma_v = [&] {
+      if constexpr (kPaged) return make_tma_copy(SM90_TMA_LOAD{}, mV, tile_to_shape(SmemAtomV{}, ChunkV{}), ChunkV{}, _1{});
+      else return make_tma_copy(SM90_TMA_LOAD{}, mV, take<0, 2>(SmemLayoutV{}), TileV{}, _1{});
+    };
+    auto tma_block = [&] {
+      if constexpr (kPaged) {
+        return BlockTmas{make_tma_copy(SM90_TMA_LOAD{}, mK, take<0, 2>(SmemLayoutK{}), Shape<BN, D>{}, _1{}),
+                         make_tma_copy(SM90_TMA_LOAD{}, mV, take<0, 2>(SmemLayoutV{}), TileV{}, _1{})};
+      } else {
+        return NoBlockTma{};
+      }
+    };
     return {make_tma_copy(SM90_TMA_LOAD{}, mQ, take<0, 2>(SmemLayoutQ{}), Shape<_64, D>{}, _1{}),
-            make_tma_copy(SM90_TMA_LOAD{}, mK, take<0, 2>(SmemLayoutK{}), Shape<BN, D>{}, _1{}),
-            make_tma_copy(SM90_TMA_LOAD{}, mV, take<0, 2>(SmemLayoutV{}), TileV{}, _1{}),
+            tma_k(),
+            tma_v(),
             shape_q,
             shape_k,
             shape_v,
@@ -212,7 +258,9 @@ struct FwdMainloop {
             score_mod,
             kv_blocks,
             descale,
-            dropout};
+            dropout,
+            num_splits,
+            tma_block()};
   }
 
   // The tensor map a load of tensor `which` uses for this batch entry (common/seqlen.h: entry_tma_desc).
@@ -226,6 +274,10 @@ struct FwdMainloop {
     cute::prefetch_tma_descriptor(p.tma_q.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
+    if constexpr (kPaged) {
+      cute::prefetch_tma_descriptor(p.tma_block.k.get_tma_descriptor());
+      cute::prefetch_tma_descriptor(p.tma_block.v.get_tma_descriptor());
+    }
   }
 
   // ---------------------------------------------------------------------------------------------
@@ -239,7 +291,7 @@ struct FwdMainloop {
     int const n_block_max = bi.n_block_max(m_block);
     int const n_block_min = bi.n_block_min(m_block);
     int const kv_head = head / p.heads_ratio;
-    KVBlocks const kv_blocks(p.kv_blocks, batch);
+    KVBlocks const kv_blocks(p.kv_blocks, batch, seq.seqlen_k);
     TmaDescriptor const* desc_q = tma_desc(p, p.tma_q, kVarlenQ, batch, new_entry);
     TmaDescriptor const* desc_k = tma_desc(p, p.tma_k, kVarlenK, batch, new_entry);
     TmaDescriptor const* desc_v = tma_desc(p, p.tma_v, kVarlenV, batch, new_entry);
@@ -248,8 +300,51 @@ struct FwdMainloop {
     Tensor sK = make_tensor(make_smem_ptr(ts.smem_k.data()), SmemLayoutK{});
     Tensor sV = make_tensor(make_smem_ptr(ts.smem_v.data()), SmemLayoutV{});
     Tensor mQ = entry_rows(p.tma_q.get_tma_tensor(p.shape_q), seq.offset_q, head, seq.batch_coord);
-    Tensor mK = entry_rows(p.tma_k.get_tma_tensor(p.shape_k), seq.offset_k, kv_head, seq.batch_coord);
     Tensor gQ = local_tile(mQ, Shape<_64, D>{}, make_coord(_, _0{}));  // (64, D, m64)
+    auto q_parts = tma_partition(p.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+    Tensor tQgQ = get<0>(q_parts);  // (TMA, m64)
+    Tensor tQsQ = get<1>(q_parts);  // (TMA, wg, q_stage)
+    auto load_q = [&] {
+      pipeline_q.producer_acquire(write_q);
+      CUTE_UNROLL
+      for (int wg = 0; wg < kNumMmaWG; ++wg) {
+        copy(p.tma_q.with(desc_q, *pipeline_q.producer_get_barrier(write_q), 0, TMA::CacheHintSm90::EVICT_FIRST),
+             tQgQ(_, m_block * kNumMmaWG + wg), tQsQ(_, wg, write_q.index()));
+      }
+      ++write_q;
+    };
+
+    if constexpr (kPaged) {
+      // K/V pages of the kv head: (page_size, headdim, page); each block chunk by chunk (kv_blocks.h).
+      Tensor pK = p.tma_k.get_tma_tensor(p.shape_k)(_, _, kv_head, _);
+      Tensor pV = p.tma_v.get_tma_tensor(p.shape_v)(_, _, kv_head, _);
+      Tensor bK = p.tma_block.k.get_tma_tensor(p.shape_k)(_, _, kv_head, _);
+      Tensor bV = p.tma_block.v.get_tma_tensor(p.shape_v)(_, _, kv_head, _);
+      auto load_k = [&](int n_block) {
+        pipeline_k.producer_acquire(write_k);
+        kv_blocks.template load_paged<kBlockN, kPanelK, Shape<BN, D>, kProducerRegsBoost>(
+            p.tma_k, p.tma_block.k, *pipeline_k.producer_get_barrier(write_k), pK, bK, n_block, sK(_, _, write_k.index()),
+            TMA::CacheHintSm90::EVICT_LAST);
+        ++write_k;
+      };
+      auto load_v = [&](int n_block) {
+        pipeline_v.producer_acquire(write_v);
+        kv_blocks.template load_paged<kBlockN, kPanelV, TileV, kProducerRegsBoost>(
+            p.tma_v, p.tma_block.v, *pipeline_v.producer_get_barrier(write_v), pV, bV, n_block, sV(_, _, write_v.index()),
+            TMA::CacheHintSm90::EVICT_LAST);
+        ++write_v;
+      };
+      int n_block = n_block_max - 1;
+      load_k(n_block);
+      load_q();
+      for (; n_block > n_block_min; --n_block) {
+        load_k(n_block - 1);
+        load_v(n_block);
+      }
+      load_v(n_block_min);
+      return;
+    } else {
+    Tensor mK = entry_rows(p.tma_k.get_tma_tensor(p.shape_k), seq.offset_k, kv_head, seq.batch_coord);
     Tensor gK = local_tile(mK, Shape<BN, D>{}, make_coord(_, _0{}));   // (BN, D, n)
     Tensor gV = [&] {
       Tensor mV4 = p.tma_v.get_tma_tensor(p.shape_v);
@@ -261,11 +356,8 @@ struct FwdMainloop {
         return local_tile(entry_rows(mV4, seq.offset_k, kv_head, seq.batch_coord), TileV{}, make_coord(_, _0{}));
       }
     }();
-    auto q_parts = tma_partition(p.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
     auto k_parts = tma_partition(p.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
     auto v_parts = tma_partition(p.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
-    Tensor tQgQ = get<0>(q_parts);  // (TMA, m64)
-    Tensor tQsQ = get<1>(q_parts);  // (TMA, wg, q_stage)
     Tensor tKgK = get<0>(k_parts);  // (TMA, n)
     Tensor tKsK = get<1>(k_parts);  // (TMA, stage)
     Tensor tVgV = get<0>(v_parts);
@@ -286,18 +378,13 @@ struct FwdMainloop {
 
     int n_block = n_block_max - 1;
     load_k(n_block);
-    pipeline_q.producer_acquire(write_q);
-    CUTE_UNROLL
-    for (int wg = 0; wg < kNumMmaWG; ++wg) {
-      copy(p.tma_q.with(desc_q, *pipeline_q.producer_get_barrier(write_q), 0, TMA::CacheHintSm90::EVICT_FIRST),
-           tQgQ(_, m_block * kNumMmaWG + wg), tQsQ(_, wg, write_q.index()));
-    }
-    ++write_q;
+    load_q();
     for (; n_block > n_block_min; --n_block) {
       load_k(n_block - 1);
       load_v(n_block);
     }
     load_v(n_block_min);
+    }
   }
 
   // ---------------------------------------------------------------------------------------------
@@ -421,9 +508,35 @@ struct FwdMainloop {
       pipeline_k.consumer_release(read_k);
       ++read_k;
     };
+    // Cache rows past the entry's keys in its highest block (the rest of a page) are not clipped by TMA and may
+    // hold anything, NaN included, which P = 0 would not cancel (0 * NaN): each warpgroup zeroes them in that V
+    // stage before its first PV GEMM reads it (both write the same zeros; K's are masked to -inf instead).
+    int guard_rows = 0;  // valid keys of the highest block, when it has fewer than kBlockN
+    if constexpr (!Seqlens::kKVRowsClipped) {
+      static_assert(!kFp8, "V row guard: 16-bit V tiles");
+      int const valid = seq.seqlen_k - (n_block_max - 1) * kBlockN;
+      guard_rows = valid < kBlockN ? valid : 0;
+    }
+    auto guard_v = [&](int stage) {
+      if constexpr (!Seqlens::kKVRowsClipped) {
+        if (guard_rows > 0) {
+          Tensor sV = make_tensor(make_smem_ptr(ts.smem_v.data()), SmemLayoutV{});  // (keys, headdim_v, stage)
+          constexpr int kVec = 16 / sizeof(Element);  // 16 bytes: contiguous under the swizzle
+          int const n = (kBlockN - guard_rows) * (kHeadDimV / kVec);
+          for (int i = thread_idx; i < n; i += cutlass::NumThreadsPerWarpGroup) {
+            int const r = guard_rows + i / (kHeadDimV / kVec), c = (i % (kHeadDimV / kVec)) * kVec;
+            *reinterpret_cast<uint4*>(&sV(r, c, stage)) = make_uint4(0, 0, 0, 0);
+          }
+          cutlass::arch::fence_view_async_shared();  // the generic-proxy zeros before the GEMM's async reads
+          warpgroup_barrier_sync(wg);
+          guard_rows = 0;
+        }
+      }
+    };
     // O += P V for the block whose P is in tOrP.
     auto issue_pv = [&] {
       pipeline_v.consumer_wait(read_v);
+      guard_v(read_v.index());
       wgmma<false, -1>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
     };
     auto release_v = [&] {

@@ -53,5 +53,7 @@ struct PingPong {
 CUTE_DEVICE void epilogue_barrier_sync(int wg) {
   cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup, kEpilogueBarrier0 + wg);
 }
+// The same barrier outside the epilogue (a warpgroup's 128 threads, in program order with its epilogue's uses).
+CUTE_DEVICE void warpgroup_barrier_sync(int wg) { epilogue_barrier_sync(wg); }
 
 }  // namespace flashhopper::sm90

@@ -19,6 +19,7 @@ namespace flashhopper::sm90 {
 
 struct WorkTile {
   int m_block, head, batch;
+  int split = 0;  // split-KV: which of the entry's key ranges (SplitTileScheduler)
 };
 
 struct TileSchedulerParams {
@@ -35,6 +36,7 @@ struct TileSchedulerParams {
   int const* entry_order = nullptr;
   int const* tile_prefix = nullptr;
   int const* total_ptr = nullptr;
+  int num_splits = 1;  // SplitTileScheduler: key ranges per (query block, head, entry)
 };
 
 // kv_bytes_per_kv_head: K+V bytes of one kv head; query heads of one GQA group share them.
@@ -68,6 +70,17 @@ struct StaticTileScheduler {
   CUTE_DEVICE static WorkTile decode(TileSchedulerParams const& p, int tile) {
     int const bh = tile / p.num_m_blocks;
     return {tile - bh * p.num_m_blocks, bh % p.num_heads, bh / p.num_heads};
+  }
+};
+
+// KV caches with split-KV: the static order over (query block, split, head, entry), query blocks fastest, then a
+// (head, entry)'s splits, which read disjoint key ranges of the same K/V. Tiles cost alike within a launch
+// (decode: a split's share of an entry's keys), so the order is static.
+struct SplitTileScheduler : StaticTileScheduler {
+  CUTE_DEVICE static WorkTile decode(TileSchedulerParams const& p, int tile) {
+    int const bhs = tile / p.num_m_blocks;
+    int const bh = bhs / p.num_splits;
+    return {tile - bhs * p.num_m_blocks, bh % p.num_heads, bh / p.num_heads, bhs - bh * p.num_splits};
   }
 };
 

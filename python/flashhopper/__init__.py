@@ -14,7 +14,8 @@ from .dispatch import BACKENDS, available_backends, select_backend
 from .fp8 import (FP8Tensor, PackedFP8Tensor, QuantizedKV, flash_attn_fp8_func, flash_attn_varlen_fp8_func,
                   hadamard_signs, quantize_fp8, quantize_kv, to_vt)
 from .interface import flash_attn_func
-from .reference import attention_ref, attention_varlen_ref
+from .kvcache import flash_attn_with_kvcache
+from .reference import attention_kvcache_ref, attention_ref, attention_varlen_ref
 from .varlen import flash_attn_varlen_func
 
 try:
@@ -28,6 +29,7 @@ __all__ = [
     "PackedFP8Tensor",
     "QuantizedKV",
     "__version__",
+    "attention_kvcache_ref",
     "attention_ref",
     "attention_varlen_ref",
     "available_backends",
@@ -38,6 +40,7 @@ __all__ = [
     "flash_attn_func",
     "flash_attn_varlen_fp8_func",
     "flash_attn_varlen_func",
+    "flash_attn_with_kvcache",
     "fp8",
     "hadamard_signs",
     "has_extension",

@@ -20,12 +20,15 @@ _lib = torch.library.Library("flashhopper", "FRAGMENT")
 
 
 def define(name: str, cuda: Callable[..., Any], cpu: Callable[..., Any] | None = None, *,
-           autocast: tuple[str, ...]) -> Any:
-    """Define ``flashhopper::<name>`` with the schema of ``cuda``'s annotations (no input is mutated), its
-    CUDA implementation ``cuda`` and CPU implementation ``cpu`` (default: the same function), and its
-    AutocastCUDA kernel, which casts the inputs named in ``autocast`` (may be none); returns the op's
-    default overload."""
-    _lib.define(name + torch.library.infer_schema(cuda, mutates_args=()))
+           autocast: tuple[str, ...], mutates_args: tuple[str, ...] = ()) -> Any:
+    """Define ``flashhopper::<name>`` with the schema of ``cuda``'s annotations (the inputs named in
+    ``mutates_args`` written in place, none by default: e.g. a KV cache appended to), its CUDA implementation
+    ``cuda`` and CPU implementation ``cpu`` (default: the same function), and its AutocastCUDA kernel, which
+    casts the inputs named in ``autocast`` (may be none; never a mutated one: the cast would be a copy);
+    returns the op's default overload."""
+    if set(autocast) & set(mutates_args):
+        raise ValueError(f"{name}: mutated inputs cannot be cast by autocast: {sorted(set(autocast) & set(mutates_args))}")
+    _lib.define(name + torch.library.infer_schema(cuda, mutates_args=mutates_args))
     _lib.impl(name, cuda, "CUDA")
     _lib.impl(name, cuda if cpu is None else cpu, "CPU")
     _autocast.register(_lib, name, autocast)

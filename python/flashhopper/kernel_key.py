@@ -19,6 +19,9 @@ DROPOUTS: tuple[str, ...] = ("off", "on")
 # they are built at (the FA3-paper three).
 VARLENS: tuple[str, ...] = ("off", "on")
 VARLEN_HEADDIMS: tuple[int, ...] = (64, 128, 256)
+# KV-cache kernels (flash_attn_with_kvcache: paged or contiguous caches, per-entry cache lengths, split-KV) built
+# or not: build-option spelling (FLASHHOPPER_KVCACHE); Hopper forward, 16-bit, at the varlen head dims.
+KVCACHES: tuple[str, ...] = ("off", "on")
 # Build-option spelling (FLASHHOPPER_DTYPES) -> the dtype names the key carries (torch's, without "torch.").
 BUILD_DTYPES: dict[str, str] = {"fp16": "float16", "bf16": "bfloat16", "e4m3": "float8_e4m3fn"}
 ARCHS: tuple[int, ...] = (90, 80)
@@ -53,6 +56,7 @@ class KernelKey:
     score_mod: str = "none"  # "none" or "softcap" (its value is a runtime argument)
     dropout: bool = False    # P's scores dropped at random (training; p and the seed are runtime arguments)
     varlen: bool = False     # packed batches (cu_seqlens / seqused bounds: flash_attn_varlen_func)
+    kvcache: bool = False    # K/V from a (paged) cache: page-table addressing, cache_seqlens, split-KV
 
     def __post_init__(self) -> None:
         if self.mask not in MASKS:
@@ -71,6 +75,7 @@ class KernelKey:
                 + (f" {self.score_mod}" if self.score_mod != "none" else "")
                 + (" dropout" if self.dropout else "")
                 + (" varlen" if self.varlen else "")
+                + (" kvcache" if self.kvcache else "")
                 + (f" variant {self.variant}" if self.variant else ""))
 
     def file_name(self, mode: str) -> str:
@@ -81,7 +86,8 @@ class KernelKey:
         variant = f"_v-{self.variant}" if self.variant else ""
         dropout = "_dropout" if self.dropout else ""
         varlen = "_varlen" if self.varlen else ""
-        return f"{mode}_sm{self.arch}_{self.short_dtype()}_{hd}{mask}{score_mod}{dropout}{varlen}{variant}"
+        kvcache = "_kvcache" if self.kvcache else ""
+        return f"{mode}_sm{self.arch}_{self.short_dtype()}_{hd}{mask}{score_mod}{dropout}{varlen}{kvcache}{variant}"
 
 
 FIELDS: tuple[str, ...] = tuple(f.name for f in fields(KernelKey))

@@ -399,3 +399,86 @@ def attention_varlen_bwd_ref(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
         if sinks is not None:
             dsinks += sinks_grad_ref(dout[None, rq], out[None, rq], lse_b, sinks, dlse_b, dtype=dtype)
     return dq, dk, dv, dsinks
+
+
+# --- KV caches (flash_attn_with_kvcache) ---
+
+def _kvcache_lengths(cache_seqlens: torch.Tensor | int | None, batch: int, capacity: int) -> list[int]:
+    """Each entry's key count, read on the host: a tensor's values, an int for all, None: the whole cache."""
+    if cache_seqlens is None:
+        return [capacity] * batch
+    if isinstance(cache_seqlens, torch.Tensor):
+        lengths = [int(n) for n in cache_seqlens.tolist()]
+        if len(lengths) != batch:
+            raise ValueError(f"cache_seqlens must have shape ({batch},) (one length per entry), got "
+                             f"{tuple(cache_seqlens.shape)}")
+        return lengths
+    return [int(cache_seqlens)] * batch
+
+
+def kvcache_entry(cache: torch.Tensor, b: int, length: int, page_table: torch.Tensor | None = None,
+                  cache_batch_idx: torch.Tensor | None = None) -> torch.Tensor:
+    """The first ``length`` rows (length, nheads_kv, headdim) of entry ``b`` of a KV cache, gathered densely.
+    Paged (``page_table`` given; cache (num_pages, page_size, nheads_kv, headdim)): key j lives in page
+    page_table[b, j // page_size], row j % page_size. Contiguous (cache (batch_cache, max_seqlen, ...)): row
+    cache_batch_idx[b] of the cache (b without it), its first ``length`` positions. Reads indices on the host;
+    ValueError for one outside the cache."""
+    if page_table is not None:
+        page_size = cache.shape[1]
+        n_pages = -(-length // page_size) if page_size else 0
+        if n_pages > page_table.shape[1]:
+            raise ValueError(f"entry {b} has {length} keys, more than its {page_table.shape[1]} pages of {page_size} "
+                             "rows hold")
+        pages = [int(p) for p in page_table[b, :n_pages].tolist()]
+        bad = [p for p in pages if not 0 <= p < cache.shape[0]]
+        if bad:
+            raise ValueError(f"page_table[{b}] names pages {bad} outside the cache's {cache.shape[0]} pages")
+        if not pages:
+            return cache.new_empty((0, *cache.shape[2:]))
+        return cache[torch.tensor(pages, device=cache.device)].flatten(0, 1)[:length]
+    row = b if cache_batch_idx is None else int(cache_batch_idx[b])
+    if not 0 <= row < cache.shape[0]:
+        raise ValueError(f"cache_batch_idx[{b}] = {row} is outside the cache's {cache.shape[0]} rows")
+    if length > cache.shape[1]:
+        raise ValueError(f"entry {b} has {length} keys, more than the cache's {cache.shape[1]} positions")
+    return cache[row, :length]
+
+
+def attention_kvcache_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          cache_seqlens: torch.Tensor | int | None = None, page_table: torch.Tensor | None = None,
+                          cache_batch_idx: torch.Tensor | None = None, softmax_scale: float | None = None,
+                          causal: bool = True, *, dtype: torch.dtype = torch.float64
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q (batch, seqlen_q, nheads_q, headdim) over a KV cache, each entry alone: entry b's keys are
+    the first cache_seqlens[b] of its cache (an int: the same for every entry; None: the whole capacity),
+    gathered densely (kvcache_entry: paged through ``page_table`` (batch, max_pages) or contiguous, rows
+    ``cache_batch_idx``), then attention_ref with batch 1 (every convention as there: GQA, causal bottom-right
+    per entry, so query row i sees key j iff j <= i + cache_seqlens[b] - seqlen_q; a row that sees no key, an
+    entry with no keys included, gets out = 0 and lse = -inf). Nothing is appended (flash_attn_with_kvcache
+    writes k/v into the cache first, then attends to cache_seqlens + seqlen_new keys). Returns out (batch,
+    seqlen_q, nheads_q, headdim_v) and lse (batch, nheads_q, seqlen_q) in ``dtype``. Reads cache_seqlens and
+    the indices on the host."""
+    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        validation.check_tensor(name, x)
+        validation.check_rank(name, x)
+        validation.check_dtype(name, x)
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {x.dtype} but q has {q.dtype}; q and the caches must share one dtype")
+        if x.device != q.device:
+            raise ValueError(f"{name} is on {x.device} but q is on {q.device}")
+    capacity = (page_table.shape[1] * k_cache.shape[1]) if page_table is not None else k_cache.shape[1]
+    lengths = _kvcache_lengths(cache_seqlens, q.shape[0], capacity)
+    outs, lses = [], []
+    for b, length in enumerate(lengths):
+        if length < 0:
+            raise ValueError(f"cache_seqlens[{b}] = {length} is negative")
+        kb = kvcache_entry(k_cache, b, length, page_table, cache_batch_idx)
+        vb = kvcache_entry(v_cache, b, length, page_table, cache_batch_idx)
+        out_b, lse_b = attention_ref(q[b:b + 1], kb[None], vb[None], softmax_scale, causal, dtype=dtype)
+        outs.append(out_b)
+        lses.append(lse_b)
+    if not outs:
+        return (torch.empty((0, *q.shape[1:3], v_cache.shape[3]), dtype=dtype, device=q.device),
+                torch.empty((0, q.shape[2], q.shape[1]), dtype=dtype, device=q.device))
+    return torch.cat(outs), torch.cat(lses)

@@ -1,0 +1,85 @@
+// Split-KV's combine: each split of a row's keys left O_s (normalized within the split, float32) and LSE_s; the
+// row's O is sum_s exp(LSE_s - LSE) O_s with LSE = log sum_s exp(LSE_s). One warp per row: the lanes reduce the
+// splits' LSEs, then each lane sums the weighted O_s of its headdim / 32 columns (adjacent lanes, adjacent
+// columns: coalesced). A split with LSE -inf (no key in its range) has weight 0 and its O_s is never read (it
+// was never written). Plain CUDA, shared by every kernel family that splits.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+namespace flashhopper {
+
+struct CombineParams {
+  float const* o_partial = nullptr;    // (num_splits, batch, heads, rows, headdim)
+  float const* lse_partial = nullptr;  // (num_splits, batch, heads, rows)
+  void* o = nullptr;                   // (batch, rows, heads, headdim) with these element strides
+  int64_t o_batch_stride = 0, o_row_stride = 0, o_head_stride = 0;
+  float* lse = nullptr;                // (batch, heads, rows) contiguous
+  int num_splits = 1, batch = 0, heads = 0, rows = 0;
+};
+
+inline constexpr int kCombineWarps = 4;
+inline constexpr int kCombineMaxSplits = 256;
+
+template <class Element, int kHeadDim>
+__global__ void __launch_bounds__(kCombineWarps * 32) combine_splits_kernel(CombineParams const p) {
+  static_assert(kHeadDim % 64 == 0, "two columns per lane at least, in pairs");
+  constexpr int kPer = kHeadDim / 32;
+  __shared__ float weights[kCombineWarps][kCombineMaxSplits];
+  int const warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  int64_t const total = int64_t(p.batch) * p.heads * p.rows;
+  int64_t const row_id = int64_t(blockIdx.x) * kCombineWarps + warp;  // (batch, head, row) flattened
+  if (row_id >= total) return;
+  int64_t const split_stride = total;
+
+  float m = -INFINITY;
+  for (int s = lane; s < p.num_splits; s += 32) m = fmaxf(m, p.lse_partial[s * split_stride + row_id]);
+  for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  float sum = 0.f;
+  for (int s = lane; s < p.num_splits; s += 32) {
+    float const l = p.lse_partial[s * split_stride + row_id];
+    float const w = l == -INFINITY ? 0.f : expf(l - m);
+    weights[warp][s] = w;
+    sum += w;
+  }
+  for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  __syncwarp();
+
+  float acc[kPer];
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) acc[i] = 0.f;
+  for (int s = 0; s < p.num_splits; ++s) {
+    float const w = weights[warp][s];
+    if (w == 0.f) continue;  // the same for every lane
+    float const* src = p.o_partial + (s * split_stride + row_id) * kHeadDim + lane * kPer;
+#pragma unroll
+    for (int i = 0; i < kPer; i += 2) {
+      float2 const v = *reinterpret_cast<float2 const*>(src + i);
+      acc[i] += w * v.x;
+      acc[i + 1] += w * v.y;
+    }
+  }
+  float const inv = sum > 0.f ? 1.f / sum : 0.f;
+  int const r = int(row_id % p.rows);
+  int64_t const bh = row_id / p.rows;
+  int const h = int(bh % p.heads), b = int(bh / p.heads);
+  Element* dst = static_cast<Element*>(p.o) + b * p.o_batch_stride + int64_t(r) * p.o_row_stride +
+                 int64_t(h) * p.o_head_stride + lane * kPer;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) dst[i] = Element(acc[i] * inv);
+  if (lane == 0) p.lse[row_id] = sum > 0.f ? m + logf(sum) : -INFINITY;
+}
+
+template <class Element, int kHeadDim>
+cudaError_t launch_combine_splits(CombineParams const& p, cudaStream_t stream) {
+  int64_t const total = int64_t(p.batch) * p.heads * p.rows;
+  if (total == 0) return cudaSuccess;
+  int64_t const blocks = (total + kCombineWarps - 1) / kCombineWarps;
+  combine_splits_kernel<Element, kHeadDim><<<dim3(unsigned(blocks)), kCombineWarps * 32, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace flashhopper

@@ -1,0 +1,580 @@
+"""Attention over a KV cache (flash-attn's ``flash_attn_with_kvcache``, issue #22): ``flash_attn_with_kvcache``
+and its ops ``flashhopper::kvcache_append`` (new keys and values written into the cache in place) and
+``flashhopper::kvcache_fwd`` (attention of q over each entry's cached keys).
+
+A cache is contiguous, (batch_cache, max_seqlen, nheads_kv, headdim) with entry b in row cache_batch_idx[b] (b
+without it), or paged, (num_pages, page_size, nheads_kv, headdim) with entry b's key j in page
+page_table[b, j // page_size], row j % page_size. Entry b holds cache_seqlens[b] keys (a device tensor, an int
+for all, or None: the whole contiguous cache). Nothing reads those values on the host: the append is torch index
+ops on device indices and the kernel takes cache_seqlens on the device, so a decode step (append one token,
+attend) is CUDA-graph capturable with the lengths and page tables changed in place between replays. Both ops have
+fake implementations (torch.compile); neither is differentiable (an inference entry point, as flash-attn's).
+
+The Hopper kernel (KernelKey.kvcache) reads K/V blocks through the page table (a contiguous cache is one page of
+max_seqlen rows per entry) and may split each entry's keys over several CTAs (split-KV) whose partial results a
+combine kernel merges; a decode step's query heads that share a kv head run as the rows of one head (GQA
+packing), so K/V are read once per kv head. There is no Ampere KV-cache kernel.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+import os
+from typing import Any, Literal, NamedTuple, Optional, overload
+
+import torch
+
+from . import _autocast, _device, _ext, _launch, _op, dispatch, reference, validation
+from .kernel_key import VARLEN_HEADDIMS
+
+# Opt-in checks that read cache_seqlens, page_table and cache_batch_idx on the host (a synchronization per call
+# on the GPU; on the CPU they always run): lengths within the capacity, indices within the cache.
+DEBUG_ENV = "FLASHHOPPER_DEBUG_KVCACHE"
+# The heuristic's largest split count (FlashAttention-2's), and the largest a caller may ask for.
+HEURISTIC_MAX_SPLITS = 128
+MAX_SPLITS = 256
+# The kernels load K/V in chunks of 16 rows: a paged cache's pages hold a multiple of that.
+PAGE_ROWS_MULTIPLE = 16
+
+
+class CacheShapes(NamedTuple):
+    batch: int
+    seqlen_q: int
+    nheads_q: int
+    nheads_kv: int
+    headdim: int     # of q and the K cache
+    headdim_v: int   # of the V cache and out
+    paged: bool
+    page_size: int   # rows per page; a contiguous cache: max_seqlen (one page per entry)
+    num_pages: int   # pages; a contiguous cache: its rows (batch_cache)
+    capacity: int    # the most keys an entry can hold: max_seqlen, or max_pages_per_seq * page_size
+    seqlen_new: int  # tokens appended per entry (0 without k/v)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# --- validation (metadata only: traceable) ---
+
+def _check_index_tensor(name: str, x: Any, shape: tuple[int, ...], device: torch.device, what: str) -> None:
+    validation.check_tensor(name, x)
+    if x.dtype != torch.int32:
+        raise TypeError(f"{name} has dtype {x.dtype}; it must be torch.int32 ({what})")
+    if tuple(x.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape} ({what}), got {tuple(x.shape)}")
+    if x.device != device:
+        raise ValueError(f"{name} is on {x.device} but q is on {device}")
+
+
+def check_kvcache_inputs(q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any, cache_seqlens: Any, page_table: Any,
+                         cache_batch_idx: Any, softmax_scale: Any, causal: Any,
+                         num_splits: Any) -> tuple[CacheShapes, float]:
+    """Checks of flash_attn_with_kvcache's arguments (its docstring says what each must be); returns the shapes
+    and the softmax scale (default 1/sqrt(headdim)). Metadata only: what would need the values (lengths within
+    the capacity, indices within the cache) is check_kvcache_values' job."""
+    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        validation.check_tensor(name, x)
+        if x.dim() != 4:
+            what = ("(batch, seqlen_q, nheads_q, headdim)" if name == "q" else
+                    "(batch_cache, max_seqlen, nheads_kv, headdim) or paged (num_pages, page_size, nheads_kv, headdim)")
+            raise ValueError(f"{name} must have 4 dimensions {what}, got shape {tuple(x.shape)}")
+        validation.check_dtype(name, x)
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if x.device != q.device:
+            raise ValueError(f"{name} is on {x.device} but q is on {q.device}; q and the caches must share one device")
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {x.dtype} but q has {q.dtype}; q and the caches must share one dtype "
+                            "(fp8 caches are not supported yet)")
+    batch, seqlen_q, nheads_q, headdim = q.shape
+    slots, rows, nheads_kv, _ = k_cache.shape
+    if k_cache.shape[3] != headdim:
+        raise ValueError(f"k_cache head dim {k_cache.shape[3]} does not match q head dim {headdim}")
+    if headdim < 1:
+        raise ValueError(f"q head dim must be positive, got shape {tuple(q.shape)}")
+    if tuple(v_cache.shape[:3]) != tuple(k_cache.shape[:3]) or v_cache.shape[3] < 1:
+        raise ValueError(f"v_cache shape {tuple(v_cache.shape)} must equal k_cache shape {tuple(k_cache.shape)} but "
+                         "for the head dim (positive)")
+    if nheads_kv < 1 or nheads_q % nheads_kv != 0:
+        raise ValueError(f"q nheads {nheads_q} must be a multiple of the caches' nheads {nheads_kv} (grouped-query "
+                         "attention)")
+
+    paged = page_table is not None
+    if paged:
+        validation.check_tensor("page_table", page_table)
+        if page_table.dtype != torch.int32:
+            raise TypeError(f"page_table has dtype {page_table.dtype}; it must be torch.int32")
+        if page_table.dim() != 2 or page_table.shape[0] != batch or page_table.shape[1] < 1:
+            raise ValueError(f"page_table must have shape ({batch}, max_pages_per_seq) with max_pages_per_seq >= 1 "
+                             f"(a row of page indices per entry of q), got {tuple(page_table.shape)}")
+        if page_table.device != q.device:
+            raise ValueError(f"page_table is on {page_table.device} but q is on {q.device}")
+        if cache_batch_idx is not None:
+            raise ValueError("cache_batch_idx selects rows of a contiguous cache; with page_table (a paged cache) the "
+                             "page table says where each entry's keys are: pass one or the other")
+        if rows < 1 or rows % PAGE_ROWS_MULTIPLE:
+            raise ValueError(f"k_cache page size {rows} (dim 1 of a paged cache) must be a positive multiple of "
+                             f"{PAGE_ROWS_MULTIPLE} (the kernels load 16-row chunks)")
+        capacity = page_table.shape[1] * rows
+    else:
+        if cache_batch_idx is None:
+            if slots != batch:
+                raise ValueError(f"k_cache batch size {slots} does not match q batch size {batch} (pass "
+                                 "cache_batch_idx to attend to other rows of a larger cache)")
+        else:
+            _check_index_tensor("cache_batch_idx", cache_batch_idx, (batch,), q.device, "a cache row per entry of q")
+        capacity = rows
+
+    if (k is None) != (v is None):
+        raise ValueError(f"k and v are appended together: got k={'a tensor' if k is not None else 'None'} and "
+                         f"v={'a tensor' if v is not None else 'None'}")
+    seqlen_new = 0
+    if k is not None:
+        for name, x, like, d in (("k", k, "k_cache", headdim), ("v", v, "v_cache", v_cache.shape[3])):
+            validation.check_tensor(name, x)
+            if x.dim() != 4:
+                raise ValueError(f"{name} must have 4 dimensions (batch, seqlen_new, nheads_kv, headdim), got shape "
+                                 f"{tuple(x.shape)}")
+            if x.dtype != q.dtype:
+                raise TypeError(f"{name} has dtype {x.dtype} but {like} has {q.dtype}; the new keys and values are "
+                                "written into the cache in its dtype")
+            if x.device != q.device:
+                raise ValueError(f"{name} is on {x.device} but q is on {q.device}")
+            want = (batch, k.shape[1], nheads_kv, d)
+            if tuple(x.shape) != want:
+                raise ValueError(f"{name} must have shape {want} (q's batch, k's seqlen_new, {like}'s nheads and head "
+                                 f"dim), got {tuple(x.shape)}")
+        seqlen_new = k.shape[1]
+        if seqlen_new > capacity:
+            raise ValueError(f"k has {seqlen_new} new tokens per entry, more than an entry of the cache holds "
+                             f"({capacity})")
+        if cache_seqlens is None:
+            raise ValueError("cache_seqlens is required when k and v are appended (the position of each entry's "
+                             "first new token)")
+
+    if cache_seqlens is None:
+        if paged:
+            raise ValueError("cache_seqlens is required with page_table (each entry's number of cached keys)")
+    elif isinstance(cache_seqlens, torch.Tensor):
+        _check_index_tensor("cache_seqlens", cache_seqlens, (batch,), q.device, "one length per entry of q")
+    elif isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, numbers.Integral):
+        raise TypeError(f"cache_seqlens must be an int32 tensor (batch,), a Python int or None, got "
+                        f"{type(cache_seqlens).__name__}")
+    elif not 0 <= cache_seqlens <= capacity - seqlen_new:
+        raise ValueError(f"cache_seqlens = {cache_seqlens} with {seqlen_new} new tokens does not fit the cache: "
+                         f"0 <= cache_seqlens <= {capacity - seqlen_new} (capacity {capacity})")
+
+    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral):
+        raise TypeError(f"num_splits must be an int, got {type(num_splits).__name__}")
+    if not 0 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be 0 (heuristic) or 1..{MAX_SPLITS}, got {num_splits}")
+    scale = 1.0 / math.sqrt(headdim) if softmax_scale is None else validation.check_softmax_scale(softmax_scale)
+    validation.check_flag("causal", causal)
+    return CacheShapes(batch, seqlen_q, nheads_q, nheads_kv, headdim, v_cache.shape[3], paged, rows,
+                       slots, capacity, seqlen_new), scale
+
+
+def check_unsupported(window_size: Any, softcap: Any) -> None:
+    """flash-attn's arguments that flash_attn_with_kvcache takes but does not implement yet (issue #22):
+    NotImplementedError unless at their defaults."""
+    window = validation.check_window_size(window_size)
+    if window is not None:
+        raise NotImplementedError(f"window_size={window}: local (sliding-window) attention over a KV cache is not "
+                                  "supported yet")
+    if validation.check_softcap(softcap) != 0:
+        raise NotImplementedError(f"softcap={softcap}: softcap over a KV cache is not supported yet")
+
+
+def check_kvcache_values(shapes: CacheShapes, cache_seqlens: torch.Tensor | int | None,
+                         page_table: torch.Tensor | None, cache_batch_idx: torch.Tensor | None) -> None:
+    """What check_kvcache_inputs cannot see without the values (on the GPU a synchronization, so only on request:
+    FLASHHOPPER_DEBUG_KVCACHE=1): every entry's cache_seqlens + seqlen_new within 0..capacity, cache_batch_idx
+    within the cache's rows, and the pages an entry uses within the cache's pages."""
+    n = shapes.seqlen_new
+    if isinstance(cache_seqlens, torch.Tensor):
+        lengths = cache_seqlens.tolist()
+        bad = [(b, x) for b, x in enumerate(lengths) if not 0 <= x <= shapes.capacity - n]
+        if bad:
+            raise ValueError(f"cache_seqlens (entry, value) {bad[:8]}: with {n} new tokens each must lie in 0.."
+                             f"{shapes.capacity - n} (the cache holds {shapes.capacity} keys per entry)")
+    else:
+        lengths = [shapes.capacity if cache_seqlens is None else int(cache_seqlens)] * shapes.batch
+    if cache_batch_idx is not None:
+        rows = cache_batch_idx.tolist()
+        bad = [(b, r) for b, r in enumerate(rows) if not 0 <= r < shapes.num_pages]
+        if bad:
+            raise ValueError(f"cache_batch_idx (entry, row) {bad[:8]} outside the cache's {shapes.num_pages} rows")
+    if page_table is not None:
+        table = page_table.tolist()
+        for b, (length, pages) in enumerate(zip(lengths, table)):
+            used = pages[:_ceil_div(length + n, shapes.page_size)]
+            bad = [p for p in used if not 0 <= p < shapes.num_pages]
+            if bad:
+                raise ValueError(f"page_table[{b}] names pages {bad[:8]} (of the {len(used)} its {length + n} keys "
+                                 f"use) outside the cache's {shapes.num_pages} pages")
+
+
+# --- split-KV ---
+
+def num_splits_heuristic(tiles: int, num_sms: int, n_blocks: int, max_splits: int = HEURISTIC_MAX_SPLITS) -> int:
+    """FlashAttention-2's choice of split-KV count: 1 when the ``tiles`` (batch x heads x query blocks) nearly
+    fill the ``num_sms`` multiprocessors (>= 80%); else, among the split counts s up to min(max_splits, num_sms,
+    n_blocks) that change the key blocks per split (ceil(n_blocks / s) != ceil(n_blocks / (s - 1))), the smallest
+    whose wave efficiency (tiles * s / num_sms) / ceil(tiles * s / num_sms) is at least 85% of the best one's."""
+    if tiles <= 0 or n_blocks <= 1 or num_sms <= 0 or tiles >= 0.8 * num_sms:
+        return 1
+    efficiency: dict[int, float] = {}
+    for s in range(1, min(max_splits, num_sms, n_blocks) + 1):
+        if s > 1 and _ceil_div(n_blocks, s) == _ceil_div(n_blocks, s - 1):
+            continue  # the same blocks per split as s - 1: not eligible
+        waves = tiles * s / num_sms
+        efficiency[s] = waves / math.ceil(waves)
+    best = max(efficiency.values())
+    return next(s for s, e in efficiency.items() if e >= 0.85 * best)
+
+
+def kernel_num_splits(num_splits: int, batch: int, kernel_heads: int, kernel_rows: int, seqlen_k: int,
+                      block_m: int, block_n: int, num_sms: int) -> int:
+    """The split count a launch uses: ``num_splits`` (0: num_splits_heuristic over the kernel's view: batch x
+    kernel_heads x ceil(kernel_rows / block_m) tiles, ceil(seqlen_k / block_n) key blocks), never more than the
+    key blocks (each split gets one at least), at least 1."""
+    n_blocks = _ceil_div(seqlen_k, block_n)
+    if num_splits == 0:
+        tiles = batch * kernel_heads * _ceil_div(kernel_rows, block_m)
+        num_splits = num_splits_heuristic(tiles, num_sms, n_blocks)
+    return max(1, min(num_splits, n_blocks))
+
+
+# --- backend ---
+
+def _kvcache_mask(seqlen_q: int, causal: bool) -> str:
+    # One query row sees every key of its entry either way (bottom-right aligned): the non-causal kernel, which
+    # GQA packing needs (the packed rows are heads, not positions).
+    return "causal" if causal and seqlen_q > 1 else "none"
+
+
+def _packs_gqa(seqlen_q: int, nheads_q: int, nheads_kv: int) -> bool:
+    """Whether a call runs GQA-packed: one query token, several query heads per kv head (decode)."""
+    return seqlen_q == 1 and nheads_q > nheads_kv
+
+
+def _kvcache_key(dtype: torch.dtype, headdim: int, headdim_v: int, mask: str) -> Any:
+    return dispatch._key("sm90", dtype, headdim, mask, "", "none", headdim_v, dropout=False, varlen=False,
+                         kvcache=True)
+
+
+# As dispatch._missing_bwd_cuda: a constant under torch.compile (the device query cannot be traced), returning the
+# message rather than raising (a ValueError raised inside an assume_constant_result function surfaces as an
+# internal dynamo error).
+@torch.compiler.assume_constant_result
+def _missing_kvcache_kernel(index: int, dtype: torch.dtype, headdim: int, headdim_v: int, mask: str) -> str:
+    info = _device.device_info(index)
+    if not dispatch.runs_on("sm90", info.capability):
+        return (f"q is on cuda:{index} ({info.name}, compute capability {info.capability[0]}.{info.capability[1]}); "
+                "the KV-cache kernels are Hopper (sm90, compute capability 9.0) only; pass backend='reference'")
+    try:
+        dispatch.require_kernel("fwd", _kvcache_key(dtype, headdim, headdim_v, mask))
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def resolve_backend(q: torch.Tensor, shapes: CacheShapes, causal: bool, backend: str | None) -> str:
+    """"sm90" or "reference" for a validated call: CPU tensors (backend None) and backend='reference' run the
+    reference; CUDA tensors the Hopper KV-cache kernel, or a ValueError saying why there is none (never a silent
+    fall back to the reference on a GPU)."""
+    if backend is not None and backend not in dispatch.BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(map(repr, dispatch.BACKENDS))} or None, got {backend!r}")
+    if backend == "reference":
+        return "reference"
+    if q.device.type != "cuda":
+        if backend is None:
+            return "reference"
+        raise ValueError(f"backend={backend!r} needs CUDA tensors, but q is on {q.device}")
+    if backend == "sm80":
+        raise ValueError("backend='sm80': there is no Ampere (sm80) KV-cache kernel; use backend='sm90' (Hopper) or "
+                         "'reference'")
+    validation.check_kernel_dtype("q", q.dtype)
+    if shapes.headdim != shapes.headdim_v or shapes.headdim not in VARLEN_HEADDIMS:
+        hd = f"{shapes.headdim}" if shapes.headdim == shapes.headdim_v else f"{shapes.headdim}/{shapes.headdim_v}"
+        raise ValueError(f"q head dim {hd}: the KV-cache kernels have head dims "
+                         f"{', '.join(map(str, VARLEN_HEADDIMS))} (q, K and V alike); backend='reference' takes any")
+    msg = _missing_kvcache_kernel(q.device.index, q.dtype, shapes.headdim, shapes.headdim_v,
+                                  _kvcache_mask(shapes.seqlen_q, causal))
+    if msg:
+        raise ValueError(msg)
+    return "sm90"
+
+
+def _check_kernel_layouts(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """The kernel's TMA needs 16-byte aligned strides and starts: checked before the append writes the cache, from
+    metadata (validation.kernel_layout_ok; the launch checks the real pointers). Not while torch.compile traces
+    (dynamo cannot read a storage offset); the launch's check runs all the same."""
+    if torch.compiler.is_compiling():
+        return
+    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not validation.kernel_layout_ok(x):
+            validation.check_kernel_layout(name, x)  # names what is wrong
+            raise ValueError(f"{name} (storage offset {x.storage_offset()}, strides {tuple(x.stride())}) is not laid "
+                             "out for the kernels' TMA loads: 16-byte aligned start and strides; call .contiguous()")
+
+
+# --- the append: flashhopper::kvcache_append ---
+
+def _append_index(k_cache: torch.Tensor, k: torch.Tensor, cache_seqlens: torch.Tensor | None, seqlen_offset: int,
+                  page_table: torch.Tensor | None,
+                  cache_batch_idx: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slot, row) int64 (batch, seqlen_new) of each new token in the cache's first two dims, on the device."""
+    batch, seqlen_new = k.shape[:2]
+    steps = torch.arange(seqlen_new, device=k.device)
+    if cache_seqlens is not None:
+        pos = cache_seqlens.to(torch.int64)[:, None] + steps
+    else:
+        pos = (steps + seqlen_offset).expand(batch, seqlen_new)
+    if page_table is not None:
+        page_size = k_cache.shape[1]
+        return page_table.gather(1, pos // page_size).to(torch.int64), pos % page_size
+    slot = (torch.arange(batch, device=k.device) if cache_batch_idx is None else cache_batch_idx.to(torch.int64))
+    return slot[:, None].expand(batch, seqlen_new), pos
+
+
+def kvcache_append(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   cache_seqlens: Optional[torch.Tensor], seqlen_offset: int,  # noqa: UP045
+                   page_table: Optional[torch.Tensor], cache_batch_idx: Optional[torch.Tensor]) -> None:  # noqa: UP045
+    """Write k, v (batch, seqlen_new, nheads_kv, headdim) into the caches in place: entry b's token t at position
+    cache_seqlens[b] + t (``seqlen_offset`` + t for every entry when cache_seqlens is None) of its cache (paged:
+    page page_table[b, pos // page_size], row pos % page_size; contiguous: row cache_batch_idx[b] (b), position
+    pos). torch index ops with device indices only: no synchronization, graph-capturable. cache_seqlens itself is
+    left as it is. Positions past the capacity or pages outside the cache are a device-side index error (not
+    checked without FLASHHOPPER_DEBUG_KVCACHE=1)."""
+    if k.numel() == 0:
+        return
+    index = _append_index(k_cache, k, cache_seqlens, seqlen_offset, page_table, cache_batch_idx)
+    k_cache.index_put_(index, k)
+    v_cache.index_put_(index, v)
+
+
+kvcache_append_op = _op.define("kvcache_append", kvcache_append, autocast=(), mutates_args=("k_cache", "v_cache"))
+
+
+@torch.library.register_fake("flashhopper::kvcache_append")
+def _(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+      cache_seqlens: Optional[torch.Tensor], seqlen_offset: int,  # noqa: UP045
+      page_table: Optional[torch.Tensor], cache_batch_idx: Optional[torch.Tensor]) -> None:  # noqa: UP045
+    return None
+
+
+# --- the attention: flashhopper::kvcache_fwd ---
+
+def _empty_outputs(q: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    b, sq, hq, _ = q.shape
+    out = torch.empty((b, sq, hq, v_cache.shape[3]), dtype=q.dtype, device=q.device)
+    lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
+    return out, lse
+
+
+def _launch_kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        cache_seqlens: torch.Tensor | None, seqlen_k: int, page_table: torch.Tensor | None,
+                        cache_batch_idx: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor,
+                        softmax_scale: float, causal: bool, num_splits: int) -> int:
+    """The Hopper KV-cache forward into out (batch, seqlen_q, nheads_q, headdim_v) and lse float32 (batch,
+    nheads_q, seqlen_q), both contiguous. ``cache_seqlens``: int32 (batch,) key counts on the device, each at most
+    ``seqlen_k``, or None: every entry has seqlen_k keys. Returns the CTAs launched (the extension's answer)."""
+    b, sq, hq, d = q.shape
+    page_size, hkv, dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
+    entry = dispatch.require_kernel("fwd", _kvcache_key(q.dtype, d, dv, _kvcache_mask(sq, causal)))
+    if _packs_gqa(sq, hq, hkv):
+        # GQA packing: the g query heads of a kv head are g rows of one head (K/V read once per kv head). Query
+        # head h * g + r is row r of kernel head h: row stride = q's head stride, head stride g times it. The lse
+        # (batch, nheads_q, 1) contiguous is the kernel's (batch, nheads_kv, g) contiguous.
+        g = hq // hkv
+        q4 = q.as_strided((b, g, hkv, d), (q.stride(0), q.stride(2), g * q.stride(2), q.stride(3)))
+        o4 = out.as_strided((b, g, hkv, dv), (out.stride(0), out.stride(2), g * out.stride(2), out.stride(3)))
+        rows, heads = g, hkv
+    else:
+        q4, o4, rows, heads = q, out, sq, hq
+    for name, x in (("q", q4), ("out", o4), ("k_cache", k_cache), ("v_cache", v_cache)):
+        validation.check_kernel_layout(name, x)
+    if not (lse.is_contiguous() and lse.dtype == torch.float32 and lse.numel() == b * heads * rows):
+        raise ValueError(f"lse must be float32 contiguous (batch, nheads_q, seqlen_q), got {tuple(lse.shape)} "
+                         f"{lse.dtype} strides {tuple(lse.stride())}")
+    if page_table is not None:
+        table = page_table if page_table.shape[1] == 1 or page_table.stride(1) == 1 else page_table.contiguous()
+        table_ptr, table_stride = table.data_ptr(), table.stride(0)
+    elif cache_batch_idx is not None:
+        table = cache_batch_idx.contiguous()
+        table_ptr, table_stride = table.data_ptr(), 1
+    else:
+        table, table_ptr, table_stride = None, 0, 0
+    lengths = None if cache_seqlens is None else cache_seqlens.contiguous()
+    num_sms = _device.device_info(q.device.index).num_sms
+    splits = kernel_num_splits(num_splits, b, heads, rows, seqlen_k, entry.block_m, entry.block_n, num_sms)
+    C = _ext.extension()
+    # Partial O and LSE of the splits, any contents, sized by the kernel's view (float32 (splits, batch, heads,
+    # rows, headdim_v + 1)); none without splits.
+    workspace = (torch.empty(int(C.kvcache_split_workspace_bytes(splits, b, heads, rows, dv)), dtype=torch.uint8,
+                             device=q.device) if splits > 1 else None)
+
+    p = _launch.params("FwdParams")
+    p.q_ptr, p.k_ptr, p.v_ptr = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()
+    p.o_ptr, p.lse_ptr = out.data_ptr(), lse.data_ptr()
+    _launch.fill_strides(p, q=q4, k=k_cache, v=v_cache, o=o4)
+    p.batch, p.seqlen_q, p.seqlen_k = b, rows, seqlen_k
+    p.nheads_q, p.nheads_kv, p.headdim, p.headdim_v = heads, hkv, d, dv
+    p.softmax_scale = softmax_scale
+    # The params object is shared with the other forward paths: every field they set, back to its default.
+    p.window_left, p.window_right, p.softcap, p.sinks_ptr = -1, -1, 0.0, 0
+    p.dropout_rng, p.dropout_threshold = 0, 0
+    p.q_scale_ptr, p.k_scale_ptr, p.v_scale_ptr = 0, 0, 0
+    p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_q, p.seqused_k = 0, 0, 0, 0
+    p.total_q, p.total_k, p.varlen_workspace = 0, 0, 0
+    p.tile_counter, p.max_smem_bytes = 0, 0
+    p.page_table, p.page_table_batch_stride = table_ptr, table_stride
+    p.page_size, p.num_pages = page_size, k_cache.shape[0]
+    p.cache_seqlens = 0 if lengths is None else lengths.data_ptr()
+    p.num_splits = splits
+    p.split_workspace = 0 if workspace is None else workspace.data_ptr()
+    _launch.fill_device(p, q)
+    # (table, lengths and workspace, copies included, live until the launch is enqueued: enough, as the allocator
+    # reuses memory in stream order.)
+    return int(C.fwd(p, entry.index, _launch.stream(q.device)))
+
+
+def kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                cache_seqlens: Optional[torch.Tensor], seqlen_k: int,  # noqa: UP045
+                page_table: Optional[torch.Tensor], cache_batch_idx: Optional[torch.Tensor],  # noqa: UP045
+                softmax_scale: float, causal: bool, num_splits: int,
+                backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q over a KV cache: (out (batch, seqlen_q, nheads_q, headdim_v) like q, lse float32 (batch,
+    nheads_q, seqlen_q)), both contiguous. Entry b attends to its first cache_seqlens[b] keys (int32 (batch,) on
+    q's device: the counts after any append), or to ``seqlen_k`` keys each when cache_seqlens is None;
+    ``seqlen_k`` bounds them all otherwise (the capacity). Arguments as flash_attn_with_kvcache's, validated;
+    ``backend`` resolved ("sm90" or "reference"); ``num_splits`` 0: the heuristic."""
+    out, lse = _empty_outputs(q, v_cache)
+    if backend == "reference":
+        dtype = torch.float64 if (not q.is_cuda or q.dtype == torch.float64) else torch.float32
+        ref_out, ref_lse = reference.attention_kvcache_ref(q, k_cache, v_cache,
+                                                           seqlen_k if cache_seqlens is None else cache_seqlens,
+                                                           page_table, cache_batch_idx, softmax_scale, causal,
+                                                           dtype=dtype)
+        out.copy_(ref_out)
+        lse.copy_(ref_lse)
+    elif backend == "sm90":
+        if lse.numel() == 0:
+            pass  # nothing to compute (no entry, no query row or no head)
+        elif seqlen_k == 0:  # no entry has a key: what a row that sees none gets, without a launch
+            out.zero_()
+            lse.fill_(-math.inf)
+        else:
+            _launch_kvcache_fwd(q, k_cache, v_cache, cache_seqlens, seqlen_k, page_table, cache_batch_idx, out, lse,
+                                softmax_scale, causal, num_splits)
+    else:
+        raise ValueError(f"backend must be 'sm90' or 'reference' for a KV cache, got {backend!r}")
+    return out, lse
+
+
+kvcache_fwd_op = _op.define("kvcache_fwd", kvcache_fwd, autocast=())
+
+
+@torch.library.register_fake("flashhopper::kvcache_fwd")
+def _(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: Optional[torch.Tensor],  # noqa: UP045
+      seqlen_k: int, page_table: Optional[torch.Tensor], cache_batch_idx: Optional[torch.Tensor],  # noqa: UP045
+      softmax_scale: float, causal: bool, num_splits: int, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return _empty_outputs(q, v_cache)
+
+
+# --- the public function ---
+
+@overload
+def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            k: torch.Tensor | None = ..., v: torch.Tensor | None = ...,
+                            cache_seqlens: torch.Tensor | int | None = ..., page_table: torch.Tensor | None = ...,
+                            cache_batch_idx: torch.Tensor | None = ..., softmax_scale: float | None = ...,
+                            causal: bool = ..., num_splits: int = ..., return_lse: Literal[False] = ...,
+                            backend: str | None = ..., *, window_size: tuple[int, int] = ...,
+                            softcap: float = ...) -> torch.Tensor: ...
+
+
+@overload
+def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            k: torch.Tensor | None = ..., v: torch.Tensor | None = ...,
+                            cache_seqlens: torch.Tensor | int | None = ..., page_table: torch.Tensor | None = ...,
+                            cache_batch_idx: torch.Tensor | None = ..., softmax_scale: float | None = ...,
+                            causal: bool = ..., num_splits: int = ..., *, return_lse: Literal[True],
+                            backend: str | None = ..., window_size: tuple[int, int] = ...,
+                            softcap: float = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            k: torch.Tensor | None = None, v: torch.Tensor | None = None,
+                            cache_seqlens: torch.Tensor | int | None = None, page_table: torch.Tensor | None = None,
+                            cache_batch_idx: torch.Tensor | None = None, softmax_scale: float | None = None,
+                            causal: bool = True, num_splits: int = 0, return_lse: bool = False,
+                            backend: str | None = None, *, window_size: tuple[int, int] = (-1, -1),
+                            softcap: float = 0.0) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention of new queries over a KV cache, optionally appending new keys and values to it first
+    (flash-attn's ``flash_attn_with_kvcache``: decode, and chunked prefill).
+
+    q: (batch, seqlen_q, nheads_q, headdim), seqlen_q from 1 (a decode step) up. k_cache, v_cache: contiguous
+    (batch_cache, max_seqlen, nheads_kv, headdim), entry b in row cache_batch_idx[b] (int32 (batch,); without
+    it row b, and batch_cache must be batch); or paged (num_pages, page_size, nheads_kv, headdim) with page_table
+    int32 (batch, max_pages_per_seq): entry b's key j in page page_table[b, j // page_size], row j % page_size
+    (page_size a multiple of 16). The caches share q's dtype and device; nheads_q a multiple of nheads_kv (GQA:
+    query head h reads kv head h // (nheads_q // nheads_kv)); V's head dim may differ for the reference. Any
+    strides with a contiguous last dim (the kernel: 16-byte multiples).
+
+    cache_seqlens: each entry's cached keys before the call, int32 (batch,) on q's device, or a Python int for
+    all; None: the whole contiguous cache (max_seqlen each; required with page_table, and with k/v).
+    k, v: (batch, seqlen_new, nheads_kv, headdim) or None. When given they are written into the cache in place
+    at positions cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1 (crossing pages as the page table says),
+    before attending; entry b then attends to its first cache_seqlens[b] + seqlen_new keys. cache_seqlens itself
+    is not modified (as in flash-attn: the caller advances it). The positions must fit the cache (not checked
+    on the GPU without FLASHHOPPER_DEBUG_KVCACHE=1, which reads the lengths and indices on the host; a position
+    outside is a device-side index error).
+
+    causal: bottom-right aligned per entry, query row i of entry b sees key j iff j <= i + seqlen_k_b - seqlen_q
+    (seqlen_k_b: the entry's keys after the append). **Default True**, unlike flash-attn (whose default is
+    False): pass causal=False for its default. With one query row both are the same.
+    num_splits: split-KV, each entry's keys cut over that many CTAs whose partial results are merged (0: a
+    heuristic from the tiles, the key blocks and the device's multiprocessors; 1: no split; at most 256, and
+    never more than the key blocks). return_lse: also return lse float32 (batch, nheads_q, seqlen_q), natural
+    log; a row that sees no key (an entry with none) has out = 0 and lse = -inf.
+    backend: None picks the Hopper kernel for CUDA tensors (an error saying what to rebuild with when this
+    build has none: there is no Ampere KV-cache kernel) and the float64 reference for CPU tensors; "sm90" or
+    "reference" (any dtype and head dim) by name.
+
+    Not differentiable (an inference entry point, as flash-attn's): inputs that require grad are read as
+    detached, the result has no gradient. Not supported yet: window_size other than (-1, -1) and softcap other
+    than 0 (NotImplementedError), sinks, fp8 caches, rotary embeddings, cache_leftpad and ALiBi (no such
+    arguments). Under CUDA autocast q, k and v run in the autocast dtype, like SDPA's inputs; the caches are
+    never cast (their dtype must be that one). No host synchronization on the kernel path: the call (append
+    included) can be captured in a CUDA graph and replayed with cache_seqlens and page_table changed in place.
+
+    Returns out (batch, seqlen_q, nheads_q, headdim_v) like q, or (out, lse).
+    """
+    if _autocast.enabled():
+        q, k, v = _autocast.cast(q, k, v)
+    shapes, scale = check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx,
+                                         softmax_scale, causal, num_splits)
+    validation.check_flag("return_lse", return_lse)
+    check_unsupported(window_size, softcap)
+    name = resolve_backend(q, shapes, causal, backend)
+    if name != "reference":
+        _check_kernel_layouts(q, k_cache, v_cache)
+    if not torch.compiler.is_compiling() and (not q.is_cuda or os.environ.get(DEBUG_ENV) == "1"):
+        check_kvcache_values(shapes, cache_seqlens, page_table, cache_batch_idx)
+    lengths = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None
+    with torch.no_grad():
+        if k is not None:
+            kvcache_append_op(k_cache, v_cache, k, v, lengths, 0 if lengths is not None else int(cache_seqlens),
+                              page_table, cache_batch_idx)
+        if lengths is not None:
+            # Each entry's keys after the append, made on the device (graph-safe); the capacity bounds them.
+            if shapes.seqlen_new:
+                lengths = lengths + shapes.seqlen_new
+            seqlen_k = shapes.capacity
+        else:  # every entry has the same keys: the kernel takes the count alone
+            seqlen_k = shapes.capacity if cache_seqlens is None else int(cache_seqlens) + shapes.seqlen_new
+        out, lse = kvcache_fwd_op(q, k_cache, v_cache, lengths, seqlen_k, page_table, cache_batch_idx, scale, causal,
+                                  int(num_splits), name)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,347 @@
+"""The Hopper KV-cache kernel (flash_attn_with_kvcache) against per-entry exact attention on the GPU (skipped here).
+
+Every case builds a logical cache per entry, with random lengths (0, 1, on a page boundary, full among them), and
+lays it out contiguous or in pages of 16..256 rows scattered in random order. The kernel writes into fresh outputs,
+so the poison is in the cache: every slot at or past an entry's length (and every page no entry uses) holds NaN
+or inf, and the outputs must be finite and match, entry by entry, exact attention over that entry's keys alone
+with FA3's criterion (helpers.assert_matches_reference). Appends are checked bitwise against a manual write; a
+decode step is captured in a CUDA graph and replayed with new lengths and page tables; torch.compile traces it.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from helpers import assert_matches_reference
+
+from flashhopper import _device, _ext, dispatch, flash_attn_func, flash_attn_with_kvcache
+from flashhopper.kernel_key import VARLEN_HEADDIMS
+from flashhopper.kvcache import CacheShapes, _kvcache_key, _kvcache_mask, resolve_backend
+from flashhopper.reference import kvcache_entry
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [torch.bfloat16, torch.float16]
+HEADS = [(32, 8), (8, 8), (8, 1)]  # GQA, MHA, MQA
+LAYOUTS = [None, 16, 32, 64, 128, 256]  # None: a contiguous cache; else the page size
+CAPACITY = 1024  # keys per entry: max_seqlen of a contiguous cache, pages x page size of a paged one
+
+
+def require_kvcache(dtype: torch.dtype, headdim: int, seqlen_q: int, causal: bool) -> None:
+    """helpers.require_backend for the KV-cache kernel a call of this configuration runs (its key has kvcache
+    set; one query row runs the non-causal kernel): skip where Hopper kernels cannot run or the build was not
+    configured with it; FAIL when the build was configured with it and it is missing, or when the public
+    function's dispatch refuses a kernel the build has."""
+    index = torch.cuda.current_device()
+    info = _device.device_info(index)
+    if not dispatch.runs_on("sm90", info.capability):
+        pytest.skip(f"the KV-cache kernels are Hopper (sm90) only; this is {info.name} (compute capability "
+                    f"{info.capability[0]}.{info.capability[1]})")
+    key = _kvcache_key(dtype, headdim, headdim, _kvcache_mask(seqlen_q, causal))
+    if _ext.kernel("fwd", key) is None:
+        if _ext.configured("fwd", key):
+            pytest.fail(f"the build was configured with the fwd kernel {key.describe()}, but does not have it "
+                        f"(kernels(): {len(_ext.compiled_kernels())} entries; build_info(): {_ext.build_info()})")
+        build = _ext.build_info()
+        if not build:
+            pytest.skip(f"no compiled extension ({_ext.extension_error()})")
+        reasons = [f"configure {option} with {value}" for option, have, value in (
+            ("FLASHHOPPER_ARCHS", build["archs"], 90), ("FLASHHOPPER_MODES", build["modes"], "fwd"),
+            ("FLASHHOPPER_DTYPES", build["dtypes"], key.short_dtype()), ("FLASHHOPPER_HDIMS", build["headdims"], headdim),
+            ("FLASHHOPPER_MASKS", build["masks"], key.mask), ("FLASHHOPPER_KVCACHE", build.get("kvcache", ["off"]), "on"))
+            if value not in have]
+        pytest.skip(f"no fwd kernel {key.describe()}: {'; '.join(reasons) or f'not in this build {build}'}")
+    q = torch.empty(1, seqlen_q, 1, headdim, dtype=dtype, device="cuda")
+    shapes = CacheShapes(1, seqlen_q, 1, 1, headdim, headdim, False, 16, 1, 16, 0)
+    try:
+        resolve_backend(q, shapes, causal, None)
+    except ValueError as e:
+        pytest.fail(f"dispatch refuses the KV-cache kernel {key.describe()}, which the build has: {e}")
+
+
+def lengths_for(batch: int, capacity: int, page_size: int, seqlen_new: int = 0, rng: random.Random | None = None
+                ) -> list[int]:
+    """Entry lengths before an append of ``seqlen_new``: 0, 1, on a page boundary, full, then random."""
+    rng = rng or random.Random(0)
+    top = capacity - seqlen_new
+    special = [0, 1, min(page_size, top), top, max(0, min(2 * page_size - 1, top))]
+    return [special[i] if i < len(special) else rng.randint(0, top) for i in range(batch)]
+
+
+def poisoned_cache(batch: int, hkv: int, d: int, dtype: torch.dtype, lengths: list[int], page_size: int | None,
+                   capacity: int = CAPACITY, spare_pages: int = 5, seed: int = 0
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """(k_cache, v_cache, page_table or None, the logical k and v (batch, capacity, hkv, d)): slots at or past an
+    entry's length NaN in K and inf in V (or the other way round, every other entry); a paged cache's pages in
+    random order, with ``spare_pages`` unused ones all NaN."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    k = torch.randn(batch, capacity, hkv, d, dtype=dtype, device="cuda", generator=g)
+    v = torch.randn(batch, capacity, hkv, d, dtype=dtype, device="cuda", generator=g)
+    for b, n in enumerate(lengths):
+        k[b, n:], v[b, n:] = (float("nan"), float("inf")) if b % 2 == 0 else (float("inf"), float("nan"))
+    if page_size is None:
+        return k.clone(), v.clone(), None, k, v
+    per = capacity // page_size
+    num_pages = batch * per + spare_pages
+    table = torch.randperm(num_pages, device="cuda", generator=g)[:batch * per].view(batch, per).to(torch.int32)
+    kp = torch.full((num_pages, page_size, hkv, d), float("nan"), dtype=dtype, device="cuda")
+    vp = torch.full_like(kp, float("nan"))
+    kp[table.flatten().long()] = k.view(batch * per, page_size, hkv, d)
+    vp[table.flatten().long()] = v.view(batch * per, page_size, hkv, d)
+    return kp, vp, table, k, v
+
+
+def check_entries(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, lengths: list[int], causal: bool, page_table: torch.Tensor | None = None,
+                  cache_batch_idx: torch.Tensor | None = None) -> None:
+    """Out and lse finite (lse -inf only on rows without keys), and each entry with FA3's criterion against exact
+    attention over its own first lengths[b] keys (gathered through the page table / cache_batch_idx)."""
+    assert not torch.isnan(out).any() and torch.isfinite(out).all(), "out is not finite (a poisoned slot was read?)"
+    assert not torch.isnan(lse).any() and not torch.isposinf(lse).any(), "lse has NaN or +inf"
+    for b, n in enumerate(lengths):
+        kb = kvcache_entry(k_cache, b, n, page_table, cache_batch_idx)
+        vb = kvcache_entry(v_cache, b, n, page_table, cache_batch_idx)
+        assert_matches_reference(out[b:b + 1], lse[b:b + 1], q[b:b + 1], kb[None], vb[None], None, causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlen_q", [1, 3, 200])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: "contiguous" if x is None else f"paged{x}")
+@pytest.mark.parametrize("d", list(VARLEN_HEADDIMS))
+def test_matches_reference(d: int, layout: int | None, seqlen_q: int, causal: bool) -> None:
+    i = LAYOUTS.index(layout) + VARLEN_HEADDIMS.index(d)
+    dtype = DTYPES[i % 2]
+    hq, hkv = HEADS[i % 3]
+    require_kvcache(dtype, d, seqlen_q, causal)
+    torch.manual_seed(i * 100 + seqlen_q)
+    batch = 7
+    lengths = lengths_for(batch, CAPACITY, layout or 64, rng=random.Random(i + seqlen_q))
+    kc, vc, table, _, _ = poisoned_cache(batch, hkv, d, dtype, lengths, layout, seed=i)
+    q = torch.randn(batch, seqlen_q, hq, d, dtype=dtype, device="cuda")
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    out, lse = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, page_table=table, causal=causal,
+                                       return_lse=True)
+    assert out.shape == q.shape and lse.shape == (batch, hq, seqlen_q) and lse.dtype == torch.float32
+    check_entries(out, lse, q, kc, vc, lengths, causal, table)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 0])
+@pytest.mark.parametrize(("seqlen_q", "layout"), [(1, 64), (1, None), (3, 16), (200, 128)])
+def test_splits(num_splits: int, seqlen_q: int, layout: int | None) -> None:
+    """Split-KV (each entry's keys over num_splits CTAs, merged): every count the reference's result, entries with
+    fewer key blocks than splits (0 keys included) too; the heuristic (0) as well."""
+    dtype, d, causal = torch.bfloat16, 128, True
+    require_kvcache(dtype, d, seqlen_q, causal)
+    torch.manual_seed(num_splits * 10 + seqlen_q)
+    capacity = 4096
+    lengths = [0, 1, 130, 4096, 2048, 3001]
+    kc, vc, table, _, _ = poisoned_cache(len(lengths), 8, d, dtype, lengths, layout, capacity=capacity,
+                                         seed=num_splits)
+    q = torch.randn(len(lengths), seqlen_q, 32, d, dtype=dtype, device="cuda")
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    out, lse = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, page_table=table, num_splits=num_splits,
+                                       return_lse=True)
+    check_entries(out, lse, q, kc, vc, lengths, causal, table)
+    one, one_lse = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, page_table=table, num_splits=1,
+                                           return_lse=True)
+    torch.testing.assert_close(out.float(), one.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, one_lse, atol=1e-3, rtol=1e-4)
+
+
+def test_long_decode_splits() -> None:
+    """Batch 1, 32 query / 8 kv heads, 100k keys in pages of 128: the heuristic splits (the case split-KV is for)."""
+    require_kvcache(torch.bfloat16, 128, 1, True)
+    torch.manual_seed(3)
+    capacity = 128 * 1024
+    lengths = [100_003]
+    kc, vc, table, _, _ = poisoned_cache(1, 8, 128, torch.bfloat16, lengths, 128, capacity=capacity)
+    q = torch.randn(1, 1, 32, 128, dtype=torch.bfloat16, device="cuda")
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    for num_splits in (0, 1):
+        out, lse = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, page_table=table, num_splits=num_splits,
+                                           return_lse=True)
+        check_entries(out, lse, q, kc, vc, lengths, True, table)
+
+
+@pytest.mark.parametrize("seqlen_new", [1, 16])
+@pytest.mark.parametrize("layout", [None, 16, 64], ids=lambda x: "contiguous" if x is None else f"paged{x}")
+@pytest.mark.parametrize("seqlen_q", [1, 16])
+def test_append(seqlen_new: int, layout: int | None, seqlen_q: int) -> None:
+    """k/v written at cache_seqlens .. + seqlen_new - 1 (across page boundaries) before attending: the cache
+    afterwards is bitwise a manual write, every other slot untouched, cache_seqlens unchanged, and the output is
+    attention over cache_seqlens + seqlen_new keys."""
+    dtype, d = torch.float16, 128
+    require_kvcache(dtype, d, seqlen_q, True)
+    torch.manual_seed(seqlen_new + (layout or 0))
+    page = layout or 64
+    lengths = [0, page - 1, page, 2 * page - seqlen_new // 2, CAPACITY - seqlen_new, 5]
+    batch = len(lengths)
+    kc, vc, table, _, _ = poisoned_cache(batch, 8, d, dtype, lengths, layout)
+    k = torch.randn(batch, seqlen_new, 8, d, dtype=dtype, device="cuda")
+    v = torch.randn(batch, seqlen_new, 8, d, dtype=dtype, device="cuda")
+    q = torch.randn(batch, seqlen_q, 32, d, dtype=dtype, device="cuda")
+    want_k, want_v = kc.clone(), vc.clone()
+    for b, n in enumerate(lengths):
+        for t in range(seqlen_new):
+            pos = n + t
+            if table is None:
+                want_k[b, pos], want_v[b, pos] = k[b, t], v[b, t]
+            else:
+                p = int(table[b, pos // page])
+                want_k[p, pos % page], want_v[p, pos % page] = k[b, t], v[b, t]
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    out, lse = flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=lens, page_table=table, return_lse=True)
+    assert torch.equal(kc.nan_to_num(), want_k.nan_to_num()) and torch.equal(vc.nan_to_num(), want_v.nan_to_num())
+    assert torch.equal(torch.isnan(kc), torch.isnan(want_k)) and torch.equal(torch.isinf(vc), torch.isinf(want_v))
+    assert lens.tolist() == lengths
+    check_entries(out, lse, q, kc, vc, [n + seqlen_new for n in lengths], True, table)
+
+
+def test_cache_batch_idx() -> None:
+    dtype, d = torch.bfloat16, 64
+    require_kvcache(dtype, d, 1, True)
+    torch.manual_seed(5)
+    rows_cache = 7
+    lengths_all = [300, 0, 17, 1023, 512, 64, 1]
+    kc, vc, _, _, _ = poisoned_cache(rows_cache, 2, d, dtype, lengths_all, None)
+    rows = torch.tensor([6, 0, 3], dtype=torch.int32, device="cuda")
+    lengths = [lengths_all[r] for r in rows.tolist()]
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    k = torch.randn(3, 1, 2, d, dtype=dtype, device="cuda")
+    v = torch.randn(3, 1, 2, d, dtype=dtype, device="cuda")
+    q = torch.randn(3, 1, 16, d, dtype=dtype, device="cuda")
+    before = kc.clone()
+    out, lse = flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=lens, cache_batch_idx=rows, return_lse=True)
+    for e, (r, n) in enumerate(zip(rows.tolist(), lengths)):
+        assert torch.equal(kc[r, n], k[e, 0])
+    untouched = [r for r in range(rows_cache) if r not in rows.tolist()]
+    assert torch.equal(kc[untouched].nan_to_num(), before[untouched].nan_to_num())
+    check_entries(out, lse, q, kc, vc, [n + 1 for n in lengths], True, cache_batch_idx=rows)
+
+
+def test_uniform_and_full_lengths() -> None:
+    """cache_seqlens as a Python int (one count for all, no device lengths) and None (the whole cache)."""
+    dtype, d = torch.bfloat16, 128
+    require_kvcache(dtype, d, 3, True)
+    torch.manual_seed(7)
+    q = torch.randn(4, 3, 16, d, dtype=dtype, device="cuda")
+    kc, vc, _, _, _ = poisoned_cache(4, 4, d, dtype, [CAPACITY] * 4, None)
+    out, lse = flash_attn_with_kvcache(q, kc, vc, return_lse=True)
+    check_entries(out, lse, q, kc, vc, [CAPACITY] * 4, True)
+    kc, vc, table, _, _ = poisoned_cache(4, 4, d, dtype, [333] * 4, 32)
+    out, lse = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=333, page_table=table, return_lse=True)
+    check_entries(out, lse, q, kc, vc, [333] * 4, True, table)
+
+
+def test_strided_q_decode() -> None:
+    """q a slice of a fused projection (GQA packing reads it through its own head stride), a cache with a page
+    stride of its own."""
+    dtype, d = torch.bfloat16, 128
+    require_kvcache(dtype, d, 1, True)
+    torch.manual_seed(9)
+    qkv = torch.randn(5, 1, 48, d, dtype=dtype, device="cuda")
+    q = qkv[:, :, :32]
+    buf = torch.randn(40, 64, 2, 8, d, dtype=dtype, device="cuda")
+    kc, vc = buf[:, :, 0], buf[:, :, 1]  # (40 pages, 64 rows, 8 heads, d), page and row strides doubled
+    lengths = [0, 64, 300, 1, 512]  # 8 pages of 64 rows per entry
+    table = torch.randperm(40, device="cuda").view(5, 8).to(torch.int32)
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    out, lse = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, page_table=table, return_lse=True)
+    check_entries(out, lse, q, kc, vc, lengths, True, table)
+
+
+def test_chunked_prefill_matches_dense() -> None:
+    """2k new queries over a 6k cache (the first 4k cached, the chunk's own keys appended): the same as our dense
+    causal kernel over the whole 6k, bottom-right aligned."""
+    dtype, d = torch.bfloat16, 128
+    require_kvcache(dtype, d, 2048, True)
+    torch.manual_seed(11)
+    total, cached = 6144, 4096
+    k = torch.randn(1, total, 8, d, dtype=dtype, device="cuda")
+    v = torch.randn(1, total, 8, d, dtype=dtype, device="cuda")
+    q = torch.randn(1, total - cached, 32, d, dtype=dtype, device="cuda")
+    kc = torch.full((1, 8192, 8, d), float("nan"), dtype=dtype, device="cuda")
+    vc = torch.full_like(kc, float("inf"))
+    kc[:, :cached], vc[:, :cached] = k[:, :cached], v[:, :cached]
+    lens = torch.tensor([cached], dtype=torch.int32, device="cuda")
+    out, lse = flash_attn_with_kvcache(q, kc, vc, k[:, cached:], v[:, cached:], cache_seqlens=lens, return_lse=True)
+    assert_matches_reference(out, lse, q, k, v, None, True)
+    try:
+        dense = flash_attn_func(q, k, v, causal=True)
+    except ValueError:  # no dense kernel in this build: the reference check above stands
+        return
+    torch.testing.assert_close(out.float(), dense.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("layout", [None, 16], ids=["contiguous", "paged16"])
+def test_cuda_graph_decode_step(layout: int | None) -> None:
+    """A decode step (append one token, attend) captured once, replayed after cache_seqlens and the page table were
+    changed in place: each replay equal to an eager call on the same state."""
+    dtype, d = torch.bfloat16, 128
+    require_kvcache(dtype, d, 1, True)
+    torch.manual_seed(13)
+    batch = 4
+    lengths = [10, 500, 0, 1000]
+    kc, vc, table, _, _ = poisoned_cache(batch, 8, d, dtype, lengths, layout, spare_pages=64)
+    # Replays move the lengths anywhere: every slot a plain value (nan_to_num would leave inf as bf16's max, whose
+    # scores overflow the float32 softmax once visible).
+    kc = torch.where(torch.isfinite(kc), kc, torch.randn_like(kc))
+    vc = torch.where(torch.isfinite(vc), vc, torch.randn_like(vc))
+    q = torch.randn(batch, 1, 32, d, dtype=dtype, device="cuda")
+    k = torch.randn(batch, 1, 8, d, dtype=dtype, device="cuda")
+    v = torch.randn(batch, 1, 8, d, dtype=dtype, device="cuda")
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+
+    def step() -> tuple[torch.Tensor, torch.Tensor]:
+        return flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=lens, page_table=table, return_lse=True)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = step()
+    rng = random.Random(13)
+    for _ in range(3):
+        new = [rng.randint(0, CAPACITY - 1) for _ in range(batch)]
+        lens.copy_(torch.tensor(new, dtype=torch.int32))
+        if table is not None:
+            table.copy_(torch.randperm(kc.shape[0], device="cuda")[:table.numel()].view_as(table).to(torch.int32))
+        k.normal_()
+        v.normal_()
+        graph.replay()
+        got = (out.clone(), lse.clone())
+        written = [kvcache_entry(kc, b, n + 1, table)[n].clone() for b, n in enumerate(new)]
+        eager = step()  # appends the same token at the same place again: the same state
+        assert torch.equal(got[0], eager[0]) and torch.equal(got[1], eager[1]), f"replay differs for lengths {new}"
+        for b in range(batch):
+            assert torch.equal(written[b], k[b, 0]), "the replay did not append at the new position"
+        check_entries(got[0], got[1], q, kc, vc, [n + 1 for n in new], True, table)
+
+
+def test_compile_fullgraph() -> None:
+    dtype, d = torch.bfloat16, 64
+    require_kvcache(dtype, d, 1, True)
+    torch.manual_seed(17)
+    lengths = [300, 1, 0, 77]
+    kc, vc, table, _, _ = poisoned_cache(4, 2, d, dtype, lengths, 32)
+    q = torch.randn(4, 1, 8, d, dtype=dtype, device="cuda")
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+
+    def f(q, kc, vc, lens, table):  # type: ignore[no-untyped-def]
+        return flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, page_table=table) * 2
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True)
+    assert torch.equal(compiled(q, kc, vc, lens, table), f(q, kc, vc, lens, table))
+
+
+def test_public_call_and_no_grad() -> None:
+    require_kvcache(torch.bfloat16, 128, 1, True)
+    q = torch.randn(2, 1, 8, 128, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    kc = torch.randn(2, 64, 8, 128, dtype=torch.bfloat16, device="cuda")
+    out = flash_attn_with_kvcache(q, kc, kc, cache_seqlens=10)
+    assert out.shape == q.shape and not out.requires_grad

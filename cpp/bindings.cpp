@@ -7,6 +7,7 @@
 
 #include <cuda_runtime.h>
 
+#include <array>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -190,6 +191,18 @@ PYBIND11_MODULE(_C, m) {
         py::arg("lse"), py::arg("tile_counter"), py::arg("sinks"), py::arg("dropout_rng"), py::arg("q_scale"), py::arg("k_scale"),
         py::arg("v_scale"),
         "fwd() with these pointers in place of params' (0: none); params itself is left as it was.");
+  m.def("fwd_kvcache_with", [](FwdParams params, int index, uintptr_t stream, uintptr_t q, uintptr_t k, uintptr_t v,
+                               uintptr_t o, uintptr_t lse, uintptr_t page_table, uintptr_t cache_seqlens,
+                               uintptr_t split_workspace) {
+    FwdEntry const& e = entry(fwd_kernels(), index, "forward");
+    set_ptr(params.q_ptr, q), set_ptr(params.k_ptr, k), set_ptr(params.v_ptr, v), set_ptr(params.o_ptr, o);
+    set_ptr(params.lse_ptr, lse), set_ptr(params.page_table, page_table), set_ptr(params.cache_seqlens, cache_seqlens);
+    set_ptr(params.split_workspace, split_workspace);
+    return on_device(params.device, "forward kernel launch",
+                     [&] { return e.launch(params, reinterpret_cast<cudaStream_t>(stream)); });
+  }, py::arg("params"), py::arg("index"), py::arg("stream"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"),
+        py::arg("lse"), py::arg("page_table"), py::arg("cache_seqlens"), py::arg("split_workspace"),
+        "A KV-cache kernel's fwd() with these pointers in place of params' (0: none); params itself is left as it was.");
   m.def("bwd", [](BwdParams const& params, int index, uintptr_t stream) {
     BwdEntry const& e = entry(bwd_kernels(), index, "backward");
     if (params.workspace == nullptr) throw std::invalid_argument("flashhopper: the backward needs a workspace");
@@ -214,6 +227,34 @@ PYBIND11_MODULE(_C, m) {
     return entry(bwd_kernels(), index, "backward").workspace_bytes(params);
   }, py::arg("params"), py::arg("index"),
         "Bytes of device workspace backward `index` needs for these params (sizes, deterministic).");
+#ifdef FLASHHOPPER_HAS_KVCACHE_APPEND
+  m.def("kvcache_append", [](uintptr_t stream, int device, uintptr_t k_cache, uintptr_t v_cache, uintptr_t k, uintptr_t v,
+                             std::array<int64_t, 3> k_cache_strides, std::array<int64_t, 3> v_cache_strides,
+                             std::array<int64_t, 3> k_strides, std::array<int64_t, 3> v_strides, uintptr_t cache_seqlens,
+                             int seqlen_offset, uintptr_t page_table, int64_t table_stride, uintptr_t cache_batch_idx,
+                             int page_size, int batch, int seqlen_new, int heads, int k_row_bytes, int v_row_bytes) {
+    KVAppendParams p;
+    set_ptr(p.cache[0], k_cache), set_ptr(p.cache[1], v_cache), set_ptr(p.src[0], k), set_ptr(p.src[1], v);
+    std::array<int64_t, 3> const* cs[2] = {&k_cache_strides, &v_cache_strides};
+    std::array<int64_t, 3> const* ss[2] = {&k_strides, &v_strides};
+    for (int w = 0; w < 2; ++w) {
+      p.cache_page_stride[w] = (*cs[w])[0], p.cache_row_stride[w] = (*cs[w])[1], p.cache_head_stride[w] = (*cs[w])[2];
+      p.src_batch_stride[w] = (*ss[w])[0], p.src_row_stride[w] = (*ss[w])[1], p.src_head_stride[w] = (*ss[w])[2];
+    }
+    set_ptr(p.cache_seqlens, cache_seqlens), set_ptr(p.page_table, page_table), set_ptr(p.cache_batch_idx, cache_batch_idx);
+    p.seqlen_offset = seqlen_offset, p.table_stride = table_stride, p.page_size = page_size;
+    p.batch = batch, p.seqlen_new = seqlen_new, p.heads = heads, p.row_bytes[0] = k_row_bytes, p.row_bytes[1] = v_row_bytes;
+    p.device = device;
+    return on_device(device, "kvcache append launch",
+                     [&] { return launch_kvcache_append(p, reinterpret_cast<cudaStream_t>(stream)); });
+  }, py::arg("stream"), py::arg("device"), py::arg("k_cache"), py::arg("v_cache"), py::arg("k"), py::arg("v"),
+        py::arg("k_cache_strides"), py::arg("v_cache_strides"), py::arg("k_strides"), py::arg("v_strides"),
+        py::arg("cache_seqlens"), py::arg("seqlen_offset"), py::arg("page_table"), py::arg("table_stride"),
+        py::arg("cache_batch_idx"), py::arg("page_size"), py::arg("batch"), py::arg("seqlen_new"), py::arg("heads"),
+        py::arg("k_row_bytes"), py::arg("v_row_bytes"),
+        "Write k, v (batch, seqlen_new, heads, headdim) into the caches (common/kvcache_append.h); strides in BYTES "
+        "(caches: page, row, head; k/v: batch, row, head), rows 16-byte multiples and 16-byte aligned.");
+#endif
 #ifdef FLASHHOPPER_HAS_QUANTIZE
   m.def("quantize_fp8", [](QuantParams const& params, uintptr_t stream) {
     return on_device(params.device, "quantize_fp8 launch",

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "common/kernel_key.h"
+#include "common/kvcache_append.h"
 #include "common/params.h"
 
 namespace flashhopper {
@@ -77,5 +78,8 @@ TileInfo bwd_tiles_sm80();
 
 // FP8 quantization pass (cpp/quantize_fp8.cu; built with the sm90 family). Returns the CTAs launched.
 int64_t launch_quantize_fp8(QuantParams const& params, cudaStream_t stream);
+
+// KV-cache append (cpp/kvcache_append.cu; built with the sm90 family). Returns the CTAs launched.
+int64_t launch_kvcache_append(KVAppendParams const& params, cudaStream_t stream);
 
 }  // namespace flashhopper

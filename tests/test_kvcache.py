@@ -506,11 +506,14 @@ def test_compile_fullgraph_decode_step(paged: bool) -> None:
 
 class FakeC:
     """_C's API as the KV-cache launch uses it: kernels() with kvcache entries, kvcache_split_workspace_bytes,
-    fwd(params, index, stream) recording the params."""
+    fwd_kvcache_with(params, index, stream, pointers...) recording the params with the pointers."""
 
-    class FwdParams(SimpleNamespace):
+    class FwdParams(SimpleNamespace):  # with _C.FwdParams' defaults of the fields the launch must leave alone
         def __init__(self) -> None:
-            super().__init__(num_sms=0)
+            super().__init__(num_sms=0, window_left=-1, window_right=-1, softcap=0.0, sinks_ptr=0, dropout_rng=0,
+                             dropout_threshold=0, cu_seqlens_q=0, cu_seqlens_k=0, seqused_q=0, seqused_k=0,
+                             varlen_workspace=0, q_scale_ptr=0, k_scale_ptr=0, v_scale_ptr=0, total_q=0, total_k=0,
+                             tile_counter=0, max_smem_bytes=0)
 
     def __init__(self) -> None:
         self.table = []
@@ -534,8 +537,12 @@ class FakeC:
         self.workspace_queries.append((splits, batch, heads, rows, dv))
         return splits * batch * heads * rows * (dv + 1) * 4
 
-    def fwd(self, params: Any, index: int, stream: int) -> int:
-        self.calls.append((dict(vars(params)), index, stream))
+    def fwd_kvcache_with(self, params: Any, index: int, stream: int, q: int, k: int, v: int, o: int, lse: int,
+                         page_table: int, cache_seqlens: int, split_workspace: int) -> int:
+        d = dict(vars(params))
+        d.update(q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=o, lse_ptr=lse, page_table=page_table, cache_seqlens=cache_seqlens,
+                 split_workspace=split_workspace)
+        self.calls.append((d, index, stream))
         return 3
 
 

@@ -345,3 +345,34 @@ def test_public_call_and_no_grad() -> None:
     kc = torch.randn(2, 64, 8, 128, dtype=torch.bfloat16, device="cuda")
     out = flash_attn_with_kvcache(q, kc, kc, cache_seqlens=10)
     assert out.shape == q.shape and not out.requires_grad
+
+
+@pytest.mark.parametrize("layout", [None, 16], ids=["contiguous", "paged16"])
+def test_eager_fast_path_repeats(layout: int | None) -> None:
+    """A decode loop: the first call of a configuration takes the full path and keeps a plan; the repeats (the
+    fast path: append kernel, prepared launch) write the cache and attend exactly as the full path does, with
+    the lengths advancing between calls. A plan is kept for the configuration."""
+    from flashhopper import kvcache
+
+    dtype, d = torch.bfloat16, 128
+    require_kvcache(dtype, d, 1, True)
+    torch.manual_seed(19)
+    batch, steps = 3, 4
+    lengths = [5, 300, 0]
+    kc, vc, table, _, _ = poisoned_cache(batch, 8, d, dtype, lengths, layout)
+    kc = torch.where(torch.isfinite(kc), kc, torch.randn_like(kc))
+    vc = torch.where(torch.isfinite(vc), vc, torch.randn_like(vc))
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    kvcache._PLANS.clear()
+    for step in range(steps):
+        q = torch.randn(batch, 1, 32, d, dtype=dtype, device="cuda")
+        k = torch.randn(batch, 1, 8, d, dtype=dtype, device="cuda")
+        v = torch.randn(batch, 1, 8, d, dtype=dtype, device="cuda")
+        out, lse = flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=lens, page_table=table, return_lse=True)
+        now = [n + step + 1 for n in lengths]
+        for b in range(batch):
+            assert torch.equal(kvcache_entry(kc, b, now[b], table)[now[b] - 1], k[b, 0]), "append missed"
+            assert torch.equal(kvcache_entry(vc, b, now[b], table)[now[b] - 1], v[b, 0]), "append missed"
+        check_entries(out, lse, q, kc, vc, now, True, table)
+        lens += 1
+    assert len(kvcache._PLANS) == 1, "the repeats should have one plan"

@@ -24,7 +24,7 @@ from typing import Any, Literal, NamedTuple, Optional, overload
 
 import torch
 
-from . import _autocast, _device, _ext, _launch, _op, dispatch, reference, validation
+from . import _autocast, _device, _ext, _launch, _op, _plans, dispatch, reference, validation
 from .kernel_key import VARLEN_HEADDIMS
 
 # Opt-in checks that read cache_seqlens, page_table and cache_batch_idx on the host (a synchronization per call
@@ -349,9 +349,44 @@ def kvcache_append(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor
     checked without FLASHHOPPER_DEBUG_KVCACHE=1)."""
     if k.numel() == 0:
         return
+    if _append_kernel_takes(k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx):
+        _launch_append(k_cache, v_cache, k, v, cache_seqlens, seqlen_offset, page_table, cache_batch_idx)
+        return
     index = _append_index(k_cache, k, cache_seqlens, seqlen_offset, page_table, cache_batch_idx)
     k_cache.index_put_(index, k)
     v_cache.index_put_(index, v)
+
+
+def _append_kernel_takes(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         cache_seqlens: torch.Tensor | None, page_table: torch.Tensor | None,
+                         cache_batch_idx: torch.Tensor | None) -> bool:
+    """Whether the extension's append kernel (cpp/kvcache_append.cu: one 16-byte copy per thread, K and V in one
+    launch, where the index writes take eight torch ops) can write these: CUDA tensors whose rows are 16-byte
+    multiples at 16-byte aligned addresses, contiguous int32 index tensors. Otherwise the torch index writes."""
+    if not k_cache.is_cuda or not _ext.has_extension() or not hasattr(_ext.extension(), "kvcache_append"):
+        return False
+    for x in (k_cache, v_cache, k, v):
+        es = x.element_size()
+        if x.stride(3) != 1 or (x.shape[3] * es) % 16 or x.data_ptr() % 16 or any((st * es) % 16 for st in x.stride()[:3]):
+            return False
+    return all(t is None or t.is_contiguous() for t in (cache_seqlens, cache_batch_idx)) and (
+        page_table is None or page_table.shape[1] == 1 or page_table.stride(1) == 1)
+
+
+def _launch_append(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   cache_seqlens: torch.Tensor | None, seqlen_offset: int, page_table: torch.Tensor | None,
+                   cache_batch_idx: torch.Tensor | None) -> None:
+    def strides(x: torch.Tensor) -> list[int]:  # (page or batch, row, head), in bytes
+        return [st * x.element_size() for st in x.stride()[:3]]
+
+    b, s_new, h = k.shape[:3]
+    _ext.extension().kvcache_append(
+        _launch.stream(k.device), k.device.index, k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), v.data_ptr(),
+        strides(k_cache), strides(v_cache), strides(k), strides(v),
+        0 if cache_seqlens is None else cache_seqlens.data_ptr(), seqlen_offset,
+        0 if page_table is None else page_table.data_ptr(), 0 if page_table is None else page_table.stride(0),
+        0 if cache_batch_idx is None else cache_batch_idx.data_ptr(), k_cache.shape[1], b, s_new, h,
+        k.shape[3] * k.element_size(), v.shape[3] * v.element_size())
 
 
 kvcache_append_op = _op.define("kvcache_append", kvcache_append, autocast=(), mutates_args=("k_cache", "v_cache"))
@@ -373,6 +408,74 @@ def _empty_outputs(q: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor
     return out, lse
 
 
+class KVCacheLaunch(NamedTuple):
+    """A prepared KV-cache kernel call (a _plans.Launch's counterpart): ``params`` filled but for the pointers of
+    q, the caches, out, lse, the page table (or cache_batch_idx), the lengths and the split workspace; the kernel
+    ``index``, the split workspace's bytes (0: no split) and the device. Never written after it is made."""
+
+    params: Any
+    index: int
+    workspace_bytes: int
+    device: torch.device
+
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+            table: torch.Tensor | None, lengths: torch.Tensor | None) -> int:
+        # Partial O and LSE of the splits, any contents (float32 (splits, batch, heads, rows, headdim_v + 1)).
+        # (It, table and lengths live until the launch is enqueued: enough, as the allocator reuses memory in
+        # stream order.)
+        workspace = (torch.empty(self.workspace_bytes, dtype=torch.uint8, device=self.device)
+                     if self.workspace_bytes else None)
+        return int(_ext.extension().fwd_kvcache_with(
+            self.params, self.index, _launch.stream(self.device), q.data_ptr(), k_cache.data_ptr(),
+            v_cache.data_ptr(), out.data_ptr(), lse.data_ptr(), 0 if table is None else table.data_ptr(),
+            0 if lengths is None else lengths.data_ptr(), 0 if workspace is None else workspace.data_ptr()))
+
+
+def _kernel_table(page_table: torch.Tensor | None, cache_batch_idx: torch.Tensor | None) -> torch.Tensor | None:
+    """What the kernel reads as its page table: the page table (rows contiguous), cache_batch_idx, or None."""
+    if page_table is not None:
+        return page_table if page_table.shape[1] == 1 or page_table.stride(1) == 1 else page_table.contiguous()
+    return None if cache_batch_idx is None else cache_batch_idx.contiguous()
+
+
+def _prepare_kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlen_k: int,
+                         table: torch.Tensor | None, softmax_scale: float, causal: bool,
+                         num_splits: int) -> KVCacheLaunch:
+    """The KVCacheLaunch of a call, from the tensors' metadata alone: the kernel, GQA packing, the split count and
+    every params field but the pointers (``table``: _kernel_table's)."""
+    b, sq, hq, d = q.shape
+    page_size, hkv, dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
+    entry = dispatch.require_kernel("fwd", _kvcache_key(q.dtype, d, dv, _kvcache_mask(sq, causal)))
+    if _packs_gqa(sq, hq, hkv):
+        # GQA packing: the g query heads of a kv head are g rows of one head (K/V read once per kv head). Query
+        # head h * g + r is row r of kernel head h: row stride = q's head stride, head stride g times it. The lse
+        # (batch, nheads_q, 1) contiguous is the kernel's (batch, nheads_kv, g) contiguous; out is contiguous.
+        g = hq // hkv
+        q4 = q.as_strided((b, g, hkv, d), (q.stride(0), q.stride(2), g * q.stride(2), q.stride(3)))
+        o4 = torch.empty(0, device="meta").as_strided((b, g, hkv, dv), (hq * dv, dv, g * dv, 1))
+        rows, heads = g, hkv
+    else:
+        q4, rows, heads = q, sq, hq
+        o4 = torch.empty(0, device="meta").as_strided((b, sq, hq, dv), (sq * hq * dv, hq * dv, dv, 1))
+    for name, x in (("q", q4), ("k_cache", k_cache), ("v_cache", v_cache)):
+        validation.check_kernel_layout(name, x)
+    num_sms = _device.device_info(q.device.index).num_sms
+    splits = kernel_num_splits(num_splits, b, heads, rows, seqlen_k, entry.block_m, entry.block_n, num_sms)
+    C = _ext.extension()
+
+    p = C.FwdParams()  # its own: a KVCacheLaunch may be kept and reused (never the thread's shared object)
+    _launch.fill_strides(p, q=q4, k=k_cache, v=v_cache, o=o4)
+    p.batch, p.seqlen_q, p.seqlen_k = b, rows, seqlen_k
+    p.nheads_q, p.nheads_kv, p.headdim, p.headdim_v = heads, hkv, d, dv
+    p.softmax_scale = softmax_scale
+    p.page_table_batch_stride = 0 if table is None else (table.stride(0) if table.dim() == 2 else 1)
+    p.page_size, p.num_pages = page_size, k_cache.shape[0]
+    p.num_splits = splits
+    _launch.fill_device(p, q)
+    nbytes = int(C.kvcache_split_workspace_bytes(splits, b, heads, rows, dv)) if splits > 1 else 0
+    return KVCacheLaunch(p, entry.index, nbytes, q.device)
+
+
 def _launch_kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         cache_seqlens: torch.Tensor | None, seqlen_k: int, page_table: torch.Tensor | None,
                         cache_batch_idx: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor,
@@ -380,64 +483,19 @@ def _launch_kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     """The Hopper KV-cache forward into out (batch, seqlen_q, nheads_q, headdim_v) and lse float32 (batch,
     nheads_q, seqlen_q), both contiguous. ``cache_seqlens``: int32 (batch,) key counts on the device, each at most
     ``seqlen_k``, or None: every entry has seqlen_k keys. Returns the CTAs launched (the extension's answer)."""
-    b, sq, hq, d = q.shape
-    page_size, hkv, dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
-    entry = dispatch.require_kernel("fwd", _kvcache_key(q.dtype, d, dv, _kvcache_mask(sq, causal)))
-    if _packs_gqa(sq, hq, hkv):
-        # GQA packing: the g query heads of a kv head are g rows of one head (K/V read once per kv head). Query
-        # head h * g + r is row r of kernel head h: row stride = q's head stride, head stride g times it. The lse
-        # (batch, nheads_q, 1) contiguous is the kernel's (batch, nheads_kv, g) contiguous.
-        g = hq // hkv
-        q4 = q.as_strided((b, g, hkv, d), (q.stride(0), q.stride(2), g * q.stride(2), q.stride(3)))
-        o4 = out.as_strided((b, g, hkv, dv), (out.stride(0), out.stride(2), g * out.stride(2), out.stride(3)))
-        rows, heads = g, hkv
-    else:
-        q4, o4, rows, heads = q, out, sq, hq
-    for name, x in (("q", q4), ("out", o4), ("k_cache", k_cache), ("v_cache", v_cache)):
-        validation.check_kernel_layout(name, x)
-    if not (lse.is_contiguous() and lse.dtype == torch.float32 and lse.numel() == b * heads * rows):
+    b, sq, hq, _ = q.shape
+    dv = v_cache.shape[3]
+    if not (out.is_contiguous() and out.shape == (b, sq, hq, dv)):
+        raise ValueError(f"out must be contiguous of shape {(b, sq, hq, dv)}, got {tuple(out.shape)} "
+                         f"strides {tuple(out.stride())}")
+    if not (lse.is_contiguous() and lse.dtype == torch.float32 and lse.numel() == b * hq * sq):
         raise ValueError(f"lse must be float32 contiguous (batch, nheads_q, seqlen_q), got {tuple(lse.shape)} "
                          f"{lse.dtype} strides {tuple(lse.stride())}")
-    if page_table is not None:
-        table = page_table if page_table.shape[1] == 1 or page_table.stride(1) == 1 else page_table.contiguous()
-        table_ptr, table_stride = table.data_ptr(), table.stride(0)
-    elif cache_batch_idx is not None:
-        table = cache_batch_idx.contiguous()
-        table_ptr, table_stride = table.data_ptr(), 1
-    else:
-        table, table_ptr, table_stride = None, 0, 0
+    validation.check_kernel_layout("out", out)
+    table = _kernel_table(page_table, cache_batch_idx)
     lengths = None if cache_seqlens is None else cache_seqlens.contiguous()
-    num_sms = _device.device_info(q.device.index).num_sms
-    splits = kernel_num_splits(num_splits, b, heads, rows, seqlen_k, entry.block_m, entry.block_n, num_sms)
-    C = _ext.extension()
-    # Partial O and LSE of the splits, any contents, sized by the kernel's view (float32 (splits, batch, heads,
-    # rows, headdim_v + 1)); none without splits.
-    workspace = (torch.empty(int(C.kvcache_split_workspace_bytes(splits, b, heads, rows, dv)), dtype=torch.uint8,
-                             device=q.device) if splits > 1 else None)
-
-    p = _launch.params("FwdParams")
-    p.q_ptr, p.k_ptr, p.v_ptr = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()
-    p.o_ptr, p.lse_ptr = out.data_ptr(), lse.data_ptr()
-    _launch.fill_strides(p, q=q4, k=k_cache, v=v_cache, o=o4)
-    p.batch, p.seqlen_q, p.seqlen_k = b, rows, seqlen_k
-    p.nheads_q, p.nheads_kv, p.headdim, p.headdim_v = heads, hkv, d, dv
-    p.softmax_scale = softmax_scale
-    # The params object is shared with the other forward paths: every field they set, back to its default.
-    p.window_left, p.window_right, p.softcap, p.sinks_ptr = -1, -1, 0.0, 0
-    p.dropout_rng, p.dropout_threshold = 0, 0
-    p.q_scale_ptr, p.k_scale_ptr, p.v_scale_ptr = 0, 0, 0
-    p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_q, p.seqused_k = 0, 0, 0, 0
-    p.total_q, p.total_k, p.varlen_workspace = 0, 0, 0
-    p.tile_counter, p.max_smem_bytes = 0, 0
-    p.page_table, p.page_table_batch_stride = table_ptr, table_stride
-    p.page_size, p.num_pages = page_size, k_cache.shape[0]
-    p.cache_seqlens = 0 if lengths is None else lengths.data_ptr()
-    p.num_splits = splits
-    p.split_workspace = 0 if workspace is None else workspace.data_ptr()
-    _launch.fill_device(p, q)
-    # (table, lengths and workspace, copies included, live until the launch is enqueued: enough, as the allocator
-    # reuses memory in stream order.)
-    return int(C.fwd(p, entry.index, _launch.stream(q.device)))
+    launch = _prepare_kvcache_fwd(q, k_cache, v_cache, seqlen_k, table, softmax_scale, causal, num_splits)
+    return launch.run(q, k_cache, v_cache, out, lse, table, lengths)
 
 
 def kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -481,6 +539,77 @@ def _(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqle
       seqlen_k: int, page_table: Optional[torch.Tensor], cache_batch_idx: Optional[torch.Tensor],  # noqa: UP045
       softmax_scale: float, causal: bool, num_splits: int, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     return _empty_outputs(q, v_cache)
+
+
+# --- the eager fast path (issue #20's, for this entry point) ---
+
+class _Plan(NamedTuple):
+    """What a repeated eager call runs: the append (when it has k/v) and the prepared kernel call."""
+
+    launch: KVCacheLaunch
+    seqlen_new: int
+    offset: int  # the append's first position when cache_seqlens is an int (else 0)
+
+
+_PLANS = _plans.Plans()
+
+
+def _call_key(q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any, cache_seqlens: Any, page_table: Any,
+              cache_batch_idx: Any, softmax_scale: Any, causal: Any, num_splits: Any, return_lse: Any, backend: Any,
+              window_size: Any, softcap: Any) -> Any:
+    """Everything the full path's checks and the launch read, or None where the fast path does not apply (a
+    tensor subclass, or anything but a plain tensor where one is expected)."""
+    tensors = (q, k_cache, v_cache, k, v, page_table, cache_batch_idx)
+    for x in tensors:
+        if x is not None and type(x) is not torch.Tensor:
+            return None
+    if isinstance(cache_seqlens, torch.Tensor):
+        if type(cache_seqlens) is not torch.Tensor:
+            return None
+        lengths = _plans.meta(cache_seqlens)
+    else:
+        lengths = _plans.scalars(cache_seqlens)
+    return (tuple(None if x is None else _plans.meta(x) for x in tensors), lengths,
+            _plans.scalars(softmax_scale, causal, num_splits, return_lse, backend, window_size, softcap))
+
+
+def _run_plan(plan: _Plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor | None,
+              v: torch.Tensor | None, cache_seqlens: Any, page_table: torch.Tensor | None,
+              cache_batch_idx: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The call through its plan, or None (nothing done) where a pointer is not 16-byte aligned."""
+    if _plans.pointers(q, k_cache, v_cache) is None:
+        return None
+    lengths = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None
+    if k is not None:
+        if not _append_kernel_takes(k_cache, v_cache, k, v, lengths, page_table, cache_batch_idx):
+            return None
+        _launch_append(k_cache, v_cache, k, v, lengths, plan.offset, page_table, cache_batch_idx)
+    if lengths is not None and plan.seqlen_new:
+        lengths = lengths + plan.seqlen_new
+    out, lse = _empty_outputs(q, v_cache)
+    plan.launch.run(q, k_cache, v_cache, out, lse, page_table if page_table is not None else cache_batch_idx, lengths)
+    return out, lse
+
+
+def _plan_of(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor | None,
+             v: torch.Tensor | None, cache_seqlens: Any, page_table: torch.Tensor | None,
+             cache_batch_idx: torch.Tensor | None, shapes: CacheShapes, seqlen_k: int, scale: float, causal: bool,
+             num_splits: int) -> _Plan | None:
+    """The plan of a call that just ran the kernel on the full path, or None where the fast path would have to
+    copy something per call (index tensors that are not contiguous, an append the kernel does not take)."""
+    if seqlen_k == 0 or q.numel() == 0 or (page_table is not None and page_table.shape[1] > 1
+                                            and page_table.stride(1) != 1):
+        return None
+    if any(t is not None and not t.is_contiguous() for t in (cache_batch_idx, cache_seqlens
+                                                            if isinstance(cache_seqlens, torch.Tensor) else None)):
+        return None
+    lengths = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None
+    if k is not None and not _append_kernel_takes(k_cache, v_cache, k, v, lengths, page_table, cache_batch_idx):
+        return None
+    table = page_table if page_table is not None else cache_batch_idx
+    launch = _prepare_kvcache_fwd(q, k_cache, v_cache, seqlen_k, table, scale, causal, num_splits)
+    offset = int(cache_seqlens) if cache_seqlens is not None and lengths is None else 0
+    return _Plan(launch, shapes.seqlen_new, offset)
 
 
 # --- the public function ---
@@ -550,8 +679,21 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     never cast (their dtype must be that one). No host synchronization on the kernel path: the call (append
     included) can be captured in a CUDA graph and replayed with cache_seqlens and page_table changed in place.
 
+    Eager calls that repeat a configuration (the same dtypes, shapes, strides and arguments: a decode loop) take a
+    fast path, as flash_attn_func's (docs/architecture.md): the checks and the launch preparation of the first
+    such call are kept, and a repeat appends, allocates and launches.
+
     Returns out (batch, seqlen_q, nheads_q, headdim_v) like q, or (out, lse).
     """
+    key = None
+    if _plans.direct():
+        key = _call_key(q, k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx, softmax_scale, causal,
+                        num_splits, return_lse, backend, window_size, softcap)
+        plan = None if key is None else _PLANS.get(key)
+        if plan is not None:
+            res = _run_plan(plan, q, k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx)
+            if res is not None:
+                return res if return_lse else res[0]
     if _autocast.enabled():
         q, k, v = _autocast.cast(q, k, v)
     shapes, scale = check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx,
@@ -577,4 +719,9 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             seqlen_k = shapes.capacity if cache_seqlens is None else int(cache_seqlens) + shapes.seqlen_new
         out, lse = kvcache_fwd_op(q, k_cache, v_cache, lengths, seqlen_k, page_table, cache_batch_idx, scale, causal,
                                   int(num_splits), name)
+    if key is not None and name == "sm90":
+        plan = _plan_of(q, k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx, shapes, seqlen_k, scale,
+                        causal, int(num_splits))
+        if plan is not None:
+            _PLANS.put(key, plan)
     return (out, lse) if return_lse else out

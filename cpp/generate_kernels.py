@@ -48,7 +48,7 @@ FAMILIES = {
                         varlen=True, kvcache=True),
     (90, "bwd"): Family("sm90/launch_bwd.h", "run_bwd_sm90", "bwd_tiles_sm90", "bwd_workspace_bytes_sm90",
                         varlen=True),
-    (80, "fwd"): Family("sm80/launch_fwd.h", "run_fwd_sm80", "fwd_tiles_sm80", varlen=True),
+    (80, "fwd"): Family("sm80/launch_fwd.h", "run_fwd_sm80", "fwd_tiles_sm80", varlen=True, kvcache=True),
     (80, "bwd"): Family("sm80/launch_bwd.h", "run_bwd_sm80", "bwd_tiles_sm80", "bwd_workspace_bytes_sm80",
                         varlen=True),
 }

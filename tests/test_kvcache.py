@@ -394,7 +394,8 @@ def test_no_kernel_for_cuda_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="this build has no sm90 forward kernel for bfloat16 headdim 128 non-causal "
                                          "reading a KV cache; rebuild with .*FLASHHOPPER_KVCACHE=off;on"):
         resolve_backend(q, shapes, True, None)
-    with pytest.raises(ValueError, match="no Ampere"):
+    with pytest.raises(ValueError, match="this build has no sm80 forward kernel for bfloat16 headdim 128 non-causal "
+                                         "reading a KV cache"):
         resolve_backend(q, shapes, True, "sm80")
     assert resolve_backend(q, shapes, True, "reference") == "reference"
     with pytest.raises(TypeError, match="q has dtype torch.float32; the flashhopper kernels take"):
@@ -404,7 +405,11 @@ def test_no_kernel_for_cuda_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_ext, "kernel", lambda mode, key: _ext.Entry(0, 64, 128) if key.kvcache else None)
     assert resolve_backend(q, shapes, True, None) == "sm90"
     monkeypatch.setattr(_device, "device_info", lambda index: _device.DeviceInfo("A100", (8, 0), 108))
-    with pytest.raises(ValueError, match="Hopper .* only"):
+    assert resolve_backend(q, shapes, True, None) == "sm80"  # the Ampere fallback
+    with pytest.raises(ValueError, match="backend='sm90' does not run there"):
+        resolve_backend(q, shapes, True, "sm90")
+    monkeypatch.setattr(_device, "device_info", lambda index: _device.DeviceInfo("T4", (7, 5), 40))
+    with pytest.raises(ValueError, match="KV-cache kernels are Hopper .* and Ampere-family"):
         resolve_backend(q, shapes, True, None)
 
 

@@ -376,3 +376,39 @@ def test_eager_fast_path_repeats(layout: int | None) -> None:
         check_entries(out, lse, q, kc, vc, now, True, table)
         lens += 1
     assert len(kvcache._PLANS) == 1, "the repeats should have one plan"
+
+
+def require_sm80_kvcache(dtype: torch.dtype, headdim: int, seqlen_q: int, causal: bool) -> None:
+    """The Ampere fallback's KV-cache kernel (run on any sm_80+ GPU, Hopper included: its sm_90 code): skip where
+    the build was not configured with it, fail where it was and the kernel is missing."""
+    index = torch.cuda.current_device()
+    if not dispatch.runs_on("sm80", _device.device_info(index).capability):
+        pytest.skip("the sm80 kernels need compute capability 8.0 or newer")
+    key = _kvcache_key(dtype, headdim, headdim, _kvcache_mask(seqlen_q, causal), "sm80")
+    if _ext.kernel("fwd", key) is None:
+        if _ext.configured("fwd", key):
+            pytest.fail(f"the build was configured with the fwd kernel {key.describe()}, but does not have it")
+        pytest.skip(f"no fwd kernel {key.describe()} in this build (FLASHHOPPER_ARCHS with 80, FLASHHOPPER_KVCACHE on)")
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 0])
+@pytest.mark.parametrize(("d", "layout", "seqlen_q", "causal", "heads"), [
+    (64, None, 1, True, (32, 8)), (128, 16, 1, True, (32, 8)), (128, 64, 5, True, (8, 2)),
+    (256, 128, 200, False, (4, 4)), (128, None, 200, True, (8, 8))])
+def test_sm80_fallback(d: int, layout: int | None, seqlen_q: int, causal: bool, heads: tuple[int, int],
+                       num_splits: int) -> None:
+    """The Ampere kernel (backend='sm80', on this GPU through its sm_90 code): paged and contiguous caches, GQA
+    packing, split-KV, NaN / inf in every unused slot; FA3's criterion per entry."""
+    dtype = torch.float16 if d == 64 else torch.bfloat16
+    require_sm80_kvcache(dtype, d, seqlen_q, causal)
+    torch.manual_seed(d + seqlen_q + num_splits)
+    batch, (hq, hkv) = 5, heads
+    lengths = lengths_for(batch, CAPACITY, layout or 64, rng=random.Random(d + seqlen_q))
+    if seqlen_q > 1:
+        lengths = [max(n, seqlen_q) for n in lengths]
+    kc, vc, table, _, _ = poisoned_cache(batch, hkv, d, dtype, lengths, layout, seed=d)
+    q = torch.randn(batch, seqlen_q, hq, d, dtype=dtype, device="cuda")
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    out, lse = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, page_table=table, causal=causal,
+                                       num_splits=num_splits, return_lse=True, backend="sm80")
+    check_entries(out, lse, q, kc, vc, lengths, causal, table)

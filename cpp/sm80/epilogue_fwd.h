@@ -46,6 +46,26 @@ struct FwdEpilogue {
     }
   }
 
+  // Split-KV: this CTA's rows of O (normalized within the split, float) and their LSE, straight from registers to
+  // the split's partial rows (row0: its first, in rows of the (split, batch, head) block of seqlen_q rows).
+  template <class FragO, class LSE>
+  CUTE_DEVICE static void store_partial(FragO const& acc_o, LSE const& lse, float* o_partial, float* lse_partial,
+                                        int64_t row0, int seqlen_q, int m_block) {
+    typename Mainloop::TiledMma tiled_mma;
+    auto thr_mma = tiled_mma.get_thread_slice(threadIdx.x);
+    Tensor cO = rowcol(thr_mma.partition_C(make_identity_tensor(Shape<BM, D>{})));
+    Tensor o = rowcol(acc_o);
+    CUTE_UNROLL
+    for (int mi = 0; mi < size<0>(cO); ++mi) {
+      int const row = m_block * kBlockM + int(get<0>(cO(mi, _0{})));
+      if (row >= seqlen_q) continue;
+      float* dst = o_partial + (row0 + row) * kHeadDim;
+      CUTE_UNROLL
+      for (int ni = 0; ni < size<1>(cO); ++ni) dst[get<1>(cO(mi, ni))] = o(mi, ni);
+      if (get<1>(cO(mi, _0{})) == 0) lse_partial[row0 + row] = lse[mi];
+    }
+  }
+
   // No row of the tile sees a key (causal with seqlen_q > seqlen_k): O = 0, LSE = empty_lse (-inf, or the
   // head's sink logit).
   CUTE_DEVICE static void store_empty(Element* o, int64_t o_row_stride, float* lse_row, int seqlen_q, int m_block,

@@ -41,21 +41,48 @@ struct FwdKernel {
     float scale_log2;  // of the softmax's exp2, after the score mod
     typename Mainloop::ScoreMod score_mod;
     typename Mainloop::Dropout dropout;
+    // KV caches (Mainloop::kPaged; K/V are pages, the batch strides the page strides): the page table (nullptr:
+    // page b for entry b), rows per page; split-KV: num_splits CTAs per query block, each writing its partial O
+    // and LSE (float32 (num_splits, batch, nheads_q, seqlen_q, headdim) and (num_splits, batch, nheads_q,
+    // seqlen_q)) for the combine kernel (common/combine_splits.h).
+    int const* page_table;
+    int64_t table_stride;
+    cutlass::FastDivmod page_size;
+    int num_splits;
+    float* o_partial;
+    float* lse_partial;
+    int batch;
   };
 
   CUTE_DEVICE static void run(Params const& p, char* smem) {
     auto& ts = *reinterpret_cast<typename Mainloop::TensorStorage*>(smem);
     // Causal: the last query blocks see the most keys; launch them first (shorter tail; measured
     // +3% at head dim 256, seqlen 2k, neutral elsewhere).
-    int const m_block = Mainloop::kMask != MaskKind::kNone ? int(gridDim.x - 1 - blockIdx.x) : int(blockIdx.x);
+    constexpr bool kPaged = Mainloop::kPaged;
+    int const splits = kPaged ? p.num_splits : 1;
+    int const split = kPaged ? int(blockIdx.x) % splits : 0;
+    int const m_index = kPaged ? int(blockIdx.x) / splits : int(blockIdx.x);
+    int const m_blocks = kPaged ? int(gridDim.x) / splits : int(gridDim.x);
+    int const m_block = Mainloop::kMask != MaskKind::kNone ? m_blocks - 1 - m_index : m_index;
     int const head = blockIdx.y, batch = blockIdx.z;
     int const kv_head = head / p.heads_ratio;
     SeqlenInfo const seq = p.seqlens(batch);
     if (m_block * Mainloop::kBlockM >= seq.seqlen_q) return;  // past the entry's rows
     int64_t const b = seq.batch_coord;
     Element const* q = p.q + b * p.q_batch_stride + head * p.q_head_stride + seq.offset_q * p.q_row_stride;
-    Element const* k = p.k + b * p.k_batch_stride + kv_head * p.k_head_stride + seq.offset_k * p.k_row_stride;
-    Element const* v = p.v + b * p.v_batch_stride + kv_head * p.v_head_stride + seq.offset_k * p.v_row_stride;
+    // KV caches: the kv head's base; the mainloop adds each row's page and row (PagedRows).
+    Element const* k = p.k + kv_head * p.k_head_stride +
+                       (kPaged ? 0 : b * p.k_batch_stride + seq.offset_k * p.k_row_stride);
+    Element const* v = p.v + kv_head * p.v_head_stride +
+                       (kPaged ? 0 : b * p.v_batch_stride + seq.offset_k * p.v_row_stride);
+    PagedRows paged;
+    if constexpr (kPaged) {
+      paged = {p.page_table != nullptr ? p.page_table + batch * p.table_stride : nullptr, p.page_size,
+               p.k_batch_stride, p.v_batch_stride, batch, split, splits};
+    }
+    bool const partial = kPaged && splits > 1;
+    // Split-KV: this split's rows of the partial O and LSE.
+    int64_t const part_row0 = ((int64_t(split) * p.batch + batch) * p.nheads_q + head) * p.lse_rows;
     Element* o = p.o + b * p.o_batch_stride + head * p.o_head_stride + seq.offset_q * p.o_row_stride;
     float* lse = p.lse + (b * p.nheads_q + head) * p.lse_rows + seq.offset_q;
 
@@ -65,7 +92,13 @@ struct FwdKernel {
     constexpr int kRows = decltype(size<0>(rowcol(acc_o)))::value;
     OnlineSoftmax<kRows> softmax(p.scale_log2);
     if (!Mainloop::mma(ts, q, p.q_row_stride, k, p.k_row_stride, v, p.v_row_stride, seq, p.window_left,
-                       p.window_right, p.score_mod, p.dropout, batch * p.nheads_q + head, m_block, acc_o, softmax)) {
+                       p.window_right, p.score_mod, p.dropout, batch * p.nheads_q + head, m_block, acc_o, softmax,
+                       paged)) {
+      if (partial) {  // the combine kernel skips a split whose LSE is -inf (its O is never read)
+        int const rows = cute::min(int(Mainloop::kBlockM), seq.seqlen_q - m_block * Mainloop::kBlockM);
+        for (int r = threadIdx.x; r < rows; r += blockDim.x) p.lse_partial[part_row0 + m_block * Mainloop::kBlockM + r] = -INFINITY;
+        return;
+      }
       Epilogue::store_empty(o, p.o_row_stride, lse, seq.seqlen_q, m_block, sink_log2 * float(M_LN2));
       return;
     }
@@ -77,6 +110,10 @@ struct FwdKernel {
     }
     Tensor out = rowcol(acc_o);
     OnlineSoftmax<kRows>::rescale(out, inv_sum);
+    if (partial) {
+      Epilogue::store_partial(acc_o, row_lse, p.o_partial, p.lse_partial, part_row0, seq.seqlen_q, m_block);
+      return;
+    }
     Epilogue::store(ts, acc_o, row_lse, o, p.o_row_stride, lse, seq.seqlen_q, m_block);
   }
 };

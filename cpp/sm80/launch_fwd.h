@@ -13,6 +13,7 @@
 #include <type_traits>
 
 #include "../common/block_info.h"
+#include "../common/combine_splits.h"
 #include "../common/device_info.h"
 #include "../common/element_type.h"
 #include "../common/kernel_key.h"
@@ -33,9 +34,13 @@ struct FwdConfig {
   using Element = typename ElementOf<Config::kDType>::type;
   using Tile = typename FwdTileSize<Config::kHeadDim, Config::kMask != MaskKind::kNone, kSmemKB>::type;
   static_assert(!Config::kVarlen || !Config::kDropout, "packed batches: kernels without dropout for now");
-  using Seqlens = std::conditional_t<Config::kVarlen, VarlenSeqlens, UniformSeqlens>;
+  // KV caches (kv_blocks's sm80 counterpart: PagedRows in mainloop_fwd.h): pages, cache_seqlens, split-KV.
+  static_assert(!Config::kKVCache || (!Config::kVarlen && !Config::kDropout), "KV-cache kernels: padded, no dropout");
+  using Seqlens = std::conditional_t<Config::kVarlen, VarlenSeqlens,
+                                     std::conditional_t<Config::kKVCache, CacheSeqlens, UniformSeqlens>>;
   using Kernel = FwdKernel<FwdMainloop<Element, Config::kHeadDim, Tile, Config::kMask,
-                                       typename ScoreModOf<Config::kScoreMod>::type, DropoutOf<Config::kDropout>>,
+                                       typename ScoreModOf<Config::kScoreMod>::type, DropoutOf<Config::kDropout>,
+                                       Config::kKVCache>,
                            Seqlens>;
   static_assert(Kernel::kSmemBytes <= kSmemKB * 1024, "the tiles must fit their shared-memory class");
 };
@@ -49,8 +54,23 @@ int64_t run_fwd(FwdParams const& p, cudaStream_t stream) {
   // Offsets inside a key block are 32-bit (sm80::block_rows).
   if (std::max(p.k_row_stride, p.v_row_stride) > INT32_MAX / Tile::kBlockN)
     throw std::invalid_argument("flashhopper: K/V row stride too large for the sm80 kernels");
-  // Packed batches: seqlen_q is the longest entry's (its CTAs past an entry's rows return at once).
-  dim3 const grid(ceil_div(p.seqlen_q, Tile::kBlockM), p.nheads_q, p.batch);
+  constexpr bool kKVCache = Config::kKVCache;
+  int const num_splits = kKVCache ? std::max(1, p.num_splits) : 1;
+  if constexpr (kKVCache) {
+    if (p.num_pages < 1 || p.page_size < 1) {
+      throw std::invalid_argument("flashhopper: KV-cache kernels need a cache of at least one page of at least one row");
+    }
+    if (p.sinks_ptr != nullptr || p.softcap != 0.f || p.window_left >= 0 || p.window_right >= 0) {
+      throw std::invalid_argument("flashhopper: KV-cache kernels have no sinks, softcap or window yet");
+    }
+    if (num_splits > kCombineMaxSplits || (num_splits > 1 && p.split_workspace == nullptr)) {
+      throw std::invalid_argument("flashhopper: num_splits must be 1.." + std::to_string(kCombineMaxSplits) +
+                                  ", and a split needs split_workspace");
+    }
+  }
+  // Packed batches: seqlen_q is the longest entry's (its CTAs past an entry's rows return at once). Split-KV:
+  // num_splits CTAs per query block, next to each other.
+  dim3 const grid(ceil_div(p.seqlen_q, Tile::kBlockM) * num_splits, p.nheads_q, p.batch);
   if constexpr (Config::kVarlen) {
     if (p.cu_seqlens_q == nullptr || p.cu_seqlens_k == nullptr) {
       throw std::invalid_argument("flashhopper: packed-batch kernels need cu_seqlens_q and cu_seqlens_k");
@@ -59,6 +79,8 @@ int64_t run_fwd(FwdParams const& p, cudaStream_t stream) {
   auto const seqlens = [&] {
     if constexpr (Config::kVarlen) {
       return VarlenSeqlens{p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_q, p.seqused_k, nullptr};
+    } else if constexpr (kKVCache) {
+      return CacheSeqlens{p.seqlen_q, p.seqlen_k, p.cache_seqlens};
     } else {
       return UniformSeqlens{p.seqlen_q, p.seqlen_k};
     }
@@ -76,11 +98,34 @@ int64_t run_fwd(FwdParams const& p, cudaStream_t stream) {
                                    seqlens, Config::kVarlen ? p.total_q : p.seqlen_q, p.nheads_q,
                                    p.nheads_q / p.nheads_kv,
                                    p.window_left, p.window_right, p.sinks_ptr,
-                                   score_mod.softmax_scale_log2(float(p.softmax_scale * M_LOG2E)), score_mod, dropout};
+                                   score_mod.softmax_scale_log2(float(p.softmax_scale * M_LOG2E)), score_mod, dropout,
+                                   p.page_table, p.page_table_batch_stride,
+                                   cutlass::FastDivmod(kKVCache ? std::max(p.page_size, 1) : 1), num_splits,
+                                   static_cast<float*>(p.split_workspace),
+                                   p.split_workspace == nullptr ? nullptr
+                                       : static_cast<float*>(p.split_workspace) +
+                                             int64_t(num_splits) * p.batch * p.nheads_q * p.seqlen_q * p.headdim_v,
+                                   p.batch};
   auto kernel = &fwd_kernel<Kernel>;
   cudaError_t err = raise_max_dynamic_smem(kernel, p.device, Kernel::kSmemBytes);
   if (err != cudaSuccess) throw std::runtime_error(std::string("flashhopper: cudaFuncSetAttribute: ") + cudaGetErrorString(err));
   kernel<<<grid, Kernel::kNumThreads, Kernel::kSmemBytes, stream>>>(kp);
+  if (kKVCache && num_splits > 1) {
+    CombineParams cp;
+    cp.o_partial = kp.o_partial;
+    cp.lse_partial = kp.lse_partial;
+    cp.o = p.o_ptr;
+    cp.o_batch_stride = p.o_batch_stride;
+    cp.o_row_stride = p.o_row_stride;
+    cp.o_head_stride = p.o_head_stride;
+    cp.lse = p.lse_ptr;
+    cp.num_splits = num_splits;
+    cp.batch = p.batch;
+    cp.heads = p.nheads_q;
+    cp.rows = p.seqlen_q;
+    err = launch_combine_splits<Element, Config::kHeadDim>(cp, stream);
+    if (err != cudaSuccess) throw std::runtime_error(std::string("flashhopper: split-KV combine launch: ") + cudaGetErrorString(err));
+  }
   return int64_t(grid.x) * grid.y * grid.z;
 }
 

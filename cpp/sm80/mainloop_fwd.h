@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cute/tensor.hpp>
+#include <cutlass/fast_math.h>
 
 #include "../common/block_info.h"
 #include "../common/mask.h"
@@ -22,15 +23,29 @@ namespace flashhopper::sm80 {
 
 using namespace cute;
 
+// KV caches (kPaged): key j of the entry lives in page page_table[j / page_size], row j % page_size of the cache
+// (a contiguous cache: one page of max_seqlen rows per entry; page_table nullptr: page `batch`). Each thread's
+// rows of a K/V block are copied from their own pages (cp.async, rows past the entry's keys zeroed, so whatever
+// the cache holds there never reaches the output); the entry's key blocks may be split over CTAs (split-KV).
+struct PagedRows {
+  int const* page_table = nullptr;  // this entry's row of the table, or nullptr
+  cutlass::FastDivmod page_size{1};
+  int64_t page_stride_k = 0, page_stride_v = 0;
+  int batch = 0;
+  int split = 0, num_splits = 1;
+};
+
 template <class Element_, int kHeadDim_, class TileSize, MaskKind kMask_, class ScoreMod_ = ScoreModIdentity,
-          class Dropout_ = DropoutNone>
+          class Dropout_ = DropoutNone, bool kPaged_ = false>
 struct FwdMainloop {
   using Element = Element_;
   using ScoreMod = ScoreMod_;
   using Dropout = Dropout_;  // common/dropout.h: P's dropped scores zeroed before the PV GEMM
   static constexpr int kHeadDim = kHeadDim_, kBlockM = TileSize::kBlockM, kBlockN = TileSize::kBlockN;
   static constexpr MaskKind kMask = kMask_;
-  using BlockInfoT = BlockInfo<kBlockM, kBlockN, kMask>;
+  static constexpr bool kPaged = kPaged_;  // KV caches: paged rows and split-KV (PagedRows)
+  using BlockInfoT = std::conditional_t<kPaged, SplitBlockInfo<BlockInfo<kBlockM, kBlockN, kMask>>,
+                                        BlockInfo<kBlockM, kBlockN, kMask>>;
   static constexpr int kNumThreads = TileSize::kNumWarps * 32;
   // The head dim in whole swizzle atoms (SmemAtom: 64 or 32 columns).
   static_assert(kHeadDim % 32 == 0 && kBlockM % (16 * TileSize::kNumWarps) == 0);
@@ -63,8 +78,11 @@ struct FwdMainloop {
   CUTE_DEVICE static bool mma(TensorStorage& ts, Element const* q, int64_t q_row_stride, Element const* k,
                               int64_t k_row_stride, Element const* v, int64_t v_row_stride, SeqlenInfo const& seq,
                               int window_left, int window_right, ScoreMod const& score_mod, Dropout const& dropout,
-                              int bh, int m_block, FragO& acc_o, Softmax& softmax) {
-    BlockInfoT const info{seq, window_left, window_right};
+                              int bh, int m_block, FragO& acc_o, Softmax& softmax, PagedRows const& paged = {}) {
+    BlockInfoT const info = [&] {
+      if constexpr (kPaged) return BlockInfoT{seq, window_left, window_right, paged.split, paged.num_splits};
+      else return BlockInfoT{seq, window_left, window_right};
+    }();
     int const n_block_max = info.n_block_max(m_block);
     int const n_block_min = info.n_block_min(m_block);
     if (n_block_max <= n_block_min) return false;
@@ -87,17 +105,37 @@ struct FwdMainloop {
     Tensor tKcK = gthr.partition_S(make_identity_tensor(Shape<BN, D>{}));
     int const q_rows = seqlen_q - m_block * kBlockM;
     // Only the highest key block can hold the sequence end (check_end); the others load without row checks.
-    auto load_kv = [&](Element const* ptr, int64_t row_stride, auto& dst, int n, auto check_end) {
-      Tensor src = gthr.partition_S(block_rows<kBlockN, kHeadDim>(ptr, row_stride, n));
-      int const valid = seqlen_k - n * kBlockN;
-      if (decltype(check_end)::value && valid < kBlockN) {
-        copy_rows(gmem_copy, src, dst, tKcK, valid);
+    auto load_kv = [&](Element const* ptr, int64_t row_stride, int64_t page_stride, auto& dst, int n, auto check_end) {
+      if constexpr (kPaged) {
+        // Each of this thread's rows from its page: the block tile re-based so that the row lands where the
+        // partition puts it (only that row of it is read).
+        CUTE_UNROLL
+        for (int m = 0; m < size<1>(dst); ++m) {
+          int const r = int(get<0>(tKcK(0, m, 0)));
+          int const key = n * kBlockN + r;
+          if (key < seqlen_k) {
+            int idx, row;
+            paged.page_size(idx, row, key);
+            int64_t const page = paged.page_table != nullptr ? paged.page_table[idx] : paged.batch;
+            Element const* row_ptr = ptr + page * page_stride + (int64_t(row) - r) * row_stride;
+            Tensor src = gthr.partition_S(block_rows<kBlockN, kHeadDim>(row_ptr, row_stride, 0));
+            copy(gmem_copy, src(_, m, _), dst(_, m, _));
+          } else {
+            clear(dst(_, m, _));
+          }
+        }
       } else {
-        copy(gmem_copy, src, dst);
+        Tensor src = gthr.partition_S(block_rows<kBlockN, kHeadDim>(ptr, row_stride, n));
+        int const valid = seqlen_k - n * kBlockN;
+        if (decltype(check_end)::value && valid < kBlockN) {
+          copy_rows(gmem_copy, src, dst, tKcK, valid);
+        } else {
+          copy(gmem_copy, src, dst);
+        }
       }
     };
-    auto load_k = [&](int n, auto check_end) { load_kv(k, k_row_stride, tKsK, n, check_end); };
-    auto load_v = [&](int n, auto check_end) { load_kv(v, v_row_stride, tVsV, n, check_end); };
+    auto load_k = [&](int n, auto check_end) { load_kv(k, k_row_stride, paged.page_stride_k, tKsK, n, check_end); };
+    auto load_v = [&](int n, auto check_end) { load_kv(v, v_row_stride, paged.page_stride_v, tVsV, n, check_end); };
 
     TiledMma tiled_mma;
     auto thr_mma = tiled_mma.get_thread_slice(tid);

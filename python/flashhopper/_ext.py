@@ -117,9 +117,9 @@ def configured(mode: str, key: KernelKey) -> bool:
 
 
 def kvcache_configured(mode: str, key: KernelKey, info: dict[str, Any]) -> bool:
-    """Whether the build makes a KV-cache kernel for ``key`` (FLASHHOPPER_KVCACHE on): the Hopper 16-bit forward
-    at VARLEN_HEADDIMS, masks none and causal, without score mod, dropout or varlen (cpp/generate_kernels.py)."""
-    return ("on" in info.get("kvcache", ["off"]) and key.arch == 90 and mode == "fwd" and key.dtype != "float8_e4m3fn"
+    """Whether the build makes a KV-cache kernel for ``key`` (FLASHHOPPER_KVCACHE on): the 16-bit forward of either
+    family at VARLEN_HEADDIMS, masks none and causal, without score mod, dropout or varlen (cpp/generate_kernels.py)."""
+    return ("on" in info.get("kvcache", ["off"]) and mode == "fwd" and key.dtype != "float8_e4m3fn"
             and not key.dropout and not key.varlen and key.score_mod == "none" and key.mask != "window"
             and key.headdim == key.headdim_v and key.headdim in VARLEN_HEADDIMS)
 

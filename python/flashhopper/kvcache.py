@@ -13,7 +13,8 @@ fake implementations (torch.compile); neither is differentiable (an inference en
 The Hopper kernel (KernelKey.kvcache) reads K/V blocks through the page table (a contiguous cache is one page of
 max_seqlen rows per entry) and may split each entry's keys over several CTAs (split-KV) whose partial results a
 combine kernel merges; a decode step's query heads that share a kv head run as the rows of one head (GQA
-packing), so K/V are read once per kv head. There is no Ampere KV-cache kernel.
+packing), so K/V are read once per kv head. The Ampere kernel (sm80, the fallback) gathers each K/V row from
+its page with cp.async and splits the same way.
 """
 from __future__ import annotations
 
@@ -258,8 +259,11 @@ def _packs_gqa(seqlen_q: int, nheads_q: int, nheads_kv: int) -> bool:
     return seqlen_q == 1 and nheads_q > nheads_kv
 
 
-def _kvcache_key(dtype: torch.dtype, headdim: int, headdim_v: int, mask: str) -> Any:
-    return dispatch._key("sm90", dtype, headdim, mask, "", "none", headdim_v, dropout=False, varlen=False,
+KVCACHE_BACKENDS = ("sm90", "sm80")  # kernel families with KV-cache kernels, the preferred first
+
+
+def _kvcache_key(dtype: torch.dtype, headdim: int, headdim_v: int, mask: str, backend: str = "sm90") -> Any:
+    return dispatch._key(backend, dtype, headdim, mask, "", "none", headdim_v, dropout=False, varlen=False,
                          kvcache=True)
 
 
@@ -267,22 +271,32 @@ def _kvcache_key(dtype: torch.dtype, headdim: int, headdim_v: int, mask: str) ->
 # message rather than raising (a ValueError raised inside an assume_constant_result function surfaces as an
 # internal dynamo error).
 @torch.compiler.assume_constant_result
-def _missing_kvcache_kernel(index: int, dtype: torch.dtype, headdim: int, headdim_v: int, mask: str) -> str:
+def _kvcache_backend(index: int, dtype: torch.dtype, headdim: int, headdim_v: int, mask: str, backend: str) -> str:
+    """The kernel family a CUDA call runs ("sm90", "sm80"; ``backend``: "" for the first of KVCACHE_BACKENDS that
+    runs on the device and was built), or "!" followed by why there is none."""
     info = _device.device_info(index)
-    if not dispatch.runs_on("sm90", info.capability):
-        return (f"q is on cuda:{index} ({info.name}, compute capability {info.capability[0]}.{info.capability[1]}); "
-                "the KV-cache kernels are Hopper (sm90, compute capability 9.0) only; pass backend='reference'")
-    try:
-        dispatch.require_kernel("fwd", _kvcache_key(dtype, headdim, headdim_v, mask))
-    except ValueError as e:
-        return str(e)
-    return ""
+    where = f"q is on cuda:{index} ({info.name}, compute capability {info.capability[0]}.{info.capability[1]})"
+    names = (backend,) if backend else KVCACHE_BACKENDS
+    usable = [b for b in names if dispatch.runs_on(b, info.capability)]
+    if not usable:
+        return (f"!{where}; backend={backend!r} does not run there" if backend else
+                f"!{where}; the KV-cache kernels are Hopper (sm90) and Ampere-family (sm80) ones; pass "
+                "backend='reference'")
+    errors = []
+    for b in usable:
+        try:
+            dispatch.require_kernel("fwd", _kvcache_key(dtype, headdim, headdim_v, mask, b))
+        except ValueError as e:
+            errors.append(str(e))
+            continue
+        return b
+    return "!" + errors[0]
 
 
 def resolve_backend(q: torch.Tensor, shapes: CacheShapes, causal: bool, backend: str | None) -> str:
-    """"sm90" or "reference" for a validated call: CPU tensors (backend None) and backend='reference' run the
-    reference; CUDA tensors the Hopper KV-cache kernel, or a ValueError saying why there is none (never a silent
-    fall back to the reference on a GPU)."""
+    """"sm90", "sm80" or "reference" for a validated call: CPU tensors (backend None) and backend='reference' run
+    the reference; CUDA tensors the Hopper KV-cache kernel where it runs and was built, else the Ampere one (or the
+    family named), or a ValueError saying why there is none (never a silent fall back to the reference on a GPU)."""
     if backend is not None and backend not in dispatch.BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(map(repr, dispatch.BACKENDS))} or None, got {backend!r}")
     if backend == "reference":
@@ -291,19 +305,16 @@ def resolve_backend(q: torch.Tensor, shapes: CacheShapes, causal: bool, backend:
         if backend is None:
             return "reference"
         raise ValueError(f"backend={backend!r} needs CUDA tensors, but q is on {q.device}")
-    if backend == "sm80":
-        raise ValueError("backend='sm80': there is no Ampere (sm80) KV-cache kernel; use backend='sm90' (Hopper) or "
-                         "'reference'")
     validation.check_kernel_dtype("q", q.dtype)
     if shapes.headdim != shapes.headdim_v or shapes.headdim not in VARLEN_HEADDIMS:
         hd = f"{shapes.headdim}" if shapes.headdim == shapes.headdim_v else f"{shapes.headdim}/{shapes.headdim_v}"
         raise ValueError(f"q head dim {hd}: the KV-cache kernels have head dims "
                          f"{', '.join(map(str, VARLEN_HEADDIMS))} (q, K and V alike); backend='reference' takes any")
-    msg = _missing_kvcache_kernel(q.device.index, q.dtype, shapes.headdim, shapes.headdim_v,
-                                  _kvcache_mask(shapes.seqlen_q, causal))
-    if msg:
-        raise ValueError(msg)
-    return "sm90"
+    name = _kvcache_backend(q.device.index, q.dtype, shapes.headdim, shapes.headdim_v,
+                            _kvcache_mask(shapes.seqlen_q, causal), backend or "")
+    if name.startswith("!"):
+        raise ValueError(name[1:])
+    return name
 
 
 def _check_kernel_layouts(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -440,12 +451,12 @@ def _kernel_table(page_table: torch.Tensor | None, cache_batch_idx: torch.Tensor
 
 def _prepare_kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlen_k: int,
                          table: torch.Tensor | None, softmax_scale: float, causal: bool,
-                         num_splits: int) -> KVCacheLaunch:
+                         num_splits: int, backend: str = "sm90") -> KVCacheLaunch:
     """The KVCacheLaunch of a call, from the tensors' metadata alone: the kernel, GQA packing, the split count and
     every params field but the pointers (``table``: _kernel_table's)."""
     b, sq, hq, d = q.shape
     page_size, hkv, dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
-    entry = dispatch.require_kernel("fwd", _kvcache_key(q.dtype, d, dv, _kvcache_mask(sq, causal)))
+    entry = dispatch.require_kernel("fwd", _kvcache_key(q.dtype, d, dv, _kvcache_mask(sq, causal), backend))
     if _packs_gqa(sq, hq, hkv):
         # GQA packing: the g query heads of a kv head are g rows of one head (K/V read once per kv head). Query
         # head h * g + r is row r of kernel head h: row stride = q's head stride, head stride g times it. The lse
@@ -479,8 +490,8 @@ def _prepare_kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 def _launch_kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         cache_seqlens: torch.Tensor | None, seqlen_k: int, page_table: torch.Tensor | None,
                         cache_batch_idx: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor,
-                        softmax_scale: float, causal: bool, num_splits: int) -> int:
-    """The Hopper KV-cache forward into out (batch, seqlen_q, nheads_q, headdim_v) and lse float32 (batch,
+                        softmax_scale: float, causal: bool, num_splits: int, backend: str = "sm90") -> int:
+    """The KV-cache forward of kernel family ``backend`` into out (batch, seqlen_q, nheads_q, headdim_v) and lse float32 (batch,
     nheads_q, seqlen_q), both contiguous. ``cache_seqlens``: int32 (batch,) key counts on the device, each at most
     ``seqlen_k``, or None: every entry has seqlen_k keys. Returns the CTAs launched (the extension's answer)."""
     b, sq, hq, _ = q.shape
@@ -494,7 +505,7 @@ def _launch_kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     validation.check_kernel_layout("out", out)
     table = _kernel_table(page_table, cache_batch_idx)
     lengths = None if cache_seqlens is None else cache_seqlens.contiguous()
-    launch = _prepare_kvcache_fwd(q, k_cache, v_cache, seqlen_k, table, softmax_scale, causal, num_splits)
+    launch = _prepare_kvcache_fwd(q, k_cache, v_cache, seqlen_k, table, softmax_scale, causal, num_splits, backend)
     return launch.run(q, k_cache, v_cache, out, lse, table, lengths)
 
 
@@ -507,7 +518,7 @@ def kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     nheads_q, seqlen_q)), both contiguous. Entry b attends to its first cache_seqlens[b] keys (int32 (batch,) on
     q's device: the counts after any append), or to ``seqlen_k`` keys each when cache_seqlens is None;
     ``seqlen_k`` bounds them all otherwise (the capacity). Arguments as flash_attn_with_kvcache's, validated;
-    ``backend`` resolved ("sm90" or "reference"); ``num_splits`` 0: the heuristic."""
+    ``backend`` resolved ("sm90", "sm80" or "reference"); ``num_splits`` 0: the heuristic."""
     out, lse = _empty_outputs(q, v_cache)
     if backend == "reference":
         dtype = torch.float64 if (not q.is_cuda or q.dtype == torch.float64) else torch.float32
@@ -517,7 +528,7 @@ def kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                                            dtype=dtype)
         out.copy_(ref_out)
         lse.copy_(ref_lse)
-    elif backend == "sm90":
+    elif backend in KVCACHE_BACKENDS:
         if lse.numel() == 0:
             pass  # nothing to compute (no entry, no query row or no head)
         elif seqlen_k == 0:  # no entry has a key: what a row that sees none gets, without a launch
@@ -525,9 +536,9 @@ def kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             lse.fill_(-math.inf)
         else:
             _launch_kvcache_fwd(q, k_cache, v_cache, cache_seqlens, seqlen_k, page_table, cache_batch_idx, out, lse,
-                                softmax_scale, causal, num_splits)
+                                softmax_scale, causal, num_splits, backend)
     else:
-        raise ValueError(f"backend must be 'sm90' or 'reference' for a KV cache, got {backend!r}")
+        raise ValueError(f"backend must be 'sm90', 'sm80' or 'reference' for a KV cache, got {backend!r}")
     return out, lse
 
 
@@ -594,7 +605,7 @@ def _run_plan(plan: _Plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 def _plan_of(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor | None,
              v: torch.Tensor | None, cache_seqlens: Any, page_table: torch.Tensor | None,
              cache_batch_idx: torch.Tensor | None, shapes: CacheShapes, seqlen_k: int, scale: float, causal: bool,
-             num_splits: int) -> _Plan | None:
+             num_splits: int, backend: str) -> _Plan | None:
     """The plan of a call that just ran the kernel on the full path, or None where the fast path would have to
     copy something per call (index tensors that are not contiguous, an append the kernel does not take)."""
     if seqlen_k == 0 or q.numel() == 0 or (page_table is not None and page_table.shape[1] > 1
@@ -607,7 +618,7 @@ def _plan_of(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: t
     if k is not None and not _append_kernel_takes(k_cache, v_cache, k, v, lengths, page_table, cache_batch_idx):
         return None
     table = page_table if page_table is not None else cache_batch_idx
-    launch = _prepare_kvcache_fwd(q, k_cache, v_cache, seqlen_k, table, scale, causal, num_splits)
+    launch = _prepare_kvcache_fwd(q, k_cache, v_cache, seqlen_k, table, scale, causal, num_splits, backend)
     offset = int(cache_seqlens) if cache_seqlens is not None and lengths is None else 0
     return _Plan(launch, shapes.seqlen_new, offset)
 
@@ -668,9 +679,9 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     heuristic from the tiles, the key blocks and the device's multiprocessors; 1: no split; at most 256, and
     never more than the key blocks). return_lse: also return lse float32 (batch, nheads_q, seqlen_q), natural
     log; a row that sees no key (an entry with none) has out = 0 and lse = -inf.
-    backend: None picks the Hopper kernel for CUDA tensors (an error saying what to rebuild with when this
-    build has none: there is no Ampere KV-cache kernel) and the float64 reference for CPU tensors; "sm90" or
-    "reference" (any dtype and head dim) by name.
+    backend: None picks the Hopper kernel for CUDA tensors where it runs and was built, else the Ampere one (an
+    error saying what to rebuild with when this build has neither), and the float64 reference for CPU tensors;
+    "sm90", "sm80" or "reference" (any dtype and head dim) by name.
 
     Not differentiable (an inference entry point, as flash-attn's): inputs that require grad are read as
     detached, the result has no gradient. Not supported yet: window_size other than (-1, -1) and softcap other
@@ -719,9 +730,9 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             seqlen_k = shapes.capacity if cache_seqlens is None else int(cache_seqlens) + shapes.seqlen_new
         out, lse = kvcache_fwd_op(q, k_cache, v_cache, lengths, seqlen_k, page_table, cache_batch_idx, scale, causal,
                                   int(num_splits), name)
-    if key is not None and name == "sm90":
+    if key is not None and name in KVCACHE_BACKENDS:
         plan = _plan_of(q, k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx, shapes, seqlen_k, scale,
-                        causal, int(num_splits))
+                        causal, int(num_splits), name)
         if plan is not None:
             _PLANS.put(key, plan)
     return (out, lse) if return_lse else out

@@ -103,13 +103,13 @@ def default_out(now: dt.datetime | None = None) -> Path:
 def markdown(rows: list[dict[str, Any]]) -> str:
     """The rows as markdown tables, one per section."""
     out = []
-    decode = [r for r in rows if r["section"] == "decode"]
+    decode = [r for r in rows if r["section"] == "decode" or r["section"].startswith("spec")]
     if decode:
-        out += ["| batch | cache | layout | splits | flashhopper us | TB/s | of copy | FA3 us | FA3 TB/s | FA3 / ours |",
-                "|---|---|---|---|---|---|---|---|---|---|"]
+        out += ["| step | batch | cache | layout | splits | flashhopper us | TB/s | of copy | FA3 us | FA3 TB/s | "
+                "FA3 / ours |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in decode:
             fa = r.get("us_fa3")
-            out.append(f"| {r['batch']} | {r['cache_len']} | {r['layout']} | {r.get('num_splits', '')} | "
+            out.append(f"| {r['section']} | {r['batch']} | {r['cache_len']} | {r['layout']} | {r.get('num_splits', '')} | "
                        f"{r['us_flashhopper']:.1f} | {r['tbps_flashhopper']:.2f} | {r['of_copy']:.2f} | "
                        + (f"{fa:.1f} | {r['tbps_fa3']:.2f} | {r['fa3_over_ours']:.2f} |" if fa is not None
                           else "- | - | - |"))
@@ -209,19 +209,21 @@ def our_splits(q: torch.Tensor, k: torch.Tensor, table: torch.Tensor | None, seq
     from flashhopper import _device, dispatch
     from flashhopper.kvcache import _kvcache_key, _kvcache_mask, _packs_gqa, kernel_num_splits
     try:
-        entry = dispatch.require_kernel("fwd", _kvcache_key(q.dtype, q.shape[3], k.shape[3], _kvcache_mask(1, True)))
+        entry = dispatch.require_kernel("fwd", _kvcache_key(q.dtype, q.shape[3], k.shape[3],
+                                                            _kvcache_mask(q.shape[1], True)))
     except ValueError:
         return None
     b, sq, hq, _ = q.shape
     packed = _packs_gqa(sq, hq, k.shape[2])
-    heads, rows = (k.shape[2], hq // k.shape[2]) if packed else (hq, sq)
+    heads, rows = (k.shape[2], sq * (hq // k.shape[2])) if packed else (hq, sq)
     bound = seqlen_k if table is None else table.shape[1] * k.shape[1]
     return kernel_num_splits(0, b, heads, rows, bound, entry.block_m, entry.block_n,
                              _device.device_info(q.device.index).num_sms)
 
 
 def section_decode(timer: Callable[[Fn], float], rounds: int, shapes: list[tuple[int, int]], layouts: list[str],
-                   iface: Any, fa3_reason: str, l2_bytes: int, seed: int, graphs: bool = True) -> list[dict[str, Any]]:
+                   iface: Any, fa3_reason: str, l2_bytes: int, seed: int, graphs: bool = True,
+                   seqlen_q: int = 1) -> list[dict[str, Any]]:
     rows = []
     for batch, cache_len in shapes:
         gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -229,7 +231,7 @@ def section_decode(timer: Callable[[Fn], float], rounds: int, shapes: list[tuple
         n_copies = copies_for_l2(nbytes, l2_bytes)
         src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
         dst = torch.empty_like(src)
-        q = torch.randn(batch, 1, NHEADS_Q, HEADDIM, dtype=DTYPE, device="cuda", generator=gen)
+        q = torch.randn(batch, seqlen_q, NHEADS_Q, HEADDIM, dtype=DTYPE, device="cuda", generator=gen)
         lens = torch.full((batch,), cache_len, dtype=torch.int32, device="cuda")
         for layout in layouts:
             caches = [make_cache(batch, cache_len, layout, gen) for _ in range(n_copies)]
@@ -238,7 +240,7 @@ def section_decode(timer: Callable[[Fn], float], rounds: int, shapes: list[tuple
                 skipped["fa3"] = fa3_reason
             fns["copy"] = lambda dst=dst, src=src: dst.copy_(src)
             ms = interleaved(fns, timer, rounds)
-            row: dict[str, Any] = {"section": "decode", "batch": batch, "cache_len": cache_len, "layout": layout,
+            row: dict[str, Any] = {"section": "decode" if seqlen_q == 1 else f"spec{seqlen_q}", "batch": batch, "cache_len": cache_len, "layout": layout,
                                    "nheads_q": NHEADS_Q, "nheads_kv": NHEADS_KV, "headdim": HEADDIM,
                                    "dtype": "bf16", "kv_bytes": nbytes, "cache_copies": n_copies,
                                    "num_splits": our_splits(q, caches[0][0], caches[0][2], cache_len),
@@ -248,7 +250,7 @@ def section_decode(timer: Callable[[Fn], float], rounds: int, shapes: list[tuple
                 row[f"us_{name}"] = t * 1e3
                 row[f"tbps_{name}"] = tbps(2 * nbytes if name == "copy" else nbytes, t)
             if "flashhopper" not in ms:
-                print(f"decode {batch}x{cache_len} {layout}: flashhopper not timed: {skipped.get('flashhopper')}",
+                print(f"{row['section']} {batch}x{cache_len} {layout}: flashhopper not timed: {skipped.get('flashhopper')}",
                       flush=True)
                 rows.append(row)
                 continue
@@ -256,7 +258,7 @@ def section_decode(timer: Callable[[Fn], float], rounds: int, shapes: list[tuple
             if "fa3" in ms:
                 row["fa3_over_ours"] = ms["fa3"] / ms["flashhopper"]
             rows.append(row)
-            print(f"decode {batch}x{cache_len} {layout}: flashhopper {row['us_flashhopper']:.1f} us "
+            print(f"{row['section']} {batch}x{cache_len} {layout}: flashhopper {row['us_flashhopper']:.1f} us "
                   f"{row['tbps_flashhopper']:.2f} TB/s ({row['of_copy']:.2f} of copy, splits {row['num_splits']})"
                   + (f", FA3 {row['us_fa3']:.1f} us {row['tbps_fa3']:.2f} TB/s, FA3/ours x{row['fa3_over_ours']:.3f}"
                      if "fa3" in ms else f", FA3 not timed ({skipped.get('fa3')})"), flush=True)
@@ -302,7 +304,10 @@ def section_prefill(timer: Callable[[Fn], float], rounds: int, layouts: list[str
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sections", nargs="*", choices=("decode", "prefill"), default=["decode", "prefill"])
+    ap.add_argument("--sections", nargs="*", choices=("decode", "spec", "prefill"), default=["decode", "prefill"],
+                    help="spec: --spec-tokens query tokens per step (speculative decoding) on the decode shapes, "
+                         "causal, GQA-packed rows")
+    ap.add_argument("--spec-tokens", type=int, default=4)
     ap.add_argument("--shapes", nargs="*", metavar="BATCHxCACHE",
                     help="decode shapes, e.g. 8x8192 (default: " + " ".join(f"{b}x{n}" for b, n in DECODE_SHAPES) + ")")
     ap.add_argument("--layouts", nargs="*", default=list(LAYOUTS), help="contiguous, paged<page size>")
@@ -349,6 +354,10 @@ def main(argv: list[str] | None = None) -> int:
         if "decode" in args.sections:
             rows += section_decode(timer, args.rounds, shapes, args.layouts, iface, fa3_reason,
                                    int(args.l2_mb * 2**20), args.seed, graphs=not args.eager)
+        if "spec" in args.sections:
+            rows += section_decode(timer, args.rounds, shapes, args.layouts, iface, fa3_reason,
+                                   int(args.l2_mb * 2**20), args.seed, graphs=not args.eager,
+                                   seqlen_q=args.spec_tokens)
         if "prefill" in args.sections:
             rows += section_prefill(timer, args.rounds, args.layouts, iface, args.seed)
     print()

@@ -515,7 +515,7 @@ class FakeC:
 
     class FwdParams(SimpleNamespace):  # with _C.FwdParams' defaults of the fields the launch must leave alone
         def __init__(self) -> None:
-            super().__init__(num_sms=0, window_left=-1, window_right=-1, softcap=0.0, sinks_ptr=0, dropout_rng=0,
+            super().__init__(num_sms=0, rows_per_query=1, window_left=-1, window_right=-1, softcap=0.0, sinks_ptr=0, dropout_rng=0,
                              dropout_threshold=0, cu_seqlens_q=0, cu_seqlens_k=0, seqused_q=0, seqused_k=0,
                              varlen_workspace=0, q_scale_ptr=0, k_scale_ptr=0, v_scale_ptr=0, total_q=0, total_k=0,
                              tile_counter=0, max_smem_bytes=0)
@@ -603,16 +603,21 @@ def test_launch_gqa_packed_decode(fake: FakeC) -> None:
 @pytest.mark.parametrize(("seqlen_q", "hq", "causal", "mask"), [(1, 2, True, "none"), (5, 8, True, "causal"),
                                                                  (5, 8, False, "none"), (1, 8, False, "none")])
 def test_launch_plain_layout(fake: FakeC, seqlen_q: int, hq: int, causal: bool, mask: str) -> None:
-    """No packing with several query rows (or one head per kv head): q's own strides, the mask as asked (one query
-    row: non-causal)."""
+    """One head per kv head: q's own strides; several query heads per kv head: packed rows, one token (strided
+    view) or several (a copy of q, rows_per_query = the group size); the mask as asked (one query row:
+    non-causal)."""
     q = torch.randn(2, seqlen_q, hq, 128, dtype=torch.float16)
     kc = torch.randn(6, 32, 2, 128, dtype=torch.float16)
     table = i32([[5, 1], [0, 3]])
     out, lse = kvcache_fwd(q, kc, kc, i32([20, 64]), 64, table, causal=causal)
     (p, index, _), = fake.calls
-    packed = seqlen_q == 1 and hq > 2
+    packed = hq > 2
     assert fake.key_of(index) == KernelKey(90, "float16", 128, 128, mask, kvcache=True)
-    assert (p["seqlen_q"], p["nheads_q"]) == ((hq // 2, 2) if packed else (seqlen_q, hq))
+    assert (p["seqlen_q"], p["nheads_q"]) == ((seqlen_q * hq // 2, 2) if packed else (seqlen_q, hq))
+    assert p["rows_per_query"] == (hq // 2 if packed else 1)
+    if packed and seqlen_q > 1:  # the packed copy: (batch, kv head, token, g) rows
+        rows = seqlen_q * hq // 2
+        assert (p["q_batch_stride"], p["q_row_stride"], p["q_head_stride"]) == (2 * rows * 128, 128, rows * 128)
     if not packed:
         assert (p["q_batch_stride"], p["q_row_stride"], p["q_head_stride"]) == q.stride()[:3]
     assert (p["page_table"], p["page_table_batch_stride"], p["page_size"], p["num_pages"]) == (table.data_ptr(), 2,
@@ -706,8 +711,8 @@ def test_bench_table_and_cli(capsys: pytest.CaptureFixture[str]) -> None:
              "us_flashhopper": 1000.0, "tflops_flashhopper": 500.0, "us_dense": 950.0, "tflops_dense": 520.0,
              "ratio_vs_dense": 0.95}]
     table = bench.markdown(rows)
-    assert "| 8 | 8192 | paged16 | 2 | 100.0 | 2.70 | 0.90 | 110.0 | 2.45 | 1.10 |" in table
-    assert "| 1 | 131072 | contiguous | 14 | 200.0 | 2.68 | 0.89 | - | - | - |" in table
+    assert "| decode | 8 | 8192 | paged16 | 2 | 100.0 | 2.70 | 0.90 | 110.0 | 2.45 | 1.10 |" in table
+    assert "| decode | 1 | 131072 | contiguous | 14 | 200.0 | 2.68 | 0.89 | - | - | - |" in table
     assert "| 2048 | 32768 | contiguous | 1000.0 | 500 | 950.0 | 520 | 0.950 | - |" in table
     with pytest.raises(SystemExit) as e:
         bench.main(["--help"])

@@ -412,3 +412,45 @@ def test_sm80_fallback(d: int, layout: int | None, seqlen_q: int, causal: bool, 
     out, lse = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, page_table=table, causal=causal,
                                        num_splits=num_splits, return_lse=True, backend="sm80")
     check_entries(out, lse, q, kc, vc, lengths, causal, table)
+
+
+@pytest.mark.parametrize("num_splits", [1, 0])
+@pytest.mark.parametrize(("seqlen_q", "heads", "layout"), [
+    (2, (32, 8), None), (4, (32, 8), 16), (8, (16, 2), 64), (16, (32, 8), None), (5, (8, 1), 128)])
+def test_packed_speculative_tokens(seqlen_q: int, heads: tuple[int, int], layout: int | None, num_splits: int) -> None:
+    """Several query tokens with GQA (speculative decoding): the kv head's query heads run as packed rows (token
+    s's heads rows s g .. s g + g - 1; the causal rule per token), out and lse permuted back; against the
+    reference per entry, NaN in every unused slot, short entries (fewer keys than tokens) included."""
+    dtype, d = torch.bfloat16, 128
+    require_kvcache(dtype, d, seqlen_q, True)
+    torch.manual_seed(seqlen_q * 10 + num_splits)
+    batch, (hq, hkv) = 6, heads
+    lengths = lengths_for(batch, CAPACITY, layout or 64, rng=random.Random(seqlen_q))
+    kc, vc, table, _, _ = poisoned_cache(batch, hkv, d, dtype, lengths, layout, seed=seqlen_q)
+    q = torch.randn(batch, seqlen_q, hq, d, dtype=dtype, device="cuda")
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    out, lse = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, page_table=table, causal=True,
+                                       num_splits=num_splits, return_lse=True)
+    check_entries(out, lse, q, kc, vc, lengths, True, table)
+    if _ext.kernel("fwd", _kvcache_key(dtype, d, d, "causal", "sm80")) is not None:
+        out80, lse80 = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, page_table=table, causal=True,
+                                               num_splits=num_splits, return_lse=True, backend="sm80")
+        check_entries(out80, lse80, q, kc, vc, lengths, True, table)
+
+
+def test_debug_checks_every_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FLASHHOPPER_DEBUG_KVCACHE=1 checks the lengths on the host on every call, repeats of a configuration too
+    (they never take the eager fast path): an append past the capacity raises instead of writing elsewhere."""
+    dtype, d = torch.bfloat16, 128
+    require_kvcache(dtype, d, 1, True)
+    monkeypatch.setenv("FLASHHOPPER_DEBUG_KVCACHE", "1")
+    kc = torch.zeros(2, 64, 8, d, dtype=dtype, device="cuda")
+    vc = torch.zeros_like(kc)
+    q = torch.randn(2, 1, 32, d, dtype=dtype, device="cuda")
+    k = torch.randn(2, 1, 8, d, dtype=dtype, device="cuda")
+    lens = torch.tensor([10, 20], dtype=torch.int32, device="cuda")
+    for _ in range(2):
+        flash_attn_with_kvcache(q, kc, vc, k, k, cache_seqlens=lens)
+    lens.fill_(64)  # full: the append would write past the capacity
+    with pytest.raises(ValueError):
+        flash_attn_with_kvcache(q, kc, vc, k, k, cache_seqlens=lens)

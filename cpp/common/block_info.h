@@ -5,7 +5,9 @@
 // brute-force walk over the visibility rule, and the forward and backward ranges against each other).
 //
 // Visibility (flash-attn's convention, bottom-right aligned): with diag = seqlen_k - seqlen_q, row r
-// sees key c iff 0 <= c < seqlen_k and r + diag - left <= c <= r + diag + right. MaskKind::kNone has
+// sees key c iff 0 <= c < seqlen_k and r + diag - left <= c <= r + diag + right. kPackedRows (GQA-packed KV-cache
+// calls): rows are (query, head) pairs, g = rows_per_query to a query; the rule holds for query r / g, with
+// seqlen_q / g queries (the forward's ranges and mask only). MaskKind::kNone has
 // neither edge, kCausal the right edge with right = 0 known at compile time, kWindow both edges from
 // the params (-1: unbounded). Masked iterations can sit at both ends of a row's range: the highest
 // key blocks (the sequence end, the right edge) and the lowest (the left edge).
@@ -24,7 +26,7 @@ CUTE_HOST_DEVICE constexpr int ceil_div_signed(int a, int b) { return -floor_div
 CUTE_HOST_DEVICE constexpr int imax(int a, int b) { return a > b ? a : b; }
 CUTE_HOST_DEVICE constexpr int imin(int a, int b) { return a < b ? a : b; }
 
-template <MaskKind kMask>
+template <MaskKind kMask, bool kPackedRows = false>
 struct Visibility {
   static constexpr bool kHasRight = kMask != MaskKind::kNone;
   static constexpr bool kHasLeft = kMask == MaskKind::kWindow;
@@ -34,22 +36,27 @@ struct Visibility {
 
   int seqlen_q, seqlen_k;
   int left_, right_;  // kWindow only
+  int rows_per_query_;  // kPackedRows only
 
   CUTE_HOST_DEVICE Visibility(SeqlenInfo const& s, int window_left, int window_right)
       : seqlen_q(s.seqlen_q),
         seqlen_k(s.seqlen_k),
         left_(window_left < 0 || window_left > kUnbounded ? kUnbounded : window_left),
-        right_(window_right < 0 || window_right > kUnbounded ? kUnbounded : window_right) {}
+        right_(window_right < 0 || window_right > kUnbounded ? kUnbounded : window_right),
+        rows_per_query_(kPackedRows ? s.rows_per_query : 1) {}
 
-  CUTE_HOST_DEVICE int diag() const { return seqlen_k - seqlen_q; }
+  // The query position of row r >= 0 (itself, or r / g for packed rows).
+  CUTE_HOST_DEVICE int query(int r) const { return kPackedRows ? r / rows_per_query_ : r; }
+  CUTE_HOST_DEVICE int diag() const { return seqlen_k - (kPackedRows ? seqlen_q / rows_per_query_ : seqlen_q); }
   CUTE_HOST_DEVICE int right() const { return kMask == MaskKind::kCausal ? 0 : right_; }
   CUTE_HOST_DEVICE int left() const { return left_; }
 };
 
-template <int kBlockM, int kBlockN, MaskKind kMask>
-struct BlockInfo : Visibility<kMask> {
-  using Base = Visibility<kMask>;
-  using Base::diag, Base::kHasLeft, Base::kHasRight, Base::left, Base::right, Base::seqlen_k, Base::seqlen_q;
+template <int kBlockM, int kBlockN, MaskKind kMask, bool kPackedRows = false>
+struct BlockInfo : Visibility<kMask, kPackedRows> {
+  using Base = Visibility<kMask, kPackedRows>;
+  using Base::diag, Base::kHasLeft, Base::kHasRight, Base::left, Base::query, Base::right, Base::seqlen_k,
+      Base::seqlen_q;
   using Base::Base;
   static constexpr int kM = kBlockM, kN = kBlockN;
 
@@ -62,14 +69,14 @@ struct BlockInfo : Visibility<kMask> {
   CUTE_HOST_DEVICE int n_block_max(int m_block) const {
     int n_max = num_n_blocks();
     if constexpr (kHasRight) {
-      int const col_end = (m_block + 1) * kBlockM + diag() + right();  // last row's right edge, plus one
+      int const col_end = query((m_block + 1) * kBlockM - 1) + 1 + diag() + right();  // last row's right edge + 1
       n_max = col_end <= 0 ? 0 : imin(n_max, ceil_div(col_end, kBlockN));
     }
     return n_max;
   }
   CUTE_HOST_DEVICE int n_block_min(int m_block) const {
     if constexpr (kHasLeft) {
-      return imax(0, floor_div(m_block * kBlockM + diag() - left(), kBlockN));  // first row's left edge
+      return imax(0, floor_div(query(m_block * kBlockM) + diag() - left(), kBlockN));  // first row's left edge
     } else {
       return 0;
     }
@@ -78,7 +85,7 @@ struct BlockInfo : Visibility<kMask> {
   // the top. (The sequence end lies in the highest block only; that iteration is always masked.)
   CUTE_HOST_DEVICE int n_block_right_masked_begin(int m_block) const {
     if constexpr (kHasRight) {
-      return floor_div(m_block * kBlockM + diag() + right() + 1, kBlockN);
+      return floor_div(query(m_block * kBlockM) + diag() + right() + 1, kBlockN);
     } else {
       return n_block_max(m_block);
     }
@@ -87,7 +94,7 @@ struct BlockInfo : Visibility<kMask> {
   // the bottom.
   CUTE_HOST_DEVICE int n_block_left_masked_end(int m_block) const {
     if constexpr (kHasLeft) {
-      return ceil_div_signed((m_block + 1) * kBlockM - 1 + diag() - left(), kBlockN);
+      return ceil_div_signed(query((m_block + 1) * kBlockM - 1) + diag() - left(), kBlockN);
     } else {
       return n_block_min(m_block);
     }

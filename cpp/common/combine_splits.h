@@ -2,7 +2,9 @@
 // row's O is sum_s exp(LSE_s - LSE) O_s with LSE = log sum_s exp(LSE_s). One warp per row: the lanes reduce the
 // splits' LSEs, then each lane sums the weighted O_s of its headdim / 32 columns (adjacent lanes, adjacent
 // columns: coalesced). A split with LSE -inf (no key in its range) has weight 0 and its O_s is never read (it
-// was never written). Plain CUDA, shared by every kernel family that splits.
+// was never written). Plain CUDA, shared by every kernel family that splits. The kernel and its launcher have
+// internal linkage: the sm90 and sm80 translation units instantiate them for different architectures, and one
+// merged host stub would bind every launch to one of the two device images (NVIDIA/cub#545).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -23,6 +25,8 @@ struct CombineParams {
 
 inline constexpr int kCombineWarps = 4;
 inline constexpr int kCombineMaxSplits = 256;
+
+namespace {
 
 template <class Element, int kHeadDim>
 __global__ void __launch_bounds__(kCombineWarps * 32) combine_splits_kernel(CombineParams const p) {
@@ -81,5 +85,7 @@ cudaError_t launch_combine_splits(CombineParams const& p, cudaStream_t stream) {
   combine_splits_kernel<Element, kHeadDim><<<dim3(unsigned(blocks)), kCombineWarps * 32, 0, stream>>>(p);
   return cudaGetLastError();
 }
+
+}  // namespace
 
 }  // namespace flashhopper

@@ -14,10 +14,10 @@
 
 namespace flashhopper {
 
-template <int kBlockN, MaskKind kMask>
-struct Mask : Visibility<kMask> {
-  using Base = Visibility<kMask>;
-  using Base::diag, Base::kHasLeft, Base::kHasRight, Base::left, Base::right, Base::seqlen_k;
+template <int kBlockN, MaskKind kMask, bool kPackedRows = false>
+struct Mask : Visibility<kMask, kPackedRows> {
+  using Base = Visibility<kMask, kPackedRows>;
+  using Base::diag, Base::kHasLeft, Base::kHasRight, Base::left, Base::query, Base::right, Base::seqlen_k;
   using Base::Base;
 
   // Forward: row_offset is the global index of the tile's row 0, n_block the key block.
@@ -30,7 +30,7 @@ struct Mask : Visibility<kMask> {
     int const seqlen_limit = seqlen_k - col_offset;
     CUTE_UNROLL
     for (int mi = 0; mi < size<0>(s); ++mi) {
-      int const row = row_offset + int(get<0>(coords(mi, 0)));
+      int const row = query(row_offset + int(get<0>(coords(mi, 0))));  // packed rows: the row's query
       // Local columns in [col_begin, col_limit) stay.
       int col_limit = seqlen_limit;
       if constexpr (kRight) {

@@ -52,7 +52,8 @@ inline const char* dtype_name(DType d) {
 // LSE as in the padded forward. num_splits > 1 (split-KV): each entry's key blocks are cut into num_splits ranges
 // run by different CTAs, partial O and LSE go to split_workspace (kvcache_split_workspace_bytes: float32
 // (num_splits, batch, nheads_q, seqlen_q, headdim_v + 1), 256-byte aligned, any contents, not shared with a
-// concurrent launch) and a combine kernel on the same stream writes O and LSE.
+// concurrent launch) and a combine kernel on the same stream writes O and LSE. rows_per_query g > 1 (GQA packing):
+// the kernel's seqlen_q rows are (query, head) pairs, rows s g .. s g + g - 1 query s's (the causal rule divides).
 // num_sms: multiprocessors for a persistent grid (0: the launcher asks the device). max_smem_bytes:
 // sm80 kernels pick their tiles as on a device with this much shared memory per block (0: this
 // device's limit); tests run the 99 KB tiles of sm_86/sm_89 on larger GPUs with it.
@@ -81,7 +82,7 @@ inline const char* dtype_name(DType d) {
   X(int*, tile_counter, nullptr) X(int, device, 0) X(int, num_sms, 0) X(int, max_smem_bytes, 0)            \
   X(const int*, page_table, nullptr) X(int64_t, page_table_batch_stride, 0) X(int, page_size, 0)        \
   X(int, num_pages, 0) X(const int*, cache_seqlens, nullptr) X(int, num_splits, 1)                       \
-  X(void*, split_workspace, nullptr)
+  X(void*, split_workspace, nullptr) X(int, rows_per_query, 1)
 
 // Backward attention: gradients of the forward above with respect to q, k and v, given dO and the
 // forward's O and LSE (lse_ptr: (batch, nheads_q, seqlen_q) contiguous, natural log; dlse_ptr: the

@@ -22,6 +22,7 @@ struct SeqlenInfo {
   int offset_q = 0, offset_k = 0;  // the entry's first row in the row mode of Q/O and of K/V
   int seqlen_q = 0, seqlen_k = 0;  // its rows (queries) and keys
   int batch_coord = 0;             // its coordinate in the tensors' batch mode
+  int rows_per_query = 1;          // packed query rows (KV caches, GQA): rows r .. r + g - 1 are query r / g's
 };
 
 struct UniformSeqlens {
@@ -30,6 +31,7 @@ struct UniformSeqlens {
   static constexpr bool kTmaClipsRows = true;
   static constexpr bool kKVRowsClipped = true;  // K/V loads past the entry's keys read zeros
   static constexpr bool kSplits = false;        // split-KV (partial results and a combine kernel)
+  static constexpr bool kPackedRows = false;    // a row is a query position (block_info.h: Visibility)
   static constexpr bool kPerEntryTma = false;
   static constexpr bool kPacked = false;  // entries share one row mode (batch coordinate 0)
   CUTE_HOST_DEVICE SeqlenInfo operator()(int batch) const { return {0, 0, seqlen_q, seqlen_k, batch}; }
@@ -60,6 +62,7 @@ struct VarlenSeqlens {
   static constexpr bool kTmaClipsRows = true;  // through the per-entry tensor maps
   static constexpr bool kKVRowsClipped = true;
   static constexpr bool kSplits = false;
+  static constexpr bool kPackedRows = false;
   static constexpr bool kPerEntryTma = true;
   static constexpr bool kPacked = true;
   CUTE_HOST_DEVICE SeqlenInfo operator()(int batch) const {
@@ -92,17 +95,21 @@ struct VarlenSeqlens {
 // keys cache_seqlens[b] (or seqlen_k each) of a cache whose rows KVBlocks finds (sm90/kv_blocks.h: pages). The
 // cache holds rows past an entry's length (the rest of its last page, of a contiguous cache's row), which TMA
 // does not clip: the mainloop keeps them out of the PV GEMM itself (kKVRowsClipped false). Split-KV: an entry's
-// key blocks may be cut into ranges run by different CTAs (kSplits; the params' num_splits).
+// key blocks may be cut into ranges run by different CTAs (kSplits; the params' num_splits). GQA packing: a kv
+// head's g query heads may run as the rows of one head, query s's g heads the rows s g .. s g + g - 1
+// (kPackedRows, rows_per_query = g; seqlen_q counts rows), which the causal mask and ranges divide back.
 struct CacheSeqlens {
   int seqlen_q = 0, seqlen_k = 0;
   int const* cache_seqlens = nullptr;  // (batch,) keys per entry, or nullptr: seqlen_k each
+  int rows_per_query = 1;
   static constexpr bool kTmaClipsRows = true;    // Q/O: the batch mode
   static constexpr bool kKVRowsClipped = false;
   static constexpr bool kSplits = true;
+  static constexpr bool kPackedRows = true;
   static constexpr bool kPerEntryTma = false;
   static constexpr bool kPacked = false;
   CUTE_HOST_DEVICE SeqlenInfo operator()(int batch) const {
-    return {0, 0, seqlen_q, cache_seqlens != nullptr ? cache_seqlens[batch] : seqlen_k, batch};
+    return {0, 0, seqlen_q, cache_seqlens != nullptr ? cache_seqlens[batch] : seqlen_k, batch, rows_per_query};
   }
   CUTE_HOST_DEVICE void const* tma_desc(void const* shared, int /*which*/, int /*batch*/) const { return shared; }
   CUTE_HOST_DEVICE int padded_offset_q(int /*batch*/, int /*block*/) const { return 0; }

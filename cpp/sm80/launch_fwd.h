@@ -80,7 +80,7 @@ int64_t run_fwd(FwdParams const& p, cudaStream_t stream) {
     if constexpr (Config::kVarlen) {
       return VarlenSeqlens{p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_q, p.seqused_k, nullptr};
     } else if constexpr (kKVCache) {
-      return CacheSeqlens{p.seqlen_q, p.seqlen_k, p.cache_seqlens};
+      return CacheSeqlens{p.seqlen_q, p.seqlen_k, p.cache_seqlens, std::max(1, p.rows_per_query)};
     } else {
       return UniformSeqlens{p.seqlen_q, p.seqlen_k};
     }

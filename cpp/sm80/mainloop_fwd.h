@@ -44,8 +44,8 @@ struct FwdMainloop {
   static constexpr int kHeadDim = kHeadDim_, kBlockM = TileSize::kBlockM, kBlockN = TileSize::kBlockN;
   static constexpr MaskKind kMask = kMask_;
   static constexpr bool kPaged = kPaged_;  // KV caches: paged rows and split-KV (PagedRows)
-  using BlockInfoT = std::conditional_t<kPaged, SplitBlockInfo<BlockInfo<kBlockM, kBlockN, kMask>>,
-                                        BlockInfo<kBlockM, kBlockN, kMask>>;
+  using BlockInfoT = std::conditional_t<kPaged, SplitBlockInfo<BlockInfo<kBlockM, kBlockN, kMask, true>>,
+                                        BlockInfo<kBlockM, kBlockN, kMask>>;  // KV caches: packed query rows too
   static constexpr int kNumThreads = TileSize::kNumWarps * 32;
   // The head dim in whole swizzle atoms (SmemAtom: 64 or 32 columns).
   static_assert(kHeadDim % 32 == 0 && kBlockM % (16 * TileSize::kNumWarps) == 0);
@@ -142,7 +142,7 @@ struct FwdMainloop {
     Tensor acc_s = partition_fragment_C(tiled_mma, Shape<BM, BN>{});
     Tensor scores = rowcol(acc_s);
     Tensor tScS = rowcol(thr_mma.partition_C(make_identity_tensor(Shape<BM, BN>{})));
-    Mask<kBlockN, kMask> const mask{seq, window_left, window_right};
+    Mask<kBlockN, kMask, kPaged> const mask{seq, window_left, window_right};
     int const row_offset = m_block * kBlockM;
     auto const drop = [&] {
       if constexpr (Dropout::kEnabled) return dropout.stream(bh);

@@ -192,7 +192,7 @@ int64_t run_fwd_sm90(FwdParams const& params, cudaStream_t stream) {
     if constexpr (kVarlen) {
       return VarlenSeqlens{p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_q, p.seqused_k, ws.descs, ws.descs_extra};
     } else if constexpr (kKVCache) {
-      return CacheSeqlens{p.seqlen_q, p.seqlen_k, p.cache_seqlens};
+      return CacheSeqlens{p.seqlen_q, p.seqlen_k, p.cache_seqlens, std::max(1, p.rows_per_query)};
     } else {
       return UniformSeqlens{p.seqlen_q, p.seqlen_k};
     }
@@ -217,6 +217,9 @@ int64_t run_fwd_sm90(FwdParams const& params, cudaStream_t stream) {
   if constexpr (kKVCache) {
     // A block inside one page: pages a multiple of the block, or one page per entry (a contiguous cache).
     bool const whole_blocks = p.page_size % Tile::kBlockN == 0 || p.seqlen_k <= p.page_size;
+    if (!whole_blocks && p.page_size % PagedKVBlocks::kChunkRows != 0) {
+      throw std::invalid_argument("flashhopper: a paged KV cache needs pages of a multiple of 16 rows");
+    }
     kp.mainloop.kv_blocks = {p.page_table, p.page_table_batch_stride, cutlass::FastDivmod(p.page_size), p.num_pages,
                              whole_blocks};
     kp.scheduler.num_splits = num_splits;

@@ -74,9 +74,10 @@ struct FwdMainloop {
   using Sched = PingPong<kNumMmaWG, Tile::kPingPong>;
   // Split-KV (KV caches): a tile's key range is its split's share (common/block_info.h).
   static constexpr bool kSplits = Seqlens::kSplits;
-  using BlockInfoT = std::conditional_t<kSplits, SplitBlockInfo<BlockInfo<kBlockM, kBlockN, kMask>>,
-                                        BlockInfo<kBlockM, kBlockN, kMask>>;
-  using MaskT = Mask<kBlockN, kMask>;
+  static constexpr bool kPackedRows = Seqlens::kPackedRows;  // GQA-packed query rows (common/seqlen.h)
+  using BlockInfoT = std::conditional_t<kSplits, SplitBlockInfo<BlockInfo<kBlockM, kBlockN, kMask, kPackedRows>>,
+                                        BlockInfo<kBlockM, kBlockN, kMask, kPackedRows>>;
+  using MaskT = Mask<kBlockN, kMask, kPackedRows>;
 
   using D = Int<kHeadDim>;
   using DV = Int<kHeadDimV>;

@@ -254,9 +254,15 @@ def _kvcache_mask(seqlen_q: int, causal: bool) -> str:
     return "causal" if causal and seqlen_q > 1 else "none"
 
 
+# GQA packing of several query tokens (speculative decoding, short chunks): up to this many rows (tokens x query
+# heads per kv head) per kv head; beyond, the call is compute-bound and runs one head at a time.
+PACK_MAX_ROWS = 256
+
+
 def _packs_gqa(seqlen_q: int, nheads_q: int, nheads_kv: int) -> bool:
-    """Whether a call runs GQA-packed: one query token, several query heads per kv head (decode)."""
-    return seqlen_q == 1 and nheads_q > nheads_kv
+    """Whether a call runs GQA-packed: several query heads per kv head, and one query token (decode: a strided
+    view) or a few (a packed copy of q; the kernel's causal rule divides the rows back into tokens)."""
+    return nheads_q > nheads_kv and (seqlen_q == 1 or seqlen_q * (nheads_q // nheads_kv) <= PACK_MAX_ROWS)
 
 
 KVCACHE_BACKENDS = ("sm90", "sm80")  # kernel families with KV-cache kernels, the preferred first
@@ -376,6 +382,9 @@ def _append_kernel_takes(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.
     multiples at 16-byte aligned addresses, contiguous int32 index tensors. Otherwise the torch index writes."""
     if not k_cache.is_cuda or not _ext.has_extension() or not hasattr(_ext.extension(), "kvcache_append"):
         return False
+    # Built with the Hopper family only (sm_90a code): other GPUs take the torch index writes.
+    if not dispatch.runs_on("sm90", _device.device_info(k_cache.device.index).capability):
+        return False
     for x in (k_cache, v_cache, k, v):
         es = x.element_size()
         if x.stride(3) != 1 or (x.shape[3] * es) % 16 or x.data_ptr() % 16 or any((st * es) % 16 for st in x.stride()[:3]):
@@ -428,9 +437,27 @@ class KVCacheLaunch(NamedTuple):
     index: int
     workspace_bytes: int
     device: torch.device
+    pack: int = 0  # several query tokens GQA-packed: g (q copied to (batch, kv head, token, g) rows), else 0
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
             table: torch.Tensor | None, lengths: torch.Tensor | None) -> int:
+        if self.pack:
+            # Token s's g query heads of kv head h are rows s g .. s g + g - 1 of kernel head h; out and lse come
+            # back through the same permutation.
+            b, sq, hq, d = q.shape
+            g, dv = self.pack, out.shape[3]
+            hkv = hq // g
+            qp = q.reshape(b, sq, hkv, g, d).transpose(1, 2).contiguous()  # (b, hkv, sq, g, d)
+            op = out.new_empty((b, hkv, sq, g, dv))
+            lp = lse.new_empty((b, hkv, sq, g))
+            ctas = self._launch(qp, k_cache, v_cache, op, lp, table, lengths)
+            out.view(b, sq, hkv, g, dv).copy_(op.transpose(1, 2))
+            lse.view(b, hkv, g, sq).copy_(lp.permute(0, 1, 3, 2))
+            return ctas
+        return self._launch(q, k_cache, v_cache, out, lse, table, lengths)
+
+    def _launch(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+                lse: torch.Tensor, table: torch.Tensor | None, lengths: torch.Tensor | None) -> int:
         # Partial O and LSE of the splits, any contents (float32 (splits, batch, heads, rows, headdim_v + 1)).
         # (It, table and lengths live until the launch is enqueued: enough, as the allocator reuses memory in
         # stream order.)
@@ -457,7 +484,8 @@ def _prepare_kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     b, sq, hq, d = q.shape
     page_size, hkv, dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
     entry = dispatch.require_kernel("fwd", _kvcache_key(q.dtype, d, dv, _kvcache_mask(sq, causal), backend))
-    if _packs_gqa(sq, hq, hkv):
+    pack = 0
+    if _packs_gqa(sq, hq, hkv) and sq == 1:
         # GQA packing: the g query heads of a kv head are g rows of one head (K/V read once per kv head). Query
         # head h * g + r is row r of kernel head h: row stride = q's head stride, head stride g times it. The lse
         # (batch, nheads_q, 1) contiguous is the kernel's (batch, nheads_kv, g) contiguous; out is contiguous.
@@ -465,10 +493,17 @@ def _prepare_kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         q4 = q.as_strided((b, g, hkv, d), (q.stride(0), q.stride(2), g * q.stride(2), q.stride(3)))
         o4 = torch.empty(0, device="meta").as_strided((b, g, hkv, dv), (hq * dv, dv, g * dv, 1))
         rows, heads = g, hkv
+    elif _packs_gqa(sq, hq, hkv):
+        # Several tokens: q copied to (batch, kv head, token, g) rows per call (KVCacheLaunch.run), rows s g ..
+        # s g + g - 1 token s's (the kernel's causal rule divides by g: rows_per_query).
+        pack = g = hq // hkv
+        rows, heads = sq * g, hkv
+        q4 = torch.empty(0, device="meta").as_strided((b, rows, hkv, d), (hkv * rows * d, d, rows * d, 1))
+        o4 = torch.empty(0, device="meta").as_strided((b, rows, hkv, dv), (hkv * rows * dv, dv, rows * dv, 1))
     else:
         q4, rows, heads = q, sq, hq
         o4 = torch.empty(0, device="meta").as_strided((b, sq, hq, dv), (sq * hq * dv, hq * dv, dv, 1))
-    for name, x in (("q", q4), ("k_cache", k_cache), ("v_cache", v_cache)):
+    for name, x in ((("q", q4),) if not pack else ()) + (("k_cache", k_cache), ("v_cache", v_cache)):
         validation.check_kernel_layout(name, x)
     num_sms = _device.device_info(q.device.index).num_sms
     splits = kernel_num_splits(num_splits, b, heads, rows, seqlen_k, entry.block_m, entry.block_n, num_sms)
@@ -482,9 +517,10 @@ def _prepare_kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     p.page_table_batch_stride = 0 if table is None else (table.stride(0) if table.dim() == 2 else 1)
     p.page_size, p.num_pages = page_size, k_cache.shape[0]
     p.num_splits = splits
+    p.rows_per_query = (hq // hkv) if _packs_gqa(sq, hq, hkv) else 1
     _launch.fill_device(p, q)
     nbytes = int(C.kvcache_split_workspace_bytes(splits, b, heads, rows, dv)) if splits > 1 else 0
-    return KVCacheLaunch(p, entry.index, nbytes, q.device)
+    return KVCacheLaunch(p, entry.index, nbytes, q.device, pack)
 
 
 def _launch_kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -697,7 +733,8 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     Returns out (batch, seqlen_q, nheads_q, headdim_v) like q, or (out, lse).
     """
     key = None
-    if _plans.direct():
+    # (FLASHHOPPER_DEBUG_KVCACHE's value checks are per call: the full path runs them.)
+    if _plans.direct() and os.environ.get(DEBUG_ENV) != "1":
         key = _call_key(q, k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx, softmax_scale, causal,
                         num_splits, return_lse, backend, window_size, softcap)
         plan = None if key is None else _PLANS.get(key)

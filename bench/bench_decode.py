@@ -109,6 +109,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
                 "FA3 / ours |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in decode:
             fa = r.get("us_fa3")
+            if "us_flashhopper" not in r:  # not timed (the reason was printed)
+                continue
             out.append(f"| {r['section']} | {r['batch']} | {r['cache_len']} | {r['layout']} | {r.get('num_splits', '')} | "
                        f"{r['us_flashhopper']:.1f} | {r['tbps_flashhopper']:.2f} | {r['of_copy']:.2f} | "
                        + (f"{fa:.1f} | {r['tbps_fa3']:.2f} | {r['fa3_over_ours']:.2f} |" if fa is not None
@@ -122,6 +124,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
                 "|---|---|---|---|---|---|---|---|---|"]
         for r in prefill:
             fa = r.get("us_fa3")
+            if "us_flashhopper" not in r:
+                continue
             out.append(f"| {r['seqlen_q']} | {r['seqlen_k']} | {r['layout']} | {r['us_flashhopper']:.1f} | "
                        f"{r['tflops_flashhopper']:.0f} | {r['us_dense']:.1f} | {r['tflops_dense']:.0f} | "
                        f"{r['ratio_vs_dense']:.3f} | {'-' if fa is None else f'{fa:.1f}'} |")

@@ -217,7 +217,7 @@ int64_t run_fwd_sm90(FwdParams const& params, cudaStream_t stream) {
   if constexpr (kKVCache) {
     // A block inside one page: pages a multiple of the block, or one page per entry (a contiguous cache).
     bool const whole_blocks = p.page_size % Tile::kBlockN == 0 || p.seqlen_k <= p.page_size;
-    if (!whole_blocks && p.page_size % PagedKVBlocks::kChunkRows != 0) {
+    if (!whole_blocks && p.page_size % sm90::PagedKVBlocks::kChunkRows != 0) {
       throw std::invalid_argument("flashhopper: a paged KV cache needs pages of a multiple of 16 rows");
     }
     kp.mainloop.kv_blocks = {p.page_table, p.page_table_batch_stride, cutlass::FastDivmod(p.page_size), p.num_pages,

@@ -13,7 +13,7 @@
 #include <type_traits>
 
 #include "../common/block_info.h"
-#include "../common/combine_splits.h"
+#include "../common/kvcache_launch.h"
 #include "../common/device_info.h"
 #include "../common/element_type.h"
 #include "../common/kernel_key.h"
@@ -55,19 +55,7 @@ int64_t run_fwd(FwdParams const& p, cudaStream_t stream) {
   if (std::max(p.k_row_stride, p.v_row_stride) > INT32_MAX / Tile::kBlockN)
     throw std::invalid_argument("flashhopper: K/V row stride too large for the sm80 kernels");
   constexpr bool kKVCache = Config::kKVCache;
-  int const num_splits = kKVCache ? std::max(1, p.num_splits) : 1;
-  if constexpr (kKVCache) {
-    if (p.num_pages < 1 || p.page_size < 1) {
-      throw std::invalid_argument("flashhopper: KV-cache kernels need a cache of at least one page of at least one row");
-    }
-    if (p.sinks_ptr != nullptr || p.softcap != 0.f || p.window_left >= 0 || p.window_right >= 0) {
-      throw std::invalid_argument("flashhopper: KV-cache kernels have no sinks, softcap or window yet");
-    }
-    if (num_splits > kCombineMaxSplits || (num_splits > 1 && p.split_workspace == nullptr)) {
-      throw std::invalid_argument("flashhopper: num_splits must be 1.." + std::to_string(kCombineMaxSplits) +
-                                  ", and a split needs split_workspace");
-    }
-  }
+  int const num_splits = kKVCache ? kvcache_num_splits(p) : 1;
   // Packed batches: seqlen_q is the longest entry's (its CTAs past an entry's rows return at once). Split-KV:
   // num_splits CTAs per query block, next to each other.
   dim3 const grid(ceil_div(p.seqlen_q, Tile::kBlockM) * num_splits, p.nheads_q, p.batch);
@@ -111,20 +99,7 @@ int64_t run_fwd(FwdParams const& p, cudaStream_t stream) {
   if (err != cudaSuccess) throw std::runtime_error(std::string("flashhopper: cudaFuncSetAttribute: ") + cudaGetErrorString(err));
   kernel<<<grid, Kernel::kNumThreads, Kernel::kSmemBytes, stream>>>(kp);
   if (kKVCache && num_splits > 1) {
-    CombineParams cp;
-    cp.o_partial = kp.o_partial;
-    cp.lse_partial = kp.lse_partial;
-    cp.o = p.o_ptr;
-    cp.o_batch_stride = p.o_batch_stride;
-    cp.o_row_stride = p.o_row_stride;
-    cp.o_head_stride = p.o_head_stride;
-    cp.lse = p.lse_ptr;
-    cp.num_splits = num_splits;
-    cp.batch = p.batch;
-    cp.heads = p.nheads_q;
-    cp.rows = p.seqlen_q;
-    err = launch_combine_splits<Element, Config::kHeadDim>(cp, stream);
-    if (err != cudaSuccess) throw std::runtime_error(std::string("flashhopper: split-KV combine launch: ") + cudaGetErrorString(err));
+    combine_kvcache_splits<Element, Config::kHeadDim>(p, num_splits, kp.o_partial, kp.lse_partial, stream);
   }
   return int64_t(grid.x) * grid.y * grid.z;
 }

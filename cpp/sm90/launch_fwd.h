@@ -13,7 +13,7 @@
 #include <type_traits>
 
 #include "../common/block_info.h"
-#include "../common/combine_splits.h"
+#include "../common/kvcache_launch.h"
 #include "../common/device_info.h"
 #include "../common/element_type.h"
 #include "../common/kernel_key.h"
@@ -104,19 +104,7 @@ int64_t run_fwd_sm90(FwdParams const& params, cudaStream_t stream) {
   // K/V tensors need not have. Q's serve.
   FwdParams p = params;
   constexpr bool kKVCache = C::kKVCache;
-  int const num_splits = kKVCache ? std::max(1, p.num_splits) : 1;
-  if constexpr (kKVCache) {
-    if (p.num_pages < 1 || p.page_size < 1) {
-      throw std::invalid_argument("flashhopper: KV-cache kernels need a cache of at least one page of at least one row");
-    }
-    if (p.sinks_ptr != nullptr || p.softcap != 0.f || p.window_left >= 0 || p.window_right >= 0) {
-      throw std::invalid_argument("flashhopper: KV-cache kernels have no sinks, softcap or window yet");
-    }
-    if (num_splits > kCombineMaxSplits || (num_splits > 1 && p.split_workspace == nullptr)) {
-      throw std::invalid_argument("flashhopper: num_splits must be 1.." + std::to_string(kCombineMaxSplits) +
-                                  ", and a split needs split_workspace");
-    }
-  }
+  int const num_splits = kKVCache ? kvcache_num_splits(p) : 1;
   // Packed: (total rows, headdim, heads, 1), each tensor's one batch coordinate given a stride past its
   // rows (tensor maps want strides that are non-zero multiples of 16 bytes).
   int const rows_q = kVarlen ? p.total_q : p.seqlen_q;
@@ -273,20 +261,8 @@ int64_t run_fwd_sm90(FwdParams const& params, cudaStream_t stream) {
   }
   if constexpr (kKVCache) {
     if (num_splits > 1) {
-      CombineParams cp;
-      cp.o_partial = kp.epilogue.o_partial;
-      cp.lse_partial = kp.epilogue.lse_partial;
-      cp.o = p.o_ptr;
-      cp.o_batch_stride = p.o_batch_stride;
-      cp.o_row_stride = p.o_row_stride;
-      cp.o_head_stride = p.o_head_stride;
-      cp.lse = p.lse_ptr;
-      cp.num_splits = num_splits;
-      cp.batch = p.batch;
-      cp.heads = p.nheads_q;
-      cp.rows = p.seqlen_q;
-      err = launch_combine_splits<ElementOut, Config::kHeadDimV>(cp, stream);
-      if (err != cudaSuccess) throw std::runtime_error(std::string("flashhopper: split-KV combine launch: ") + cudaGetErrorString(err));
+      combine_kvcache_splits<ElementOut, Config::kHeadDimV>(p, num_splits, kp.epilogue.o_partial, kp.epilogue.lse_partial,
+                                                               stream);
     }
   }
   return grid.x;

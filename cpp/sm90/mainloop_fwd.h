@@ -314,6 +314,17 @@ struct FwdMainloop {
       }
       ++write_q;
     };
+    // The tile's load order (above), whatever copies a block.
+    auto issue = [&](auto&& load_k, auto&& load_v) {
+      int n_block = n_block_max - 1;
+      load_k(n_block);
+      load_q();
+      for (; n_block > n_block_min; --n_block) {
+        load_k(n_block - 1);
+        load_v(n_block);
+      }
+      load_v(n_block_min);
+    };
 
     if constexpr (kPaged) {
       // K/V pages of the kv head: (page_size, headdim, page); each block chunk by chunk (kv_blocks.h).
@@ -335,15 +346,7 @@ struct FwdMainloop {
             TMA::CacheHintSm90::EVICT_LAST);
         ++write_v;
       };
-      int n_block = n_block_max - 1;
-      load_k(n_block);
-      load_q();
-      for (; n_block > n_block_min; --n_block) {
-        load_k(n_block - 1);
-        load_v(n_block);
-      }
-      load_v(n_block_min);
-      return;
+      issue(load_k, load_v);
     } else {
     Tensor mK = entry_rows(p.tma_k.get_tma_tensor(p.shape_k), seq.offset_k, kv_head, seq.batch_coord);
     Tensor gK = local_tile(mK, Shape<BN, D>{}, make_coord(_, _0{}));   // (BN, D, n)
@@ -376,15 +379,7 @@ struct FwdMainloop {
                      TMA::CacheHintSm90::EVICT_LAST);
       ++write_v;
     };
-
-    int n_block = n_block_max - 1;
-    load_k(n_block);
-    load_q();
-    for (; n_block > n_block_min; --n_block) {
-      load_k(n_block - 1);
-      load_v(n_block);
-    }
-    load_v(n_block_min);
+    issue(load_k, load_v);
     }
   }
 

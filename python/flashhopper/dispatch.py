@@ -237,21 +237,30 @@ def select_backend(q: torch.Tensor, headdim: int, dtype: torch.dtype, causal: bo
                            dropout=dropout, varlen=varlen)
 
 
-def resolve_backend(q: torch.Tensor, headdim: int, dtype: torch.dtype, causal: bool,
-                    backend: str | None = None, *, window: tuple[int, int] | None = None,
-                    softcap: float = 0.0, headdim_v: int | None = None, dropout: bool = False,
-                    varlen: bool = False) -> str:
-    """select_backend for arguments an entry point has validated already (flash_attn_func's check_inputs:
-    the per-call path does not check q, headdim, dtype and causal twice); ``varlen``: a packed batch's kernel."""
+def reference_backend(q: torch.Tensor, backend: str | None) -> str:
+    """"reference" where a call runs the reference (backend='reference', or None with CPU tensors), "" where a
+    CUDA kernel family is to be chosen; a ValueError for an unknown name or a kernel family asked of CPU tensors."""
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))} or None, got {backend!r}")
-    window = validation.check_window(window)
     if backend == "reference":
         return "reference"
     if q.device.type != "cuda":
         if backend is None:
             return "reference"
         raise ValueError(f"backend={backend!r} needs CUDA tensors, but q is on {q.device}")
+    return ""
+
+
+def resolve_backend(q: torch.Tensor, headdim: int, dtype: torch.dtype, causal: bool,
+                    backend: str | None = None, *, window: tuple[int, int] | None = None,
+                    softcap: float = 0.0, headdim_v: int | None = None, dropout: bool = False,
+                    varlen: bool = False) -> str:
+    """select_backend for arguments an entry point has validated already (flash_attn_func's check_inputs:
+    the per-call path does not check q, headdim, dtype and causal twice); ``varlen``: a packed batch's kernel."""
+    reference = reference_backend(q, backend)
+    window = validation.check_window(window)
+    if reference:
+        return reference
     return _select_cuda(q.device.index, dtype, headdim, mask_of(causal, window), backend, score_mod_of(softcap),
                         headdim_v, dropout, varlen)
 

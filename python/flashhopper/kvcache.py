@@ -303,14 +303,8 @@ def resolve_backend(q: torch.Tensor, shapes: CacheShapes, causal: bool, backend:
     """"sm90", "sm80" or "reference" for a validated call: CPU tensors (backend None) and backend='reference' run
     the reference; CUDA tensors the Hopper KV-cache kernel where it runs and was built, else the Ampere one (or the
     family named), or a ValueError saying why there is none (never a silent fall back to the reference on a GPU)."""
-    if backend is not None and backend not in dispatch.BACKENDS:
-        raise ValueError(f"backend must be one of {', '.join(map(repr, dispatch.BACKENDS))} or None, got {backend!r}")
-    if backend == "reference":
+    if dispatch.reference_backend(q, backend):
         return "reference"
-    if q.device.type != "cuda":
-        if backend is None:
-            return "reference"
-        raise ValueError(f"backend={backend!r} needs CUDA tensors, but q is on {q.device}")
     validation.check_kernel_dtype("q", q.dtype)
     if shapes.headdim != shapes.headdim_v or shapes.headdim not in VARLEN_HEADDIMS:
         hd = f"{shapes.headdim}" if shapes.headdim == shapes.headdim_v else f"{shapes.headdim}/{shapes.headdim_v}"

@@ -84,6 +84,7 @@ void bind_quant_params(py::class_<Struct>& cls) { FLASHHOPPER_QUANT_PARAMS(FLASH
 py::object key_value(DType d) { return py::str(dtype_name(d)); }
 py::object key_value(MaskKind m) { return py::str(mask_name(m)); }
 py::object key_value(ScoreModKind s) { return py::str(score_mod_name(s)); }
+py::object key_value(KVCacheKind k) { return py::str(kvcache_name(k)); }
 template <class T>
 py::object key_value(T const& v) {
   return py::cast(v);
@@ -193,16 +194,19 @@ PYBIND11_MODULE(_C, m) {
         "fwd() with these pointers in place of params' (0: none); params itself is left as it was.");
   m.def("fwd_kvcache_with", [](FwdParams params, int index, uintptr_t stream, uintptr_t q, uintptr_t k, uintptr_t v,
                                uintptr_t o, uintptr_t lse, uintptr_t page_table, uintptr_t cache_seqlens,
-                               uintptr_t split_workspace) {
+                               uintptr_t split_workspace, uintptr_t k_scale, uintptr_t v_scale) {
     FwdEntry const& e = entry(fwd_kernels(), index, "forward");
     set_ptr(params.q_ptr, q), set_ptr(params.k_ptr, k), set_ptr(params.v_ptr, v), set_ptr(params.o_ptr, o);
     set_ptr(params.lse_ptr, lse), set_ptr(params.page_table, page_table), set_ptr(params.cache_seqlens, cache_seqlens);
     set_ptr(params.split_workspace, split_workspace);
+    if (k_scale != 0 || v_scale != 0) set_ptr(params.k_scale_ptr, k_scale), set_ptr(params.v_scale_ptr, v_scale);
     return on_device(params.device, "forward kernel launch",
                      [&] { return e.launch(params, reinterpret_cast<cudaStream_t>(stream)); });
   }, py::arg("params"), py::arg("index"), py::arg("stream"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"),
         py::arg("lse"), py::arg("page_table"), py::arg("cache_seqlens"), py::arg("split_workspace"),
-        "A KV-cache kernel's fwd() with these pointers in place of params' (0: none); params itself is left as it was.");
+        py::arg("k_scale") = 0, py::arg("v_scale") = 0,
+        "A KV-cache kernel's fwd() with these pointers in place of params' (0: none; k_scale / v_scale: an e4m3 "
+        "cache's scales); params itself is left as it was.");
   m.def("bwd", [](BwdParams const& params, int index, uintptr_t stream) {
     BwdEntry const& e = entry(bwd_kernels(), index, "backward");
     if (params.workspace == nullptr) throw std::invalid_argument("flashhopper: the backward needs a workspace");

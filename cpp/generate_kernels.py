@@ -26,6 +26,7 @@ kk = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
 sys.modules["kernel_key"] = kk  # dataclasses resolve the module of the class
 _spec.loader.exec_module(kk)  # type: ignore[union-attr]
 
+CPP_KVCACHES = {"off": "kOff", "on": "kOn", "e4m3": "kE4M3"}
 CPP_DTYPES = {"float16": "kFloat16", "bfloat16": "kBFloat16", "float8_e4m3fn": "kFloat8E4M3"}
 CPP_MASKS = {"none": "kNone", "causal": "kCausal", "window": "kWindow"}
 CPP_SCORE_MODS = {"none": "kNone", "softcap": "kSoftcap"}
@@ -73,7 +74,7 @@ def cpp_config(key: kk.KernelKey) -> str:
     args = [str(key.arch), f"DType::{CPP_DTYPES[key.dtype]}", str(key.headdim), str(key.headdim_v),
             f"MaskKind::{CPP_MASKS[key.mask]}", f"ScoreModKind::{CPP_SCORE_MODS[key.score_mod]}",
             "true" if key.dropout else "false", "true" if key.varlen else "false",
-            "true" if key.kvcache else "false"]
+            f"KVCacheKind::{CPP_KVCACHES[key.kvcache]}"]
     if key.variant:
         args.append(VARIANTS[key.variant].cpp)
     return f"KernelConfig<{', '.join(args)}>"
@@ -101,8 +102,9 @@ def main() -> None:
                     help="off: padded-batch kernels; on: packed-batch (varlen) ones too, for the families that "
                          "have them (16-bit, without dropout), beside each configuration")
     ap.add_argument("--kvcache", nargs="*", choices=kk.KVCACHES, default=["off"],
-                    help="off: no KV-cache kernels; on: the Hopper forward's KV-cache kernels (flash_attn_with_kvcache: "
-                         "16-bit, head dims %s), beside each configuration" % "/".join(map(str, kk.VARLEN_HEADDIMS)))
+                    help="off: no KV-cache kernels; on: the forward's KV-cache kernels (flash_attn_with_kvcache: "
+                         "16-bit, head dims %s); e4m3: Hopper ones reading an e4m3 cache with 16-bit queries; "
+                         "beside each configuration" % "/".join(map(str, kk.VARLEN_HEADDIMS)))
     args = ap.parse_args()
     families = []
     for a in args.archs:
@@ -131,15 +133,17 @@ def main() -> None:
         if varlen == "on" and (not fam.varlen or dropout == "on" or variant
                                or hdim != hdim_v or hdim not in kk.VARLEN_HEADDIMS):
             continue
-        if kvcache == "on" and (not fam.kvcache or dtype == "e4m3" or varlen == "on" or dropout == "on"
-                                or score_mod != "none" or variant or hdim != hdim_v
-                                or hdim not in kk.VARLEN_HEADDIMS or mask == "window"):
+        if kvcache != "off" and (not fam.kvcache or dtype == "e4m3" or varlen == "on" or dropout == "on"
+                                 or score_mod != "none" or variant or hdim != hdim_v
+                                 or hdim not in kk.VARLEN_HEADDIMS or mask == "window"):
+            continue
+        if kvcache == "e4m3" and arch != 90:  # the e4m3 cache's conversion runs in the Hopper producer warpgroup
             continue
         if variant and ((arch, mode) not in VARIANTS[variant].families or dtype not in VARIANTS[variant].dtypes
                         or mask not in VARIANTS[variant].masks):
             continue
         key = kk.KernelKey(arch, kk.BUILD_DTYPES[dtype], hdim, hdim_v, mask, variant, score_mod, dropout == "on",
-                           varlen == "on", kvcache == "on")
+                           varlen == "on", kvcache)
         config = cpp_config(key)
         params = "FwdParams" if mode == "fwd" else "BwdParams"
         lines = [f"using Config = {config};",

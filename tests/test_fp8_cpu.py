@@ -660,7 +660,7 @@ def test_kernel_tiles_from_the_extension_table(monkeypatch: pytest.MonkeyPatch) 
     def entry(mode: str, index: int, dtype: str, headdim: int, mask: str, block_m: int, block_n: int
               ) -> dict[str, Any]:
         return {"mode": mode, "index": index, "arch": 90, "dtype": dtype, "headdim": headdim, "headdim_v": headdim,
-                "mask": mask, "variant": "", "score_mod": "none", "dropout": False, "varlen": False, "kvcache": False, "block_m": block_m,
+                "mask": mask, "variant": "", "score_mod": "none", "dropout": False, "varlen": False, "kvcache": "off", "block_m": block_m,
                 "block_n": block_n}
 
     table = [entry("fwd", 0, "bfloat16", 128, "causal", 128, 176), entry("bwd", 0, "bfloat16", 128, "none", 64, 128),

@@ -77,7 +77,7 @@ def test_mask_of() -> None:
 def test_from_dict() -> None:
     entry: dict[str, Any] = {"mode": "bwd", "index": 3, "arch": 80, "dtype": "float16", "headdim": 64, "headdim_v": 64,
                              "mask": "causal", "variant": "", "score_mod": "none", "dropout": False,
-                             "varlen": False, "kvcache": False, "block_m": 64, "block_n": 128}
+                             "varlen": False, "kvcache": "off", "block_m": 64, "block_n": 128}
     assert from_dict(entry) == KernelKey(80, "float16", 64, 64, "causal")
     with pytest.raises(KeyError):
         from_dict({k: v for k, v in entry.items() if k != "mask"})

@@ -39,7 +39,7 @@ class FakeC:
                 index = sum(k["mode"] == mode for k in self.table)
                 self.table.append({"mode": mode, "index": index, "arch": arch, "dtype": dtype, "headdim": headdim,
                                    "headdim_v": headdim, "mask": mask, "variant": "", "score_mod": score_mod,
-                                   "dropout": dropout, "varlen": False, "kvcache": False, "block_m": 128,
+                                   "dropout": dropout, "varlen": False, "kvcache": "off", "block_m": 128,
                                    "block_n": 64})
         self.calls: list[Call] = []
         self.bwd_calls: list[Call] = []

@@ -38,6 +38,20 @@ inline char const* score_mod_name(ScoreModKind s) {
   return "unknown";
 }
 
+// Where K/V come from (sm90/kv_blocks.h): the attention's own tensors (off), or a (paged) KV cache of the
+// queries' element type (on), or of e4m3 with one float32 scale per (token, kv head) (e4m3: the Hopper
+// producer warpgroup converts each stage to the queries' type in shared memory; docs/kvcache-fp8.md).
+enum class KVCacheKind : int { kOff = 0, kOn = 1, kE4M3 = 2 };
+
+inline char const* kvcache_name(KVCacheKind k) {
+  switch (k) {
+    case KVCacheKind::kOff: return "off";
+    case KVCacheKind::kOn: return "on";
+    case KVCacheKind::kE4M3: return "e4m3";
+  }
+  return "unknown";
+}
+
 // X(type, name): every field of the key, in order. The bindings expose them by this list.
 #define FLASHHOPPER_KERNEL_KEY_FIELDS(X) \
   X(int, arch)              /* 90: Hopper path (sm_90a); 80: Ampere path (sm_80, also runs on sm_86..sm_90) */ \
@@ -49,7 +63,7 @@ inline char const* score_mod_name(ScoreModKind s) {
   X(ScoreModKind, score_mod)                                                                                     \
   X(bool, dropout)          /* P's scores dropped at random (common/dropout.h); training kernels */ \
   X(bool, varlen)           /* packed batches: cu_seqlens / seqused bounds (common/seqlen.h) */ \
-  X(bool, kvcache)          /* K/V from a (paged) cache: page table, cache_seqlens, split-KV (sm90/kv_blocks.h) */
+  X(KVCacheKind, kvcache)   /* K/V from a (paged) cache: page table, cache_seqlens, split-KV (sm90/kv_blocks.h) */
 
 struct KernelKey {
 #define FLASHHOPPER_KEY_MEMBER(type, name) type name{};
@@ -68,7 +82,9 @@ struct KernelKey {
     return "sm" + std::to_string(arch) + " " + dtype_name(dtype) + " headdim " + std::to_string(headdim) +
            (headdim_v != headdim ? "/" + std::to_string(headdim_v) : std::string()) + " mask " + mask_name(mask) +
            (score_mod == ScoreModKind::kNone ? std::string() : std::string(" ") + score_mod_name(score_mod)) +
-           (dropout ? " dropout" : "") + (varlen ? " varlen" : "") + (kvcache ? " kvcache" : "") +
+           (dropout ? " dropout" : "") + (varlen ? " varlen" : "") + (kvcache == KVCacheKind::kOff ? std::string()
+                                                              : kvcache == KVCacheKind::kOn ? std::string(" kvcache")
+                                                                                            : std::string(" kvcache e4m3")) +
            (variant.empty() ? std::string() : " variant " + variant);
   }
 };
@@ -82,7 +98,7 @@ struct DefaultVariant {
 // launchers with. Variant: a family's policy type (e.g. sm90/variants.h), DefaultVariant in production.
 template <int kArch_, DType kDType_, int kHeadDim_, int kHeadDimV_, MaskKind kMask_,
           ScoreModKind kScoreMod_ = ScoreModKind::kNone, bool kDropout_ = false, bool kVarlen_ = false,
-          bool kKVCache_ = false, class Variant_ = DefaultVariant>
+          KVCacheKind kKVCache_ = KVCacheKind::kOff, class Variant_ = DefaultVariant>
 struct KernelConfig {
   static constexpr int kArch = kArch_;
   static constexpr DType kDType = kDType_;
@@ -91,10 +107,12 @@ struct KernelConfig {
   static constexpr ScoreModKind kScoreMod = kScoreMod_;
   static constexpr bool kDropout = kDropout_;
   static constexpr bool kVarlen = kVarlen_;
-  static constexpr bool kKVCache = kKVCache_;
+  static constexpr KVCacheKind kKVCacheKind = kKVCache_;
+  static constexpr bool kKVCache = kKVCache_ != KVCacheKind::kOff;
+  static constexpr bool kKVCacheFp8 = kKVCache_ == KVCacheKind::kE4M3;  // e4m3 cache, 16-bit queries
   using Variant = Variant_;
   static KernelKey key() {
-    return {kArch, kDType, kHeadDim, kHeadDimV, kMask, Variant::kName, kScoreMod, kDropout, kVarlen, kKVCache};
+    return {kArch, kDType, kHeadDim, kHeadDimV, kMask, Variant::kName, kScoreMod, kDropout, kVarlen, kKVCacheKind};
   }
 };
 

@@ -1,6 +1,7 @@
 // The Hopper forward kernel: composes the mainloop (producer loads, consumer GEMMs + softmax),
 // the epilogue and the persistent tile scheduler into one warp-specialized, persistent CTA.
-//   warpgroup 0      producer: lowers its registers (setmaxnreg) and one thread issues all TMA
+//   warpgroup 0      producer: lowers its registers (setmaxnreg) and one thread issues all TMA; with an e4m3 KV
+//                    cache its warps 1-3 convert the e4m3 stages into the 16-bit ones (Mainloop::convert)
 //   warpgroups 1..W  consumers: raise their registers; each owns 64 query rows of the tile
 // Each tile's batch entry has its own bounds (the mainloop's seqlen_info and block_info): a tile past
 // the entry's last row is skipped, one whose rows see no key gets O = 0 and LSE = -inf (or the sink).
@@ -31,7 +32,8 @@ struct FwdKernel {
   // Register split (producer / consumer) that fills the 64K-register file.
   // Paged K/V (Mainloop::kProducerRegsBoost): the producer thread reads the page table for each 16-key chunk of a
   // block before issuing its copies, so it gets 16 more registers, the consumers 8 fewer (where they do not spill).
-  static constexpr int kBoost = Mainloop::kProducerRegsBoost ? 16 : 0;
+  // e4m3 caches: 48 more for the converter warps (ptxas: 32 more spilled 72 bytes, 48 spill 56, 64 spill 52).
+  static constexpr int kBoost = Mainloop::kFp8Cache ? 48 : Mainloop::kProducerRegsBoost ? 16 : 0;
   static constexpr int kProducerRegs = (kNumMmaWG == 2 ? 24 : 32) + kBoost;
   static constexpr int kConsumerRegs = (kNumMmaWG == 2 ? 240 : 160) - kBoost / 2;
   static_assert(kNumMmaWG == 2 || kNumMmaWG == 3);
@@ -103,14 +105,53 @@ struct FwdKernel {
     }
 
     // Barriers are initialized by warp 0 inside the pipeline constructors.
-    typename Pipeline::Params kv_params;
-    kv_params.transaction_bytes = Mainloop::kKStageBytes;
-    kv_params.role = is_producer ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
-    kv_params.is_leader = is_producer && thread_idx == 0;
-    kv_params.num_consumers = Mainloop::kNumMmaThreads;
-    Pipeline pipeline_k(ss.barriers.pipeline_k, kv_params, Shape<_1, _1, _1>{});
-    kv_params.transaction_bytes = Mainloop::kVStageBytes;
-    Pipeline pipeline_v(ss.barriers.pipeline_v, kv_params, Shape<_1, _1, _1>{});
+    // K/V stages: TMA -> consumers; with an e4m3 cache TMA -> converter warps (PipelineCache) -> consumers.
+    using PipelineCache = typename Mainloop::PipelineCache;
+    bool const is_converter = Mainloop::kFp8Cache && is_producer && warp_idx_in_wg > 0;
+    auto make_kv_pipelines = [&] {
+      if constexpr (Mainloop::kFp8Cache) {
+        typename PipelineCache::Params c_params;
+        c_params.transaction_bytes = Mainloop::kKCacheStageBytes;
+        c_params.role = is_producer && warp_idx_in_wg == 0 ? PipelineCache::ThreadCategory::Producer
+                                                           : PipelineCache::ThreadCategory::Consumer;
+        c_params.is_leader = is_producer && thread_idx == 0;
+        c_params.num_consumers = Mainloop::kNumConvertThreads;
+        PipelineCache k8(ss.barriers.pipeline_k8, c_params, Shape<_1, _1, _1>{});
+        c_params.transaction_bytes = Mainloop::kVCacheStageBytes;
+        PipelineCache v8(ss.barriers.pipeline_v8, c_params, Shape<_1, _1, _1>{});
+        typename Pipeline::Params a_params;
+        a_params.role = is_converter ? Pipeline::ThreadCategory::Producer
+                        : is_producer ? Pipeline::ThreadCategory::NonParticipant
+                                      : Pipeline::ThreadCategory::Consumer;
+        a_params.producer_arv_count = Mainloop::kNumConvertThreads;
+        a_params.consumer_arv_count = Mainloop::kNumMmaThreads;
+        Pipeline k(ss.barriers.pipeline_k, a_params);
+        Pipeline v(ss.barriers.pipeline_v, a_params);
+        return cute::make_tuple(k, v, k8, v8);
+      } else {
+        typename Pipeline::Params kv_params;
+        kv_params.transaction_bytes = Mainloop::kKStageBytes;
+        kv_params.role = is_producer ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+        kv_params.is_leader = is_producer && thread_idx == 0;
+        kv_params.num_consumers = Mainloop::kNumMmaThreads;
+        Pipeline k(ss.barriers.pipeline_k, kv_params, Shape<_1, _1, _1>{});
+        kv_params.transaction_bytes = Mainloop::kVStageBytes;
+        Pipeline v(ss.barriers.pipeline_v, kv_params, Shape<_1, _1, _1>{});
+        return cute::make_tuple(k, v);  // (TMA feeds the consumers' stages)
+      }
+    };
+    auto kv_pipelines = make_kv_pipelines();
+    Pipeline& pipeline_k = get<0>(kv_pipelines);
+    Pipeline& pipeline_v = get<1>(kv_pipelines);
+    auto& pipeline_load_k = [&]() -> auto& {
+      if constexpr (Mainloop::kFp8Cache) return get<2>(kv_pipelines);
+      else return get<0>(kv_pipelines);
+    }();
+    auto& pipeline_load_v = [&]() -> auto& {
+      if constexpr (Mainloop::kFp8Cache) return get<3>(kv_pipelines);
+      else return get<1>(kv_pipelines);
+    }();
+    using PipelineLoad = std::remove_reference_t<decltype(pipeline_load_k)>;
 
     typename PipelineQ::Params q_params;
     q_params.transaction_bytes = Mainloop::kQStageBytes;
@@ -142,8 +183,8 @@ struct FwdKernel {
       cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
       if (warp_idx_in_wg == 0 && lane_predicate) {
         auto write_q = cutlass::make_producer_start_state<PipelineQ>();
-        auto write_k = cutlass::make_producer_start_state<Pipeline>();
-        auto write_v = cutlass::make_producer_start_state<Pipeline>();
+        auto write_k = cutlass::make_producer_start_state<PipelineLoad>();
+        auto write_v = cutlass::make_producer_start_state<PipelineLoad>();
         auto write_tile = cutlass::make_producer_start_state<TilePipeline>();
         int tile = Scheduler::initial(sched);
         int last_entry = -1;  // the batch entry of the previous tile (its tensor maps are acquired)
@@ -165,12 +206,29 @@ struct FwdKernel {
           tile_pipeline.producer_commit(write_tile);
           ++write_tile;
           if (t.has_rows && t.has_keys) {  // otherwise the consumers write zeros (or nothing), without Q
-            Mainloop::load(params.mainloop, pipeline_q, pipeline_k, pipeline_v, write_q, write_k, write_v,
+            Mainloop::load(params.mainloop, pipeline_q, pipeline_load_k, pipeline_load_v, write_q, write_k, write_v,
                            ss.tensors, t.seq, t.block_info, t.tile.m_block, t.tile.head, t.tile.batch,
                            t.tile.batch != last_entry);
             last_entry = t.tile.batch;
           }
           tile = next;
+        }
+      } else if (is_converter) {
+        if constexpr (Mainloop::kFp8Cache) {
+        // The producer's tiles, walked the same way (the schedule is static: a function of the tile index).
+        static_assert(!Scheduler::kNeedsCounter, "converter warps walk a static schedule");
+        typename Mainloop::PipelineStateCache read_k8, read_v8;
+        auto write_k = cutlass::make_producer_start_state<Pipeline>();
+        auto write_v = cutlass::make_producer_start_state<Pipeline>();
+        int const total_tiles = Scheduler::total(sched);
+        for (int tile = Scheduler::initial(sched); tile < total_tiles; tile = Scheduler::next(sched, tile, total_tiles)) {
+          TileWork const t = tile_work(params, tile);
+          if (t.has_rows && t.has_keys) {
+            Mainloop::convert(pipeline_load_k, pipeline_load_v, pipeline_k, pipeline_v, read_k8, read_v8, write_k,
+                              write_v, ss.tensors, t.seq, t.block_info, t.tile.m_block,
+                              thread_idx - cutlass::NumThreadsPerWarp);
+          }
+        }
         }
       }
     } else {
@@ -230,7 +288,7 @@ struct FwdKernel {
 
         cute::array<float, 2> lse;
         auto inv_sum = softmax.finalize(lse, Mainloop::sink_log2(params.mainloop, w.head));
-        if constexpr (Mainloop::kFp8 || Mainloop::Dropout::kEnabled) {
+        if constexpr (Mainloop::kFp8 || Mainloop::kFp8Cache || Mainloop::Dropout::kEnabled) {
           inv_sum[0] *= o_descale;
           inv_sum[1] *= o_descale;
         }

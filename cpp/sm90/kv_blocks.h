@@ -18,6 +18,8 @@
 #include <cutlass/arch/barrier.h>
 #include <cutlass/fast_math.h>
 
+#include <type_traits>
+
 namespace flashhopper::sm90 {
 
 using namespace cute;
@@ -77,10 +79,17 @@ struct PagedKVBlocks {
   // `block_pages` are the kv head's (page_size, headdim, page) tensor as the atoms `tma` ((kChunkRows, kPanel)
   // boxes) and `tma_block` (a whole block, tile BlockTile) see it.
   // kUpfront: all the chunks' table reads before the first copy (needs 2 x kBlockN / 16 producer registers).
+  // companion(page, row, stage_row): a copy of the same kChunkRows rows of another tensor on the same barrier (an
+  // e4m3 cache's per-token scales), called for each chunk of the block (whole blocks too), page = num_pages for a
+  // chunk past the entry's keys.
+  struct NoCompanion {
+    CUTE_DEVICE void operator()(int, int, int) const {}
+  };
   template <int kBlockN, int kPanel, class BlockTile, bool kUpfront, class TmaCopy, class TmaBlock, class Pages,
-            class BlockPages, class Stage>
+            class BlockPages, class Stage, class Companion = NoCompanion>
   CUTE_DEVICE void load_paged(TmaCopy const& tma, TmaBlock const& tma_block, uint64_t& barrier, Pages const& pages,
-                              BlockPages const& block_pages, int n_block, Stage&& stage, TMA::CacheHintSm90 hint) const {
+                              BlockPages const& block_pages, int n_block, Stage&& stage, TMA::CacheHintSm90 hint,
+                              Companion&& companion = {}) const {
     static_assert(kBlockN % kChunkRows == 0);
     if (whole_blocks_) {
       int page, row;
@@ -88,6 +97,13 @@ struct PagedKVBlocks {
       Tensor g = local_tile(block_pages(_, _, page), BlockTile{}, make_coord(row / kBlockN, _0{}));
       auto parts = tma_partition(tma_block, _0{}, Layout<_1>{}, group_modes<0, 2>(stage), group_modes<0, 2>(g));
       copy(tma_block.with(barrier, 0, hint), get<0>(parts), get<1>(parts));
+      if constexpr (!std::is_same_v<std::decay_t<Companion>, NoCompanion>) {
+        CUTE_UNROLL
+        for (int c = 0; c < kBlockN / kChunkRows; ++c) {
+          bool const past = n_block * kBlockN + c * kChunkRows >= seqlen_k_;
+          companion(past ? num_pages_ : page, row + c * kChunkRows, c * kChunkRows);
+        }
+      }
       return;
     }
     // kUpfront: the chunks' table reads first, all independent, so that their latencies overlap; else each right
@@ -114,6 +130,7 @@ struct PagedKVBlocks {
       Tensor s = local_tile(stage, Shape<Int<kChunkRows>, Int<kPanel>>{}, make_coord(c, _));  // (16, P, panels)
       auto parts = tma_partition(tma, _0{}, Layout<_1>{}, group_modes<0, 2>(s), group_modes<0, 2>(g));
       copy(tma.with(barrier, 0, hint), get<0>(parts), get<1>(parts));
+      companion(page[slot], chunk[slot] * kChunkRows, c * kChunkRows);
     }
   }
 };

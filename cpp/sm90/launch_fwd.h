@@ -34,7 +34,10 @@ namespace sm90 {
 template <class Config>
 struct FwdConfig {
   using Element = typename ElementOf<Config::kDType>::type;
-  using Tile = typename FwdTileOf<typename Config::Variant, Config::kHeadDim, Config::kDType, Config::kHeadDimV>::type;
+  // e4m3 KV caches: their own tiles (the e4m3 stages beside the 16-bit ones).
+  using Tile = std::conditional_t<Config::kKVCacheFp8, FwdFp8CacheTileSize<Config::kHeadDim>,
+                                  typename FwdTileOf<typename Config::Variant, Config::kHeadDim, Config::kDType,
+                                                     Config::kHeadDimV>::type>;
   using ScoreMod = typename ScoreModOf<Config::kScoreMod>::type;
   static_assert(Config::kDType != DType::kFloat8E4M3 || Config::kScoreMod == ScoreModKind::kNone,
                 "the fp8 kernels have no score mod");
@@ -46,8 +49,10 @@ struct FwdConfig {
                 "KV-cache kernels: padded 16-bit queries without dropout");
   using Seqlens = std::conditional_t<kVarlen, VarlenSeqlens, std::conditional_t<kKVCache, CacheSeqlens, UniformSeqlens>>;
   using KVBlocks = std::conditional_t<kKVCache, PagedKVBlocks, ContiguousKVBlocks>;
+  using ElementKV = std::conditional_t<Config::kKVCacheFp8, cutlass::float_e4m3_t, Element>;
+  static_assert(!Config::kKVCacheFp8 || Config::kDType != DType::kFloat8E4M3, "e4m3 caches: 16-bit queries");
   using Mainloop = FwdMainloop<Element, Config::kHeadDim, Config::kHeadDimV, Tile, Config::kMask, ScoreMod, Dropout,
-                               KVBlocks, Seqlens>;
+                               KVBlocks, Seqlens, ElementKV>;
   using ElementOut = typename Mainloop::ElementOut;
   static constexpr bool kFp8 = Mainloop::kFp8;
   // FP8 stages O in a buffer of its own; 16-bit O goes through the Q stage the tile used.
@@ -185,21 +190,37 @@ int64_t run_fwd_sm90(FwdParams const& params, cudaStream_t stream) {
       return UniformSeqlens{p.seqlen_q, p.seqlen_k};
     }
   }();
+  // e4m3 caches: float32 scales (pages, kv heads, page_size), tokens contiguous, k/v_scale_batch_stride the page
+  // stride and k/v_scale_head_stride the head stride (the same for K and V).
+  typename Mainloop::CacheScales cache_scales{};
+  if constexpr (Config::kKVCacheFp8) {
+    if (p.k_scale_ptr == nullptr || p.v_scale_ptr == nullptr || p.k_scale_batch_stride != p.v_scale_batch_stride ||
+        p.k_scale_head_stride != p.v_scale_head_stride || p.k_scale_head_stride % 4 != 0 ||
+        p.k_scale_batch_stride % 4 != 0 || p.page_size % 16 != 0 ||
+        (reinterpret_cast<uintptr_t>(p.k_scale_ptr) | reinterpret_cast<uintptr_t>(p.v_scale_ptr)) % 16 != 0) {
+      throw std::invalid_argument("flashhopper: e4m3 KV caches need pages (or a contiguous cache's max_seqlen) of a "
+                                  "multiple of 16 rows, and k and v scales (pages, kv heads, page_size) 16-byte aligned with "
+                                  "tokens contiguous, the same strides, multiples of 4 elements");
+    }
+    cache_scales = {p.k_scale_ptr, p.v_scale_ptr, p.k_scale_batch_stride, p.k_scale_head_stride};
+  }
+  using ElementKV = typename Mainloop::ElementKV;
   typename Kernel::Params kp{
       Mainloop::make_params(static_cast<Element const*>(p.q_ptr), stride(p.q_row_stride, p.q_head_stride, p.q_batch_stride),
-                            shape_q, static_cast<Element const*>(p.k_ptr),
+                            shape_q, static_cast<ElementKV const*>(p.k_ptr),
                             stride(p.k_row_stride, p.k_head_stride, p.k_batch_stride),
-                            static_cast<Element const*>(p.v_ptr), stride_v, shape_k, p.softmax_scale,
+                            static_cast<ElementKV const*>(p.v_ptr), stride_v, shape_k, p.softmax_scale,
                             seqlens, p.window_left, p.window_right, p.sinks_ptr,
                             make_score_mod<typename C::ScoreMod>(p.softmax_scale, p.softcap), {}, descale,
-                            make_dropout<typename C::Dropout>(p.dropout_rng, p.dropout_threshold), vt_keys, num_splits),
+                            make_dropout<typename C::Dropout>(p.dropout_rng, p.dropout_threshold), vt_keys, num_splits,
+                            cache_scales),
       Epilogue::make_params(static_cast<ElementOut*>(p.o_ptr),
                             typename Mainloop::ShapeQKV{rows_q, p.headdim_v, p.nheads_q, batch_coords},
                             stride(p.o_row_stride, p.o_head_stride, p.o_batch_stride), p.lse_ptr, seqlens,
                             num_splits > 1 ? static_cast<float*>(p.split_workspace) : nullptr, num_splits),
       // (params.seqlen_k: packed batches' longest entry; p's is their total by now)
       sm90::make_tile_scheduler_params(num_m_blocks, p.batch, p.nheads_q, p.nheads_q / p.nheads_kv,
-                                       int64_t(params.seqlen_k) * (p.headdim + p.headdim_v) * int64_t(sizeof(Element)),
+                                       int64_t(params.seqlen_k) * (p.headdim + p.headdim_v) * int64_t(sizeof(ElementKV)),
                                        dev.l2_bytes > 0 ? dev.l2_bytes : int64_t(50) << 20, p.tile_counter)};
 
   if constexpr (kKVCache) {

@@ -20,11 +20,16 @@
 // 64 query rows, one per key block) fold into the softmax's per-block scale; the V descale of each
 // key block folds into the O rescale that the online softmax does anyway; O leaves as bfloat16
 // through its own shared-memory buffer (Q's fp8 stage is too small to stage it).
+//
+// e4m3 KV cache read by 16-bit queries (ElementKV = e4m3, KV caches only): TMA brings each K/V block into e4m3
+// stages together with its per-token scales, and the producer warpgroup's warps 1-3 (convert()) write it scaled
+// into the 16-bit stages, a PipelineAsync the consumers read as before; rows past the entry's keys become zeros.
 #pragma once
 
 #include <cute/tensor.hpp>
 
 #include <cutlass/arch/barrier.h>
+#include <cutlass/arch/memory.h>
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/cutlass.h>
 #include <cutlass/gemm/collective/builders/sm90_common.inl>
@@ -47,11 +52,22 @@ namespace flashhopper::sm90 {
 
 using namespace cute;
 
+// The e4m3 cache stages of a tile (FwdFp8CacheTileSize::kCacheStages), 1 for tiles without them.
+template <class Tile, class = void>
+struct CacheStagesOf : std::integral_constant<int, 1> {};
+template <class Tile>
+struct CacheStagesOf<Tile, std::void_t<decltype(Tile::kCacheStages)>> : std::integral_constant<int, Tile::kCacheStages> {};
+template <class Tile>
+constexpr int cache_stages() { return CacheStagesOf<Tile>::value; }
+
 // Tile: an FwdTileSize (block sizes, pipeline depths, ping-pong), possibly a variant's (variants.h).
 template <class Element_, int kHeadDim_, int kHeadDimV_, class Tile, MaskKind kMask_, class ScoreMod_ = ScoreModIdentity,
-          class Dropout_ = DropoutNone, class KVBlocks_ = ContiguousKVBlocks, class Seqlens_ = UniformSeqlens>
+          class Dropout_ = DropoutNone, class KVBlocks_ = ContiguousKVBlocks, class Seqlens_ = UniformSeqlens,
+          class ElementKV_ = Element_>
 struct FwdMainloop {
   using Element = Element_;
+  using ElementKV = ElementKV_;  // of K/V in global memory: Element, or e4m3 for an e4m3 KV cache
+  static constexpr bool kFp8Cache = !std::is_same_v<ElementKV, Element>;
   using ScoreMod = ScoreMod_;
   using Dropout = Dropout_;  // common/dropout.h: P's dropped scores zeroed before the PV GEMM
   using KVBlocks = KVBlocks_;
@@ -67,6 +83,8 @@ struct FwdMainloop {
   static_assert(kHeadDimV <= kHeadDim && (!kFp8 || kHeadDimV == kHeadDim));
   static_assert(!kFp8 || !Dropout::kEnabled, "dropout is for training: 16-bit kernels only");
   static constexpr int kStages = Tile::kStages, kQStages = Tile::kQStages;
+  static constexpr int kCacheStages = cache_stages<Tile>();  // e4m3 cache stages (kFp8Cache)
+  static constexpr int kNumConvertThreads = 3 * cutlass::NumThreadsPerWarp;  // producer warpgroup's warps 1-3
   static constexpr MaskKind kMask = kMask_;
   static constexpr int kNumMmaWG = kBlockM / 64;
   static constexpr int kNumMmaThreads = kNumMmaWG * cutlass::NumThreadsPerWarpGroup;
@@ -105,6 +123,20 @@ struct FwdMainloop {
   // The V stages as TMA writes them: V tiles (keys, headdim_v), or for FP8 V^T tiles (headdim, keys).
   using SmemLayoutV = std::conditional_t<kFp8, SmemLayoutVt, SmemLayoutV16>;
   using TileV = std::conditional_t<kFp8, Shape<DV, BN>, Shape<BN, DV>>;
+  // e4m3 cache: the stages TMA writes (K and V as in global memory, (keys, headdim)) and their scales.
+  using SmemAtomK8 = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, ElementKV, BN, D>());
+  using SmemLayoutK8 = decltype(tile_to_shape(SmemAtomK8{}, Shape<BN, D, Int<kCacheStages>>{}));
+  using SmemAtomV8 = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, ElementKV, BN, DV>());
+  using SmemLayoutV8 = decltype(tile_to_shape(SmemAtomV8{}, Shape<BN, DV, Int<kCacheStages>>{}));
+  using SmemLayoutScale = Layout<Shape<BN, Int<kCacheStages>>>;
+  using SmemLayoutScale16 = Layout<Shape<BN, Int<kStages>>>;
+  // convert() writes e4m3 values exactly as 16-bit ones: fp16 through cvt; bf16 as those fp16 bits moved into
+  // bf16's fields (exponent and mantissa shifted by 3), which is the value times 2^-112. The key's factor undoes it.
+  static constexpr float kConvertFactor = std::is_same_v<Element, cutlass::bfloat16_t> ? 0x1p112f : 1.f;
+  using SmemAtomKLoad = std::conditional_t<kFp8Cache, SmemAtomK8, SmemAtomKV>;
+  using SmemAtomVLoad = std::conditional_t<kFp8Cache, SmemAtomV8, SmemAtomV>;
+  using SmemLayoutKLoad = std::conditional_t<kFp8Cache, SmemLayoutK8, SmemLayoutK>;
+  using SmemLayoutVLoad = std::conditional_t<kFp8Cache, SmemLayoutV8, SmemLayoutV>;
   // O of one consumer warpgroup as the epilogue stages it (64 x headdim_v): 16-bit in that warpgroup's
   // slice of the Q stage the tile used (kOSlotElems apart), FP8 (bfloat16 O) in a buffer of its own.
   using SmemAtomO = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, ElementOut, _64, DV>());
@@ -115,37 +147,54 @@ struct FwdMainloop {
   using ShapeQKV = Shape<int32_t, int32_t, int32_t, int32_t>;
   using StrideQKV = Stride<int64_t, _1, int64_t, int64_t>;
   using GmemTensor = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{}, StrideQKV{}));
+  using GmemTensorKV = decltype(make_tensor(make_gmem_ptr(static_cast<ElementKV const*>(nullptr)), ShapeQKV{}, StrideQKV{}));
   using TMA_Q = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutQ{}), Shape<_64, D>{}, _1{}));
   // Paged K/V (kv_blocks.h): boxes of 16 keys x one swizzle-atom panel of the stage, copied chunk by chunk.
   static constexpr bool kPaged = KVBlocks::kPaged;
   static_assert(!kPaged || !kFp8, "paged K/V: 16-bit kernels");
-  static constexpr int kPanelK = size<1>(SmemAtomKV{}), kPanelV = size<1>(SmemAtomV{});
+  static_assert(!kFp8Cache || (kPaged && kHeadDimV == kHeadDim && kNumMmaWG == 2), "e4m3 caches: KV-cache kernels");
+  static constexpr int kPanelK = size<1>(SmemAtomKLoad{}), kPanelV = size<1>(SmemAtomVLoad{});
   // The paged producer reads a block's page indices at once with 16 more registers; consumers at 232 registers
   // spill at head dim 256, and 3 consumer warpgroups (head dim 64) have none to give (ptxas -v).
-  static constexpr bool kProducerRegsBoost = kPaged && kNumMmaWG == 2 && kHeadDim <= 128;
+  static constexpr bool kProducerRegsBoost = kPaged && kNumMmaWG == 2 && (kHeadDim <= 128 || kFp8Cache);
   using ChunkK = Shape<Int<PagedKVBlocks::kChunkRows>, Int<kPanelK>>;
   using ChunkV = Shape<Int<PagedKVBlocks::kChunkRows>, Int<kPanelV>>;
   using TMA_K = std::conditional_t<
-      kPaged, decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, tile_to_shape(SmemAtomKV{}, ChunkK{}), ChunkK{}, _1{})),
-      decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutK{}), Shape<BN, D>{}, _1{}))>;
+      kPaged, decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensorKV{}, tile_to_shape(SmemAtomKLoad{}, ChunkK{}), ChunkK{}, _1{})),
+      decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensorKV{}, take<0, 2>(SmemLayoutKLoad{}), Shape<BN, D>{}, _1{}))>;
   using TMA_V = std::conditional_t<
-      kPaged, decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, tile_to_shape(SmemAtomV{}, ChunkV{}), ChunkV{}, _1{})),
-      decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutV{}), TileV{}, _1{}))>;
+      kPaged, decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensorKV{}, tile_to_shape(SmemAtomVLoad{}, ChunkV{}), ChunkV{}, _1{})),
+      decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensorKV{}, take<0, 2>(SmemLayoutVLoad{}), TileV{}, _1{}))>;
   // Paged K/V whose blocks each lie inside one page: one copy per block, as for contiguous K/V.
-  using TMA_KBlock = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutK{}), Shape<BN, D>{}, _1{}));
-  using TMA_VBlock = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutV{}), TileV{}, _1{}));
+  using TMA_KBlock = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensorKV{}, take<0, 2>(SmemLayoutKLoad{}), Shape<BN, D>{}, _1{}));
+  using TMA_VBlock = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensorKV{}, take<0, 2>(SmemLayoutVLoad{}), TileV{}, _1{}));
   struct NoBlockTma {};
   struct BlockTmas {
     TMA_KBlock k;
     TMA_VBlock v;
   };
+  // e4m3 cache scales: float32 (pages, kv heads, page_size) with these strides, tokens contiguous. Each 16-row
+  // chunk's 64 bytes go with the K/V copy of its rows (a bulk copy on the same barrier) into the stage's slot.
+  struct CacheScales {
+    float const* k = nullptr;
+    float const* v = nullptr;
+    int64_t page_stride = 0, head_stride = 0;
+  };
 
   static constexpr uint32_t kQStageBytes = uint32_t(size(take<0, 3>(SmemLayoutQ{})) * sizeof(Element));
   static constexpr uint32_t kKStageBytes = uint32_t(size(take<0, 2>(SmemLayoutK{})) * sizeof(Element));
   static constexpr uint32_t kVStageBytes = uint32_t(size(take<0, 2>(SmemLayoutV{})) * sizeof(Element));
+  // e4m3 cache stages: the block and its scales.
+  static constexpr uint32_t kKCacheStageBytes =
+      uint32_t(size(take<0, 2>(SmemLayoutK8{})) * sizeof(ElementKV) + kBlockN * sizeof(float));
+  static constexpr uint32_t kVCacheStageBytes =
+      uint32_t(size(take<0, 2>(SmemLayoutV8{})) * sizeof(ElementKV) + kBlockN * sizeof(float));
 
-  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+  // The 16-bit K/V stages the consumers read: filled by TMA, or for an e4m3 cache by the converter warps.
+  using Pipeline = std::conditional_t<kFp8Cache, cutlass::PipelineAsync<kStages>, cutlass::PipelineTmaAsync<kStages>>;
   using PipelineState = typename Pipeline::PipelineState;
+  using PipelineCache = cutlass::PipelineTmaAsync<kCacheStages>;  // e4m3 stages: TMA -> converter warps
+  using PipelineStateCache = typename PipelineCache::PipelineState;
   // Q stages are released by one thread per consumer warpgroup, once TMA has read the O staged there.
   using PipelineQ = cutlass::PipelineTmaAsync<kQStages>;
   using PipelineStateQ = typename PipelineQ::PipelineState;
@@ -158,12 +207,37 @@ struct FwdMainloop {
   struct TensorStorageFp8 : TensorStorage16 {
     cute::array_aligned<ElementOut, kNumMmaWG * kOSlotElems, 1024> smem_o;
   };
-  using TensorStorage = std::conditional_t<kFp8, TensorStorageFp8, TensorStorage16>;
-  struct BarrierStorage {
+  struct TensorStorageFp8Cache : TensorStorage16 {
+    cute::array_aligned<ElementKV, cosize_v<SmemLayoutK8>, 1024> smem_k8;
+    cute::array_aligned<ElementKV, cosize_v<SmemLayoutV8>, 1024> smem_v8;
+    cute::array_aligned<float, cosize_v<SmemLayoutScale>, 128> smem_ks;
+    cute::array_aligned<float, cosize_v<SmemLayoutScale>, 128> smem_vs;
+    // Per 16-bit stage: each key's factor (its scale, times kConvertFactor; 0 past the entry's keys).
+    cute::array_aligned<float, cosize_v<SmemLayoutScale16>, 128> smem_ks16;
+    cute::array_aligned<float, cosize_v<SmemLayoutScale16>, 128> smem_vs16;
+    cute::array_aligned<float, kStages, 16> smem_vmax16;  // per 16-bit V stage: its block's V descale
+  };
+  using TensorStorage = std::conditional_t<kFp8, TensorStorageFp8,
+                                           std::conditional_t<kFp8Cache, TensorStorageFp8Cache, TensorStorage16>>;
+  struct BarrierStorage16 {
     typename PipelineQ::SharedStorage pipeline_q;
     typename Pipeline::SharedStorage pipeline_k;
     typename Pipeline::SharedStorage pipeline_v;
   };
+  struct BarrierStorageCache : BarrierStorage16 {
+    typename PipelineCache::SharedStorage pipeline_k8;
+    typename PipelineCache::SharedStorage pipeline_v8;
+  };
+  using BarrierStorage = std::conditional_t<kFp8Cache, BarrierStorageCache, BarrierStorage16>;
+  // Where TMA writes K/V: the 16-bit stages, or the e4m3 ones.
+  CUTE_DEVICE static ElementKV* load_smem_k(TensorStorage& ts) {
+    if constexpr (kFp8Cache) return ts.smem_k8.data();
+    else return ts.smem_k.data();
+  }
+  CUTE_DEVICE static ElementKV* load_smem_v(TensorStorage& ts) {
+    if constexpr (kFp8Cache) return ts.smem_v8.data();
+    else return ts.smem_v.data();
+  }
 
   // FP8 descales: scale(b, h, block) = ptr[b * batch + h * head + (first + token / block) * block_stride],
   // `first` the entry's first block (packed batches keep each entry's blocks in one block mode, batch 0).
@@ -196,6 +270,7 @@ struct FwdMainloop {
     Dropout dropout;
     int num_splits;                      // split-KV (kSplits): each entry's key blocks in this many ranges
     std::conditional_t<kPaged, BlockTmas, NoBlockTma> tma_block;  // paged: whole-block copies
+    CacheScales scales;                  // e4m3 cache: per-token scales
   };
 
   // The head's sink logit in the softmax's exp2 units (OnlineSoftmax::finalize), -inf without sinks.
@@ -214,11 +289,12 @@ struct FwdMainloop {
   }
 
   // shape_q, shape_k: the global tensors (rows, headdim, heads, batch); q, k, v with their strides.
-  static Params make_params(Element const* q, StrideQKV stride_q, ShapeQKV shape_q, Element const* k,
-                            StrideQKV stride_k, Element const* v, StrideQKV stride_v, ShapeQKV shape_k,
+  static Params make_params(Element const* q, StrideQKV stride_q, ShapeQKV shape_q, ElementKV const* k,
+                            StrideQKV stride_k, ElementKV const* v, StrideQKV stride_v, ShapeQKV shape_k,
                             float softmax_scale, Seqlens seqlens, int window_left, int window_right,
                             float const* sinks = nullptr, ScoreMod score_mod = {}, typename KVBlocks::Params kv_blocks = {},
-                            Descales descale = {}, Dropout dropout = {}, int vt_keys = 0, int num_splits = 1) {
+                            Descales descale = {}, Dropout dropout = {}, int vt_keys = 0, int num_splits = 1,
+                            CacheScales scales = {}) {
     auto mQ = make_tensor(make_gmem_ptr(q), shape_q, stride_q);
     auto mK = make_tensor(make_gmem_ptr(k), shape_k, stride_k);
     // FP8's V^T: (headdim, keys); the TMA bound is the padded key count, since a group of 16 keys
@@ -229,21 +305,22 @@ struct FwdMainloop {
                                   : ShapeQKV{get<0>(shape_k), kHeadDimV, get<2>(shape_k), get<3>(shape_k)};
     auto mV = make_tensor(make_gmem_ptr(v), shape_v, stride_v);
     auto tma_k = [&] {
-      if constexpr (kPaged) return make_tma_copy(SM90_TMA_LOAD{}, mK, tile_to_shape(SmemAtomKV{}, ChunkK{}), ChunkK{}, _1{});
-      else return make_tma_copy(SM90_TMA_LOAD{}, mK, take<0, 2>(SmemLayoutK{}), Shape<BN, D>{}, _1{});
+      if constexpr (kPaged) return make_tma_copy(SM90_TMA_LOAD{}, mK, tile_to_shape(SmemAtomKLoad{}, ChunkK{}), ChunkK{}, _1{});
+      else return make_tma_copy(SM90_TMA_LOAD{}, mK, take<0, 2>(SmemLayoutKLoad{}), Shape<BN, D>{}, _1{});
     };
     auto tma_v = [&] {
-      if constexpr (kPaged) return make_tma_copy(SM90_TMA_LOAD{}, mV, tile_to_shape(SmemAtomV{}, ChunkV{}), ChunkV{}, _1{});
-      else return make_tma_copy(SM90_TMA_LOAD{}, mV, take<0, 2>(SmemLayoutV{}), TileV{}, _1{});
+      if constexpr (kPaged) return make_tma_copy(SM90_TMA_LOAD{}, mV, tile_to_shape(SmemAtomVLoad{}, ChunkV{}), ChunkV{}, _1{});
+      else return make_tma_copy(SM90_TMA_LOAD{}, mV, take<0, 2>(SmemLayoutVLoad{}), TileV{}, _1{});
     };
     auto tma_block = [&] {
       if constexpr (kPaged) {
-        return BlockTmas{make_tma_copy(SM90_TMA_LOAD{}, mK, take<0, 2>(SmemLayoutK{}), Shape<BN, D>{}, _1{}),
-                         make_tma_copy(SM90_TMA_LOAD{}, mV, take<0, 2>(SmemLayoutV{}), TileV{}, _1{})};
+        return BlockTmas{make_tma_copy(SM90_TMA_LOAD{}, mK, take<0, 2>(SmemLayoutKLoad{}), Shape<BN, D>{}, _1{}),
+                         make_tma_copy(SM90_TMA_LOAD{}, mV, take<0, 2>(SmemLayoutVLoad{}), TileV{}, _1{})};
       } else {
         return NoBlockTma{};
       }
     };
+
     return {make_tma_copy(SM90_TMA_LOAD{}, mQ, take<0, 2>(SmemLayoutQ{}), Shape<_64, D>{}, _1{}),
             tma_k(),
             tma_v(),
@@ -261,7 +338,8 @@ struct FwdMainloop {
             descale,
             dropout,
             num_splits,
-            tma_block()};
+            tma_block(),
+            scales};
   }
 
   // The tensor map a load of tensor `which` uses for this batch entry (common/seqlen.h: entry_tma_desc).
@@ -281,12 +359,27 @@ struct FwdMainloop {
     }
   }
 
+  // e4m3 cache: the 16 scales of rows [row, row + 16) of page `page` (kv head `kv_head`) into `dst`, on the barrier
+  // of the K (which 0) or V (1) copy they go with. A chunk past the entry's keys (page = num_pages) copies the
+  // array's first 64 bytes instead (any readable bytes: the converter writes those rows as zeros).
+  CUTE_DEVICE static void load_scales(Params const& p, int which, int kv_head, uint64_t& barrier, int page, int row,
+                                      float* dst) {
+    float const* base = which == 0 ? p.scales.k : p.scales.v;
+    float const* src = page < p.kv_blocks.num_pages
+                           ? base + int64_t(page) * p.scales.page_stride + int64_t(kv_head) * p.scales.head_stride + row
+                           : base;
+    SM90_BULK_COPY_G2S::copy(src, &barrier, dst, PagedKVBlocks::kChunkRows * int(sizeof(float)));
+  }
+
   // ---------------------------------------------------------------------------------------------
   // Producer: one thread issues every TMA of a tile. The first K block goes out before the wait
   // for a free Q stage (with one Q stage that wait lasts until the previous tile's O is stored);
   // then Q, then K/V with V trailing K by one block so that the first S GEMM never waits on V.
-  CUTE_DEVICE static void load(Params const& p, PipelineQ& pipeline_q, Pipeline& pipeline_k, Pipeline& pipeline_v,
-                               PipelineStateQ& write_q, PipelineState& write_k, PipelineState& write_v,
+  // PipelineKV: Pipeline, or PipelineCache for an e4m3 cache (the converter warps read those stages).
+  template <class PipelineKV>
+  CUTE_DEVICE static void load(Params const& p, PipelineQ& pipeline_q, PipelineKV& pipeline_k, PipelineKV& pipeline_v,
+                               PipelineStateQ& write_q, typename PipelineKV::PipelineState& write_k,
+                               typename PipelineKV::PipelineState& write_v,
                                TensorStorage& ts, SeqlenInfo const& seq, BlockInfoT const& bi, int m_block, int head,
                                int batch, bool new_entry = true) {
     int const n_block_max = bi.n_block_max(m_block);
@@ -298,8 +391,8 @@ struct FwdMainloop {
     TmaDescriptor const* desc_v = tma_desc(p, p.tma_v, kVarlenV, batch, new_entry);
 
     Tensor sQ = make_tensor(make_smem_ptr(ts.smem_q.data()), SmemLayoutQ{});
-    Tensor sK = make_tensor(make_smem_ptr(ts.smem_k.data()), SmemLayoutK{});
-    Tensor sV = make_tensor(make_smem_ptr(ts.smem_v.data()), SmemLayoutV{});
+    Tensor sK = make_tensor(make_smem_ptr(load_smem_k(ts)), SmemLayoutKLoad{});
+    Tensor sV = make_tensor(make_smem_ptr(load_smem_v(ts)), SmemLayoutVLoad{});
     Tensor mQ = entry_rows(p.tma_q.get_tma_tensor(p.shape_q), seq.offset_q, head, seq.batch_coord);
     Tensor gQ = local_tile(mQ, Shape<_64, D>{}, make_coord(_, _0{}));  // (64, D, m64)
     auto q_parts = tma_partition(p.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
@@ -332,22 +425,35 @@ struct FwdMainloop {
       Tensor pV = p.tma_v.get_tma_tensor(p.shape_v)(_, _, kv_head, _);
       Tensor bK = p.tma_block.k.get_tma_tensor(p.shape_k)(_, _, kv_head, _);
       Tensor bV = p.tma_block.v.get_tma_tensor(p.shape_v)(_, _, kv_head, _);
+      // e4m3 cache: each copy's scales ride on the same barrier, into the stage's scale slot.
+      auto scales = [&](int which, uint64_t& barrier, int stage) {
+        if constexpr (kFp8Cache) {
+          float* const dst = (which == 0 ? ts.smem_ks.data() : ts.smem_vs.data()) + stage * kBlockN;
+          return [&p, which, kv_head, &barrier, dst](int page, int row, int stage_row) {
+            load_scales(p, which, kv_head, barrier, page, row, dst + stage_row);
+          };
+        } else {
+          return PagedKVBlocks::NoCompanion{};
+        }
+      };
       auto load_k = [&](int n_block) {
         pipeline_k.producer_acquire(write_k);
+        uint64_t& barrier = *pipeline_k.producer_get_barrier(write_k);
         kv_blocks.template load_paged<kBlockN, kPanelK, Shape<BN, D>, kProducerRegsBoost>(
-            p.tma_k, p.tma_block.k, *pipeline_k.producer_get_barrier(write_k), pK, bK, n_block, sK(_, _, write_k.index()),
-            TMA::CacheHintSm90::EVICT_LAST);
+            p.tma_k, p.tma_block.k, barrier, pK, bK, n_block, sK(_, _, write_k.index()), TMA::CacheHintSm90::EVICT_LAST,
+            scales(0, barrier, write_k.index()));
         ++write_k;
       };
       auto load_v = [&](int n_block) {
         pipeline_v.producer_acquire(write_v);
+        uint64_t& barrier = *pipeline_v.producer_get_barrier(write_v);
         kv_blocks.template load_paged<kBlockN, kPanelV, TileV, kProducerRegsBoost>(
-            p.tma_v, p.tma_block.v, *pipeline_v.producer_get_barrier(write_v), pV, bV, n_block, sV(_, _, write_v.index()),
-            TMA::CacheHintSm90::EVICT_LAST);
+            p.tma_v, p.tma_block.v, barrier, pV, bV, n_block, sV(_, _, write_v.index()), TMA::CacheHintSm90::EVICT_LAST,
+            scales(1, barrier, write_v.index()));
         ++write_v;
       };
       issue(load_k, load_v);
-    } else {
+    } else if constexpr (!kFp8Cache) {
     Tensor mK = entry_rows(p.tma_k.get_tma_tensor(p.shape_k), seq.offset_k, kv_head, seq.batch_coord);
     Tensor gK = local_tile(mK, Shape<BN, D>{}, make_coord(_, _0{}));   // (BN, D, n)
     Tensor gV = [&] {
@@ -380,6 +486,98 @@ struct FwdMainloop {
       ++write_v;
     };
     issue(load_k, load_v);
+    }
+  }
+
+  // ---------------------------------------------------------------------------------------------
+  // e4m3 cache converter: warps 1-3 of the producer warpgroup (thread_idx 0..95 among them) take each e4m3
+  // stage in the producer's order and write it exactly (no scale) into a 16-bit stage, with the rows' scales
+  // as the stage's per-key factors, which the consumers apply to S's columns (K) and P's (V); rows at or past
+  // the entry's keys become zeros (whatever the cache holds there, NaN included). 16 bytes of e4m3 in, 32 of
+  // the 16-bit type out per step: contiguous in both swizzled layouts. (Multiplying each element by its scale
+  // here, in float, made the conversion the decode's bottleneck: docs/perf-notes.md.)
+  CUTE_DEVICE static void convert(PipelineCache& pipeline_k8, PipelineCache& pipeline_v8, Pipeline& pipeline_k,
+                                  Pipeline& pipeline_v, PipelineStateCache& read_k8, PipelineStateCache& read_v8,
+                                  PipelineState& write_k, PipelineState& write_v, TensorStorage& ts, SeqlenInfo const& seq,
+                                  BlockInfoT const& bi, int m_block, int thread_idx) {
+    if constexpr (kFp8Cache) {
+      int const n_block_max = bi.n_block_max(m_block);
+      int const n_block_min = bi.n_block_min(m_block);
+      Tensor sK8 = make_tensor(make_smem_ptr(ts.smem_k8.data()), SmemLayoutK8{});
+      Tensor sV8 = make_tensor(make_smem_ptr(ts.smem_v8.data()), SmemLayoutV8{});
+      Tensor sKs = make_tensor(make_smem_ptr(ts.smem_ks.data()), SmemLayoutScale{});
+      Tensor sVs = make_tensor(make_smem_ptr(ts.smem_vs.data()), SmemLayoutScale{});
+      Tensor sK = make_tensor(make_smem_ptr(ts.smem_k.data()), SmemLayoutK{});
+      Tensor sV = make_tensor(make_smem_ptr(ts.smem_v.data()), SmemLayoutV{});  // (keys, headdim_v, stage)
+      Tensor sKs16 = make_tensor(make_smem_ptr(ts.smem_ks16.data()), SmemLayoutScale16{});
+      Tensor sVs16 = make_tensor(make_smem_ptr(ts.smem_vs16.data()), SmemLayoutScale16{});
+      // K: factor = scale x kConvertFactor. V: factor = scale / (the block's largest), and the block's largest x
+      // kConvertFactor its descale (smem_vmax16), which the consumers fold into O's rescale as the fp8 path does:
+      // P x factor <= P then rounds to 16 bits without underflow, whatever the scales' magnitude (fp16 too).
+      auto one = [&](PipelineCache& from, PipelineStateCache& read, Pipeline& to, PipelineState& write, auto const& s8,
+                     auto const& scale, auto const& s16, auto const& scale16, int n_block, auto is_v) {
+        constexpr int kVecs = decltype(size<1>(s8))::value / 16;  // 16-element vectors per row
+        int const valid = seq.seqlen_k - n_block * kBlockN;
+        from.consumer_wait(read);
+        to.producer_acquire(write);
+        int const in = read.index(), out = write.index();
+        // The scales become the consumers' per-key factors (the e4m3 stage is released below); past the keys 0.
+        // Shared-memory accesses through 32-bit shared addresses throughout: through CuTe's generic pointers here
+        // the compiler emitted generic LD/ST (ncu: long-scoreboard stalls; the decode ran at 0.3 of the copy).
+        auto load_scale = [&](int r) {
+          float f = 0.f;
+          if (r < valid) cutlass::arch::shared_load<4>(&f, cute::cast_smem_ptr_to_uint(&scale(r, in)));
+          return f;
+        };
+        float mult = kConvertFactor;
+        if constexpr (decltype(is_v)::value) {  // every warp finds the block's largest V scale itself
+          float m = 0.f;
+          for (int r = thread_idx % cutlass::NumThreadsPerWarp; r < kBlockN; r += cutlass::NumThreadsPerWarp) {
+            m = fmaxf(m, load_scale(r));
+          }
+          CUTE_UNROLL
+          for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+          mult = m > 0.f ? 1.f / m : 0.f;
+          if (thread_idx == 0) ts.smem_vmax16[out] = m * kConvertFactor;
+        }
+        for (int r = thread_idx; r < kBlockN; r += kNumConvertThreads) {
+          float const f = load_scale(r) * mult;
+          cutlass::arch::shared_store<4>(cute::cast_smem_ptr_to_uint(&scale16(r, out)), &f);
+        }
+        // Unrolled by 2: two rows' shared-memory loads in flight per thread (the loop is latency-bound).
+#pragma unroll 2
+        for (int i = thread_idx; i < kBlockN * kVecs; i += kNumConvertThreads) {
+          int const r = i / kVecs, c = (i % kVecs) * 16;
+          // Rows past the keys: zeros (the cache may hold NaN there, and 0 x NaN is NaN in the PV GEMM).
+          uint4 x = make_uint4(0, 0, 0, 0);
+          if (r < valid) cutlass::arch::shared_load<16>(&x, cute::cast_smem_ptr_to_uint(&s8(r, c, in)));
+          auto const h = cutlass::NumericArrayConverter<cutlass::half_t, ElementKV, 16>{}(
+              reinterpret_cast<cutlass::Array<ElementKV, 16> const&>(x));
+          uint4 w[2];
+          static_assert(sizeof(h) == sizeof(w));
+          memcpy(w, &h, sizeof(w));
+          if constexpr (std::is_same_v<Element, cutlass::bfloat16_t>) {
+            uint32_t* const u = reinterpret_cast<uint32_t*>(w);
+            CUTE_UNROLL
+            for (int j = 0; j < 8; ++j) u[j] = (u[j] & 0x80008000u) | ((u[j] >> 3) & 0x0FFF0FFFu);  // kConvertFactor
+          }
+          cutlass::arch::shared_store<16>(cute::cast_smem_ptr_to_uint(&s16(r, c, out)), &w[0]);
+          cutlass::arch::shared_store<16>(cute::cast_smem_ptr_to_uint(&s16(r, c + 8, out)), &w[1]);
+        }
+        cutlass::arch::fence_view_async_shared();  // the generic-proxy writes before the GEMMs' async reads
+        from.consumer_release(read);
+        ++read;
+        to.producer_commit(write);
+        ++write;
+      };
+      // The producer's order (load's `issue`).
+      int n_block = n_block_max - 1;
+      one(pipeline_k8, read_k8, pipeline_k, write_k, sK8, sKs, sK, sKs16, n_block, cute::false_type{});
+      for (; n_block > n_block_min; --n_block) {
+        one(pipeline_k8, read_k8, pipeline_k, write_k, sK8, sKs, sK, sKs16, n_block - 1, cute::false_type{});
+        one(pipeline_v8, read_v8, pipeline_v, write_v, sV8, sVs, sV, sVs16, n_block, cute::true_type{});
+      }
+      one(pipeline_v8, read_v8, pipeline_v, write_v, sV8, sVs, sV, sVs16, n_block_min, cute::true_type{});
     }
   }
 
@@ -483,7 +681,7 @@ struct FwdMainloop {
     };
     // O is kept in units of the V descale of the newest key block in it: moving from block n + 1 to
     // n multiplies by v_descale(n + 1) / v_descale(n) together with the softmax rescale.
-    float v_descale_prev = v_descale(n_block_max - 1);
+    float v_descale_prev = kFp8Cache ? 0.f : v_descale(n_block_max - 1);  // (e4m3 cache: set by scale_p)
     auto rescale_o = [&](cute::array<float, 2> o_scale, float vd) {
       if constexpr (kFp8) {
         float const ratio = v_descale_prev / vd;
@@ -495,6 +693,28 @@ struct FwdMainloop {
       Softmax::rescale(o, o_scale);
     };
 
+    // e4m3 cache: the stage's per-key factors (convert()), on S's columns before the score mod and mask (read before
+    // the K stage is released), and on P's columns once its V stage is there.
+    Tensor tScSflat = thr_qk.partition_C(make_identity_tensor(Shape<_64, BN>{}));
+    // Per-key factors from a 16-bit stage's array, two adjacent keys per 8-byte load: the accumulator fragment
+    // holds (key pair, row pair, key group) in that order (utils.h rowcol), so elements 4g .. 4g + 3 are keys c, c + 1
+    // of two rows. `extra` multiplies every factor.
+    auto apply_factors = [&](auto& frag, float const* base, int stage, float extra) {
+      CUTE_UNROLL
+      for (int g = 0; g < size(frag) / 4; ++g) {
+        float2 f;
+        cutlass::arch::shared_load<8>(&f, cute::cast_smem_ptr_to_uint(base + stage * kBlockN + get<1>(tScSflat(4 * g))));
+        CUTE_UNROLL
+        for (int e = 0; e < 4; ++e) {
+          using T = std::decay_t<decltype(frag(0))>;
+          frag(4 * g + e) = static_cast<T>(float(frag(4 * g + e)) * ((e % 2 == 0 ? f.x : f.y) * extra));
+        }
+      }
+    };
+    // K's on S's columns (before the score mod and mask; read before the K stage is released).
+    auto scale_s = [&](int stage) {
+      if constexpr (kFp8Cache) apply_factors(tSrS, ts.smem_ks16.data(), stage, 1.f);
+    };
     // S_n = Q K_n^T for key block n; the caller waits for it.
     auto issue_s = [&] {
       pipeline_k.consumer_wait(read_k);
@@ -508,13 +728,13 @@ struct FwdMainloop {
     // hold anything, NaN included, which P = 0 would not cancel (0 * NaN): each warpgroup zeroes them in that V
     // stage before its first PV GEMM reads it (both write the same zeros; K's are masked to -inf instead).
     int guard_rows = 0;  // valid keys of the highest block, when it has fewer than kBlockN
-    if constexpr (!Seqlens::kKVRowsClipped) {
+    if constexpr (!Seqlens::kKVRowsClipped && !kFp8Cache) {  // (e4m3 cache: convert() writes those rows as zeros)
       static_assert(!kFp8, "V row guard: 16-bit V tiles");
       int const valid = seq.seqlen_k - (n_block_max - 1) * kBlockN;
       guard_rows = valid < kBlockN ? valid : 0;
     }
     auto guard_v = [&](int stage) {
-      if constexpr (!Seqlens::kKVRowsClipped) {
+      if constexpr (!Seqlens::kKVRowsClipped && !kFp8Cache) {
         if (guard_rows > 0) {
           Tensor sV = make_tensor(make_smem_ptr(ts.smem_v.data()), SmemLayoutV{});  // (keys, headdim_v, stage)
           constexpr int kVec = 16 / sizeof(Element);  // 16 bytes: contiguous under the swizzle
@@ -529,10 +749,21 @@ struct FwdMainloop {
         }
       }
     };
+    // e4m3 cache: V's factors on P once the V stage is there, relative to the first V block's descale, O's unit
+    // throughout (the kernel multiplies it in at the end): P x scale_j / descale_first.
+    auto scale_p = [&](int stage) {
+      if constexpr (kFp8Cache) {
+        float vmax;
+        cutlass::arch::shared_load<4>(&vmax, cute::cast_smem_ptr_to_uint(ts.smem_vmax16.data() + stage));
+        if (v_descale_prev == 0.f) v_descale_prev = vmax;
+        apply_factors(tOrP, ts.smem_vs16.data(), stage, vmax / v_descale_prev);
+      }
+    };
     // O += P V for the block whose P is in tOrP.
     auto issue_pv = [&] {
       pipeline_v.consumer_wait(read_v);
       guard_v(read_v.index());
+      scale_p(read_v.index());
       wgmma<false, -1>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
     };
     auto release_v = [&] {
@@ -556,6 +787,7 @@ struct FwdMainloop {
     Sched::arrive(wg);
     on_first_issue();
     warpgroup_wait<0>();
+    scale_s(read_k.index());
     release_k();
     p.score_mod.apply(scores);
     mask.template apply<true, true, true>(scores, tScS, row_offset, n_block);
@@ -573,6 +805,7 @@ struct FwdMainloop {
       issue_pv();
       Sched::arrive(wg);
       warpgroup_wait<1>();
+      scale_s(read_k.index());
       release_k();
       p.score_mod.apply(scores);
       if constexpr (kRight || kLeft) mask.template apply<false, kRight, kLeft>(scores, tScS, row_offset, n);

@@ -79,6 +79,18 @@ struct FwdTileSize<256, DType::kFloat8E4M3> : FwdTileDefaults {
   static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2, kQStages = 1;
 };
 
+// KV caches of e4m3 read by 16-bit queries (KVCacheKind::kE4M3): TMA lands each block in e4m3 stages
+// (kCacheStages deep, with the block's per-token scales) and the producer warpgroup's other warps convert them
+// into the kStages 16-bit stages the unchanged GEMMs read. Two consumer warpgroups at every head dim (decode
+// fills few rows; the converters need the producer warpgroup's registers). Head dim 128: 112 keys (Q 32 KB,
+// 16-bit K/V 2 x 2 x 28 KB, e4m3 2 x 2 x 14 KB, scales 3.5 KB: 204 KB; 128 keys would need 229 KB). Head dim
+// 256: 64 keys (Q 64 KB, K/V 2 x 32 KB, e4m3 2 x 2 x 16 KB). Starting points, measured in docs/perf-notes.md.
+template <int kHeadDim>
+struct FwdFp8CacheTileSize : FwdTileDefaults {
+  static constexpr int kBlockM = 128, kBlockN = kHeadDim == 256 ? 64 : kHeadDim == 128 ? 112 : 128, kQStages = 1;
+  static constexpr int kStages = kHeadDim == 256 ? 1 : 2, kCacheStages = kHeadDim == 64 ? 3 : 2;
+};
+
 // ---------------------------------------------------------------------------------------------
 // Backward. A CTA owns kBlockN keys (dK and dV stay in registers, split over two consumer
 // warpgroups) and walks kBlockM-row query blocks. Two ways to lay the GEMMs out:

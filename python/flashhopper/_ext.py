@@ -113,13 +113,16 @@ def configured(mode: str, key: KernelKey) -> bool:
             and key.mask in info["masks"] and key.score_mod in info.get("score_mods", ["none"])
             and ("on" if key.dropout else "off") in info.get("dropout", ["off"])
             and (varlen_configured(mode, key, info) if key.varlen else "off" in info.get("varlen", ["off"]))
-            and (kvcache_configured(mode, key, info) if key.kvcache else "off" in info.get("kvcache", ["off"])))
+            and (kvcache_configured(mode, key, info) if key.kvcache != "off"
+                 else "off" in info.get("kvcache", ["off"])))
 
 
 def kvcache_configured(mode: str, key: KernelKey, info: dict[str, Any]) -> bool:
-    """Whether the build makes a KV-cache kernel for ``key`` (FLASHHOPPER_KVCACHE on): the 16-bit forward of either
-    family at VARLEN_HEADDIMS, masks none and causal, without score mod, dropout or varlen (cpp/generate_kernels.py)."""
-    return ("on" in info.get("kvcache", ["off"]) and mode == "fwd" and key.dtype != "float8_e4m3fn"
+    """Whether the build makes a KV-cache kernel for ``key`` (FLASHHOPPER_KVCACHE on, or e4m3: Hopper only): the
+    16-bit forward of either family at VARLEN_HEADDIMS, masks none and causal, without score mod, dropout or varlen
+    (cpp/generate_kernels.py)."""
+    return (key.kvcache in info.get("kvcache", ["off"]) and (key.kvcache != "e4m3" or key.arch == 90)
+            and mode == "fwd" and key.dtype != "float8_e4m3fn"
             and not key.dropout and not key.varlen and key.score_mod == "none" and key.mask != "window"
             and key.headdim == key.headdim_v and key.headdim in VARLEN_HEADDIMS)
 

@@ -54,7 +54,7 @@ def kernel_key(backend: str, dtype: torch.dtype, headdim: int, causal: bool,
 @functools.lru_cache(maxsize=1024)
 def _key(backend: str, dtype: torch.dtype, headdim: int, mask: str, variant: str = "",
          score_mod: str = "none", headdim_v: int | None = None, dropout: bool = False,
-         varlen: bool = False, kvcache: bool = False) -> KernelKey:
+         varlen: bool = False, kvcache: str = "off") -> KernelKey:
     if backend not in ARCH:
         raise ValueError(f"backend must be one of {', '.join(map(repr, ARCH))} for a kernel, got {backend!r}")
     return KernelKey(ARCH[backend], str(dtype).removeprefix("torch."), headdim,
@@ -68,7 +68,7 @@ def _describe(key: KernelKey) -> str:
     return (f"{key.dtype} headdim {hd} {mask}" + (" with softcap" if key.score_mod == "softcap" else "")
             + (" with dropout" if key.dropout else "")
             + (" on packed sequences (varlen)" if key.varlen else "")
-            + (" reading a KV cache" if key.kvcache else "")
+            + {"off": "", "on": " reading a KV cache", "e4m3": " reading an e4m3 KV cache"}[key.kvcache]
             + (f" variant {key.variant}" if key.variant else ""))
 
 
@@ -85,7 +85,8 @@ def _rebuild_hint(backends: tuple[str, ...], key: KernelKey, modes: str | None =
     score_mods = " FLASHHOPPER_SCORE_MODS=none;softcap" if key.score_mod == "softcap" else ""
     dropout = " FLASHHOPPER_DROPOUT=off;on" if key.dropout else ""  # likewise (default off)
     varlen = " FLASHHOPPER_VARLEN=off;on" if key.varlen else ""  # in the default build, but may be turned off
-    varlen += " FLASHHOPPER_KVCACHE=off;on" if key.kvcache else ""  # likewise
+    varlen += {"off": "", "on": " FLASHHOPPER_KVCACHE=off;on",  # likewise
+               "e4m3": " FLASHHOPPER_KVCACHE=off;on;e4m3"}[key.kvcache]
     variant = f" FLASHHOPPER_VARIANTS={key.variant}" if key.variant else ""
     hdims = f"{key.headdim}" if key.headdim_v == key.headdim else f"{key.headdim}x{key.headdim_v}"
     hint = (f"rebuild with FLASHHOPPER_ARCHS={archs}{mode} FLASHHOPPER_DTYPES={key.short_dtype()} "

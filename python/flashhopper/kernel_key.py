@@ -20,8 +20,9 @@ DROPOUTS: tuple[str, ...] = ("off", "on")
 VARLENS: tuple[str, ...] = ("off", "on")
 VARLEN_HEADDIMS: tuple[int, ...] = (64, 128, 256)
 # KV-cache kernels (flash_attn_with_kvcache: paged or contiguous caches, per-entry cache lengths, split-KV) built
-# or not: build-option spelling (FLASHHOPPER_KVCACHE); Hopper forward, 16-bit, at the varlen head dims.
-KVCACHES: tuple[str, ...] = ("off", "on")
+# or not: build-option spelling (FLASHHOPPER_KVCACHE); forward, 16-bit queries, at the varlen head dims. "on": the
+# cache has the queries' dtype; "e4m3": an e4m3 cache with per-token scales (Hopper only, docs/kvcache-fp8.md).
+KVCACHES: tuple[str, ...] = ("off", "on", "e4m3")
 # Build-option spelling (FLASHHOPPER_DTYPES) -> the dtype names the key carries (torch's, without "torch.").
 BUILD_DTYPES: dict[str, str] = {"fp16": "float16", "bf16": "bfloat16", "e4m3": "float8_e4m3fn"}
 ARCHS: tuple[int, ...] = (90, 80)
@@ -56,13 +57,15 @@ class KernelKey:
     score_mod: str = "none"  # "none" or "softcap" (its value is a runtime argument)
     dropout: bool = False    # P's scores dropped at random (training; p and the seed are runtime arguments)
     varlen: bool = False     # packed batches (cu_seqlens / seqused bounds: flash_attn_varlen_func)
-    kvcache: bool = False    # K/V from a (paged) cache: page-table addressing, cache_seqlens, split-KV
+    kvcache: str = "off"     # K/V from a (paged) cache ("on", or "e4m3" for an e4m3 one): page table, split-KV
 
     def __post_init__(self) -> None:
         if self.mask not in MASKS:
             raise ValueError(f"mask must be one of {MASKS}, got {self.mask!r}")
         if self.score_mod not in SCORE_MODS:
             raise ValueError(f"score_mod must be one of {SCORE_MODS}, got {self.score_mod!r}")
+        if self.kvcache not in KVCACHES:
+            raise ValueError(f"kvcache must be one of {KVCACHES}, got {self.kvcache!r}")
         if self.dtype not in BUILD_DTYPES.values():
             raise ValueError(f"dtype must be one of {tuple(BUILD_DTYPES.values())}, got {self.dtype!r}")
 
@@ -75,7 +78,7 @@ class KernelKey:
                 + (f" {self.score_mod}" if self.score_mod != "none" else "")
                 + (" dropout" if self.dropout else "")
                 + (" varlen" if self.varlen else "")
-                + (" kvcache" if self.kvcache else "")
+                + {"off": "", "on": " kvcache", "e4m3": " kvcache e4m3"}[self.kvcache]
                 + (f" variant {self.variant}" if self.variant else ""))
 
     def file_name(self, mode: str) -> str:
@@ -86,7 +89,7 @@ class KernelKey:
         variant = f"_v-{self.variant}" if self.variant else ""
         dropout = "_dropout" if self.dropout else ""
         varlen = "_varlen" if self.varlen else ""
-        kvcache = "_kvcache" if self.kvcache else ""
+        kvcache = {"off": "", "on": "_kvcache", "e4m3": "_kvcache-e4m3"}[self.kvcache]
         return f"{mode}_sm{self.arch}_{self.short_dtype()}_{hd}{mask}{score_mod}{dropout}{varlen}{kvcache}{variant}"
 
 

@@ -18,6 +18,11 @@ CUDA-graph replays (a serving engine's decode step; the GPU's time alone) unless
   same q and k/v = the first 32k cache rows; TFLOPS count the visible (query, key) pairs exactly
   (4 x pairs x headdim x heads, pairs = sum_i (sk - sq + i + 1)).
 
+- --cache fp8 (decode and spec): the same shapes with an e4m3 cache (kvcache_fp8: e4m3 K/V, a float32 scale per
+  token and kv head; --hadamard-seed for K's transform and q's), the bytes read counted as e4m3 data plus scales.
+  Providers: flashhopper (the e4m3 cache), flashhopper_bf16 (our bf16 cache of the same values, same run: the
+  fp8 / bf16 time ratio) and fa3 (FA3's e4m3 path: q, K and V e4m3 with per-(batch, kv head) descales, 1 here).
+
 Caches smaller than twice the L2 (--l2-mb) are timed in turns over several copies, so that no call finds the
 previous call's bytes in L2 (every default shape is larger already).
 
@@ -66,9 +71,10 @@ def page_size_of(layout: str) -> int | None:
     return int(layout[5:])
 
 
-def kv_bytes(seqlens_k: list[int], nheads_kv: int, headdim: int, element_size: int = 2) -> int:
-    """The K and V bytes an attention call over caches of these entry lengths reads."""
-    return sum(seqlens_k) * nheads_kv * headdim * 2 * element_size
+def kv_bytes(seqlens_k: list[int], nheads_kv: int, headdim: int, element_size: int = 2, scale_bytes: int = 0) -> int:
+    """The K and V bytes an attention call over caches of these entry lengths reads (``scale_bytes``: per token and
+    kv head of each, an e4m3 cache's scale)."""
+    return sum(seqlens_k) * nheads_kv * (headdim * element_size + scale_bytes) * 2
 
 
 def causal_pairs(seqlen_q: int, seqlen_k: int) -> int:
@@ -103,7 +109,19 @@ def default_out(now: dt.datetime | None = None) -> Path:
 def markdown(rows: list[dict[str, Any]]) -> str:
     """The rows as markdown tables, one per section."""
     out = []
-    decode = [r for r in rows if r["section"] == "decode" or r["section"].startswith("spec")]
+    decode = [r for r in rows if (r["section"] == "decode" or r["section"].startswith("spec"))
+              and r.get("cache", "bf16") == "bf16"]
+    fp8 = [r for r in rows if r.get("cache") == "fp8" and "us_flashhopper" in r]
+    if fp8:
+        out += ["| step | batch | cache | layout | splits | fp8 us | TB/s | of copy | bf16 us | fp8 / bf16 | "
+                "FA3 fp8 us | FA3 / ours |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in fp8:
+            fa, b16 = r.get("us_fa3"), r.get("us_flashhopper_bf16")
+            out.append(f"| {r['section']} | {r['batch']} | {r['cache_len']} | {r['layout']} | {r.get('num_splits', '')} | "
+                       f"{r['us_flashhopper']:.1f} | {r['tbps_flashhopper']:.2f} | {r['of_copy']:.2f} | "
+                       + (f"{b16:.1f} | {r['fp8_over_bf16']:.3f} | " if b16 is not None else "- | - | ")
+                       + (f"{fa:.1f} | {r['fa3_over_ours']:.2f} |" if fa is not None else "- | - |"))
+        out.append("")
     if decode:
         out += ["| step | batch | cache | layout | splits | flashhopper us | TB/s | of copy | FA3 us | FA3 TB/s | "
                 "FA3 / ours |", "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -184,14 +202,20 @@ def provider_fns(q: torch.Tensor, caches: list[tuple[torch.Tensor, torch.Tensor,
     """The timed calls over the cache copies (rotated), each run once first; providers that fail are left out with
     the reason. ``graphs``: each call captured in a CUDA graph and replayed (a serving engine's decode step: the
     GPU's time alone, no host time per call), where the capture works (GRAPHED says)."""
-    fns: dict[str, Fn] = {}
-    skipped: dict[str, str] = {}
     ours = [lambda k=k, v=v, t=t: flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, page_table=t, num_splits=0)
             for k, v, t in caches]
     candidates: dict[str, list[Fn]] = {"flashhopper": ours}
     if iface is not None:
         candidates["fa3"] = [lambda k=k, v=v, t=t: first(iface.flash_attn_with_kvcache(
             q, k, v, cache_seqlens=lens, page_table=t, causal=True, num_splits=0)) for k, v, t in caches]
+    return timed_providers(candidates, graphs)
+
+
+def timed_providers(candidates: dict[str, list[Fn]], graphs: bool) -> tuple[dict[str, Fn], dict[str, str]]:
+    """Each provider's calls run once (one that fails is left out with the reason), then rotated; ``graphs``: each
+    call captured in a CUDA graph and replayed, where the capture works (GRAPHED says)."""
+    fns: dict[str, Fn] = {}
+    skipped: dict[str, str] = {}
     for name, calls in candidates.items():
         try:
             for call in calls:
@@ -206,6 +230,28 @@ def provider_fns(q: torch.Tensor, caches: list[tuple[torch.Tensor, torch.Tensor,
             GRAPHED[name] = all(ok for _, ok in replays)
         fns[name] = rotating(calls)
     return fns, skipped
+
+
+def fp8_provider_fns(q: torch.Tensor, caches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
+                     lens: torch.Tensor, iface: Any, seed: int | None, graphs: bool = False
+                     ) -> tuple[dict[str, Fn], dict[str, str]]:
+    """provider_fns for an e4m3 cache of the same values: ours over it, ours over the bf16 caches, and FA3's e4m3
+    path (q cast to e4m3, unit descales)."""
+    from flashhopper import kvcache_fp8
+    q8s = [kvcache_fp8.quantize_kv_cache(k, v, seed) + (t,) for k, v, t in caches]
+    candidates: dict[str, list[Fn]] = {
+        "flashhopper": [lambda c=c: flash_attn_with_kvcache(q, c[0], c[1], cache_seqlens=lens, page_table=c[4],
+                                                            k_cache_scale=c[2], v_cache_scale=c[3], hadamard_seed=seed)
+                        for c in q8s],
+        "flashhopper_bf16": [lambda k=k, v=v, t=t: flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, page_table=t)
+                             for k, v, t in caches]}
+    if iface is not None:
+        qf8 = q.to(torch.float8_e4m3fn)
+        ones = torch.ones(q.shape[0], caches[0][0].shape[2], dtype=torch.float32, device="cuda")
+        candidates["fa3"] = [lambda c=c: first(iface.flash_attn_with_kvcache(
+            qf8, c[0], c[1], cache_seqlens=lens, page_table=c[4], causal=True, num_splits=0, q_descale=ones,
+            k_descale=ones, v_descale=ones)) for c in q8s]
+    return timed_providers(candidates, graphs)
 
 
 def our_splits(q: torch.Tensor, k: torch.Tensor, table: torch.Tensor | None, seqlen_k: int) -> int | None:
@@ -227,11 +273,12 @@ def our_splits(q: torch.Tensor, k: torch.Tensor, table: torch.Tensor | None, seq
 
 def section_decode(timer: Callable[[Fn], float], rounds: int, shapes: list[tuple[int, int]], layouts: list[str],
                    iface: Any, fa3_reason: str, l2_bytes: int, seed: int, graphs: bool = True,
-                   seqlen_q: int = 1) -> list[dict[str, Any]]:
+                   seqlen_q: int = 1, cache: str = "bf16", hadamard_seed: int | None = None) -> list[dict[str, Any]]:
     rows = []
     for batch, cache_len in shapes:
         gen = torch.Generator(device="cuda").manual_seed(seed)
-        nbytes = kv_bytes([cache_len] * batch, NHEADS_KV, HEADDIM)
+        nbytes = (kv_bytes([cache_len] * batch, NHEADS_KV, HEADDIM) if cache == "bf16"
+                  else kv_bytes([cache_len] * batch, NHEADS_KV, HEADDIM, 1, 4))
         n_copies = copies_for_l2(nbytes, l2_bytes)
         src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
         dst = torch.empty_like(src)
@@ -239,14 +286,16 @@ def section_decode(timer: Callable[[Fn], float], rounds: int, shapes: list[tuple
         lens = torch.full((batch,), cache_len, dtype=torch.int32, device="cuda")
         for layout in layouts:
             caches = [make_cache(batch, cache_len, layout, gen) for _ in range(n_copies)]
-            fns, skipped = provider_fns(q, caches, lens, iface, graphs)
+            fns, skipped = (provider_fns(q, caches, lens, iface, graphs) if cache == "bf16"
+                            else fp8_provider_fns(q, caches, lens, iface, hadamard_seed, graphs))
             if iface is None:
                 skipped["fa3"] = fa3_reason
             fns["copy"] = lambda dst=dst, src=src: dst.copy_(src)
             ms = interleaved(fns, timer, rounds)
             row: dict[str, Any] = {"section": "decode" if seqlen_q == 1 else f"spec{seqlen_q}", "batch": batch, "cache_len": cache_len, "layout": layout,
                                    "nheads_q": NHEADS_Q, "nheads_kv": NHEADS_KV, "headdim": HEADDIM,
-                                   "dtype": "bf16", "kv_bytes": nbytes, "cache_copies": n_copies,
+                                   "dtype": "bf16", "cache": cache, "hadamard_seed": hadamard_seed,
+                                   "kv_bytes": nbytes, "cache_copies": n_copies,
                                    "num_splits": our_splits(q, caches[0][0], caches[0][2], cache_len),
                                    "graphed": {n: GRAPHED.get(n, False) for n in fns if n != "copy"},
                                    "skipped": skipped}
@@ -254,15 +303,17 @@ def section_decode(timer: Callable[[Fn], float], rounds: int, shapes: list[tuple
                 row[f"us_{name}"] = t * 1e3
                 row[f"tbps_{name}"] = tbps(2 * nbytes if name == "copy" else nbytes, t)
             if "flashhopper" not in ms:
-                print(f"{row['section']} {batch}x{cache_len} {layout}: flashhopper not timed: {skipped.get('flashhopper')}",
+                print(f"{row['section']} {cache} {batch}x{cache_len} {layout}: flashhopper not timed: {skipped.get('flashhopper')}",
                       flush=True)
                 rows.append(row)
                 continue
             row["of_copy"] = row["tbps_flashhopper"] / row["tbps_copy"]
+            if "flashhopper_bf16" in ms:
+                row["fp8_over_bf16"] = ms["flashhopper"] / ms["flashhopper_bf16"]
             if "fa3" in ms:
                 row["fa3_over_ours"] = ms["fa3"] / ms["flashhopper"]
             rows.append(row)
-            print(f"{row['section']} {batch}x{cache_len} {layout}: flashhopper {row['us_flashhopper']:.1f} us "
+            print(f"{row['section']} {cache} {batch}x{cache_len} {layout}: flashhopper {row['us_flashhopper']:.1f} us "
                   f"{row['tbps_flashhopper']:.2f} TB/s ({row['of_copy']:.2f} of copy, splits {row['num_splits']})"
                   + (f", FA3 {row['us_fa3']:.1f} us {row['tbps_fa3']:.2f} TB/s, FA3/ours x{row['fa3_over_ours']:.3f}"
                      if "fa3" in ms else f", FA3 not timed ({skipped.get('fa3')})"), flush=True)
@@ -312,6 +363,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="spec: --spec-tokens query tokens per step (speculative decoding) on the decode shapes, "
                          "causal, GQA-packed rows")
     ap.add_argument("--spec-tokens", type=int, default=4)
+    ap.add_argument("--cache", nargs="*", choices=("bf16", "fp8"), default=["bf16"],
+                    help="decode/spec caches: bf16, and/or fp8 (e4m3 with per-token scales; against our bf16 cache "
+                         "and FA3's e4m3 path)")
+    ap.add_argument("--hadamard-seed", type=int, default=None, help="fp8 caches: K's (and q's) Hadamard transform")
     ap.add_argument("--shapes", nargs="*", metavar="BATCHxCACHE",
                     help="decode shapes, e.g. 8x8192 (default: " + " ".join(f"{b}x{n}" for b, n in DECODE_SHAPES) + ")")
     ap.add_argument("--layouts", nargs="*", default=list(LAYOUTS), help="contiguous, paged<page size>")
@@ -355,13 +410,15 @@ def main(argv: list[str] | None = None) -> int:
     timing, timer = make_timer(args.warmup_ms, args.rep_ms)
     rows: list[dict[str, Any]] = []
     with torch.no_grad():
-        if "decode" in args.sections:
-            rows += section_decode(timer, args.rounds, shapes, args.layouts, iface, fa3_reason,
-                                   int(args.l2_mb * 2**20), args.seed, graphs=not args.eager)
-        if "spec" in args.sections:
-            rows += section_decode(timer, args.rounds, shapes, args.layouts, iface, fa3_reason,
-                                   int(args.l2_mb * 2**20), args.seed, graphs=not args.eager,
-                                   seqlen_q=args.spec_tokens)
+        for cache in args.cache:
+            if "decode" in args.sections:
+                rows += section_decode(timer, args.rounds, shapes, args.layouts, iface, fa3_reason,
+                                       int(args.l2_mb * 2**20), args.seed, graphs=not args.eager, cache=cache,
+                                       hadamard_seed=args.hadamard_seed)
+            if "spec" in args.sections:
+                rows += section_decode(timer, args.rounds, shapes, args.layouts, iface, fa3_reason,
+                                       int(args.l2_mb * 2**20), args.seed, graphs=not args.eager,
+                                       seqlen_q=args.spec_tokens, cache=cache, hadamard_seed=args.hadamard_seed)
         if "prefill" in args.sections:
             rows += section_prefill(timer, args.rounds, args.layouts, iface, args.seed)
     print()

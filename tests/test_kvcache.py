@@ -402,7 +402,7 @@ def test_no_kernel_for_cuda_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
         resolve_backend(q32, shapes, True, None)
     with pytest.raises(ValueError, match="KV-cache kernels have head dims 64, 128, 256"):
         resolve_backend(q, shapes._replace(headdim=96, headdim_v=96), True, None)
-    monkeypatch.setattr(_ext, "kernel", lambda mode, key: _ext.Entry(0, 64, 128) if key.kvcache else None)
+    monkeypatch.setattr(_ext, "kernel", lambda mode, key: _ext.Entry(0, 64, 128) if key.kvcache != "off" else None)
     assert resolve_backend(q, shapes, True, None) == "sm90"
     monkeypatch.setattr(_device, "device_info", lambda index: _device.DeviceInfo("A100", (8, 0), 108))
     assert resolve_backend(q, shapes, True, None) == "sm80"  # the Ampere fallback
@@ -527,7 +527,7 @@ class FakeC:
                 for mask in ("none", "causal"):
                     self.table.append({"mode": "fwd", "index": len(self.table), "arch": 90, "dtype": dtype,
                                        "headdim": hd, "headdim_v": hd, "mask": mask, "variant": "",
-                                       "score_mod": "none", "dropout": False, "varlen": False, "kvcache": True,
+                                       "score_mod": "none", "dropout": False, "varlen": False, "kvcache": "on",
                                        "block_m": 64, "block_n": 128})
         self.calls: list[tuple[dict[str, Any], int, int]] = []
         self.workspace_queries: list[tuple[int, ...]] = []
@@ -543,10 +543,11 @@ class FakeC:
         return splits * batch * heads * rows * (dv + 1) * 4
 
     def fwd_kvcache_with(self, params: Any, index: int, stream: int, q: int, k: int, v: int, o: int, lse: int,
-                         page_table: int, cache_seqlens: int, split_workspace: int) -> int:
+                         page_table: int, cache_seqlens: int, split_workspace: int, k_scale: int = 0,
+                         v_scale: int = 0) -> int:
         d = dict(vars(params))
         d.update(q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=o, lse_ptr=lse, page_table=page_table, cache_seqlens=cache_seqlens,
-                 split_workspace=split_workspace)
+                 split_workspace=split_workspace, k_scale_ptr=k_scale, v_scale_ptr=v_scale)
         self.calls.append((d, index, stream))
         return 3
 
@@ -580,7 +581,7 @@ def test_launch_gqa_packed_decode(fake: FakeC) -> None:
     lens = i32([40, 0, 17])
     out, lse = kvcache_fwd(q, kc, vc, lens, 40)
     (p, index, stream), = fake.calls
-    assert fake.key_of(index) == KernelKey(90, "bfloat16", 64, 64, "none", kvcache=True) and stream == 4242
+    assert fake.key_of(index) == KernelKey(90, "bfloat16", 64, 64, "none", kvcache="on") and stream == 4242
     assert (p["batch"], p["seqlen_q"], p["nheads_q"], p["nheads_kv"], p["seqlen_k"]) == (3, 4, 2, 2, 40)
     assert (p["q_batch_stride"], p["q_row_stride"], p["q_head_stride"]) == (q.stride(0), 128, 4 * 128)
     assert out.shape == (3, 1, 8, 64) and out.is_contiguous() and lse.shape == (3, 8, 1) and lse.is_contiguous()
@@ -612,7 +613,7 @@ def test_launch_plain_layout(fake: FakeC, seqlen_q: int, hq: int, causal: bool, 
     out, lse = kvcache_fwd(q, kc, kc, i32([20, 64]), 64, table, causal=causal)
     (p, index, _), = fake.calls
     packed = hq > 2
-    assert fake.key_of(index) == KernelKey(90, "float16", 128, 128, mask, kvcache=True)
+    assert fake.key_of(index) == KernelKey(90, "float16", 128, 128, mask, kvcache="on")
     assert (p["seqlen_q"], p["nheads_q"]) == ((seqlen_q * hq // 2, 2) if packed else (seqlen_q, hq))
     assert p["rows_per_query"] == (hq // 2 if packed else 1)
     if packed and seqlen_q > 1:  # the packed copy: (batch, kv head, token, g) rows

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-from . import fp8, reference, reference_fp8
+from . import fp8, kvcache_fp8, reference, reference_fp8
 from ._ext import build_info, compiled_kernels, extension_error, has_extension
 from .dispatch import BACKENDS, available_backends, select_backend
 from .fp8 import (FP8Tensor, PackedFP8Tensor, QuantizedKV, flash_attn_fp8_func, flash_attn_varlen_fp8_func,
@@ -44,6 +44,7 @@ __all__ = [
     "fp8",
     "hadamard_signs",
     "has_extension",
+    "kvcache_fp8",
     "quantize_fp8",
     "quantize_kv",
     "reference",

@@ -25,7 +25,8 @@ from typing import Any, Literal, NamedTuple, Optional, overload
 
 import torch
 
-from . import _autocast, _device, _ext, _launch, _op, _plans, dispatch, reference, validation
+from . import _autocast, _device, _ext, _launch, _op, _plans, dispatch, kvcache_fp8, reference, validation
+from .fp8.format import seed_int64
 from .kernel_key import VARLEN_HEADDIMS
 
 # Opt-in checks that read cache_seqlens, page_table and cache_batch_idx on the host (a synchronization per call
@@ -70,23 +71,25 @@ def _check_index_tensor(name: str, x: Any, shape: tuple[int, ...], device: torch
 
 def check_kvcache_inputs(q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any, cache_seqlens: Any, page_table: Any,
                          cache_batch_idx: Any, softmax_scale: Any, causal: Any,
-                         num_splits: Any) -> tuple[CacheShapes, float]:
+                         num_splits: Any, fp8: bool = False) -> tuple[CacheShapes, float]:
     """Checks of flash_attn_with_kvcache's arguments (its docstring says what each must be); returns the shapes
     and the softmax scale (default 1/sqrt(headdim)). Metadata only: what would need the values (lengths within
-    the capacity, indices within the cache) is check_kvcache_values' job."""
+    the capacity, indices within the cache) is check_kvcache_values' job. ``fp8``: e4m3 caches (their scales are
+    kvcache_fp8.check_fp8_cache's)."""
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         validation.check_tensor(name, x)
         if x.dim() != 4:
             what = ("(batch, seqlen_q, nheads_q, headdim)" if name == "q" else
                     "(batch_cache, max_seqlen, nheads_kv, headdim) or paged (num_pages, page_size, nheads_kv, headdim)")
             raise ValueError(f"{name} must have 4 dimensions {what}, got shape {tuple(x.shape)}")
-        validation.check_dtype(name, x)
+        if not (fp8 and name != "q"):
+            validation.check_dtype(name, x)
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
         if x.device != q.device:
             raise ValueError(f"{name} is on {x.device} but q is on {q.device}; q and the caches must share one device")
-        if x.dtype != q.dtype:
+        if x.dtype != q.dtype and not fp8:
             raise TypeError(f"{name} has dtype {x.dtype} but q has {q.dtype}; q and the caches must share one dtype "
-                            "(fp8 caches are not supported yet)")
+                            "(or e4m3 caches with k_cache_scale and v_cache_scale)")
     batch, seqlen_q, nheads_q, headdim = q.shape
     slots, rows, nheads_kv, _ = k_cache.shape
     if k_cache.shape[3] != headdim:
@@ -138,7 +141,9 @@ def check_kvcache_inputs(q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any, cac
                                  f"{tuple(x.shape)}")
             if x.dtype != q.dtype:
                 raise TypeError(f"{name} has dtype {x.dtype} but {like} has {q.dtype}; the new keys and values are "
-                                "written into the cache in its dtype")
+                                "written into the cache in its dtype" if not fp8 else
+                                f"{name} has dtype {x.dtype} but q has {q.dtype}; new keys and values come in q's "
+                                "dtype (the call quantizes them into the e4m3 cache)")
             if x.device != q.device:
                 raise ValueError(f"{name} is on {x.device} but q is on {q.device}")
             want = (batch, k.shape[1], nheads_kv, d)
@@ -268,21 +273,23 @@ def _packs_gqa(seqlen_q: int, nheads_q: int, nheads_kv: int) -> bool:
 KVCACHE_BACKENDS = ("sm90", "sm80")  # kernel families with KV-cache kernels, the preferred first
 
 
-def _kvcache_key(dtype: torch.dtype, headdim: int, headdim_v: int, mask: str, backend: str = "sm90") -> Any:
+def _kvcache_key(dtype: torch.dtype, headdim: int, headdim_v: int, mask: str, backend: str = "sm90",
+                 cache: str = "on") -> Any:
     return dispatch._key(backend, dtype, headdim, mask, "", "none", headdim_v, dropout=False, varlen=False,
-                         kvcache=True)
+                         kvcache=cache)
 
 
 # As dispatch._missing_bwd_cuda: a constant under torch.compile (the device query cannot be traced), returning the
 # message rather than raising (a ValueError raised inside an assume_constant_result function surfaces as an
 # internal dynamo error).
 @torch.compiler.assume_constant_result
-def _kvcache_backend(index: int, dtype: torch.dtype, headdim: int, headdim_v: int, mask: str, backend: str) -> str:
+def _kvcache_backend(index: int, dtype: torch.dtype, headdim: int, headdim_v: int, mask: str, backend: str,
+                     cache: str = "on") -> str:
     """The kernel family a CUDA call runs ("sm90", "sm80"; ``backend``: "" for the first of KVCACHE_BACKENDS that
     runs on the device and was built), or "!" followed by why there is none."""
     info = _device.device_info(index)
     where = f"q is on cuda:{index} ({info.name}, compute capability {info.capability[0]}.{info.capability[1]})"
-    names = (backend,) if backend else KVCACHE_BACKENDS
+    names = (backend,) if backend else KVCACHE_BACKENDS if cache == "on" else ("sm90",)  # (e4m3: Hopper only)
     usable = [b for b in names if dispatch.runs_on(b, info.capability)]
     if not usable:
         return (f"!{where}; backend={backend!r} does not run there" if backend else
@@ -291,7 +298,7 @@ def _kvcache_backend(index: int, dtype: torch.dtype, headdim: int, headdim_v: in
     errors = []
     for b in usable:
         try:
-            dispatch.require_kernel("fwd", _kvcache_key(dtype, headdim, headdim_v, mask, b))
+            dispatch.require_kernel("fwd", _kvcache_key(dtype, headdim, headdim_v, mask, b, cache))
         except ValueError as e:
             errors.append(str(e))
             continue
@@ -299,7 +306,7 @@ def _kvcache_backend(index: int, dtype: torch.dtype, headdim: int, headdim_v: in
     return "!" + errors[0]
 
 
-def resolve_backend(q: torch.Tensor, shapes: CacheShapes, causal: bool, backend: str | None) -> str:
+def resolve_backend(q: torch.Tensor, shapes: CacheShapes, causal: bool, backend: str | None, cache: str = "on") -> str:
     """"sm90", "sm80" or "reference" for a validated call: CPU tensors (backend None) and backend='reference' run
     the reference; CUDA tensors the Hopper KV-cache kernel where it runs and was built, else the Ampere one (or the
     family named), or a ValueError saying why there is none (never a silent fall back to the reference on a GPU)."""
@@ -311,7 +318,7 @@ def resolve_backend(q: torch.Tensor, shapes: CacheShapes, causal: bool, backend:
         raise ValueError(f"q head dim {hd}: the KV-cache kernels have head dims "
                          f"{', '.join(map(str, VARLEN_HEADDIMS))} (q, K and V alike); backend='reference' takes any")
     name = _kvcache_backend(q.device.index, q.dtype, shapes.headdim, shapes.headdim_v,
-                            _kvcache_mask(shapes.seqlen_q, causal), backend or "")
+                            _kvcache_mask(shapes.seqlen_q, causal), backend or "", cache)
     if name.startswith("!"):
         raise ValueError(name[1:])
     return name
@@ -434,7 +441,8 @@ class KVCacheLaunch(NamedTuple):
     pack: int = 0  # several query tokens GQA-packed: g (q copied to (batch, kv head, token, g) rows), else 0
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-            table: torch.Tensor | None, lengths: torch.Tensor | None) -> int:
+            table: torch.Tensor | None, lengths: torch.Tensor | None,
+            scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> int:
         if self.pack:
             # Token s's g query heads of kv head h are rows s g .. s g + g - 1 of kernel head h; out and lse come
             # back through the same permutation.
@@ -444,14 +452,15 @@ class KVCacheLaunch(NamedTuple):
             qp = q.reshape(b, sq, hkv, g, d).transpose(1, 2).contiguous()  # (b, hkv, sq, g, d)
             op = out.new_empty((b, hkv, sq, g, dv))
             lp = lse.new_empty((b, hkv, sq, g))
-            ctas = self._launch(qp, k_cache, v_cache, op, lp, table, lengths)
+            ctas = self._launch(qp, k_cache, v_cache, op, lp, table, lengths, scales)
             out.view(b, sq, hkv, g, dv).copy_(op.transpose(1, 2))
             lse.view(b, hkv, g, sq).copy_(lp.permute(0, 1, 3, 2))
             return ctas
-        return self._launch(q, k_cache, v_cache, out, lse, table, lengths)
+        return self._launch(q, k_cache, v_cache, out, lse, table, lengths, scales)
 
     def _launch(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
-                lse: torch.Tensor, table: torch.Tensor | None, lengths: torch.Tensor | None) -> int:
+                lse: torch.Tensor, table: torch.Tensor | None, lengths: torch.Tensor | None,
+                scales: tuple[torch.Tensor, torch.Tensor] | None) -> int:
         # Partial O and LSE of the splits, any contents (float32 (splits, batch, heads, rows, headdim_v + 1)).
         # (It, table and lengths live until the launch is enqueued: enough, as the allocator reuses memory in
         # stream order.)
@@ -460,7 +469,8 @@ class KVCacheLaunch(NamedTuple):
         return int(_ext.extension().fwd_kvcache_with(
             self.params, self.index, _launch.stream(self.device), q.data_ptr(), k_cache.data_ptr(),
             v_cache.data_ptr(), out.data_ptr(), lse.data_ptr(), 0 if table is None else table.data_ptr(),
-            0 if lengths is None else lengths.data_ptr(), 0 if workspace is None else workspace.data_ptr()))
+            0 if lengths is None else lengths.data_ptr(), 0 if workspace is None else workspace.data_ptr(),
+            0 if scales is None else scales[0].data_ptr(), 0 if scales is None else scales[1].data_ptr()))
 
 
 def _kernel_table(page_table: torch.Tensor | None, cache_batch_idx: torch.Tensor | None) -> torch.Tensor | None:
@@ -472,12 +482,14 @@ def _kernel_table(page_table: torch.Tensor | None, cache_batch_idx: torch.Tensor
 
 def _prepare_kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlen_k: int,
                          table: torch.Tensor | None, softmax_scale: float, causal: bool,
-                         num_splits: int, backend: str = "sm90") -> KVCacheLaunch:
+                         num_splits: int, backend: str = "sm90",
+                         scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> KVCacheLaunch:
     """The KVCacheLaunch of a call, from the tensors' metadata alone: the kernel, GQA packing, the split count and
-    every params field but the pointers (``table``: _kernel_table's)."""
+    every params field but the pointers (``table``: _kernel_table's; ``scales``: an e4m3 cache's)."""
     b, sq, hq, d = q.shape
     page_size, hkv, dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
-    entry = dispatch.require_kernel("fwd", _kvcache_key(q.dtype, d, dv, _kvcache_mask(sq, causal), backend))
+    cache = "on" if scales is None else "e4m3"
+    entry = dispatch.require_kernel("fwd", _kvcache_key(q.dtype, d, dv, _kvcache_mask(sq, causal), backend, cache))
     pack = 0
     if _packs_gqa(sq, hq, hkv) and sq == 1:
         # GQA packing: the g query heads of a kv head are g rows of one head (K/V read once per kv head). Query
@@ -512,6 +524,13 @@ def _prepare_kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     p.page_size, p.num_pages = page_size, k_cache.shape[0]
     p.num_splits = splits
     p.rows_per_query = (hq // hkv) if _packs_gqa(sq, hq, hkv) else 1
+    if scales is not None:  # (pages, kv heads, page_size), tokens contiguous; K's and V's strides are equal
+        if not kvcache_fp8.scale_layout_ok(scales[0]) or not kvcache_fp8.scale_layout_ok(scales[1]):
+            raise ValueError("k_cache_scale / v_cache_scale must start 16-byte aligned with page and head strides "
+                             "(and the page size) multiples of 4 elements: call .contiguous() on a page size "
+                             "that is a multiple of 4")
+        p.k_scale_batch_stride, p.k_scale_head_stride = kvcache_fp8.scale_strides(scales[0])
+        p.v_scale_batch_stride, p.v_scale_head_stride = p.k_scale_batch_stride, p.k_scale_head_stride
     _launch.fill_device(p, q)
     nbytes = int(C.kvcache_split_workspace_bytes(splits, b, heads, rows, dv)) if splits > 1 else 0
     return KVCacheLaunch(p, entry.index, nbytes, q.device, pack)
@@ -520,7 +539,8 @@ def _prepare_kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 def _launch_kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         cache_seqlens: torch.Tensor | None, seqlen_k: int, page_table: torch.Tensor | None,
                         cache_batch_idx: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor,
-                        softmax_scale: float, causal: bool, num_splits: int, backend: str = "sm90") -> int:
+                        softmax_scale: float, causal: bool, num_splits: int, backend: str = "sm90",
+                        scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> int:
     """The KV-cache forward of kernel family ``backend`` into out (batch, seqlen_q, nheads_q, headdim_v) and lse float32 (batch,
     nheads_q, seqlen_q), both contiguous. ``cache_seqlens``: int32 (batch,) key counts on the device, each at most
     ``seqlen_k``, or None: every entry has seqlen_k keys. Returns the CTAs launched (the extension's answer)."""
@@ -535,8 +555,9 @@ def _launch_kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     validation.check_kernel_layout("out", out)
     table = _kernel_table(page_table, cache_batch_idx)
     lengths = None if cache_seqlens is None else cache_seqlens.contiguous()
-    launch = _prepare_kvcache_fwd(q, k_cache, v_cache, seqlen_k, table, softmax_scale, causal, num_splits, backend)
-    return launch.run(q, k_cache, v_cache, out, lse, table, lengths)
+    launch = _prepare_kvcache_fwd(q, k_cache, v_cache, seqlen_k, table, softmax_scale, causal, num_splits, backend,
+                                  scales)
+    return launch.run(q, k_cache, v_cache, out, lse, table, lengths, scales)
 
 
 def kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -549,9 +570,21 @@ def kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     q's device: the counts after any append), or to ``seqlen_k`` keys each when cache_seqlens is None;
     ``seqlen_k`` bounds them all otherwise (the capacity). Arguments as flash_attn_with_kvcache's, validated;
     ``backend`` resolved ("sm90", "sm80" or "reference"); ``num_splits`` 0: the heuristic."""
+    return _kvcache_fwd(q, k_cache, v_cache, cache_seqlens, seqlen_k, page_table, cache_batch_idx, softmax_scale,
+                        causal, num_splits, backend)
+
+
+def _kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor | None,
+                 seqlen_k: int, page_table: torch.Tensor | None, cache_batch_idx: torch.Tensor | None,
+                 softmax_scale: float, causal: bool, num_splits: int, backend: str,
+                 scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     out, lse = _empty_outputs(q, v_cache)
     if backend == "reference":
         dtype = torch.float64 if (not q.is_cuda or q.dtype == torch.float64) else torch.float32
+        if scales is not None:  # the e4m3 cache's values as stored (q has K's transform already)
+            k_cache = kvcache_fp8.dequantize_kv_cache(k_cache, scales[0], None, dtype)
+            v_cache = kvcache_fp8.dequantize_kv_cache(v_cache, scales[1], None, dtype)
+            q = q.to(dtype)
         ref_out, ref_lse = reference.attention_kvcache_ref(q, k_cache, v_cache,
                                                            seqlen_k if cache_seqlens is None else cache_seqlens,
                                                            page_table, cache_batch_idx, softmax_scale, causal,
@@ -566,7 +599,7 @@ def kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             lse.fill_(-math.inf)
         else:
             _launch_kvcache_fwd(q, k_cache, v_cache, cache_seqlens, seqlen_k, page_table, cache_batch_idx, out, lse,
-                                softmax_scale, causal, num_splits, backend)
+                                softmax_scale, causal, num_splits, backend, scales)
     else:
         raise ValueError(f"backend must be 'sm90', 'sm80' or 'reference' for a KV cache, got {backend!r}")
     return out, lse
@@ -580,6 +613,60 @@ def _(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqle
       seqlen_k: int, page_table: Optional[torch.Tensor], cache_batch_idx: Optional[torch.Tensor],  # noqa: UP045
       softmax_scale: float, causal: bool, num_splits: int, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     return _empty_outputs(q, v_cache)
+
+
+def kvcache_fwd_fp8(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_cache_scale: torch.Tensor,
+                    v_cache_scale: torch.Tensor, cache_seqlens: Optional[torch.Tensor], seqlen_k: int,  # noqa: UP045
+                    page_table: Optional[torch.Tensor], cache_batch_idx: Optional[torch.Tensor],  # noqa: UP045
+                    softmax_scale: float, causal: bool, num_splits: int,
+                    backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """kvcache_fwd over an e4m3 cache with its per-token scales (kvcache_fp8), q already transformed as K's rows
+    are (kvcache_fp8.transform_q). Backends "sm90" and "reference"."""
+    return _kvcache_fwd(q, k_cache, v_cache, cache_seqlens, seqlen_k, page_table, cache_batch_idx, softmax_scale,
+                        causal, num_splits, backend, (k_cache_scale, v_cache_scale))
+
+
+kvcache_fwd_fp8_op = _op.define("kvcache_fwd_fp8", kvcache_fwd_fp8, autocast=())
+
+
+@torch.library.register_fake("flashhopper::kvcache_fwd_fp8")
+def _(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_cache_scale: torch.Tensor,
+      v_cache_scale: torch.Tensor, cache_seqlens: Optional[torch.Tensor], seqlen_k: int,  # noqa: UP045
+      page_table: Optional[torch.Tensor], cache_batch_idx: Optional[torch.Tensor],  # noqa: UP045
+      softmax_scale: float, causal: bool, num_splits: int, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return _empty_outputs(q, v_cache)
+
+
+# --- the e4m3 cache's append: flashhopper::kvcache_append_fp8 ---
+
+def kvcache_append_fp8(k_cache: torch.Tensor, v_cache: torch.Tensor, k_cache_scale: torch.Tensor,
+                       v_cache_scale: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       cache_seqlens: Optional[torch.Tensor], seqlen_offset: int,  # noqa: UP045
+                       page_table: Optional[torch.Tensor], cache_batch_idx: Optional[torch.Tensor],  # noqa: UP045
+                       hadamard_seed: Optional[int]) -> None:  # noqa: UP045
+    """kvcache_append into an e4m3 cache: each new row quantized with its own scale (kvcache_fp8.quantize_rows; K
+    with ``hadamard_seed``'s transform), data and scale written at the row's place. torch ops with device indices
+    (graph-capturable)."""
+    if k.numel() == 0:
+        return
+    index = _append_index(k_cache, k, cache_seqlens, seqlen_offset, page_table, cache_batch_idx)
+    for cache, scale, x, seed in ((k_cache, k_cache_scale, k, hadamard_seed), (v_cache, v_cache_scale, v, None)):
+        data, s = kvcache_fp8.quantize_rows(x, seed)   # (b, s_new, h, d), (b, s_new, h)
+        cache.index_put_(index, data)
+        # scale (pages, heads, page_size): the same (page, row) pairs, heads in between
+        scale.permute(0, 2, 1).index_put_(index, s)
+
+
+kvcache_append_fp8_op = _op.define("kvcache_append_fp8", kvcache_append_fp8, autocast=(),
+                                   mutates_args=("k_cache", "v_cache", "k_cache_scale", "v_cache_scale"))
+
+
+@torch.library.register_fake("flashhopper::kvcache_append_fp8")
+def _(k_cache: torch.Tensor, v_cache: torch.Tensor, k_cache_scale: torch.Tensor, v_cache_scale: torch.Tensor,
+      k: torch.Tensor, v: torch.Tensor, cache_seqlens: Optional[torch.Tensor], seqlen_offset: int,  # noqa: UP045
+      page_table: Optional[torch.Tensor], cache_batch_idx: Optional[torch.Tensor],  # noqa: UP045
+      hadamard_seed: Optional[int]) -> None:  # noqa: UP045
+    return None
 
 
 # --- the eager fast path (issue #20's, for this entry point) ---
@@ -662,7 +749,9 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             cache_batch_idx: torch.Tensor | None = ..., softmax_scale: float | None = ...,
                             causal: bool = ..., num_splits: int = ..., return_lse: Literal[False] = ...,
                             backend: str | None = ..., *, window_size: tuple[int, int] = ...,
-                            softcap: float = ...) -> torch.Tensor: ...
+                            softcap: float = ..., k_cache_scale: torch.Tensor | None = ...,
+                            v_cache_scale: torch.Tensor | None = ...,
+                            hadamard_seed: int | None = ...) -> torch.Tensor: ...
 
 
 @overload
@@ -672,7 +761,9 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             cache_batch_idx: torch.Tensor | None = ..., softmax_scale: float | None = ...,
                             causal: bool = ..., num_splits: int = ..., *, return_lse: Literal[True],
                             backend: str | None = ..., window_size: tuple[int, int] = ...,
-                            softcap: float = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
+                            softcap: float = ..., k_cache_scale: torch.Tensor | None = ...,
+                            v_cache_scale: torch.Tensor | None = ...,
+                            hadamard_seed: int | None = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -681,7 +772,9 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             cache_batch_idx: torch.Tensor | None = None, softmax_scale: float | None = None,
                             causal: bool = True, num_splits: int = 0, return_lse: bool = False,
                             backend: str | None = None, *, window_size: tuple[int, int] = (-1, -1),
-                            softcap: float = 0.0) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                            softcap: float = 0.0, k_cache_scale: torch.Tensor | None = None,
+                            v_cache_scale: torch.Tensor | None = None,
+                            hadamard_seed: int | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention of new queries over a KV cache, optionally appending new keys and values to it first
     (flash-attn's ``flash_attn_with_kvcache``: decode, and chunked prefill).
 
@@ -715,8 +808,14 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
     Not differentiable (an inference entry point, as flash-attn's): inputs that require grad are read as
     detached, the result has no gradient. Not supported yet: window_size other than (-1, -1) and softcap other
-    than 0 (NotImplementedError), sinks, fp8 caches, rotary embeddings, cache_leftpad and ALiBi (no such
-    arguments). Under CUDA autocast q, k and v run in the autocast dtype, like SDPA's inputs; the caches are
+    than 0 (NotImplementedError), sinks, rotary embeddings, cache_leftpad and ALiBi (no such arguments).
+
+    e4m3 caches (the Hopper kernel; docs/kvcache-fp8.md, kvcache_fp8.py): k_cache and v_cache of
+    torch.float8_e4m3fn with k_cache_scale / v_cache_scale float32 (num_pages, nheads_kv, page_size) (contiguous
+    caches: (batch_cache, nheads_kv, max_seqlen)), one scale per token and kv head, tokens contiguous; q, k and v
+    16-bit. New k/v rows are quantized into the cache (each row its own scale; K transformed by the random-sign
+    Hadamard of ``hadamard_seed`` first, when given, and q then gets the same transform in the call: pass the seed
+    the cache was written with on every call). kvcache_fp8.quantize_kv_cache converts a 16-bit cache. Under CUDA autocast q, k and v run in the autocast dtype, like SDPA's inputs; the caches are
     never cast (their dtype must be that one). No host synchronization on the kernel path: the call (append
     included) can be captured in a CUDA graph and replayed with cache_seqlens and page_table changed in place.
 
@@ -727,8 +826,10 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     Returns out (batch, seqlen_q, nheads_q, headdim_v) like q, or (out, lse).
     """
     key = None
-    # (FLASHHOPPER_DEBUG_KVCACHE's value checks are per call: the full path runs them.)
-    if _plans.direct() and os.environ.get(DEBUG_ENV) != "1":
+    fp8 = any(isinstance(x, torch.Tensor) and x.dtype == kvcache_fp8.E4M3 for x in (k_cache, v_cache))
+    # (FLASHHOPPER_DEBUG_KVCACHE's value checks are per call: the full path runs them. e4m3 caches: no fast path
+    # yet.)
+    if _plans.direct() and os.environ.get(DEBUG_ENV) != "1" and not fp8 and k_cache_scale is None:
         key = _call_key(q, k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx, softmax_scale, causal,
                         num_splits, return_lse, backend, window_size, softcap)
         plan = None if key is None else _PLANS.get(key)
@@ -739,19 +840,29 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if _autocast.enabled():
         q, k, v = _autocast.cast(q, k, v)
     shapes, scale = check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx,
-                                         softmax_scale, causal, num_splits)
+                                         softmax_scale, causal, num_splits, fp8)
+    if fp8:
+        kvcache_fp8.check_fp8_cache(k_cache, v_cache, k_cache_scale, v_cache_scale, hadamard_seed, q)
+    elif k_cache_scale is not None or v_cache_scale is not None or hadamard_seed is not None:
+        raise ValueError("k_cache_scale, v_cache_scale and hadamard_seed are for e4m3 caches; these caches are "
+                         f"{k_cache.dtype}")
     validation.check_flag("return_lse", return_lse)
     check_unsupported(window_size, softcap)
-    name = resolve_backend(q, shapes, causal, backend)
+    name = resolve_backend(q, shapes, causal, backend, "e4m3" if fp8 else "on")
     if name != "reference":
         _check_kernel_layouts(q, k_cache, v_cache)
     if not torch.compiler.is_compiling() and (not q.is_cuda or os.environ.get(DEBUG_ENV) == "1"):
         check_kvcache_values(shapes, cache_seqlens, page_table, cache_batch_idx)
     lengths = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None
     with torch.no_grad():
-        if k is not None:
-            kvcache_append_op(k_cache, v_cache, k, v, lengths, 0 if lengths is not None else int(cache_seqlens),
-                              page_table, cache_batch_idx)
+        offset = 0 if lengths is not None or cache_seqlens is None else int(cache_seqlens)
+        seed = None if hadamard_seed is None else seed_int64(hadamard_seed)
+        if k is not None and fp8:
+            assert k_cache_scale is not None and v_cache_scale is not None  # (check_fp8_cache)
+            kvcache_append_fp8_op(k_cache, v_cache, k_cache_scale, v_cache_scale, k, v, lengths, offset, page_table,
+                                  cache_batch_idx, seed)
+        elif k is not None:
+            kvcache_append_op(k_cache, v_cache, k, v, lengths, offset, page_table, cache_batch_idx)
         if lengths is not None:
             # Each entry's keys after the append, made on the device (graph-safe); the capacity bounds them.
             if shapes.seqlen_new:
@@ -759,8 +870,13 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             seqlen_k = shapes.capacity
         else:  # every entry has the same keys: the kernel takes the count alone
             seqlen_k = shapes.capacity if cache_seqlens is None else int(cache_seqlens) + shapes.seqlen_new
-        out, lse = kvcache_fwd_op(q, k_cache, v_cache, lengths, seqlen_k, page_table, cache_batch_idx, scale, causal,
-                                  int(num_splits), name)
+        if fp8:
+            out, lse = kvcache_fwd_fp8_op(kvcache_fp8.transform_q(q, seed), k_cache, v_cache, k_cache_scale,
+                                          v_cache_scale, lengths, seqlen_k, page_table, cache_batch_idx, scale, causal,
+                                          int(num_splits), name)
+        else:
+            out, lse = kvcache_fwd_op(q, k_cache, v_cache, lengths, seqlen_k, page_table, cache_batch_idx, scale,
+                                      causal, int(num_splits), name)
     if key is not None and name in KVCACHE_BACKENDS:
         plan = _plan_of(q, k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx, shapes, seqlen_k, scale,
                         causal, int(num_splits), name)

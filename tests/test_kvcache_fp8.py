@@ -1,0 +1,138 @@
+"""The e4m3 KV cache's format and API on the CPU (the kernels: test_kvcache_fp8_gpu.py): quantization of rows and
+its error bound, the Hadamard transform q gets, quantized appends at the right places, the reference path against
+float64 attention over the dequantized cache, and every bad argument refused before anything runs."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from flashhopper import attention_kvcache_ref, flash_attn_with_kvcache, kvcache_fp8
+from flashhopper.reference import kvcache_entry
+
+E4M3 = torch.float8_e4m3fn
+
+
+def test_quantize_rows_bound_and_zero_rows() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(5, 7, 3, 64, dtype=torch.float64) * torch.logspace(-3, 3, 7, dtype=torch.float64)[None, :, None, None]
+    x[0, 0, 0] = 0
+    data, scale = kvcache_fp8.quantize_rows(x)
+    assert data.dtype == E4M3 and data.shape == x.shape and scale.shape == x.shape[:-1] and scale.dtype == torch.float32
+    amax = x.abs().amax(-1)
+    assert torch.allclose(scale.double()[amax > 0], (amax / 448)[amax > 0], rtol=1e-6)
+    assert scale[0, 0, 0] == 1 and (data[0, 0, 0].float() == 0).all()
+    back = kvcache_fp8.dequantize_rows(data, scale, dtype=torch.float64)
+    # e4m3: 3 mantissa bits (half an ulp: 2^-4 relative), subnormal steps of 2^-9 in the scaled units
+    bound = x.abs() * 2.0**-4 + scale.double()[..., None] * 2.0**-9 * 1.001
+    assert ((back - x).abs() <= bound).all()
+    assert (data.float().abs().amax(-1)[amax > 0] == 448).all()  # the row's largest element lands on 448
+
+
+def test_hadamard_keeps_dot_products() -> None:
+    torch.manual_seed(1)
+    q = torch.randn(3, 128, dtype=torch.float64)
+    k = torch.randn(9, 128, dtype=torch.float64)
+    qt = kvcache_fp8.transform_q(q, 1234)
+    kt = kvcache_fp8.transform_q(k, 1234)
+    assert torch.allclose(qt @ kt.T, q @ k.T, atol=1e-4)
+    assert not torch.allclose(qt, q)
+    assert kvcache_fp8.transform_q(q, None) is q
+    data, scale = kvcache_fp8.quantize_rows(k, 1234)
+    back = kvcache_fp8.dequantize_rows(data, scale, 1234, torch.float64)  # the inverse transform applied
+    assert ((back - k).norm() / k.norm()).item() < 0.05
+
+
+def paged(batch: int, per: int, page: int, hkv: int, d: int, seed: int = 0
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    kc = torch.randn(batch * per + 2, page, hkv, d, generator=g).bfloat16()
+    vc = torch.randn(batch * per + 2, page, hkv, d, generator=g).bfloat16()
+    table = torch.randperm(batch * per + 2, generator=g)[:batch * per].view(batch, per).to(torch.int32)
+    return kc, vc, table
+
+
+@pytest.mark.parametrize("seed", [None, 77])
+def test_reference_path_and_append(seed: int | None) -> None:
+    """Append 3 tokens across a page boundary into an e4m3 cache, attend (reference backend): the cache holds the
+    quantized rows at their places, and out matches float64 attention over the dequantized original-domain values."""
+    torch.manual_seed(2)
+    b, hq, hkv, d, page = 2, 8, 2, 64, 16
+    kc, vc, table = paged(b, 4, page, hkv, d)
+    k8, v8, ks, vs = kvcache_fp8.quantize_kv_cache(kc, vc, seed)
+    lens = torch.tensor([14, 30], dtype=torch.int32)
+    q = torch.randn(b, 2, hq, d).bfloat16()
+    k = torch.randn(b, 3, hkv, d).bfloat16()
+    v = torch.randn(b, 3, hkv, d).bfloat16()
+    out, lse = flash_attn_with_kvcache(q, k8, v8, k, v, cache_seqlens=lens, page_table=table, return_lse=True,
+                                       k_cache_scale=ks, v_cache_scale=vs, hadamard_seed=seed)
+    kq, kqs = kvcache_fp8.quantize_rows(k, seed)
+    vq, vqs = kvcache_fp8.quantize_rows(v)
+    for i, n in enumerate(lens.tolist()):
+        assert torch.equal(kvcache_entry(k8, i, n + 3, table)[n:].view(torch.uint8), kq[i].view(torch.uint8))
+        assert torch.equal(kvcache_entry(v8, i, n + 3, table)[n:].view(torch.uint8), vq[i].view(torch.uint8))
+        assert torch.equal(kvcache_entry(ks.transpose(1, 2), i, n + 3, table)[n:], kqs[i])
+        assert torch.equal(kvcache_entry(vs.transpose(1, 2), i, n + 3, table)[n:], vqs[i])
+    kd = kvcache_fp8.dequantize_kv_cache(k8, ks, seed, torch.float64)
+    vd = kvcache_fp8.dequantize_kv_cache(v8, vs, None, torch.float64)
+    ref, ref_lse = attention_kvcache_ref(q.double(), kd, vd, lens + 3, table, dtype=torch.float64)
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    assert err < 2e-2, err  # q's transform rounded to bf16, out rounded to bf16
+    assert torch.allclose(lse.double(), ref_lse, atol=2e-2)
+
+
+def test_contiguous_cache() -> None:
+    torch.manual_seed(3)
+    kc = torch.randn(3, 32, 1, 128).half()
+    vc = torch.randn(3, 32, 1, 128).half()
+    k8, v8, ks, vs = kvcache_fp8.quantize_kv_cache(kc, vc)
+    assert ks.shape == (3, 1, 32)
+    q = torch.randn(3, 1, 4, 128).half()
+    lens = torch.tensor([0, 5, 32], dtype=torch.int32)
+    out = flash_attn_with_kvcache(q, k8, v8, cache_seqlens=lens, k_cache_scale=ks, v_cache_scale=vs)
+    assert out.dtype == torch.float16 and (out[0] == 0).all()
+    ref, _ = attention_kvcache_ref(q.double(), kc.double(), vc.double(), lens, dtype=torch.float64)
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 0.1  # e4m3's error over the original values
+
+
+def bad_calls() -> list[tuple[type[Exception], str, object]]:
+    kc, vc, table = paged(1, 2, 16, 2, 64)
+    k8, v8, ks, vs = kvcache_fp8.quantize_kv_cache(kc, vc)
+    q = torch.randn(1, 1, 4, 64).bfloat16()
+    lens = torch.tensor([3], dtype=torch.int32)
+
+    def call(**kw: object) -> object:
+        args: dict[str, object] = dict(q=q, k_cache=k8, v_cache=v8, cache_seqlens=lens, page_table=table,
+                                       k_cache_scale=ks, v_cache_scale=vs)
+        args.update(kw)
+        return lambda: flash_attn_with_kvcache(**args)  # type: ignore[arg-type]
+
+    return [
+        (ValueError, "k_cache_scale is required", call(k_cache_scale=None)),
+        (TypeError, "must be torch.float32", call(v_cache_scale=vs.double())),
+        (ValueError, "must have shape", call(k_cache_scale=ks[:, :1])),
+        (ValueError, "same strides", call(v_cache_scale=torch.zeros(vs.shape[0], vs.shape[1], 32)[..., :16])),
+        (TypeError, "needs both k_cache and v_cache e4m3", call(v_cache=vc)),
+        (ValueError, "are for e4m3 caches", call(k_cache=kc, v_cache=vc)),
+        (TypeError, "q's dtype", call(k=torch.randn(1, 1, 2, 64), v=torch.randn(1, 1, 2, 64))),
+        (TypeError, "hadamard_seed must be an int", call(hadamard_seed=1.5)),
+        (ValueError, "multiple of 16 rows", call(k_cache=k8[:1, :8], v_cache=v8[:1, :8], k_cache_scale=ks[:1, :, :8],
+                                                   v_cache_scale=vs[:1, :, :8], page_table=None)),
+        (ValueError, "power-of-two head dim", lambda: kvcache_fp8.quantize_rows(torch.randn(2, 96), 3)),
+        (ValueError, "not e4m3", lambda: kvcache_fp8.quantize_kv_cache(k8, v8)),
+    ]
+
+
+@pytest.mark.parametrize("case", range(11))
+def test_bad_arguments_raise(case: int) -> None:
+    exc, match, fn = bad_calls()[case]
+    with pytest.raises(exc, match=match):
+        fn()  # type: ignore[operator]
+
+
+def test_cache_memory_is_about_half() -> None:
+    kc = torch.zeros(10, 16, 8, 128, dtype=torch.bfloat16)
+    k8, v8, ks, vs = kvcache_fp8.quantize_kv_cache(kc, kc)
+    fp8 = sum(x.numel() * x.element_size() for x in (k8, v8, ks, vs))
+    assert math.isclose(fp8 / (2 * kc.numel() * 2), (128 + 4) / 256)

@@ -1,0 +1,197 @@
+"""The Hopper KV-cache kernel over an e4m3 cache (flash_attn_with_kvcache with k_cache_scale / v_cache_scale) on the
+GPU (skipped here).
+
+Caches are built as in test_kvcache_gpu (random lengths, pages scattered, every unused slot NaN or inf) and quantized
+with kvcache_fp8.quantize_kv_cache, so the unused slots hold NaN data and NaN scales. The kernel must match exact
+float64 attention over the cache's stored values (dequantized, q transformed as K is) to the 16-bit rounding of the
+dequantized values, and exact attention over the original values to fp8's error; appends write exactly the bytes
+and scales quantize_rows gives; a captured decode step replays equal to an eager call.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from test_kvcache_gpu import CAPACITY, lengths_for, poisoned_cache
+
+from flashhopper import _device, _ext, dispatch, flash_attn_with_kvcache, kvcache_fp8
+from flashhopper.kernel_key import VARLEN_HEADDIMS
+from flashhopper.kvcache import CacheShapes, _kvcache_key, _kvcache_mask, resolve_backend
+from flashhopper.reference import attention_kvcache_ref, kvcache_entry
+
+pytestmark = pytest.mark.gpu
+
+
+def require_fp8_kvcache(dtype: torch.dtype, headdim: int, seqlen_q: int, causal: bool) -> None:
+    """Skip where Hopper kernels cannot run or the build was not configured with the e4m3-cache kernel; FAIL when
+    it was configured and is missing, or when dispatch refuses a kernel the build has."""
+    info = _device.device_info(torch.cuda.current_device())
+    if not dispatch.runs_on("sm90", info.capability):
+        pytest.skip(f"e4m3 KV caches are read by the Hopper (sm90) kernels only; this is {info.name}")
+    key = _kvcache_key(dtype, headdim, headdim, _kvcache_mask(seqlen_q, causal), "sm90", "e4m3")
+    if _ext.kernel("fwd", key) is None:
+        if _ext.configured("fwd", key):
+            pytest.fail(f"the build was configured with {key.describe()} but does not have it ({_ext.build_info()})")
+        pytest.skip(f"no fwd kernel {key.describe()} in this build ({_ext.build_info() or _ext.extension_error()}): "
+                    "configure FLASHHOPPER_KVCACHE with e4m3")
+    q = torch.empty(1, seqlen_q, 1, headdim, dtype=dtype, device="cuda")
+    shapes = CacheShapes(1, seqlen_q, 1, 1, headdim, headdim, False, 16, 1, 16, 0)
+    try:
+        resolve_backend(q, shapes, causal, None, "e4m3")
+    except ValueError as e:
+        pytest.fail(f"dispatch refuses the e4m3-cache kernel {key.describe()}, which the build has: {e}")
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((x.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))
+
+
+def check_against_stored(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor,
+                         ks: torch.Tensor, vs: torch.Tensor, lengths: list[int], causal: bool,
+                         table: torch.Tensor | None, seed: int | None) -> None:
+    """out / lse finite, and against float64 attention over the stored values (q transformed as K's rows):
+    ||out - ref|| / ||ref|| within the 16-bit rounding of the dequantized values and of out."""
+    assert torch.isfinite(out).all(), "out is not finite (a poisoned slot was read?)"
+    assert not torch.isnan(lse).any() and not torch.isposinf(lse).any(), "lse has NaN or +inf"
+    qt = kvcache_fp8.transform_q(q.double(), seed)
+    kd = kvcache_fp8.dequantize_kv_cache(k8, ks, None, torch.float64)
+    vd = kvcache_fp8.dequantize_kv_cache(v8, vs, None, torch.float64)
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    ref, ref_lse = attention_kvcache_ref(qt, kd, vd, lens, table, causal=causal, dtype=torch.float64)
+    err = rel_err(out, ref)
+    assert err < 1.5e-2, f"||out - ref|| / ||ref|| = {err:.3g} over the stored e4m3 values"
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(seen, torch.isfinite(lse)), "rows without keys differ"
+    assert (lse[seen].double() - ref_lse[seen]).abs().max().item() < 2e-2
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlen_q", [1, 4, 100])
+@pytest.mark.parametrize("layout", [None, 16, 64, 128], ids=lambda x: "contiguous" if x is None else f"paged{x}")
+@pytest.mark.parametrize("d", list(VARLEN_HEADDIMS))
+def test_matches_reference(d: int, layout: int | None, seqlen_q: int, causal: bool) -> None:
+    i = [None, 16, 64, 128].index(layout) + VARLEN_HEADDIMS.index(d) + seqlen_q
+    dtype = (torch.bfloat16, torch.float16)[i % 2]
+    hq, hkv = ((32, 8), (8, 8), (8, 1))[i % 3]
+    seed = (None, 1234)[i % 2]
+    require_fp8_kvcache(dtype, d, seqlen_q, causal)
+    torch.manual_seed(i)
+    batch = 6
+    lengths = lengths_for(batch, CAPACITY, layout or 64, rng=random.Random(i))
+    kc, vc, table, _, _ = poisoned_cache(batch, hkv, d, dtype, lengths, layout, seed=i)
+    k8, v8, ks, vs = kvcache_fp8.quantize_kv_cache(kc, vc, seed)
+    assert not torch.isfinite(k8.float()).all(), "the poison did not reach the cache"
+    q = torch.randn(batch, seqlen_q, hq, d, dtype=dtype, device="cuda")
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    out, lse = flash_attn_with_kvcache(q, k8, v8, cache_seqlens=lens, page_table=table, causal=causal,
+                                       return_lse=True, k_cache_scale=ks, v_cache_scale=vs, hadamard_seed=seed)
+    check_against_stored(out, lse, q, k8, v8, ks, vs, lengths, causal, table, seed)
+    # and against the original 16-bit values: fp8's error (3 mantissa bits), not more
+    ref, _ = attention_kvcache_ref(q.double(), kc.double(), vc.double(), lens, table, causal=causal,
+                                   dtype=torch.float64)
+    err = rel_err(out, ref)
+    assert err < 0.1, f"||out - ref|| / ||ref|| = {err:.3g} over the original values"
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 5, 0])
+@pytest.mark.parametrize("layout", [None, 16], ids=["contiguous", "paged16"])
+def test_splits(num_splits: int, layout: int | None) -> None:
+    require_fp8_kvcache(torch.bfloat16, 128, 1, True)
+    torch.manual_seed(num_splits)
+    lengths = [1000, 0, 17, 1024]
+    kc, vc, table, _, _ = poisoned_cache(4, 8, 128, torch.bfloat16, lengths, layout, seed=num_splits)
+    k8, v8, ks, vs = kvcache_fp8.quantize_kv_cache(kc, vc, 7)
+    q = torch.randn(4, 1, 32, 128, dtype=torch.bfloat16, device="cuda")
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    out, lse = flash_attn_with_kvcache(q, k8, v8, cache_seqlens=lens, page_table=table, num_splits=num_splits,
+                                       return_lse=True, k_cache_scale=ks, v_cache_scale=vs, hadamard_seed=7)
+    check_against_stored(out, lse, q, k8, v8, ks, vs, lengths, True, table, 7)
+
+
+@pytest.mark.parametrize("seqlen_new", [1, 16])
+@pytest.mark.parametrize("layout", [None, 16], ids=["contiguous", "paged16"])
+def test_append(seqlen_new: int, layout: int | None) -> None:
+    """New rows land quantized (bytes and scales as quantize_rows gives them) at each entry's positions, across page
+    boundaries, and the attention sees them."""
+    require_fp8_kvcache(torch.bfloat16, 64, 1, True)
+    torch.manual_seed(seqlen_new)
+    batch, hkv, d, seed = 5, 2, 64, 99
+    lengths = lengths_for(batch, CAPACITY, 16, seqlen_new, random.Random(seqlen_new))
+    kc, vc, table, _, _ = poisoned_cache(batch, hkv, d, torch.bfloat16, lengths, layout)
+    k8, v8, ks, vs = kvcache_fp8.quantize_kv_cache(kc, vc, seed)
+    k = torch.randn(batch, seqlen_new, hkv, d, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn_like(k)
+    q = torch.randn(batch, 1, 8, d, dtype=torch.bfloat16, device="cuda")
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    out, lse = flash_attn_with_kvcache(q, k8, v8, k, v, cache_seqlens=lens, page_table=table, return_lse=True,
+                                       k_cache_scale=ks, v_cache_scale=vs, hadamard_seed=seed)
+    kq, kqs = kvcache_fp8.quantize_rows(k, seed)
+    vq, vqs = kvcache_fp8.quantize_rows(v, None)
+    for b, n in enumerate(lengths):
+        got_k = kvcache_entry(k8, b, n + seqlen_new, table)[n:]
+        got_v = kvcache_entry(v8, b, n + seqlen_new, table)[n:]
+        got_ks = kvcache_entry(ks.transpose(1, 2), b, n + seqlen_new, table)[n:]
+        got_vs = kvcache_entry(vs.transpose(1, 2), b, n + seqlen_new, table)[n:]
+        assert torch.equal(got_k.view(torch.uint8), kq[b].view(torch.uint8)) and torch.equal(got_ks, kqs[b])
+        assert torch.equal(got_v.view(torch.uint8), vq[b].view(torch.uint8)) and torch.equal(got_vs, vqs[b])
+    check_against_stored(out, lse, q, k8, v8, ks, vs, [n + seqlen_new for n in lengths], True, table, seed)
+
+
+def test_cuda_graph_decode_step() -> None:
+    """Append one token and attend, captured once; replays with new lengths and page tables equal eager calls."""
+    require_fp8_kvcache(torch.bfloat16, 128, 1, True)
+    torch.manual_seed(3)
+    batch, seed = 4, 5
+    lengths = [10, 500, 0, 1000]
+    kc, vc, table, _, _ = poisoned_cache(batch, 8, 128, torch.bfloat16, lengths, 16, spare_pages=64)
+    kc = torch.where(torch.isfinite(kc), kc, torch.randn_like(kc))
+    vc = torch.where(torch.isfinite(vc), vc, torch.randn_like(vc))
+    k8, v8, ks, vs = kvcache_fp8.quantize_kv_cache(kc, vc, seed)
+    q = torch.randn(batch, 1, 32, 128, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(batch, 1, 8, 128, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn_like(k)
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+
+    def step() -> tuple[torch.Tensor, torch.Tensor]:
+        return flash_attn_with_kvcache(q, k8, v8, k, v, cache_seqlens=lens, page_table=table, return_lse=True,
+                                       k_cache_scale=ks, v_cache_scale=vs, hadamard_seed=seed)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = step()
+    rng = random.Random(3)
+    for _ in range(3):
+        new = [rng.randint(0, CAPACITY - 1) for _ in range(batch)]
+        lens.copy_(torch.tensor(new, dtype=torch.int32))
+        table.copy_(torch.randperm(k8.shape[0], device="cuda")[:table.numel()].view_as(table).to(torch.int32))
+        k.normal_()
+        v.normal_()
+        graph.replay()
+        got = (out.clone(), lse.clone())
+        eager = step()
+        assert torch.equal(got[0], eager[0]) and torch.equal(got[1], eager[1]), f"replay differs for lengths {new}"
+        check_against_stored(got[0], got[1], q, k8, v8, ks, vs, [n + 1 for n in new], True, table, seed)
+
+
+def test_compile_fullgraph() -> None:
+    require_fp8_kvcache(torch.bfloat16, 128, 1, True)
+    kc = torch.randn(8, 16, 2, 128, dtype=torch.bfloat16, device="cuda")
+    k8, v8, ks, vs = kvcache_fp8.quantize_kv_cache(kc, torch.randn_like(kc), 1)
+    table = torch.arange(8, dtype=torch.int32, device="cuda").view(2, 4)
+    q = torch.randn(2, 1, 8, 128, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(2, 1, 2, 128, dtype=torch.bfloat16, device="cuda")
+    lens = torch.tensor([5, 40], dtype=torch.int32, device="cuda")
+
+    def f(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        return flash_attn_with_kvcache(q, k8, v8, k, k, cache_seqlens=lens, page_table=table, k_cache_scale=ks,
+                                       v_cache_scale=vs, hadamard_seed=1)
+
+    eager = f(q, k)
+    compiled = torch.compile(f, fullgraph=True)(q, k)
+    assert torch.equal(eager, compiled)

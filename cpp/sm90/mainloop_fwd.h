@@ -512,8 +512,8 @@ struct FwdMainloop {
       Tensor sKs16 = make_tensor(make_smem_ptr(ts.smem_ks16.data()), SmemLayoutScale16{});
       Tensor sVs16 = make_tensor(make_smem_ptr(ts.smem_vs16.data()), SmemLayoutScale16{});
       // K: factor = scale x kConvertFactor. V: factor = scale / (the block's largest), and the block's largest x
-      // kConvertFactor its descale (smem_vmax16), which the consumers fold into O's rescale as the fp8 path does:
-      // P x factor <= P then rounds to 16 bits without underflow, whatever the scales' magnitude (fp16 too).
+      // kConvertFactor as its descale (smem_vmax16); the consumers multiply P by factor x (descale / the first V
+      // block's descale) and O by the first one's at the end, so P's factors stay near 1 whatever the scales' size.
       auto one = [&](PipelineCache& from, PipelineStateCache& read, Pipeline& to, PipelineState& write, auto const& s8,
                      auto const& scale, auto const& s16, auto const& scale16, int n_block, auto is_v) {
         constexpr int kVecs = decltype(size<1>(s8))::value / 16;  // 16-element vectors per row

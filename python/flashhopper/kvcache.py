@@ -526,9 +526,9 @@ def _prepare_kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     p.rows_per_query = (hq // hkv) if _packs_gqa(sq, hq, hkv) else 1
     if scales is not None:  # (pages, kv heads, page_size), tokens contiguous; K's and V's strides are equal
         if not kvcache_fp8.scale_layout_ok(scales[0]) or not kvcache_fp8.scale_layout_ok(scales[1]):
-            raise ValueError("k_cache_scale / v_cache_scale must start 16-byte aligned with page and head strides "
-                             "(and the page size) multiples of 4 elements: call .contiguous() on a page size "
-                             "that is a multiple of 4")
+            raise ValueError("k_cache_scale / v_cache_scale must start 16-byte aligned, with page and head strides "
+                             "of a multiple of 4 elements and pages of a multiple of 16 rows (.contiguous() gives "
+                             "that)")
         p.k_scale_batch_stride, p.k_scale_head_stride = kvcache_fp8.scale_strides(scales[0])
         p.v_scale_batch_stride, p.v_scale_head_stride = p.k_scale_batch_stride, p.k_scale_head_stride
     _launch.fill_device(p, q)

@@ -3,6 +3,9 @@
 //   warpgroup 0      producer: lowers its registers (setmaxnreg) and one thread issues all TMA; with an e4m3 KV
 //                    cache its warps 1-3 convert the e4m3 stages into the 16-bit ones (Mainloop::convert)
 //   warpgroups 1..W  consumers: raise their registers; each owns 64 query rows of the tile
+// One-consumer mode (KV caches whose tiles hold at most 64 rows, Mainloop::Params::one_consumer): warpgroup 1
+// leaves the K/V stages to warpgroup 0 (half the GEMM work of a decode step's tile, whose rows beyond 64 are
+// padding); with an e4m3 cache it converts stages beside the producer's warps 1-3.
 // Each tile's batch entry has its own bounds (the mainloop's seqlen_info and block_info): a tile past
 // the entry's last row is skipped, one whose rows see no key gets O = 0 and LSE = -inf (or the sink).
 #pragma once
@@ -108,23 +111,29 @@ struct FwdKernel {
     // K/V stages: TMA -> consumers; with an e4m3 cache TMA -> converter warps (PipelineCache) -> consumers.
     using PipelineCache = typename Mainloop::PipelineCache;
     bool const is_converter = Mainloop::kFp8Cache && is_producer && warp_idx_in_wg > 0;
+    bool const one_consumer = params.mainloop.one_consumer;
+    bool const wg1_converts = Mainloop::kFp8Cache && one_consumer && warp_group_idx == 2;
+    int const num_convert = Mainloop::kNumConvertThreads + (one_consumer ? cutlass::NumThreadsPerWarpGroup : 0);
+    uint32_t const num_kv_consumers = one_consumer ? cutlass::NumThreadsPerWarpGroup : Mainloop::kNumMmaThreads;
     auto make_kv_pipelines = [&] {
       if constexpr (Mainloop::kFp8Cache) {
         typename PipelineCache::Params c_params;
-        c_params.transaction_bytes = Mainloop::kKCacheStageBytes;
+        // (Blocks copied chunk by chunk: the data alone; the converters read the scales.)
+        uint32_t const scale_bytes = params.mainloop.kv_blocks.whole_blocks ? 0 : Mainloop::kCacheScaleBytes;
+        c_params.transaction_bytes = Mainloop::kKCacheStageBytes - scale_bytes;
         c_params.role = is_producer && warp_idx_in_wg == 0 ? PipelineCache::ThreadCategory::Producer
                                                            : PipelineCache::ThreadCategory::Consumer;
         c_params.is_leader = is_producer && thread_idx == 0;
-        c_params.num_consumers = Mainloop::kNumConvertThreads;
+        c_params.num_consumers = num_convert;
         PipelineCache k8(ss.barriers.pipeline_k8, c_params, Shape<_1, _1, _1>{});
-        c_params.transaction_bytes = Mainloop::kVCacheStageBytes;
+        c_params.transaction_bytes = Mainloop::kVCacheStageBytes - scale_bytes;
         PipelineCache v8(ss.barriers.pipeline_v8, c_params, Shape<_1, _1, _1>{});
         typename Pipeline::Params a_params;
-        a_params.role = is_converter ? Pipeline::ThreadCategory::Producer
+        a_params.role = is_converter || wg1_converts ? Pipeline::ThreadCategory::Producer
                         : is_producer ? Pipeline::ThreadCategory::NonParticipant
                                       : Pipeline::ThreadCategory::Consumer;
-        a_params.producer_arv_count = Mainloop::kNumConvertThreads;
-        a_params.consumer_arv_count = Mainloop::kNumMmaThreads;
+        a_params.producer_arv_count = num_convert;
+        a_params.consumer_arv_count = num_kv_consumers;
         Pipeline k(ss.barriers.pipeline_k, a_params);
         Pipeline v(ss.barriers.pipeline_v, a_params);
         return cute::make_tuple(k, v, k8, v8);
@@ -133,7 +142,7 @@ struct FwdKernel {
         kv_params.transaction_bytes = Mainloop::kKStageBytes;
         kv_params.role = is_producer ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
         kv_params.is_leader = is_producer && thread_idx == 0;
-        kv_params.num_consumers = Mainloop::kNumMmaThreads;
+        kv_params.num_consumers = num_kv_consumers;
         Pipeline k(ss.barriers.pipeline_k, kv_params, Shape<_1, _1, _1>{});
         kv_params.transaction_bytes = Mainloop::kVStageBytes;
         Pipeline v(ss.barriers.pipeline_v, kv_params, Shape<_1, _1, _1>{});
@@ -224,9 +233,9 @@ struct FwdKernel {
         for (int tile = Scheduler::initial(sched); tile < total_tiles; tile = Scheduler::next(sched, tile, total_tiles)) {
           TileWork const t = tile_work(params, tile);
           if (t.has_rows && t.has_keys) {
-            Mainloop::convert(pipeline_load_k, pipeline_load_v, pipeline_k, pipeline_v, read_k8, read_v8, write_k,
-                              write_v, ss.tensors, t.seq, t.block_info, t.tile.m_block,
-                              thread_idx - cutlass::NumThreadsPerWarp);
+            Mainloop::convert(params.mainloop, pipeline_load_k, pipeline_load_v, pipeline_k, pipeline_v, read_k8,
+                              read_v8, write_k, write_v, ss.tensors, t.seq, t.block_info, t.tile.m_block, t.tile.head,
+                              t.tile.batch, thread_idx - cutlass::NumThreadsPerWarp, num_convert);
           }
         }
         }
@@ -235,7 +244,11 @@ struct FwdKernel {
       cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
       int const wg = warp_group_idx - 1;
       int last_entry = -1;  // as the producer's
-      Mainloop::Sched::init(wg);
+      if (!one_consumer) Mainloop::Sched::init(wg);
+      // One-consumer mode, e4m3 cache: warpgroup 1 converts (its own pipeline states, the converters' order).
+      typename Mainloop::PipelineStateCache read_k8, read_v8;
+      auto write_k = cutlass::make_producer_start_state<Pipeline>();
+      auto write_v = cutlass::make_producer_start_state<Pipeline>();
       typename Mainloop::PipelineState read_k, read_v;
       typename Mainloop::PipelineStateQ read_q;
       typename TilePipeline::PipelineState read_tile;
@@ -270,6 +283,19 @@ struct FwdKernel {
         if (!t.has_keys) {
           Epilogue::store_empty(params.epilogue, t.seq, w.m_block, w.head, w.batch, wg, thread_idx,
                                 Mainloop::sink_log2(params.mainloop, w.head) * float(M_LN2), w.split);
+          continue;
+        }
+        if (one_consumer && wg == 1) {  // its rows are padding: no GEMMs, no store
+          if constexpr (Mainloop::kFp8Cache) {
+            Mainloop::template convert<4>(params.mainloop, pipeline_load_k, pipeline_load_v, pipeline_k, pipeline_v,
+                                          read_k8, read_v8, write_k, write_v, ss.tensors, t.seq, t.block_info,
+                                          w.m_block, w.head, w.batch, Mainloop::kNumConvertThreads + thread_idx,
+                                          num_convert);
+          }
+          // The Q stage's release still counts this warpgroup (after its load: phases stay in order).
+          pipeline_q.consumer_wait(read_q);
+          if (thread_idx == 0) pipeline_q.consumer_release(read_q);
+          ++read_q;
           continue;
         }
         Epilogue::begin_tile(params.epilogue, w.batch, thread_idx, w.batch != last_entry);

@@ -79,11 +79,12 @@ struct PagedKVBlocks {
   // `block_pages` are the kv head's (page_size, headdim, page) tensor as the atoms `tma` ((kChunkRows, kPanel)
   // boxes) and `tma_block` (a whole block, tile BlockTile) see it.
   // kUpfront: all the chunks' table reads before the first copy (needs 2 x kBlockN / 16 producer registers).
-  // companion(page, row, stage_row): a copy of the same kChunkRows rows of another tensor on the same barrier (an
-  // e4m3 cache's per-token scales), called for each chunk of the block (whole blocks too), page = num_pages for a
-  // chunk past the entry's keys.
+  // companion(page, row, stage_row, rows): a copy of the same rows of another tensor on the same barrier (an e4m3
+  // cache's per-token scales), whole blocks only: one for a block below the entry's end, else one per chunk of
+  // kChunkRows rows, page = num_pages for a chunk past the entry's keys. Blocks copied chunk by chunk leave that
+  // tensor to the caller (each copy is one more request for the TMA unit, whose rate bounds small boxes).
   struct NoCompanion {
-    CUTE_DEVICE void operator()(int, int, int) const {}
+    CUTE_DEVICE void operator()(int, int, int, int) const {}
   };
   template <int kBlockN, int kPanel, class BlockTile, bool kUpfront, class TmaCopy, class TmaBlock, class Pages,
             class BlockPages, class Stage, class Companion = NoCompanion>
@@ -98,10 +99,14 @@ struct PagedKVBlocks {
       auto parts = tma_partition(tma_block, _0{}, Layout<_1>{}, group_modes<0, 2>(stage), group_modes<0, 2>(g));
       copy(tma_block.with(barrier, 0, hint), get<0>(parts), get<1>(parts));
       if constexpr (!std::is_same_v<std::decay_t<Companion>, NoCompanion>) {
-        CUTE_UNROLL
-        for (int c = 0; c < kBlockN / kChunkRows; ++c) {
-          bool const past = n_block * kBlockN + c * kChunkRows >= seqlen_k_;
-          companion(past ? num_pages_ : page, row + c * kChunkRows, c * kChunkRows);
+        if ((n_block + 1) * kBlockN <= seqlen_k_) {  // (then inside the page: whole blocks never cross one)
+          companion(page, row, 0, kBlockN);
+        } else {
+          CUTE_UNROLL
+          for (int c = 0; c < kBlockN / kChunkRows; ++c) {
+            bool const past = n_block * kBlockN + c * kChunkRows >= seqlen_k_;
+            companion(past ? num_pages_ : page, row + c * kChunkRows, c * kChunkRows, kChunkRows);
+          }
         }
       }
       return;
@@ -130,7 +135,6 @@ struct PagedKVBlocks {
       Tensor s = local_tile(stage, Shape<Int<kChunkRows>, Int<kPanel>>{}, make_coord(c, _));  // (16, P, panels)
       auto parts = tma_partition(tma, _0{}, Layout<_1>{}, group_modes<0, 2>(s), group_modes<0, 2>(g));
       copy(tma.with(barrier, 0, hint), get<0>(parts), get<1>(parts));
-      companion(page[slot], chunk[slot] * kChunkRows, c * kChunkRows);
     }
   }
 };

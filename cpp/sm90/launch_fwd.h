@@ -231,6 +231,8 @@ int64_t run_fwd_sm90(FwdParams const& params, cudaStream_t stream) {
     }
     kp.mainloop.kv_blocks = {p.page_table, p.page_table_batch_stride, cutlass::FastDivmod(p.page_size), p.num_pages,
                              whole_blocks};
+    // Tiles of at most 64 rows (decode, short speculation): warpgroup 1's rows are padding (kernel_fwd.h).
+    kp.mainloop.one_consumer = Mainloop::kNumMmaWG == 2 && p.seqlen_q <= 64;
     kp.scheduler.num_splits = num_splits;
     kp.scheduler.total_tiles = int(std::min<int64_t>(total_tiles * num_splits, INT32_MAX));
   }

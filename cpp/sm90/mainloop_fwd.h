@@ -22,8 +22,9 @@
 // through its own shared-memory buffer (Q's fp8 stage is too small to stage it).
 //
 // e4m3 KV cache read by 16-bit queries (ElementKV = e4m3, KV caches only): TMA brings each K/V block into e4m3
-// stages together with its per-token scales, and the producer warpgroup's warps 1-3 (convert()) write it scaled
-// into the 16-bit stages, a PipelineAsync the consumers read as before; rows past the entry's keys become zeros.
+// stages (with its per-token scales where the block is one copy; else the converters copy them), and the producer
+// warpgroup's warps 1-3 (convert(); with warpgroup 1 in one-consumer mode) write it exactly into the 16-bit stages,
+// a PipelineAsync the consumers read as before, with the scales as per-key factors; rows past the keys become zeros.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -132,6 +133,7 @@ struct FwdMainloop {
   using SmemLayoutScale16 = Layout<Shape<BN, Int<kStages>>>;
   // convert() writes e4m3 values exactly as 16-bit ones: fp16 through cvt; bf16 as those fp16 bits moved into
   // bf16's fields (exponent and mantissa shifted by 3), which is the value times 2^-112. The key's factor undoes it.
+  // (Placing the e4m3 bits with integer ops alone, PRMT/shift/mask, measured slower: docs/perf-notes.md.)
   static constexpr float kConvertFactor = std::is_same_v<Element, cutlass::bfloat16_t> ? 0x1p112f : 1.f;
   using SmemAtomKLoad = std::conditional_t<kFp8Cache, SmemAtomK8, SmemAtomKV>;
   using SmemAtomVLoad = std::conditional_t<kFp8Cache, SmemAtomV8, SmemAtomV>;
@@ -189,6 +191,9 @@ struct FwdMainloop {
       uint32_t(size(take<0, 2>(SmemLayoutK8{})) * sizeof(ElementKV) + kBlockN * sizeof(float));
   static constexpr uint32_t kVCacheStageBytes =
       uint32_t(size(take<0, 2>(SmemLayoutV8{})) * sizeof(ElementKV) + kBlockN * sizeof(float));
+  // Blocks copied chunk by chunk (pages smaller than a block, or not a multiple of it): the converters read the
+  // scales themselves (convert()), so TMA brings the data alone.
+  static constexpr uint32_t kCacheScaleBytes = uint32_t(kBlockN * sizeof(float));
 
   // The 16-bit K/V stages the consumers read: filled by TMA, or for an e4m3 cache by the converter warps.
   using Pipeline = std::conditional_t<kFp8Cache, cutlass::PipelineAsync<kStages>, cutlass::PipelineTmaAsync<kStages>>;
@@ -271,6 +276,9 @@ struct FwdMainloop {
     int num_splits;                      // split-KV (kSplits): each entry's key blocks in this many ranges
     std::conditional_t<kPaged, BlockTmas, NoBlockTma> tma_block;  // paged: whole-block copies
     CacheScales scales;                  // e4m3 cache: per-token scales
+    // KV caches whose tiles hold at most 64 rows (decode, short speculation): consumer warpgroup 1's rows are all
+    // padding, so it skips them, and with an e4m3 cache converts stages beside the producer's warps (the kernel).
+    bool one_consumer;
   };
 
   // The head's sink logit in the softmax's exp2 units (OnlineSoftmax::finalize), -inf without sinks.
@@ -339,7 +347,8 @@ struct FwdMainloop {
             dropout,
             num_splits,
             tma_block(),
-            scales};
+            scales,
+            false};  // one_consumer: the launcher's choice
   }
 
   // The tensor map a load of tensor `which` uses for this batch entry (common/seqlen.h: entry_tma_desc).
@@ -359,16 +368,16 @@ struct FwdMainloop {
     }
   }
 
-  // e4m3 cache: the 16 scales of rows [row, row + 16) of page `page` (kv head `kv_head`) into `dst`, on the barrier
+  // e4m3 cache: the scales of rows [row, row + rows) of page `page` (kv head `kv_head`) into `dst`, on the barrier
   // of the K (which 0) or V (1) copy they go with. A chunk past the entry's keys (page = num_pages) copies the
   // array's first 64 bytes instead (any readable bytes: the converter writes those rows as zeros).
   CUTE_DEVICE static void load_scales(Params const& p, int which, int kv_head, uint64_t& barrier, int page, int row,
-                                      float* dst) {
+                                      float* dst, int rows) {
     float const* base = which == 0 ? p.scales.k : p.scales.v;
     float const* src = page < p.kv_blocks.num_pages
                            ? base + int64_t(page) * p.scales.page_stride + int64_t(kv_head) * p.scales.head_stride + row
                            : base;
-    SM90_BULK_COPY_G2S::copy(src, &barrier, dst, PagedKVBlocks::kChunkRows * int(sizeof(float)));
+    SM90_BULK_COPY_G2S::copy(src, &barrier, dst, rows * int(sizeof(float)));
   }
 
   // ---------------------------------------------------------------------------------------------
@@ -429,8 +438,8 @@ struct FwdMainloop {
       auto scales = [&](int which, uint64_t& barrier, int stage) {
         if constexpr (kFp8Cache) {
           float* const dst = (which == 0 ? ts.smem_ks.data() : ts.smem_vs.data()) + stage * kBlockN;
-          return [&p, which, kv_head, &barrier, dst](int page, int row, int stage_row) {
-            load_scales(p, which, kv_head, barrier, page, row, dst + stage_row);
+          return [&p, which, kv_head, &barrier, dst](int page, int row, int stage_row, int rows) {
+            load_scales(p, which, kv_head, barrier, page, row, dst + stage_row, rows);
           };
         } else {
           return PagedKVBlocks::NoCompanion{};
@@ -496,13 +505,39 @@ struct FwdMainloop {
   // the entry's keys become zeros (whatever the cache holds there, NaN included). 16 bytes of e4m3 in, 32 of
   // the 16-bit type out per step: contiguous in both swizzled layouts. (Multiplying each element by its scale
   // here, in float, made the conversion the decode's bottleneck: docs/perf-notes.md.)
-  CUTE_DEVICE static void convert(PipelineCache& pipeline_k8, PipelineCache& pipeline_v8, Pipeline& pipeline_k,
-                                  Pipeline& pipeline_v, PipelineStateCache& read_k8, PipelineStateCache& read_v8,
-                                  PipelineState& write_k, PipelineState& write_v, TensorStorage& ts, SeqlenInfo const& seq,
-                                  BlockInfoT const& bi, int m_block, int thread_idx) {
+  // thread_idx: 0 .. num_threads - 1 among the converters (more than the 96 above in one-consumer mode).
+  // kUnroll: 16-byte steps in flight per thread (the producer's 72 registers hold 2).
+  template <int kUnroll = 2>
+  CUTE_DEVICE static void convert(Params const& p, PipelineCache& pipeline_k8, PipelineCache& pipeline_v8,
+                                  Pipeline& pipeline_k, Pipeline& pipeline_v, PipelineStateCache& read_k8,
+                                  PipelineStateCache& read_v8, PipelineState& write_k, PipelineState& write_v,
+                                  TensorStorage& ts, SeqlenInfo const& seq, BlockInfoT const& bi, int m_block, int head,
+                                  int batch, int thread_idx, int num_threads) {
     if constexpr (kFp8Cache) {
       int const n_block_max = bi.n_block_max(m_block);
       int const n_block_min = bi.n_block_min(m_block);
+      // Blocks copied chunk by chunk come without their scales (kv_blocks.h): each converter thread copies those of
+      // its rows (r = thread_idx + i x num_threads) into the e4m3 stage's scale slot itself, cp.async one block
+      // ahead of their use (no register holds them across the loop); the page index comes from the table sector
+      // the producer read for the same block.
+      bool const own_scales = !p.kv_blocks.whole_blocks;
+      KVBlocks const kv_blocks(p.kv_blocks, batch, seq.seqlen_k);
+      int64_t const head_offset = int64_t(head / p.heads_ratio) * p.scales.head_stride;
+      auto prefetch = [&](float const* base, float* slot, int n_block) {
+        for (int r = thread_idx; r < kBlockN; r += num_threads) {
+          int const key = n_block * kBlockN + r;
+          if (key < seq.seqlen_k) {  // (past the keys the converter reads no scale)
+            int page, row;
+            kv_blocks.locate(key, page, row);
+            SM80_CP_ASYNC_CACHEALWAYS<float>::copy(base[int64_t(page) * p.scales.page_stride + head_offset + row],
+                                                   slot[r]);
+          }
+        }
+      };
+      if (own_scales) {
+        prefetch(p.scales.k, ts.smem_ks.data() + read_k8.index() * kBlockN, n_block_max - 1);
+        prefetch(p.scales.v, ts.smem_vs.data() + read_v8.index() * kBlockN, n_block_max - 1);
+      }
       Tensor sK8 = make_tensor(make_smem_ptr(ts.smem_k8.data()), SmemLayoutK8{});
       Tensor sV8 = make_tensor(make_smem_ptr(ts.smem_v8.data()), SmemLayoutV8{});
       Tensor sKs = make_tensor(make_smem_ptr(ts.smem_ks.data()), SmemLayoutScale{});
@@ -515,12 +550,27 @@ struct FwdMainloop {
       // kConvertFactor as its descale (smem_vmax16); the consumers multiply P by factor x (descale / the first V
       // block's descale) and O by the first one's at the end, so P's factors stay near 1 whatever the scales' size.
       auto one = [&](PipelineCache& from, PipelineStateCache& read, Pipeline& to, PipelineState& write, auto const& s8,
-                     auto const& scale, auto const& s16, auto const& scale16, int n_block, auto is_v) {
+                     auto const& scale, auto const& s16, auto const& scale16, int n_block, auto is_v, auto own) {
         constexpr int kVecs = decltype(size<1>(s8))::value / 16;  // 16-element vectors per row
         int const valid = seq.seqlen_k - n_block * kBlockN;
         from.consumer_wait(read);
         to.producer_acquire(write);
         int const in = read.index(), out = write.index();
+        if constexpr (decltype(own)::value) {
+          cute::cp_async_wait<0>();  // this thread's scales of the block (copied a block ago)
+          // V: every warp reads every row's scale below (the block's largest), so all copies must have landed.
+          // (Unaligned: the warps come from the mbarrier waits above, whose lanes leave their loops one by one.)
+          if constexpr (decltype(is_v)::value) {
+            cutlass::arch::NamedBarrier(num_threads, kConvertBarrier).arrive_and_wait_unaligned();
+          }
+          // The next block of this tensor lands in the next stage, whose slot's last reads (kCacheStages blocks ago)
+          // every thread finished before the barrier above (V) or did itself (K: each thread reads its own rows).
+          if (n_block > n_block_min) {
+            float* const base = decltype(is_v)::value ? ts.smem_vs.data() : ts.smem_ks.data();
+            prefetch(decltype(is_v)::value ? p.scales.v : p.scales.k, base + ((in + 1) % kCacheStages) * kBlockN,
+                     n_block - 1);
+          }
+        }
         // The scales become the consumers' per-key factors (the e4m3 stage is released below); past the keys 0.
         // Shared-memory accesses through 32-bit shared addresses throughout: through CuTe's generic pointers here
         // the compiler emitted generic LD/ST (ncu: long-scoreboard stalls; the decode ran at 0.3 of the copy).
@@ -540,13 +590,12 @@ struct FwdMainloop {
           mult = m > 0.f ? 1.f / m : 0.f;
           if (thread_idx == 0) ts.smem_vmax16[out] = m * kConvertFactor;
         }
-        for (int r = thread_idx; r < kBlockN; r += kNumConvertThreads) {
+        for (int r = thread_idx; r < kBlockN; r += num_threads) {
           float const f = load_scale(r) * mult;
           cutlass::arch::shared_store<4>(cute::cast_smem_ptr_to_uint(&scale16(r, out)), &f);
         }
-        // Unrolled by 2: two rows' shared-memory loads in flight per thread (the loop is latency-bound).
-#pragma unroll 2
-        for (int i = thread_idx; i < kBlockN * kVecs; i += kNumConvertThreads) {
+#pragma unroll kUnroll
+        for (int i = thread_idx; i < kBlockN * kVecs; i += num_threads) {
           int const r = i / kVecs, c = (i % kVecs) * 16;
           // Rows past the keys: zeros (the cache may hold NaN there, and 0 x NaN is NaN in the PV GEMM).
           uint4 x = make_uint4(0, 0, 0, 0);
@@ -570,14 +619,22 @@ struct FwdMainloop {
         to.producer_commit(write);
         ++write;
       };
-      // The producer's order (load's `issue`).
-      int n_block = n_block_max - 1;
-      one(pipeline_k8, read_k8, pipeline_k, write_k, sK8, sKs, sK, sKs16, n_block, cute::false_type{});
-      for (; n_block > n_block_min; --n_block) {
-        one(pipeline_k8, read_k8, pipeline_k, write_k, sK8, sKs, sK, sKs16, n_block - 1, cute::false_type{});
-        one(pipeline_v8, read_v8, pipeline_v, write_v, sV8, sVs, sV, sVs16, n_block, cute::true_type{});
+      // The producer's order (load's `issue`), instantiated with the scale copies and without, so that the
+      // whole-block walk carries none of their code.
+      auto walk = [&](auto own) {
+        int n_block = n_block_max - 1;
+        one(pipeline_k8, read_k8, pipeline_k, write_k, sK8, sKs, sK, sKs16, n_block, cute::false_type{}, own);
+        for (; n_block > n_block_min; --n_block) {
+          one(pipeline_k8, read_k8, pipeline_k, write_k, sK8, sKs, sK, sKs16, n_block - 1, cute::false_type{}, own);
+          one(pipeline_v8, read_v8, pipeline_v, write_v, sV8, sVs, sV, sVs16, n_block, cute::true_type{}, own);
+        }
+        one(pipeline_v8, read_v8, pipeline_v, write_v, sV8, sVs, sV, sVs16, n_block_min, cute::true_type{}, own);
+      };
+      if (own_scales) {
+        walk(cute::true_type{});
+      } else {
+        walk(cute::false_type{});
       }
-      one(pipeline_v8, read_v8, pipeline_v, write_v, sV8, sVs, sV, sVs16, n_block_min, cute::true_type{});
     }
   }
 
@@ -617,6 +674,17 @@ struct FwdMainloop {
       else return 1.f;
     };
     MaskT const mask{seq, p.window_left, p.window_right};
+    // KV caches: a warp whose 16 rows are all past the tile's last one (a decode step's tile fills 4 of 128 with GQA
+    // packing) skips their softmax (those rows are never stored; their P stays finite or not, row by row, and only
+    // their own O rows see it), leaving its issue slots to the e4m3 converters and the GEMM issue.
+    bool const warp_live = !kPaged || row_offset + 16 * (thread_idx / cutlass::NumThreadsPerWarp) < seq.seqlen_q;
+    // Ping-pong turns only with the other warpgroup working (one-consumer mode: warpgroup 0 alone).
+    auto sched_sync = [&] {
+      if (!p.one_consumer) Sched::sync(wg);
+    };
+    auto sched_arrive = [&] {
+      if (!p.one_consumer) Sched::arrive(wg);
+    };
 
     Tensor sQ = make_tensor(make_smem_ptr(ts.smem_q.data()), SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(ts.smem_k.data()), SmemLayoutK{});
@@ -763,7 +831,7 @@ struct FwdMainloop {
     auto issue_pv = [&] {
       pipeline_v.consumer_wait(read_v);
       guard_v(read_v.index());
-      scale_p(read_v.index());
+      if (warp_live) scale_p(read_v.index());
       wgmma<false, -1>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
     };
     auto release_v = [&] {
@@ -782,16 +850,18 @@ struct FwdMainloop {
 
     // First (highest) key block: S only; it always carries the sequence-end mask and both edges.
     int n_block = n_block_max - 1;
-    Sched::sync(wg);
+    sched_sync();
     issue_s();
-    Sched::arrive(wg);
+    sched_arrive();
     on_first_issue();
     warpgroup_wait<0>();
-    scale_s(read_k.index());
+    if (warp_live) scale_s(read_k.index());
     release_k();
-    p.score_mod.apply(scores);
-    mask.template apply<true, true, true>(scores, tScS, row_offset, n_block);
-    softmax.template update<true, true>(scores, qk_scale(n_block));
+    if (warp_live) {
+      p.score_mod.apply(scores);
+      mask.template apply<true, true, true>(scores, tScS, row_offset, n_block);
+      softmax.template update<true, true>(scores, qk_scale(n_block));
+    }
     to_p(n_block);
 
     // S_n is issued together with O += P_{n+1} V_{n+1}; the softmax of S_n runs while the PV GEMM
@@ -800,19 +870,22 @@ struct FwdMainloop {
       constexpr bool kRight = decltype(right_edge)::value, kLeft = decltype(left_edge)::value;
       // Descale loads go out before the GEMMs and land while they run.
       float const s_scale = qk_scale(n), vd = v_descale(n);
-      Sched::sync(wg);
+      sched_sync();
       issue_s();
       issue_pv();
-      Sched::arrive(wg);
+      sched_arrive();
       warpgroup_wait<1>();
-      scale_s(read_k.index());
+      if (warp_live) scale_s(read_k.index());
       release_k();
-      p.score_mod.apply(scores);
-      if constexpr (kRight || kLeft) mask.template apply<false, kRight, kLeft>(scores, tScS, row_offset, n);
-      auto o_scale = softmax.template update<false, kRight || kLeft>(scores, s_scale);
+      cute::array<float, 2> o_scale{};
+      if (warp_live) {
+        p.score_mod.apply(scores);
+        if constexpr (kRight || kLeft) mask.template apply<false, kRight, kLeft>(scores, tScS, row_offset, n);
+        o_scale = softmax.template update<false, kRight || kLeft>(scores, s_scale);
+      }
       warpgroup_wait<0>();
       release_v();
-      rescale_o(o_scale, vd);
+      if (warp_live) rescale_o(o_scale, vd);
       to_p(n);
     };
     constexpr bool kLeftEdge = BlockInfoT::kHasLeft;
@@ -821,9 +894,9 @@ struct FwdMainloop {
     if constexpr (kLeftEdge) {
       for (; n_block >= n_block_min; --n_block) step(n_block, cute::false_type{}, cute::true_type{});
     }
-    Sched::sync(wg);
+    sched_sync();
     issue_pv();
-    Sched::arrive(wg);
+    sched_arrive();
     warpgroup_wait<0>();
     release_v();
     return v_descale_prev * p.dropout.scale();

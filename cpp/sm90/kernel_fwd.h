@@ -119,7 +119,7 @@ struct FwdKernel {
       if constexpr (Mainloop::kFp8Cache) {
         typename PipelineCache::Params c_params;
         // (Blocks copied chunk by chunk: the data alone; the converters read the scales.)
-        uint32_t const scale_bytes = params.mainloop.kv_blocks.whole_blocks ? 0 : Mainloop::kCacheScaleBytes;
+        uint32_t const scale_bytes = Mainloop::KVBlocks::whole(params.mainloop.kv_blocks) ? 0 : Mainloop::kCacheScaleBytes;
         c_params.transaction_bytes = Mainloop::kKCacheStageBytes - scale_bytes;
         c_params.role = is_producer && warp_idx_in_wg == 0 ? PipelineCache::ThreadCategory::Producer
                                                            : PipelineCache::ThreadCategory::Consumer;

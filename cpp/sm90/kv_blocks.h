@@ -10,6 +10,10 @@
 // TMA copy, as for contiguous K/V. Otherwise it is copied in chunks of kChunkRows keys, each chunk one TMA copy
 // per panel of the stage's swizzle atom (16 rows x 64 16-bit columns: 2 KB, contiguous in the stage), from the
 // chunk's own page, so pages of any multiple of kChunkRows (16 .. 256) land in the same stages.
+// PageBlocks: which of the two a kernel holds. kAny decides per launch (whole_blocks); kWhole / kChunked hold one
+// walk only, for kernels whose other code would cost the first one registers (the e4m3 cache's: its converters
+// copy a chunked block's scales themselves, and that code, present but not run, made the whole-block decode
+// 11-15% slower: docs/perf-notes.md, S2). The launcher picks between them by the same test.
 // Chunks past the entry's last key take a page coordinate past the tensor (TMA fills zeros, counts the bytes):
 // the page table is never read past the entry's pages.
 #pragma once
@@ -39,9 +43,17 @@ struct ContiguousKVBlocks {
   }
 };
 
+inline constexpr int kPageChunkRows = 16;
+struct NoPageCompanion {  // load_paged's default companion: nothing
+  CUTE_DEVICE void operator()(int, int, int, int) const {}
+};
+enum class PageBlocks { kAny, kWhole, kChunked };
+
+template <PageBlocks kBlocks_ = PageBlocks::kAny>
 struct PagedKVBlocks {
   static constexpr bool kPaged = true;
-  static constexpr int kChunkRows = 16;
+  static constexpr PageBlocks kBlocks = kBlocks_;
+  static constexpr int kChunkRows = kPageChunkRows;
   struct Params {
     int const* page_table = nullptr;  // int32 (batch, pages per entry), or nullptr: entry b's one page is b
     int64_t table_stride = 0;         // elements between entries' rows of the table
@@ -63,6 +75,22 @@ struct PagedKVBlocks {
         seqlen_k_(seqlen_k),
         whole_blocks_(p.whole_blocks) {}
 
+  // Whether this kernel's blocks each lie inside one page (compile-time unless kAny).
+  CUTE_HOST_DEVICE static constexpr bool whole(Params const& p) {
+    if constexpr (kBlocks == PageBlocks::kAny) {
+      return p.whole_blocks;
+    } else {
+      return kBlocks == PageBlocks::kWhole;
+    }
+  }
+  CUTE_DEVICE bool whole() const {
+    if constexpr (kBlocks == PageBlocks::kAny) {
+      return whole_blocks_;
+    } else {
+      return kBlocks == PageBlocks::kWhole;
+    }
+  }
+
   // The page and the row in it of the chunk starting at key `key`.
   CUTE_DEVICE void locate(int key, int& page, int& row) const {
     if (key >= seqlen_k_) {  // past the entry's keys: no table read, zeros
@@ -83,16 +111,14 @@ struct PagedKVBlocks {
   // cache's per-token scales), whole blocks only: one for a block below the entry's end, else one per chunk of
   // kChunkRows rows, page = num_pages for a chunk past the entry's keys. Blocks copied chunk by chunk leave that
   // tensor to the caller (each copy is one more request for the TMA unit, whose rate bounds small boxes).
-  struct NoCompanion {
-    CUTE_DEVICE void operator()(int, int, int, int) const {}
-  };
+  using NoCompanion = NoPageCompanion;
   template <int kBlockN, int kPanel, class BlockTile, bool kUpfront, class TmaCopy, class TmaBlock, class Pages,
             class BlockPages, class Stage, class Companion = NoCompanion>
   CUTE_DEVICE void load_paged(TmaCopy const& tma, TmaBlock const& tma_block, uint64_t& barrier, Pages const& pages,
                               BlockPages const& block_pages, int n_block, Stage&& stage, TMA::CacheHintSm90 hint,
                               Companion&& companion = {}) const {
     static_assert(kBlockN % kChunkRows == 0);
-    if (whole_blocks_) {
+    if (whole()) {
       int page, row;
       locate(n_block * kBlockN, page, row);  // row: a multiple of kBlockN
       Tensor g = local_tile(block_pages(_, _, page), BlockTile{}, make_coord(row / kBlockN, _0{}));
@@ -111,6 +137,7 @@ struct PagedKVBlocks {
       }
       return;
     }
+    if constexpr (kBlocks != PageBlocks::kWhole) {
     // kUpfront: the chunks' table reads first, all independent, so that their latencies overlap; else each right
     // before its chunk's copies (a block's chunks share one or a few 32-byte sectors of the table: all but the
     // first hit L1). Issuing the copies is this one thread's work: 2 x kBlockN / 16 x panels per K/V block pair.
@@ -135,6 +162,7 @@ struct PagedKVBlocks {
       Tensor s = local_tile(stage, Shape<Int<kChunkRows>, Int<kPanel>>{}, make_coord(c, _));  // (16, P, panels)
       auto parts = tma_partition(tma, _0{}, Layout<_1>{}, group_modes<0, 2>(s), group_modes<0, 2>(g));
       copy(tma.with(barrier, 0, hint), get<0>(parts), get<1>(parts));
+    }
     }
   }
 };

@@ -31,7 +31,8 @@ namespace flashhopper {
 
 namespace sm90 {
 
-template <class Config>
+// kBlocks: the paged kernels' block walk (kv_blocks.h); run_fwd_sm90 picks it.
+template <class Config, PageBlocks kBlocks = PageBlocks::kAny>
 struct FwdConfig {
   using Element = typename ElementOf<Config::kDType>::type;
   // e4m3 KV caches: their own tiles (the e4m3 stages beside the 16-bit ones).
@@ -48,7 +49,7 @@ struct FwdConfig {
   static_assert(!kKVCache || (!kVarlen && !Config::kDropout && Config::kDType != DType::kFloat8E4M3),
                 "KV-cache kernels: padded 16-bit queries without dropout");
   using Seqlens = std::conditional_t<kVarlen, VarlenSeqlens, std::conditional_t<kKVCache, CacheSeqlens, UniformSeqlens>>;
-  using KVBlocks = std::conditional_t<kKVCache, PagedKVBlocks, ContiguousKVBlocks>;
+  using KVBlocks = std::conditional_t<kKVCache, PagedKVBlocks<kBlocks>, ContiguousKVBlocks>;
   using ElementKV = std::conditional_t<Config::kKVCacheFp8, cutlass::float_e4m3_t, Element>;
   static_assert(!Config::kKVCacheFp8 || Config::kDType != DType::kFloat8E4M3, "e4m3 caches: 16-bit queries");
   using Mainloop = FwdMainloop<Element, Config::kHeadDim, Config::kHeadDimV, Tile, Config::kMask, ScoreMod, Dropout,
@@ -73,10 +74,18 @@ struct FwdConfig {
 
 }  // namespace sm90
 
+// A KV cache's blocks each inside one page: pages a multiple of the block, or one page per entry (a contiguous
+// cache).
 template <class Config>
-int64_t run_fwd_sm90(FwdParams const& params, cudaStream_t stream) {
+bool fwd_whole_blocks(FwdParams const& p) {
+  int const block_n = sm90::FwdConfig<Config>::Tile::kBlockN;
+  return p.page_size % block_n == 0 || p.seqlen_k <= p.page_size;
+}
+
+template <class Config, sm90::PageBlocks kBlocks>
+int64_t run_fwd_sm90_blocks(FwdParams const& params, cudaStream_t stream) {
   using namespace cute;
-  using C = sm90::FwdConfig<Config>;
+  using C = sm90::FwdConfig<Config, kBlocks>;
   using Element = typename C::Element;
   using Tile = typename C::Tile;
   using Mainloop = typename C::Mainloop;
@@ -224,9 +233,8 @@ int64_t run_fwd_sm90(FwdParams const& params, cudaStream_t stream) {
                                        dev.l2_bytes > 0 ? dev.l2_bytes : int64_t(50) << 20, p.tile_counter)};
 
   if constexpr (kKVCache) {
-    // A block inside one page: pages a multiple of the block, or one page per entry (a contiguous cache).
-    bool const whole_blocks = p.page_size % Tile::kBlockN == 0 || p.seqlen_k <= p.page_size;
-    if (!whole_blocks && p.page_size % sm90::PagedKVBlocks::kChunkRows != 0) {
+    bool const whole_blocks = fwd_whole_blocks<Config>(p);
+    if (!whole_blocks && p.page_size % sm90::kPageChunkRows != 0) {
       throw std::invalid_argument("flashhopper: a paged KV cache needs pages of a multiple of 16 rows");
     }
     kp.mainloop.kv_blocks = {p.page_table, p.page_table_batch_stride, cutlass::FastDivmod(p.page_size), p.num_pages,
@@ -289,6 +297,18 @@ int64_t run_fwd_sm90(FwdParams const& params, cudaStream_t stream) {
     }
   }
   return grid.x;
+}
+
+// e4m3 caches: one kernel per block walk, so that each holds its own code only (kv_blocks.h); 16-bit caches and
+// the rest: one kernel.
+template <class Config>
+int64_t run_fwd_sm90(FwdParams const& params, cudaStream_t stream) {
+  if constexpr (Config::kKVCacheFp8) {
+    return fwd_whole_blocks<Config>(params) ? run_fwd_sm90_blocks<Config, sm90::PageBlocks::kWhole>(params, stream)
+                                            : run_fwd_sm90_blocks<Config, sm90::PageBlocks::kChunked>(params, stream);
+  } else {
+    return run_fwd_sm90_blocks<Config, sm90::PageBlocks::kAny>(params, stream);
+  }
 }
 
 template <class Config>

@@ -159,8 +159,8 @@ struct FwdMainloop {
   // The paged producer reads a block's page indices at once with 16 more registers; consumers at 232 registers
   // spill at head dim 256, and 3 consumer warpgroups (head dim 64) have none to give (ptxas -v).
   static constexpr bool kProducerRegsBoost = kPaged && kNumMmaWG == 2 && (kHeadDim <= 128 || kFp8Cache);
-  using ChunkK = Shape<Int<PagedKVBlocks::kChunkRows>, Int<kPanelK>>;
-  using ChunkV = Shape<Int<PagedKVBlocks::kChunkRows>, Int<kPanelV>>;
+  using ChunkK = Shape<Int<kPageChunkRows>, Int<kPanelK>>;
+  using ChunkV = Shape<Int<kPageChunkRows>, Int<kPanelV>>;
   using TMA_K = std::conditional_t<
       kPaged, decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensorKV{}, tile_to_shape(SmemAtomKLoad{}, ChunkK{}), ChunkK{}, _1{})),
       decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensorKV{}, take<0, 2>(SmemLayoutKLoad{}), Shape<BN, D>{}, _1{}))>;
@@ -442,7 +442,7 @@ struct FwdMainloop {
             load_scales(p, which, kv_head, barrier, page, row, dst + stage_row, rows);
           };
         } else {
-          return PagedKVBlocks::NoCompanion{};
+          return NoPageCompanion{};
         }
       };
       auto load_k = [&](int n_block) {
@@ -520,8 +520,8 @@ struct FwdMainloop {
       // its rows (r = thread_idx + i x num_threads) into the e4m3 stage's scale slot itself, cp.async one block
       // ahead of their use (no register holds them across the loop); the page index comes from the table sector
       // the producer read for the same block.
-      bool const own_scales = !p.kv_blocks.whole_blocks;
       KVBlocks const kv_blocks(p.kv_blocks, batch, seq.seqlen_k);
+      bool const own_scales = !kv_blocks.whole();
       int64_t const head_offset = int64_t(head / p.heads_ratio) * p.scales.head_stride;
       auto prefetch = [&](float const* base, float* slot, int n_block) {
         for (int r = thread_idx; r < kBlockN; r += num_threads) {
@@ -619,8 +619,8 @@ struct FwdMainloop {
         to.producer_commit(write);
         ++write;
       };
-      // The producer's order (load's `issue`), instantiated with the scale copies and without, so that the
-      // whole-block walk carries none of their code.
+      // The producer's order (load's `issue`), with the scale copies (blocks copied chunk by chunk) or without; a
+      // kernel holds one of the two walks (KVBlocks::kBlocks: the launcher instantiates both kernels).
       auto walk = [&](auto own) {
         int n_block = n_block_max - 1;
         one(pipeline_k8, read_k8, pipeline_k, write_k, sK8, sKs, sK, sKs16, n_block, cute::false_type{}, own);

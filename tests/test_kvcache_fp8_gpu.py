@@ -51,7 +51,9 @@ def check_against_stored(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, 
                          ks: torch.Tensor, vs: torch.Tensor, lengths: list[int], causal: bool,
                          table: torch.Tensor | None, seed: int | None) -> None:
     """out / lse finite, and against float64 attention over the stored values (q transformed as K's rows):
-    ||out - ref|| / ||ref|| within the 16-bit rounding of the dequantized values and of out."""
+    ||out - ref|| / ||ref|| within the 16-bit rounding of the dequantized values and of out. The kernel's scores are
+    e4m3 GEMMs (q as two e4m3 terms, 2^-8 of each element; the tensor cores' fp8 accumulation keeps about 14 bits):
+    up to ~3e-3 of a score in error, so the lse bound grows with |lse| (docs/kvcache-fp8.md)."""
     assert torch.isfinite(out).all(), "out is not finite (a poisoned slot was read?)"
     assert not torch.isnan(lse).any() and not torch.isposinf(lse).any(), "lse has NaN or +inf"
     qt = kvcache_fp8.transform_q(q.double(), seed)
@@ -63,7 +65,8 @@ def check_against_stored(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, 
     assert err < 1.5e-2, f"||out - ref|| / ||ref|| = {err:.3g} over the stored e4m3 values"
     seen = torch.isfinite(ref_lse)
     assert torch.equal(seen, torch.isfinite(lse)), "rows without keys differ"
-    assert (lse[seen].double() - ref_lse[seen]).abs().max().item() < 2e-2
+    lse_err = (lse[seen].double() - ref_lse[seen]).abs()
+    assert (lse_err < 2e-2 + 4e-3 * ref_lse[seen].abs()).all(), f"lse off by {lse_err.max().item():.3g}"
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

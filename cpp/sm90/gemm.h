@@ -30,4 +30,23 @@ CUTE_DEVICE void wgmma(TiledMma& mma, TA const& tA, TB const& tB, TC& tC) {
   if constexpr (kARegs) warpgroup_fence_operand(const_cast<TA&>(tA));
 }
 
+// C = A0 B + A1 B in one batch, both A from shared memory (SS): the e4m3 cache's S, q split into two e4m3 terms.
+template <int kWait, class TiledMma, class TA, class TB, class TC>
+CUTE_DEVICE void wgmma_sum(TiledMma& mma, TA const& tA0, TA const& tA1, TB const& tB, TC& tC) {
+  static_assert(std::is_same_v<typename TA::iterator, GMMA::DescriptorIterator>, "SS only");
+  warpgroup_fence_operand(tC);
+  warpgroup_arrive();
+  mma.accumulate_ = GMMA::ScaleOut::Zero;
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(tA0); ++k) {
+    cute::gemm(mma, tA0(_, _, k), tB(_, _, k), tC);
+    mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(tA1); ++k) cute::gemm(mma, tA1(_, _, k), tB(_, _, k), tC);
+  warpgroup_commit_batch();
+  if constexpr (kWait >= 0) warpgroup_wait<kWait>();
+  warpgroup_fence_operand(tC);
+}
+
 }  // namespace flashhopper::sm90

@@ -1,7 +1,7 @@
 // The Hopper forward kernel: composes the mainloop (producer loads, consumer GEMMs + softmax),
 // the epilogue and the persistent tile scheduler into one warp-specialized, persistent CTA.
 //   warpgroup 0      producer: lowers its registers (setmaxnreg) and one thread issues all TMA; with an e4m3 KV
-//                    cache its warps 1-3 convert the e4m3 stages into the 16-bit ones (Mainloop::convert)
+//                    cache its warps 1-3 convert the e4m3 V stages into 16-bit ones (Mainloop::convert)
 //   warpgroups 1..W  consumers: raise their registers; each owns 64 query rows of the tile
 // One-consumer mode (KV caches whose tiles hold at most 64 rows, Mainloop::Params::one_consumer): warpgroup 1
 // leaves the K/V stages to warpgroup 0 (half the GEMM work of a decode step's tile, whose rows beyond 64 are
@@ -117,16 +117,23 @@ struct FwdKernel {
     uint32_t const num_kv_consumers = one_consumer ? cutlass::NumThreadsPerWarpGroup : Mainloop::kNumMmaThreads;
     auto make_kv_pipelines = [&] {
       if constexpr (Mainloop::kFp8Cache) {
+        // K: TMA -> the consumers' S GEMMs, with the scales always. V: TMA -> converters -> the consumers' 16-bit
+        // stages; blocks copied chunk by chunk bring the data alone (the converters read their scales).
+        typename PipelineCache::Params k_params;
+        k_params.transaction_bytes = Mainloop::kKCacheStageBytes;
+        k_params.role = !is_producer                ? PipelineCache::ThreadCategory::Consumer
+                        : warp_idx_in_wg == 0 ? PipelineCache::ThreadCategory::Producer
+                                              : PipelineCache::ThreadCategory::NonParticipant;
+        k_params.is_leader = is_producer && thread_idx == 0;
+        k_params.num_consumers = num_kv_consumers;
+        PipelineCache k8(ss.barriers.pipeline_k8, k_params, Shape<_1, _1, _1>{});
         typename PipelineCache::Params c_params;
-        // (Blocks copied chunk by chunk: the data alone; the converters read the scales.)
         uint32_t const scale_bytes = Mainloop::KVBlocks::whole(params.mainloop.kv_blocks) ? 0 : Mainloop::kCacheScaleBytes;
-        c_params.transaction_bytes = Mainloop::kKCacheStageBytes - scale_bytes;
+        c_params.transaction_bytes = Mainloop::kVCacheStageBytes - scale_bytes;
         c_params.role = is_producer && warp_idx_in_wg == 0 ? PipelineCache::ThreadCategory::Producer
                                                            : PipelineCache::ThreadCategory::Consumer;
         c_params.is_leader = is_producer && thread_idx == 0;
         c_params.num_consumers = num_convert;
-        PipelineCache k8(ss.barriers.pipeline_k8, c_params, Shape<_1, _1, _1>{});
-        c_params.transaction_bytes = Mainloop::kVCacheStageBytes - scale_bytes;
         PipelineCache v8(ss.barriers.pipeline_v8, c_params, Shape<_1, _1, _1>{});
         typename Pipeline::Params a_params;
         a_params.role = is_converter || wg1_converts ? Pipeline::ThreadCategory::Producer
@@ -134,9 +141,8 @@ struct FwdKernel {
                                       : Pipeline::ThreadCategory::Consumer;
         a_params.producer_arv_count = num_convert;
         a_params.consumer_arv_count = num_kv_consumers;
-        Pipeline k(ss.barriers.pipeline_k, a_params);
         Pipeline v(ss.barriers.pipeline_v, a_params);
-        return cute::make_tuple(k, v, k8, v8);
+        return cute::make_tuple(k8, v, k8, v8);  // (the consumers' K pipeline is the load's)
       } else {
         typename Pipeline::Params kv_params;
         kv_params.transaction_bytes = Mainloop::kKStageBytes;
@@ -146,20 +152,14 @@ struct FwdKernel {
         Pipeline k(ss.barriers.pipeline_k, kv_params, Shape<_1, _1, _1>{});
         kv_params.transaction_bytes = Mainloop::kVStageBytes;
         Pipeline v(ss.barriers.pipeline_v, kv_params, Shape<_1, _1, _1>{});
-        return cute::make_tuple(k, v);  // (TMA feeds the consumers' stages)
+        return cute::make_tuple(k, v, k, v);  // (TMA feeds the consumers' stages)
       }
     };
     auto kv_pipelines = make_kv_pipelines();
-    Pipeline& pipeline_k = get<0>(kv_pipelines);
+    typename Mainloop::PipelineK& pipeline_k = get<0>(kv_pipelines);
     Pipeline& pipeline_v = get<1>(kv_pipelines);
-    auto& pipeline_load_k = [&]() -> auto& {
-      if constexpr (Mainloop::kFp8Cache) return get<2>(kv_pipelines);
-      else return get<0>(kv_pipelines);
-    }();
-    auto& pipeline_load_v = [&]() -> auto& {
-      if constexpr (Mainloop::kFp8Cache) return get<3>(kv_pipelines);
-      else return get<1>(kv_pipelines);
-    }();
+    auto& pipeline_load_k = get<2>(kv_pipelines);
+    auto& pipeline_load_v = get<3>(kv_pipelines);
     using PipelineLoad = std::remove_reference_t<decltype(pipeline_load_k)>;
 
     typename PipelineQ::Params q_params;
@@ -226,16 +226,15 @@ struct FwdKernel {
         if constexpr (Mainloop::kFp8Cache) {
         // The producer's tiles, walked the same way (the schedule is static: a function of the tile index).
         static_assert(!Scheduler::kNeedsCounter, "converter warps walk a static schedule");
-        typename Mainloop::PipelineStateCache read_k8, read_v8;
-        auto write_k = cutlass::make_producer_start_state<Pipeline>();
+        typename Mainloop::PipelineStateCache read_v8;
         auto write_v = cutlass::make_producer_start_state<Pipeline>();
         int const total_tiles = Scheduler::total(sched);
         for (int tile = Scheduler::initial(sched); tile < total_tiles; tile = Scheduler::next(sched, tile, total_tiles)) {
           TileWork const t = tile_work(params, tile);
           if (t.has_rows && t.has_keys) {
-            Mainloop::convert(params.mainloop, pipeline_load_k, pipeline_load_v, pipeline_k, pipeline_v, read_k8,
-                              read_v8, write_k, write_v, ss.tensors, t.seq, t.block_info, t.tile.m_block, t.tile.head,
-                              t.tile.batch, thread_idx - cutlass::NumThreadsPerWarp, num_convert);
+            Mainloop::convert(params.mainloop, pipeline_load_v, pipeline_v, read_v8, write_v, ss.tensors, t.seq,
+                              t.block_info, t.tile.m_block, t.tile.head, t.tile.batch,
+                              thread_idx - cutlass::NumThreadsPerWarp, num_convert);
           }
         }
         }
@@ -246,10 +245,10 @@ struct FwdKernel {
       int last_entry = -1;  // as the producer's
       if (!one_consumer) Mainloop::Sched::init(wg);
       // One-consumer mode, e4m3 cache: warpgroup 1 converts (its own pipeline states, the converters' order).
-      typename Mainloop::PipelineStateCache read_k8, read_v8;
-      auto write_k = cutlass::make_producer_start_state<Pipeline>();
+      typename Mainloop::PipelineStateCache read_v8;
       auto write_v = cutlass::make_producer_start_state<Pipeline>();
-      typename Mainloop::PipelineState read_k, read_v;
+      typename Mainloop::PipelineK::PipelineState read_k;
+      typename Mainloop::PipelineState read_v;
       typename Mainloop::PipelineStateQ read_q;
       typename TilePipeline::PipelineState read_tile;
       // Q-stage release: O is staged for its TMA store in the Q stage the tile used, so that stage
@@ -287,10 +286,9 @@ struct FwdKernel {
         }
         if (one_consumer && wg == 1) {  // its rows are padding: no GEMMs, no store
           if constexpr (Mainloop::kFp8Cache) {
-            Mainloop::template convert<4>(params.mainloop, pipeline_load_k, pipeline_load_v, pipeline_k, pipeline_v,
-                                          read_k8, read_v8, write_k, write_v, ss.tensors, t.seq, t.block_info,
-                                          w.m_block, w.head, w.batch, Mainloop::kNumConvertThreads + thread_idx,
-                                          num_convert);
+            Mainloop::template convert<4>(params.mainloop, pipeline_load_v, pipeline_v, read_v8, write_v, ss.tensors,
+                                          t.seq, t.block_info, w.m_block, w.head, w.batch,
+                                          Mainloop::kNumConvertThreads + thread_idx, num_convert);
           }
           // The Q stage's release still counts this warpgroup (after its load: phases stay in order).
           pipeline_q.consumer_wait(read_q);

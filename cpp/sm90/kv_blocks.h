@@ -108,11 +108,12 @@ struct PagedKVBlocks {
   // boxes) and `tma_block` (a whole block, tile BlockTile) see it.
   // kUpfront: all the chunks' table reads before the first copy (needs 2 x kBlockN / 16 producer registers).
   // companion(page, row, stage_row, rows): a copy of the same rows of another tensor on the same barrier (an e4m3
-  // cache's per-token scales), whole blocks only: one for a block below the entry's end, else one per chunk of
-  // kChunkRows rows, page = num_pages for a chunk past the entry's keys. Blocks copied chunk by chunk leave that
-  // tensor to the caller (each copy is one more request for the TMA unit, whose rate bounds small boxes).
+  // cache's per-token scales): for a whole block below the entry's end one, else one per chunk of kChunkRows rows,
+  // page = num_pages for a chunk past the entry's keys. Blocks copied chunk by chunk call it only with
+  // kChunkCompanion, else leave that tensor to the caller (each copy is one more request for the TMA unit, whose
+  // rate bounds small boxes).
   using NoCompanion = NoPageCompanion;
-  template <int kBlockN, int kPanel, class BlockTile, bool kUpfront, class TmaCopy, class TmaBlock, class Pages,
+  template <int kBlockN, int kPanel, class BlockTile, bool kUpfront, bool kChunkCompanion, class TmaCopy, class TmaBlock, class Pages,
             class BlockPages, class Stage, class Companion = NoCompanion>
   CUTE_DEVICE void load_paged(TmaCopy const& tma, TmaBlock const& tma_block, uint64_t& barrier, Pages const& pages,
                               BlockPages const& block_pages, int n_block, Stage&& stage, TMA::CacheHintSm90 hint,
@@ -162,6 +163,7 @@ struct PagedKVBlocks {
       Tensor s = local_tile(stage, Shape<Int<kChunkRows>, Int<kPanel>>{}, make_coord(c, _));  // (16, P, panels)
       auto parts = tma_partition(tma, _0{}, Layout<_1>{}, group_modes<0, 2>(s), group_modes<0, 2>(g));
       copy(tma.with(barrier, 0, hint), get<0>(parts), get<1>(parts));
+      if constexpr (kChunkCompanion) companion(page[slot], chunk[slot] * kChunkRows, c * kChunkRows, kChunkRows);
     }
     }
   }

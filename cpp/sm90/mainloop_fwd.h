@@ -22,9 +22,11 @@
 // through its own shared-memory buffer (Q's fp8 stage is too small to stage it).
 //
 // e4m3 KV cache read by 16-bit queries (ElementKV = e4m3, KV caches only): TMA brings each K/V block into e4m3
-// stages (with its per-token scales where the block is one copy; else the converters copy them), and the producer
-// warpgroup's warps 1-3 (convert(); with warpgroup 1 in one-consumer mode) write it exactly into the 16-bit stages,
-// a PipelineAsync the consumers read as before, with the scales as per-key factors; rows past the keys become zeros.
+// stages with its per-token scales (V's blocks copied chunk by chunk without them: the converters copy those). The
+// S GEMMs read K's stages as loaded, e4m3 x e4m3, with q as two e4m3 terms per element (prepare_q8) and K's scales
+// and q's row scales on S. The producer warpgroup's warps 1-3 (convert(); with warpgroup 1 in one-consumer mode)
+// write V's stages exactly into 16-bit ones, a PipelineAsync the PV GEMM reads as before, with V's scales as
+// per-key factors on P; rows past the keys become zeros.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -131,6 +133,23 @@ struct FwdMainloop {
   using SmemLayoutV8 = decltype(tile_to_shape(SmemAtomV8{}, Shape<BN, DV, Int<kCacheStages>>{}));
   using SmemLayoutScale = Layout<Shape<BN, Int<kCacheStages>>>;
   using SmemLayoutScale16 = Layout<Shape<BN, Int<kStages>>>;
+  // e4m3 cache, S = Q K^T on the e4m3 K stages as loaded (e4m3 x e4m3 WGMMA, no K conversion): each row of q
+  // (times its scale, the row's largest |q| to 448) is the sum of two e4m3 terms, hi = e4m3(x) and lo = e4m3(x - hi),
+  // both GEMMs accumulating into S, which keeps q to about 2^-8 of each element (bf16 holds 2^-9). The two terms
+  // live in the warpgroup's slice of the Q stage the bf16 q came in (the same bytes: 2 x 1 byte for 2), written
+  // 128 columns at a time in the order (rows, term, 128-column panel), so that each pass overwrites only the
+  // bf16 columns it has read (prepare_q8).
+  using SmemAtomQ8 = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, ElementKV, _64, D>());
+  using SmemLayoutQ8 = decltype(tile_to_shape(SmemAtomQ8{}, Shape<_64, D, _2>{}, Step<_1, _3, _2>{}));
+  template <bool kCache, class = void>
+  struct QK8Of {
+    using type = void;
+  };
+  template <class Unused>
+  struct QK8Of<true, Unused> {
+    using type = decltype(make_tiled_mma(GMMA::ss_op_selector<ElementKV, ElementKV, float, Shape<_64, BN, D>>()));
+  };
+  using TiledMmaQK8 = typename QK8Of<kFp8Cache>::type;
   // convert() writes e4m3 values exactly as 16-bit ones: fp16 through cvt; bf16 as those fp16 bits moved into
   // bf16's fields (exponent and mantissa shifted by 3), which is the value times 2^-112. The key's factor undoes it.
   // (Placing the e4m3 bits with integer ops alone, PRMT/shift/mask, measured slower: docs/perf-notes.md.)
@@ -196,10 +215,13 @@ struct FwdMainloop {
   static constexpr uint32_t kCacheScaleBytes = uint32_t(kBlockN * sizeof(float));
 
   // The 16-bit K/V stages the consumers read: filled by TMA, or for an e4m3 cache by the converter warps.
+  // (e4m3 cache: the V stages only.)
   using Pipeline = std::conditional_t<kFp8Cache, cutlass::PipelineAsync<kStages>, cutlass::PipelineTmaAsync<kStages>>;
   using PipelineState = typename Pipeline::PipelineState;
-  using PipelineCache = cutlass::PipelineTmaAsync<kCacheStages>;  // e4m3 stages: TMA -> converter warps
+  using PipelineCache = cutlass::PipelineTmaAsync<kCacheStages>;  // e4m3 stages: TMA -> consumers (K), converters (V)
   using PipelineStateCache = typename PipelineCache::PipelineState;
+  // What the consumers' S GEMMs read K from.
+  using PipelineK = std::conditional_t<kFp8Cache, PipelineCache, Pipeline>;
   // Q stages are released by one thread per consumer warpgroup, once TMA has read the O staged there.
   using PipelineQ = cutlass::PipelineTmaAsync<kQStages>;
   using PipelineStateQ = typename PipelineQ::PipelineState;
@@ -212,15 +234,18 @@ struct FwdMainloop {
   struct TensorStorageFp8 : TensorStorage16 {
     cute::array_aligned<ElementOut, kNumMmaWG * kOSlotElems, 1024> smem_o;
   };
-  struct TensorStorageFp8Cache : TensorStorage16 {
+  // e4m3 cache: the consumers read K's e4m3 stages; V's are converted into 16-bit ones.
+  struct TensorStorageFp8Cache {
+    cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> smem_q;  // (and each warpgroup's q terms: prepare_q8)
+    cute::array_aligned<Element, cosize_v<SmemLayoutV>, 1024> smem_v;
     cute::array_aligned<ElementKV, cosize_v<SmemLayoutK8>, 1024> smem_k8;
     cute::array_aligned<ElementKV, cosize_v<SmemLayoutV8>, 1024> smem_v8;
     cute::array_aligned<float, cosize_v<SmemLayoutScale>, 128> smem_ks;
     cute::array_aligned<float, cosize_v<SmemLayoutScale>, 128> smem_vs;
-    // Per 16-bit stage: each key's factor (its scale, times kConvertFactor; 0 past the entry's keys).
-    cute::array_aligned<float, cosize_v<SmemLayoutScale16>, 128> smem_ks16;
+    // Per 16-bit V stage: each key's factor (its scale over the block's largest; 0 past the entry's keys).
     cute::array_aligned<float, cosize_v<SmemLayoutScale16>, 128> smem_vs16;
     cute::array_aligned<float, kStages, 16> smem_vmax16;  // per 16-bit V stage: its block's V descale
+    cute::array_aligned<float, 64 * kNumMmaWG, 16> smem_qrow;  // per query row: 1 / its q scale (prepare_q8)
   };
   using TensorStorage = std::conditional_t<kFp8, TensorStorageFp8,
                                            std::conditional_t<kFp8Cache, TensorStorageFp8Cache, TensorStorage16>>;
@@ -448,7 +473,8 @@ struct FwdMainloop {
       auto load_k = [&](int n_block) {
         pipeline_k.producer_acquire(write_k);
         uint64_t& barrier = *pipeline_k.producer_get_barrier(write_k);
-        kv_blocks.template load_paged<kBlockN, kPanelK, Shape<BN, D>, kProducerRegsBoost>(
+        // (e4m3 cache: K's scales with every copy, chunks too; the consumers read K's stages as loaded.)
+        kv_blocks.template load_paged<kBlockN, kPanelK, Shape<BN, D>, kProducerRegsBoost, kFp8Cache>(
             p.tma_k, p.tma_block.k, barrier, pK, bK, n_block, sK(_, _, write_k.index()), TMA::CacheHintSm90::EVICT_LAST,
             scales(0, barrier, write_k.index()));
         ++write_k;
@@ -456,7 +482,7 @@ struct FwdMainloop {
       auto load_v = [&](int n_block) {
         pipeline_v.producer_acquire(write_v);
         uint64_t& barrier = *pipeline_v.producer_get_barrier(write_v);
-        kv_blocks.template load_paged<kBlockN, kPanelV, TileV, kProducerRegsBoost>(
+        kv_blocks.template load_paged<kBlockN, kPanelV, TileV, kProducerRegsBoost, false>(
             p.tma_v, p.tma_block.v, barrier, pV, bV, n_block, sV(_, _, write_v.index()), TMA::CacheHintSm90::EVICT_LAST,
             scales(1, barrier, write_v.index()));
         ++write_v;
@@ -499,107 +525,89 @@ struct FwdMainloop {
   }
 
   // ---------------------------------------------------------------------------------------------
-  // e4m3 cache converter: warps 1-3 of the producer warpgroup (thread_idx 0..95 among them) take each e4m3
-  // stage in the producer's order and write it exactly (no scale) into a 16-bit stage, with the rows' scales
-  // as the stage's per-key factors, which the consumers apply to S's columns (K) and P's (V); rows at or past
-  // the entry's keys become zeros (whatever the cache holds there, NaN included). 16 bytes of e4m3 in, 32 of
-  // the 16-bit type out per step: contiguous in both swizzled layouts. (Multiplying each element by its scale
-  // here, in float, made the conversion the decode's bottleneck: docs/perf-notes.md.)
+  // e4m3 cache converter: warps 1-3 of the producer warpgroup (thread_idx 0..95 among them) take each e4m3 V stage
+  // in the producer's order and write it exactly (no scale) into a 16-bit stage, with the rows' scales as the
+  // stage's per-key factors, which the consumers apply to P's columns; rows at or past the entry's keys become
+  // zeros (whatever the cache holds there, NaN included). 16 bytes of e4m3 in, 32 of the 16-bit type out per step:
+  // contiguous in both swizzled layouts. (Multiplying each element by its scale here, in float, made the conversion
+  // the decode's bottleneck: docs/perf-notes.md.) K's stages go to the consumers as loaded (prepare_q8).
   // thread_idx: 0 .. num_threads - 1 among the converters (more than the 96 above in one-consumer mode).
   // kUnroll: 16-byte steps in flight per thread (the producer's 72 registers hold 2).
   template <int kUnroll = 2>
-  CUTE_DEVICE static void convert(Params const& p, PipelineCache& pipeline_k8, PipelineCache& pipeline_v8,
-                                  Pipeline& pipeline_k, Pipeline& pipeline_v, PipelineStateCache& read_k8,
-                                  PipelineStateCache& read_v8, PipelineState& write_k, PipelineState& write_v,
-                                  TensorStorage& ts, SeqlenInfo const& seq, BlockInfoT const& bi, int m_block, int head,
-                                  int batch, int thread_idx, int num_threads) {
+  CUTE_DEVICE static void convert(Params const& p, PipelineCache& pipeline_v8, Pipeline& pipeline_v,
+                                  PipelineStateCache& read_v8, PipelineState& write_v, TensorStorage& ts,
+                                  SeqlenInfo const& seq, BlockInfoT const& bi, int m_block, int head, int batch,
+                                  int thread_idx, int num_threads) {
     if constexpr (kFp8Cache) {
       int const n_block_max = bi.n_block_max(m_block);
       int const n_block_min = bi.n_block_min(m_block);
-      // Blocks copied chunk by chunk come without their scales (kv_blocks.h): each converter thread copies those of
-      // its rows (r = thread_idx + i x num_threads) into the e4m3 stage's scale slot itself, cp.async one block
-      // ahead of their use (no register holds them across the loop); the page index comes from the table sector
-      // the producer read for the same block.
+      // Blocks copied chunk by chunk come without V's scales (kv_blocks.h): each converter thread copies those of its
+      // rows (r = thread_idx + i x num_threads) into the e4m3 stage's scale slot itself, cp.async one block ahead of
+      // their use (no register holds them across the loop); the page index comes from the table sector the
+      // producer read for the same block.
       KVBlocks const kv_blocks(p.kv_blocks, batch, seq.seqlen_k);
       bool const own_scales = !kv_blocks.whole();
       int64_t const head_offset = int64_t(head / p.heads_ratio) * p.scales.head_stride;
-      auto prefetch = [&](float const* base, float* slot, int n_block) {
+      auto prefetch = [&](float* slot, int n_block) {
         for (int r = thread_idx; r < kBlockN; r += num_threads) {
           int const key = n_block * kBlockN + r;
           if (key < seq.seqlen_k) {  // (past the keys the converter reads no scale)
             int page, row;
             kv_blocks.locate(key, page, row);
-            SM80_CP_ASYNC_CACHEALWAYS<float>::copy(base[int64_t(page) * p.scales.page_stride + head_offset + row],
+            SM80_CP_ASYNC_CACHEALWAYS<float>::copy(p.scales.v[int64_t(page) * p.scales.page_stride + head_offset + row],
                                                    slot[r]);
           }
         }
       };
-      if (own_scales) {
-        prefetch(p.scales.k, ts.smem_ks.data() + read_k8.index() * kBlockN, n_block_max - 1);
-        prefetch(p.scales.v, ts.smem_vs.data() + read_v8.index() * kBlockN, n_block_max - 1);
-      }
-      Tensor sK8 = make_tensor(make_smem_ptr(ts.smem_k8.data()), SmemLayoutK8{});
+      if (own_scales) prefetch(ts.smem_vs.data() + read_v8.index() * kBlockN, n_block_max - 1);
       Tensor sV8 = make_tensor(make_smem_ptr(ts.smem_v8.data()), SmemLayoutV8{});
-      Tensor sKs = make_tensor(make_smem_ptr(ts.smem_ks.data()), SmemLayoutScale{});
       Tensor sVs = make_tensor(make_smem_ptr(ts.smem_vs.data()), SmemLayoutScale{});
-      Tensor sK = make_tensor(make_smem_ptr(ts.smem_k.data()), SmemLayoutK{});
       Tensor sV = make_tensor(make_smem_ptr(ts.smem_v.data()), SmemLayoutV{});  // (keys, headdim_v, stage)
-      Tensor sKs16 = make_tensor(make_smem_ptr(ts.smem_ks16.data()), SmemLayoutScale16{});
       Tensor sVs16 = make_tensor(make_smem_ptr(ts.smem_vs16.data()), SmemLayoutScale16{});
-      // K: factor = scale x kConvertFactor. V: factor = scale / (the block's largest), and the block's largest x
-      // kConvertFactor as its descale (smem_vmax16); the consumers multiply P by factor x (descale / the first V
-      // block's descale) and O by the first one's at the end, so P's factors stay near 1 whatever the scales' size.
-      auto one = [&](PipelineCache& from, PipelineStateCache& read, Pipeline& to, PipelineState& write, auto const& s8,
-                     auto const& scale, auto const& s16, auto const& scale16, int n_block, auto is_v, auto own) {
-        constexpr int kVecs = decltype(size<1>(s8))::value / 16;  // 16-element vectors per row
+      // factor = scale / (the block's largest), and the block's largest x kConvertFactor as its descale
+      // (smem_vmax16); the consumers multiply P by factor x (descale / the first V block's descale) and O by the
+      // first one's at the end, so P's factors stay near 1 whatever the scales' size.
+      auto one = [&](int n_block, auto own) {
+        constexpr int kVecs = kHeadDimV / 16;  // 16-element vectors per row
         int const valid = seq.seqlen_k - n_block * kBlockN;
-        from.consumer_wait(read);
-        to.producer_acquire(write);
-        int const in = read.index(), out = write.index();
+        pipeline_v8.consumer_wait(read_v8);
+        pipeline_v.producer_acquire(write_v);
+        int const in = read_v8.index(), out = write_v.index();
         if constexpr (decltype(own)::value) {
           cute::cp_async_wait<0>();  // this thread's scales of the block (copied a block ago)
-          // V: every warp reads every row's scale below (the block's largest), so all copies must have landed.
+          // Every warp reads every row's scale below (the block's largest), so all copies must have landed.
           // (Unaligned: the warps come from the mbarrier waits above, whose lanes leave their loops one by one.)
-          if constexpr (decltype(is_v)::value) {
-            cutlass::arch::NamedBarrier(num_threads, kConvertBarrier).arrive_and_wait_unaligned();
-          }
-          // The next block of this tensor lands in the next stage, whose slot's last reads (kCacheStages blocks ago)
-          // every thread finished before the barrier above (V) or did itself (K: each thread reads its own rows).
-          if (n_block > n_block_min) {
-            float* const base = decltype(is_v)::value ? ts.smem_vs.data() : ts.smem_ks.data();
-            prefetch(decltype(is_v)::value ? p.scales.v : p.scales.k, base + ((in + 1) % kCacheStages) * kBlockN,
-                     n_block - 1);
-          }
+          cutlass::arch::NamedBarrier(num_threads, kConvertBarrier).arrive_and_wait_unaligned();
+          // The next block lands in the next stage, whose slot's last reads (kCacheStages blocks ago) every thread
+          // finished before the barrier above.
+          if (n_block > n_block_min) prefetch(ts.smem_vs.data() + ((in + 1) % kCacheStages) * kBlockN, n_block - 1);
         }
         // The scales become the consumers' per-key factors (the e4m3 stage is released below); past the keys 0.
         // Shared-memory accesses through 32-bit shared addresses throughout: through CuTe's generic pointers here
         // the compiler emitted generic LD/ST (ncu: long-scoreboard stalls; the decode ran at 0.3 of the copy).
         auto load_scale = [&](int r) {
           float f = 0.f;
-          if (r < valid) cutlass::arch::shared_load<4>(&f, cute::cast_smem_ptr_to_uint(&scale(r, in)));
+          if (r < valid) cutlass::arch::shared_load<4>(&f, cute::cast_smem_ptr_to_uint(&sVs(r, in)));
           return f;
         };
-        float mult = kConvertFactor;
-        if constexpr (decltype(is_v)::value) {  // every warp finds the block's largest V scale itself
-          float m = 0.f;
-          for (int r = thread_idx % cutlass::NumThreadsPerWarp; r < kBlockN; r += cutlass::NumThreadsPerWarp) {
-            m = fmaxf(m, load_scale(r));
-          }
-          CUTE_UNROLL
-          for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-          mult = m > 0.f ? 1.f / m : 0.f;
-          if (thread_idx == 0) ts.smem_vmax16[out] = m * kConvertFactor;
+        float m = 0.f;  // every warp finds the block's largest V scale itself
+        for (int r = thread_idx % cutlass::NumThreadsPerWarp; r < kBlockN; r += cutlass::NumThreadsPerWarp) {
+          m = fmaxf(m, load_scale(r));
         }
+        CUTE_UNROLL
+        for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+        float const mult = m > 0.f ? 1.f / m : 0.f;
+        if (thread_idx == 0) ts.smem_vmax16[out] = m * kConvertFactor;
         for (int r = thread_idx; r < kBlockN; r += num_threads) {
           float const f = load_scale(r) * mult;
-          cutlass::arch::shared_store<4>(cute::cast_smem_ptr_to_uint(&scale16(r, out)), &f);
+          cutlass::arch::shared_store<4>(cute::cast_smem_ptr_to_uint(&sVs16(r, out)), &f);
         }
 #pragma unroll kUnroll
         for (int i = thread_idx; i < kBlockN * kVecs; i += num_threads) {
           int const r = i / kVecs, c = (i % kVecs) * 16;
           // Rows past the keys: zeros (the cache may hold NaN there, and 0 x NaN is NaN in the PV GEMM).
           uint4 x = make_uint4(0, 0, 0, 0);
-          if (r < valid) cutlass::arch::shared_load<16>(&x, cute::cast_smem_ptr_to_uint(&s8(r, c, in)));
+          if (r < valid) cutlass::arch::shared_load<16>(&x, cute::cast_smem_ptr_to_uint(&sV8(r, c, in)));
           auto const h = cutlass::NumericArrayConverter<cutlass::half_t, ElementKV, 16>{}(
               reinterpret_cast<cutlass::Array<ElementKV, 16> const&>(x));
           uint4 w[2];
@@ -610,31 +618,94 @@ struct FwdMainloop {
             CUTE_UNROLL
             for (int j = 0; j < 8; ++j) u[j] = (u[j] & 0x80008000u) | ((u[j] >> 3) & 0x0FFF0FFFu);  // kConvertFactor
           }
-          cutlass::arch::shared_store<16>(cute::cast_smem_ptr_to_uint(&s16(r, c, out)), &w[0]);
-          cutlass::arch::shared_store<16>(cute::cast_smem_ptr_to_uint(&s16(r, c + 8, out)), &w[1]);
+          cutlass::arch::shared_store<16>(cute::cast_smem_ptr_to_uint(&sV(r, c, out)), &w[0]);
+          cutlass::arch::shared_store<16>(cute::cast_smem_ptr_to_uint(&sV(r, c + 8, out)), &w[1]);
         }
         cutlass::arch::fence_view_async_shared();  // the generic-proxy writes before the GEMMs' async reads
-        from.consumer_release(read);
-        ++read;
-        to.producer_commit(write);
-        ++write;
+        pipeline_v8.consumer_release(read_v8);
+        ++read_v8;
+        pipeline_v.producer_commit(write_v);
+        ++write_v;
       };
-      // The producer's order (load's `issue`), with the scale copies (blocks copied chunk by chunk) or without; a
+      // The producer's V order (load's `issue`), with the scale copies (blocks copied chunk by chunk) or without; a
       // kernel holds one of the two walks (KVBlocks::kBlocks: the launcher instantiates both kernels).
       auto walk = [&](auto own) {
-        int n_block = n_block_max - 1;
-        one(pipeline_k8, read_k8, pipeline_k, write_k, sK8, sKs, sK, sKs16, n_block, cute::false_type{}, own);
-        for (; n_block > n_block_min; --n_block) {
-          one(pipeline_k8, read_k8, pipeline_k, write_k, sK8, sKs, sK, sKs16, n_block - 1, cute::false_type{}, own);
-          one(pipeline_v8, read_v8, pipeline_v, write_v, sV8, sVs, sV, sVs16, n_block, cute::true_type{}, own);
-        }
-        one(pipeline_v8, read_v8, pipeline_v, write_v, sV8, sVs, sV, sVs16, n_block_min, cute::true_type{}, own);
+        for (int n_block = n_block_max - 1; n_block >= n_block_min; --n_block) one(n_block, own);
       };
       if (own_scales) {
         walk(cute::true_type{});
       } else {
         walk(cute::false_type{});
       }
+    }
+  }
+
+  // e4m3 cache: q as two e4m3 terms per element (SmemLayoutQ8) in warpgroup wg's slice of Q stage q_stage, and
+  // 1 / each row's scale in smem_qrow, for the S GEMMs on K's e4m3 stages. 16-element vectors: thread t takes
+  // vector t + 128 i of each pass's (64 x 128 columns), so a row's vectors are kVecs adjacent lanes (its largest
+  // |q| by shuffles). Each pass reads its bf16 columns before the warpgroup's barrier and writes the two terms after
+  // it, into bytes that only those columns held (the terms' order). Ends with the terms visible to the GEMMs.
+  CUTE_DEVICE static void prepare_q8(TensorStorage& ts, int q_stage, int wg, int thread_idx) {
+    if constexpr (kFp8Cache) {
+      constexpr int kPassCols = cute::min(kHeadDim, 128), kPasses = kHeadDim / kPassCols;
+      constexpr int kVecs = kPassCols / 16, kPerThread = 64 * kVecs / cutlass::NumThreadsPerWarpGroup;
+      static_assert(kHeadDim % kPassCols == 0 && kPerThread >= 1 && 32 % kVecs == 0);
+      Tensor sQ = make_tensor(make_smem_ptr(ts.smem_q.data()), SmemLayoutQ{})(_, _, wg, q_stage);  // (64, D)
+      Tensor sQ8 = make_tensor(make_smem_ptr(reinterpret_cast<ElementKV*>(&sQ(0, 0))), SmemLayoutQ8{});  // (64, D, 2)
+      using Vec16 = cutlass::Array<Element, 16>;
+      auto load16 = [&](int r, int c, Vec16& x) {
+        cutlass::arch::shared_load<16>(x.data(), cute::cast_smem_ptr_to_uint(&sQ(r, c)));
+        cutlass::arch::shared_load<16>(x.data() + 8, cute::cast_smem_ptr_to_uint(&sQ(r, c + 8)));
+      };
+      auto to_float = [](Vec16 const& x) { return cutlass::NumericArrayConverter<float, Element, 16>{}(x); };
+      // Each row's largest |q| over every pass (the same rows in each pass).
+      float amax[kPerThread];
+      CUTE_UNROLL
+      for (int i = 0; i < kPerThread; ++i) {
+        int const v = thread_idx + i * cutlass::NumThreadsPerWarpGroup, r = v / kVecs, c = (v % kVecs) * 16;
+        float m = 0.f;
+        CUTE_UNROLL
+        for (int pass = 0; pass < kPasses; ++pass) {
+          Vec16 x;
+          load16(r, pass * kPassCols + c, x);
+          auto const f = to_float(x);
+          CUTE_UNROLL
+          for (int j = 0; j < 16; ++j) m = fmaxf(m, fabsf(f[j]));
+        }
+        CUTE_UNROLL
+        for (int o = 1; o < kVecs; o *= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+        amax[i] = m;
+        // A row of zeros keeps scale 1 (its S row is 0 whatever the factor).
+        if (v % kVecs == 0) ts.smem_qrow[wg * 64 + r] = m > 0.f ? m * (1.f / 448.f) : 1.f;
+      }
+      CUTE_UNROLL
+      for (int pass = 0; pass < kPasses; ++pass) {
+        Vec16 x[kPerThread];
+        CUTE_UNROLL
+        for (int i = 0; i < kPerThread; ++i) {
+          int const v = thread_idx + i * cutlass::NumThreadsPerWarpGroup, r = v / kVecs, c = (v % kVecs) * 16;
+          load16(r, pass * kPassCols + c, x[i]);
+        }
+        warpgroup_barrier_sync(wg);  // every thread has read this pass's bf16 columns
+        CUTE_UNROLL
+        for (int i = 0; i < kPerThread; ++i) {
+          int const v = thread_idx + i * cutlass::NumThreadsPerWarpGroup, r = v / kVecs, c = (v % kVecs) * 16;
+          float const sq = amax[i] > 0.f ? 448.f / amax[i] : 1.f;
+          auto const f = to_float(x[i]);
+          cutlass::Array<float, 16> hi_in, lo_in;
+          CUTE_UNROLL
+          for (int j = 0; j < 16; ++j) hi_in[j] = f[j] * sq;
+          auto const hi = cutlass::NumericArrayConverter<ElementKV, float, 16>{}(hi_in);
+          auto const hi_f = cutlass::NumericArrayConverter<float, ElementKV, 16>{}(hi);
+          CUTE_UNROLL
+          for (int j = 0; j < 16; ++j) lo_in[j] = hi_in[j] - hi_f[j];
+          auto const lo = cutlass::NumericArrayConverter<ElementKV, float, 16>{}(lo_in);
+          cutlass::arch::shared_store<16>(cute::cast_smem_ptr_to_uint(&sQ8(r, pass * kPassCols + c, 0)), &hi);
+          cutlass::arch::shared_store<16>(cute::cast_smem_ptr_to_uint(&sQ8(r, pass * kPassCols + c, 1)), &lo);
+        }
+      }
+      cutlass::arch::fence_view_async_shared();  // the generic-proxy writes before the GEMMs' async reads
+      warpgroup_barrier_sync(wg);                // every term and row scale written
     }
   }
 
@@ -646,9 +717,20 @@ struct FwdMainloop {
   // previous tile's Q stage there).
   // Returns the factor the finished O still needs (FP8: the V descale of the last key block; dropout:
   // 1 / keep probability; else 1).
+  // 1 / the q scale of row `row` of warpgroup wg's 64 (prepare_q8).
+  CUTE_DEVICE static float ts_qrow(TensorStorage& ts, int wg, int row) {
+    if constexpr (kFp8Cache) {
+      float f;
+      cutlass::arch::shared_load<4>(&f, cute::cast_smem_ptr_to_uint(ts.smem_qrow.data() + wg * 64 + row));
+      return f;
+    } else {
+      return 1.f;
+    }
+  }
+
   template <class FragO, class OnFirstIssue>
-  CUTE_DEVICE static float mma(Params const& p, Pipeline& pipeline_k, Pipeline& pipeline_v,
-                               PipelineState& read_k, PipelineState& read_v, TensorStorage& ts,
+  CUTE_DEVICE static float mma(Params const& p, PipelineK& pipeline_k, Pipeline& pipeline_v,
+                               typename PipelineK::PipelineState& read_k, PipelineState& read_v, TensorStorage& ts,
                                int q_stage, FragO& tOrO, Softmax& softmax, SeqlenInfo const& seq,
                                BlockInfoT const& bi, int m_block, int head, int batch,
                                int wg, int thread_idx, OnFirstIssue&& on_first_issue) {
@@ -687,16 +769,29 @@ struct FwdMainloop {
     };
 
     Tensor sQ = make_tensor(make_smem_ptr(ts.smem_q.data()), SmemLayoutQ{});
-    Tensor sK = make_tensor(make_smem_ptr(ts.smem_k.data()), SmemLayoutK{});
     Tensor sVt = make_tensor(make_smem_ptr(ts.smem_v.data()), SmemLayoutVt{});
 
     TiledMmaQK mma_qk;
     TiledMmaPV mma_pv;
     auto thr_qk = mma_qk.get_thread_slice(thread_idx);
     auto thr_pv = mma_pv.get_thread_slice(thread_idx);
-    Tensor tSrQ = thr_qk.partition_fragment_A(sQ)(_, _, _, wg, q_stage);  // (MMA, 1, K)
-    Tensor tSrK = thr_qk.partition_fragment_B(sK);   // (MMA, 1, K, stage)
     Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (MMA, 1, K, stage)
+    // The S GEMMs' operands: Q's stage and K's 16-bit stages, or (e4m3 cache) q's two e4m3 terms and K's e4m3 stages.
+    if constexpr (kFp8Cache) prepare_q8(ts, q_stage, wg, thread_idx);
+    auto qk = [&] {
+      if constexpr (kFp8Cache) {
+        TiledMmaQK8 mma_qk8;
+        auto thr_qk8 = mma_qk8.get_thread_slice(thread_idx);
+        Tensor sQ8 = make_tensor(make_smem_ptr(reinterpret_cast<ElementKV*>(&sQ(0, 0, wg, q_stage))), SmemLayoutQ8{});
+        Tensor sK8 = make_tensor(make_smem_ptr(ts.smem_k8.data()), SmemLayoutK8{});
+        return cute::make_tuple(mma_qk8, thr_qk8.partition_fragment_A(sQ8),  // (MMA, 1, K, term)
+                                thr_qk8.partition_fragment_B(sK8));         // (MMA, 1, K, stage)
+      } else {
+        Tensor sK = make_tensor(make_smem_ptr(ts.smem_k.data()), SmemLayoutK{});
+        return cute::make_tuple(mma_qk, thr_qk.partition_fragment_A(sQ)(_, _, _, wg, q_stage),  // (MMA, 1, K)
+                                thr_qk.partition_fragment_B(sK));                            // (MMA, 1, K, stage)
+      }
+    }();
     Tensor tSrS = partition_fragment_C(mma_qk, Shape<_64, BN>{});
     Tensor tScS = rowcol(thr_qk.partition_C(make_identity_tensor(Shape<_64, BN>{})));
     Tensor scores = rowcol(tSrS);
@@ -779,14 +874,33 @@ struct FwdMainloop {
         }
       }
     };
-    // K's on S's columns (before the score mod and mask; read before the K stage is released).
+    // K's scales (the e4m3 stage's) and the rows' 1 / q scales on S (before the score mod and mask; read before the K
+    // stage is released). The thread's accumulator rows are the same in every block.
+    float const row_factor[2] = {kFp8Cache ? ts_qrow(ts, wg, get<0>(tScSflat(0))) : 1.f,
+                                 kFp8Cache ? ts_qrow(ts, wg, get<0>(tScSflat(2))) : 1.f};
     auto scale_s = [&](int stage) {
-      if constexpr (kFp8Cache) apply_factors(tSrS, ts.smem_ks16.data(), stage, 1.f);
+      if constexpr (kFp8Cache) {
+        CUTE_UNROLL
+        for (int g = 0; g < size(tSrS) / 4; ++g) {
+          float2 f;
+          cutlass::arch::shared_load<8>(&f, cute::cast_smem_ptr_to_uint(ts.smem_ks.data() + stage * kBlockN +
+                                                                        get<1>(tScSflat(4 * g))));
+          tSrS(4 * g) *= f.x * row_factor[0];
+          tSrS(4 * g + 1) *= f.y * row_factor[0];
+          tSrS(4 * g + 2) *= f.x * row_factor[1];
+          tSrS(4 * g + 3) *= f.y * row_factor[1];
+        }
+      }
     };
     // S_n = Q K_n^T for key block n; the caller waits for it.
     auto issue_s = [&] {
       pipeline_k.consumer_wait(read_k);
-      wgmma<true, -1>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
+      if constexpr (kFp8Cache) {
+        auto const& tSrQ8 = get<1>(qk);
+        wgmma_sum<-1>(get<0>(qk), tSrQ8(_, _, _, 0), tSrQ8(_, _, _, 1), get<2>(qk)(_, _, _, read_k.index()), tSrS);
+      } else {
+        wgmma<true, -1>(get<0>(qk), get<1>(qk), get<2>(qk)(_, _, _, read_k.index()), tSrS);
+      }
     };
     auto release_k = [&] {
       pipeline_k.consumer_release(read_k);

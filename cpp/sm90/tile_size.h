@@ -80,15 +80,16 @@ struct FwdTileSize<256, DType::kFloat8E4M3> : FwdTileDefaults {
 };
 
 // KV caches of e4m3 read by 16-bit queries (KVCacheKind::kE4M3): TMA lands each block in e4m3 stages
-// (kCacheStages deep, with the block's per-token scales) and the producer warpgroup's other warps convert them
-// into the kStages 16-bit stages the unchanged GEMMs read. Two consumer warpgroups at every head dim (decode
-// fills few rows; the converters need the producer warpgroup's registers). Head dim 128: 112 keys (Q 32 KB,
-// 16-bit K/V 2 x 2 x 28 KB, e4m3 2 x 2 x 14 KB, scales 3.5 KB: 204 KB; 128 keys would need 229 KB). Head dim
-// 256: 64 keys (Q 64 KB, K/V 2 x 32 KB, e4m3 2 x 2 x 16 KB). Starting points, measured in docs/perf-notes.md.
+// (kCacheStages deep, with the block's per-token scales); the consumers' S GEMMs read K's as they are, and the
+// producer warpgroup's other warps convert V's into the kStages 16-bit stages of the PV GEMM. Two consumer
+// warpgroups at every head dim (decode fills few rows; the converters need the producer warpgroup's registers).
+// Head dim 128: 128 keys, 3 e4m3 stages (Q 32 KB, 16-bit V 2 x 32 KB, e4m3 3 x 2 x 16 KB: 195 KB with the scales);
+// pages of 128 rows are then whole blocks (112 keys and 2 stages ran contiguous caches up to 10% faster and pages
+// of 128 40% slower: docs/perf-notes.md, T5). Head dim 256: 64 keys (Q 64 KB, V 32 KB, e4m3 2 x 2 x 16 KB).
 template <int kHeadDim>
 struct FwdFp8CacheTileSize : FwdTileDefaults {
-  static constexpr int kBlockM = 128, kBlockN = kHeadDim == 256 ? 64 : kHeadDim == 128 ? 112 : 128, kQStages = 1;
-  static constexpr int kStages = kHeadDim == 256 ? 1 : 2, kCacheStages = kHeadDim == 64 ? 3 : 2;
+  static constexpr int kBlockM = 128, kBlockN = kHeadDim == 256 ? 64 : 128, kQStages = 1;
+  static constexpr int kStages = kHeadDim == 256 ? 1 : 2, kCacheStages = kHeadDim == 256 ? 2 : 3;
 };
 
 // ---------------------------------------------------------------------------------------------

@@ -10,7 +10,13 @@ criteria of tests/test_transformers.py (its gpu test asserts the same):
   the parameter; pass iff every one is <= 2 x sdpa's + slack;
 - time per forward (no grad) of each at --batch x --seqlen (prefill, causal).
 
-Every attention call must run the kernel (a fallback to sdpa is an error). Exit 1 if any check fails.
+A second table: padded batches and packed sequences, which run flash_attn_varlen_func (the checks of
+tests/test_transformers.py's padded_and_packed_checks, which its gpu test asserts): logits at the real positions
+of 3 x 300 tokens padded left and right, and of 2 rows of packed documents (told apart by position_ids, or by
+cu_seq_lens) against each document alone, as "FlashHopper's error / sdpa's"; greedy generate() on left-padded
+prompts; the worst gradient ratio of a training step on the left-padded batch and on the packed rows.
+
+Every attention call must run the kernels (a fallback to sdpa is an error). Exit 1 if any check fails.
 """
 from __future__ import annotations
 
@@ -68,6 +74,18 @@ def check(family: str, batch: int, seqlen: int, timer: Timer) -> tuple[list[str]
     return row, failures
 
 
+def check_varlen(family: str) -> tuple[list[str], list[str]]:
+    """The padded / packed table's row and its failures."""
+    model = tt.tiny_model(family, hidden=512, vocab=1024, dtype=torch.bfloat16, device="cuda")
+    cells, failures = tt.padded_and_packed_checks(model, tt.reference_model(model), vocab=1024, seqlen=300)
+    return [family, *cells.values(), "ok" if not failures else "FAIL"], failures
+
+
+VARLEN_HEADERS = ["model", "left-padded logits", "right-padded logits", "left-padded greedy vs sdpa",
+                  "packed logits (position_ids)", "packed logits (cu_seq_lens)",
+                  "left-padded grad err / sdpa's (worst)", "packed grad err / sdpa's (worst)", "check"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seed", type=int, default=0)
@@ -82,16 +100,21 @@ def main() -> None:
           f"seed {args.seed}; backends {flashhopper.available_backends()}; time: {timer_name}, forward of "
           f"{args.batch} x {args.seqlen} tokens")
     torch.manual_seed(args.seed)
-    rows, failures = [], []
+    rows, varlen_rows, failures = [], [], []
     for family in tt.FAMILIES:
         row, fails = check(family, args.batch, args.seqlen, timer)
         rows.append(row)
         failures += [f"{family}: {f}" for f in fails]
+        row, fails = check_varlen(family)
+        varlen_rows.append(row)
+        failures += [f"{family} (padded / packed): {f}" for f in fails]
     print(tabulate(rows, headers=["model", "logits err FlashHopper", "sdpa bf16", "FlashHopper vs sdpa",
                                   "greedy vs sdpa", "grad err / sdpa's (worst)", "ms FlashHopper", "ms sdpa",
                                   "check"], tablefmt="github"))
-    print("errors: relative, vs the same weights in float32; pass: FlashHopper's <= 2 x sdpa's + "
-          f"{tt.SLACK} (logits, each gradient); greedy: equal, or a near-tie of the float32 model")
+    print("\nPadded batches and packed sequences (flash_attn_varlen_func); logits: FlashHopper's error / sdpa's\n")
+    print(tabulate(varlen_rows, headers=VARLEN_HEADERS, tablefmt="github"))
+    print("errors: relative, vs the same weights in float32 (packed: each document on its own); pass: FlashHopper's "
+          f"<= 2 x sdpa's + {tt.SLACK} (logits, each gradient); greedy: equal, or a near-tie of the float32 model")
     for f in failures:
         print("FAIL", f)
     sys.exit(1 if failures else 0)

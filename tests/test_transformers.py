@@ -4,10 +4,12 @@ same weights in higher precision with sdpa (float64 for a float32 model, float32
 
 The criteria are FA3's, at model level: logits and each parameter's gradient at most twice as far from
 the reference as sdpa's in the same precision, plus a small slack; greedy generate() gives the same tokens
-as sdpa until, possibly, a step where the two tokens are a near-tie (``greedy_agreement``). On CPU the
-kernel is flashhopper's float64 reference (transformers is not a CI dependency: the file skips without
-it); the `gpu` tests run the kernels in bf16 (scripts/check_transformers.py prints the same as a table).
-The helpers return numbers so that the device script reports what the tests assert.
+as sdpa until, possibly, a step where the two tokens are a near-tie (``greedy_agreement``). Padded batches
+are judged on their real positions (the loss ignores the padding); packed sequences against each document
+run on its own through the reference. On CPU the kernels are flashhopper's float64 reference
+(transformers is not a CI dependency: the file skips without it); the `gpu` tests run the kernels in bf16
+(scripts/check_transformers.py prints the same as a table). The helpers return numbers so that the device
+script reports what the tests assert.
 """
 from __future__ import annotations
 
@@ -27,7 +29,15 @@ pytest.importorskip("transformers")
 
 from helpers import rel_err, require_backend
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Qwen2Config, Qwen2ForCausalLM, StaticCache
-from transformers.masking_utils import bidirectional_mask_function, sdpa_mask, sliding_window_causal_mask_function
+from transformers.masking_utils import (and_masks, bidirectional_mask_function, causal_mask_function,
+                                        find_packed_sequence_indices, packed_sequence_mask_function, sdpa_mask,
+                                        sliding_window_causal_mask_function)
+
+try:
+    from transformers.masking_utils import remap_positions_for_packed_sequence
+except ImportError:  # transformers 5.17: packed sequences' base pattern reads token indices, unwrapped
+    def remap_positions_for_packed_sequence(mask_function: Any, position_ids: torch.Tensor) -> Any:
+        return mask_function
 
 import flashhopper.integrations.transformers as fht
 from flashhopper.dispatch import runs_on
@@ -67,13 +77,55 @@ def attn(model: PreTrainedModel, implementation: str) -> Iterator[PreTrainedMode
 
 def logits_errors(model: PreTrainedModel, ref: PreTrainedModel, ids: torch.Tensor,
                   attention_mask: torch.Tensor | None = None, **kwargs: Any) -> tuple[float, float, float]:
-    """(FlashHopper vs reference, sdpa vs reference, FlashHopper vs sdpa) relative errors of the logits."""
+    """(FlashHopper vs reference, sdpa vs reference, FlashHopper vs sdpa) relative errors of the logits, at
+    the real positions of a padded batch (the others' logits mean nothing: sdpa and FlashHopper differ there)."""
+    real = (slice(None) if attention_mask is None else attention_mask.bool())
     with torch.no_grad():
         with attn(model, NAME):
-            ours = model(ids, attention_mask=attention_mask, **kwargs).logits
-        sdpa = model(ids, attention_mask=attention_mask, **kwargs).logits
-        exact = ref(ids, attention_mask=attention_mask, **kwargs).logits
+            ours = model(ids, attention_mask=attention_mask, **kwargs).logits[real]
+        sdpa = model(ids, attention_mask=attention_mask, **kwargs).logits[real]
+        exact = ref(ids, attention_mask=attention_mask, **kwargs).logits[real]
     return rel_err(ours, exact), rel_err(sdpa, exact), rel_err(ours, sdpa)
+
+
+def documents(cu_seqlens: list[int], seqlen: int) -> list[tuple[int, int, int]]:
+    """(row, start, end) of each document of packed rows of ``seqlen`` tokens, from cumulative lengths over
+    the rows flattened (a document does not cross rows)."""
+    spans = [(a // seqlen, a % seqlen, a % seqlen + (b - a)) for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:])]
+    assert all(end <= seqlen for _, _, end in spans)
+    return spans
+
+
+def restarting_positions(spans: list[tuple[int, int, int]], batch: int, seqlen: int) -> torch.Tensor:
+    """position_ids (batch, seqlen) restarting at 0 at the start of each document."""
+    positions = torch.zeros(batch, seqlen, dtype=torch.long)
+    for row, a, b in spans:
+        positions[row, a:b] = torch.arange(b - a)
+    return positions
+
+
+def packed_logits_errors(model: PreTrainedModel, ref: PreTrainedModel, ids: torch.Tensor,
+                         spans: list[tuple[int, int, int]], **inputs: Any) -> tuple[float, float]:
+    """Documents packed into rows (``spans``: (row, start, end) of each) in one forward with FlashHopper and
+    ``inputs`` (position_ids, cu_seq_lens_q/_k, ...), against each document run on its own through the
+    reference, at the positions the packed forward gave it (its position_ids, else the row's); and sdpa's
+    error doing the same, each document on its own: (FlashHopper vs reference, sdpa vs reference)."""
+    positions = inputs.get("position_ids")
+
+    def one_by_one(m: PreTrainedModel) -> torch.Tensor:
+        out = []
+        for row, a, b in spans:
+            pos = (positions[row:row + 1, a:b] if positions is not None
+                   else torch.arange(a, b, device=ids.device)[None])
+            out.append(m(ids[row:row + 1, a:b], position_ids=pos, use_cache=False).logits[0])
+        return torch.cat(out)
+
+    with torch.no_grad():
+        with attn(model, NAME):
+            packed = model(ids, use_cache=False, **inputs).logits
+        ours = torch.cat([packed[row, a:b] for row, a, b in spans])
+        sdpa, exact = one_by_one(model), one_by_one(ref)
+    return rel_err(ours, exact), rel_err(sdpa, exact)
 
 
 def greedy(model: PreTrainedModel, ids: torch.Tensor, steps: int,
@@ -98,9 +150,11 @@ class Agreement:
         return self.summary() + "".join(f"; {f}" for f in self.failures)
 
 
-def greedy_agreement(model: PreTrainedModel, ref: PreTrainedModel, ids: torch.Tensor, steps: int) -> Agreement:
+def greedy_agreement(model: PreTrainedModel, ref: PreTrainedModel, ids: torch.Tensor, steps: int,
+                     attention_mask: torch.Tensor | None = None) -> Agreement:
     """Greedy generate() with FlashHopper and with sdpa, judged against the reference's logits along
-    FlashHopper's path (one forward over prompt + its tokens gives every step's).
+    FlashHopper's path (one forward over prompt + its tokens gives every step's; with a padded prompt,
+    under its mask and the position_ids that generate() derives from it).
 
     Up to each row's first divergence both runs see the same prefix, so per step: FlashHopper's logits
     must be at most twice as far (max-abs) from the reference as sdpa's, plus slack. At a divergence
@@ -109,10 +163,14 @@ def greedy_agreement(model: PreTrainedModel, ref: PreTrainedModel, ids: torch.Te
     only such a gap can flip; a real bug (a wrong mask, say) picks tokens far worse than that.
     After a divergence the prefixes differ and nothing more is compared."""
     with attn(model, NAME):
-        ours, our_logits = greedy(model, ids, steps)
-    sdpa, sdpa_logits = greedy(model, ids, steps)
+        ours, our_logits = greedy(model, ids, steps, attention_mask)
+    sdpa, sdpa_logits = greedy(model, ids, steps, attention_mask)
+    inputs = {}
+    if attention_mask is not None:
+        mask = torch.cat([attention_mask, torch.ones_like(ours)], dim=1)
+        inputs = {"attention_mask": mask, "position_ids": (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)}
     with torch.no_grad():
-        exact = ref(torch.cat([ids, ours], dim=1)).logits[:, ids.shape[1] - 1:-1].double()
+        exact = ref(torch.cat([ids, ours], dim=1), **inputs).logits[:, ids.shape[1] - 1:-1].double()
     agreed, failures = [], []
     for row in range(ids.shape[0]):
         differ = (ours[row] != sdpa[row]).nonzero()
@@ -132,18 +190,22 @@ def greedy_agreement(model: PreTrainedModel, ref: PreTrainedModel, ids: torch.Te
     return Agreement(steps, agreed, failures)
 
 
-def grads(model: PreTrainedModel, ids: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Each parameter's gradient of the language-modelling loss on ``ids`` (one training step's)."""
+def grads(model: PreTrainedModel, ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+          **inputs: Any) -> dict[str, torch.Tensor]:
+    """Each parameter's gradient of the language-modelling loss on ``ids`` (one training step's; padding
+    excluded from the loss, as a padded batch's labels do)."""
+    labels = ids if attention_mask is None else ids.masked_fill(attention_mask == 0, -100)
     model.zero_grad(set_to_none=True)
-    model(ids, labels=ids).loss.backward()
+    model(ids, attention_mask=attention_mask, labels=labels, use_cache=False, **inputs).loss.backward()
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def grad_errors(model: PreTrainedModel, ref: PreTrainedModel, ids: torch.Tensor) -> dict[str, tuple[float, float]]:
+def grad_errors(model: PreTrainedModel, ref: PreTrainedModel, ids: torch.Tensor,
+                attention_mask: torch.Tensor | None = None, **inputs: Any) -> dict[str, tuple[float, float]]:
     """Per parameter: (FlashHopper vs reference, sdpa vs reference) relative errors of the gradient."""
     with attn(model, NAME):
-        ours = grads(model, ids)
-    sdpa, exact = grads(model, ids), grads(ref, ids)
+        ours = grads(model, ids, attention_mask, **inputs)
+    sdpa, exact = grads(model, ids, attention_mask, **inputs), grads(ref, ids, attention_mask, **inputs)
     assert ours.keys() == exact.keys() == sdpa.keys()
     return {n: (rel_err(ours[n], exact[n]), rel_err(sdpa[n], exact[n])) for n in exact}
 
@@ -154,6 +216,58 @@ def within_noise(err: float, sdpa_err: float) -> bool:
 
 def assert_within_noise(what: str, err: float, sdpa_err: float) -> None:
     assert within_noise(err, sdpa_err), f"{what}: error {err:.3e} > 2 x sdpa's {sdpa_err:.3e} + {SLACK}"
+
+
+def padded_and_packed_checks(model: PreTrainedModel, ref: PreTrainedModel, vocab: int,
+                             seqlen: int) -> tuple[dict[str, str], list[str]]:
+    """The padded and packed cases (flash_attn_varlen_func) at model level, for the gpu test and
+    scripts/check_transformers.py: each check's numbers as a printable cell, and the failures (empty when
+    all pass). Logits of 3 rows of ``seqlen`` tokens, left and right padded (none, an eighth, two thirds);
+    generate() on left-padded prompts of seqlen / 3 tokens; 2 rows of 5 packed documents, told apart by
+    position_ids or by cu_seq_lens (documents then at the row's positions), against each document alone;
+    the gradients of a training step on the left-padded batch and on the packed rows (worst parameter:
+    error / sdpa's). ``model`` is left in eval mode."""
+    device = model.device
+    cells: dict[str, str] = {}
+    failures: list[str] = []
+
+    def judge(name: str, err: float, sdpa_err: float) -> None:
+        cells[name] = f"{err:.2e} / {sdpa_err:.2e}"
+        if not within_noise(err, sdpa_err):
+            failures.append(f"{name}: error {err:.3e} > 2 x sdpa's {sdpa_err:.3e}")
+
+    ids = torch.randint(1, vocab, (3, seqlen), device=device)
+    pads = [0, seqlen // 8, 2 * seqlen // 3]
+    for side in ("left", "right"):
+        judge(f"{side}-padded logits", *logits_errors(model, ref, *padded(ids, pads, side))[:2])
+    prompt = seqlen // 3
+    prompt_ids, prompt_mask = left_padded(ids[:, :prompt], [0, prompt // 8, prompt // 2])
+    agreement = greedy_agreement(model, ref, prompt_ids, steps=8, attention_mask=prompt_mask)
+    cells["left-padded greedy"] = agreement.summary()
+    failures += [f"left-padded greedy: {f}" for f in agreement.failures]
+
+    cu = [0, seqlen // 3, seqlen - seqlen // 5, seqlen, seqlen + seqlen // 4, 2 * seqlen]
+    spans = documents(cu, seqlen)
+    packed_ids, positions = ids[:2], restarting_positions(spans, 2, seqlen).to(device)
+    judge("packed logits (position_ids)", *packed_logits_errors(model, ref, packed_ids, spans, position_ids=positions))
+    cu_seqlens = torch.tensor(cu, dtype=torch.int32, device=device)
+    longest = max(b - a for a, b in zip(cu[:-1], cu[1:]))
+    judge("packed logits (cu_seq_lens)", *packed_logits_errors(
+        model, ref, packed_ids, spans, cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=longest,
+        max_length_k=longest))
+
+    model.train()
+    ref.train()
+    left_ids, left_mask = padded(ids, pads, "left")
+    for name, g in (("left-padded grads", grad_errors(model, ref, left_ids, left_mask)),
+                    ("packed grads", grad_errors(model, ref, packed_ids, position_ids=positions))):
+        worst, (err, sdpa_err) = max(g.items(), key=lambda kv: kv[1][0] / max(kv[1][1], 1e-30))
+        cells[name] = f"{err / max(sdpa_err, 1e-30):.2f} ({worst})"
+        failures += [f"{name}: {n}: error {e:.3e} > 2 x sdpa's {se:.3e}" for n, (e, se) in g.items()
+                     if not within_noise(e, se)]
+    model.eval()
+    ref.eval()
+    return cells, failures
 
 
 @pytest.fixture
@@ -173,6 +287,25 @@ def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
 
 
 @pytest.fixture
+def varlen_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
+    """(q shape, k shape, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_size) of each
+    flash_attn_varlen_func call the backend makes (cu_seqlens as lists, checked int32 on q's device)."""
+    calls = []
+
+    def spy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int,
+            max_k: int, **kwargs: Any) -> torch.Tensor:
+        assert cu_q.dtype == cu_k.dtype == torch.int32 and cu_q.device == cu_k.device == q.device
+        assert type(max_q) is int and type(max_k) is int
+        calls.append((tuple(q.shape), tuple(k.shape), cu_q.tolist(), cu_k.tolist(), max_q, max_k, kwargs["causal"],
+                      kwargs["window_size"]))
+        return flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
+
+    flash_attn_varlen_func = fht.flash_attn_varlen_func
+    monkeypatch.setattr(fht, "flash_attn_varlen_func", spy)
+    return calls
+
+
+@pytest.fixture
 def no_fallback() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.simplefilter("error", fht.SdpaFallbackWarning)
@@ -185,6 +318,14 @@ def left_padded(ids: torch.Tensor, pads: list[int]) -> tuple[torch.Tensor, torch
     for row, n in enumerate(pads):
         mask[row, :n] = 0
     return ids.masked_fill(mask == 0, 0), mask
+
+
+def padded(ids: torch.Tensor, pads: list[int], side: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """left_padded, or the same with the padding at the end of each row (side "right")."""
+    if side == "left":
+        return left_padded(ids, pads)
+    ids, mask = left_padded(ids.flip(-1), pads)
+    return ids.flip(-1), mask.flip(-1)
 
 
 # CPU: the float64 reference as the kernel, a float32 model.
@@ -238,32 +379,238 @@ def test_bidirectional_runs_the_kernel_non_causal(kernel_calls: list, no_fallbac
     assert [c[2] for c in kernel_calls] == [False, False]
 
 
-# Fallbacks to sdpa: the same computation as attn_implementation="sdpa", with the warning.
+# Padded batches and packed sequences: flash_attn_varlen_func.
+
+PADS = [0, 3, 8]  # per row of a (3, 11) batch: none, some, all but three
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_padded_batch_runs_varlen(family: str, side: str, kernel_calls: list, varlen_calls: list,
+                                  no_fallback: None) -> None:
+    """Logits at the real positions within FA3's criterion; every layer unpads to the real tokens (the rows'
+    cumulative lengths), causal, GQA heads as they are."""
+    model = tiny_model(family)
+    ids, mask = padded(torch.randint(1, 128, (3, 11)), PADS, side)
+    assert_within_noise("logits", *logits_errors(model, reference_model(model), ids, mask)[:2])
+    assert kernel_calls == []
+    assert varlen_calls == [((22, 4, 16), (22, 2, 16), [0, 11, 19, 22], [0, 11, 19, 22], 11, 11, True, (-1, -1))] * 2
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_padded_batch_gradients_match_sdpa(family: str, side: str, varlen_calls: list, no_fallback: None) -> None:
+    """A training step on a padded batch (padding out of the loss): each parameter's gradient within FA3's
+    criterion, through flash_attn_varlen_func's backward."""
+    model = tiny_model(family).train()
+    ids, mask = padded(torch.randint(1, 128, (3, 11)), PADS, side)
+    for name, (err, sdpa_err) in grad_errors(model, reference_model(model), ids, mask).items():
+        assert_within_noise(f"{name}.grad", err, sdpa_err)
+    assert len(varlen_calls) == 2
+
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_padded_batch_falls_back_to_sdpa(family: str, kernel_calls: list) -> None:
+def test_greedy_generate_left_padded_matches_sdpa(family: str, kernel_calls: list, varlen_calls: list,
+                                                  no_fallback: None) -> None:
+    """generate() on left-padded prompts with the DynamicCache: prefill and every decoding step unpad (one
+    query per row against its real keys), and the tokens are sdpa's (near-ties aside)."""
     model = tiny_model(family)
-    ids, mask = left_padded(torch.randint(1, 128, (3, 9)), [0, 3, 8])
-    with torch.no_grad(), attn(model, NAME):
-        with pytest.warns(fht.SdpaFallbackWarning, match="padding"):
-            ours = model(ids, attention_mask=mask).logits
-        with pytest.warns(fht.SdpaFallbackWarning, match="padding"):
-            ours_tokens, _ = greedy(model, ids, 4, mask)
-    with torch.no_grad():
-        assert torch.equal(ours, model(ids, attention_mask=mask).logits)
-    assert torch.equal(ours_tokens, greedy(model, ids, 4, mask)[0])
+    ids, mask = left_padded(torch.randint(1, 128, (3, 7)), [0, 2, 5])
+    agreement = greedy_agreement(model, reference_model(model), ids, steps=6, attention_mask=mask)
+    assert not agreement.failures, agreement.describe()
     assert kernel_calls == []
+    lengths = [7, 5, 2]
+    assert varlen_calls[:2] == [((14, 4, 16), (14, 2, 16), [0, 7, 12, 14], [0, 7, 12, 14], 7, 7, True, (-1, -1))] * 2
+    for step in range(1, 6):
+        k = [n + step for n in lengths]
+        cu_k = [0, k[0], k[0] + k[1], sum(k)]
+        assert varlen_calls[2 * step][:6] == ((3, 4, 16), (sum(k), 2, 16), [0, 1, 2, 3], cu_k, 1, k[0])
 
 
-def test_packed_sequences_fall_back_to_sdpa(kernel_calls: list) -> None:
-    """Sequences packed into one row, told apart by position_ids restarting at 0 (padding-free training)."""
+def test_tokens_against_a_padded_cache_run_varlen(varlen_calls: list, no_fallback: None) -> None:
+    """Several new tokens against a left-padded DynamicCache (chunked prefill): the queries are the last real
+    tokens of each row, bottom-right causal against its real keys."""
     model = tiny_model("llama")
-    ids, positions = torch.randint(1, 128, (1, 12)), torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3]])
+    ids, mask = left_padded(torch.randint(1, 128, (2, 12)), [0, 4])
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    logits = {}
     with torch.no_grad():
-        with pytest.warns(fht.SdpaFallbackWarning, match="packed"), attn(model, NAME):
-            ours = model(ids, position_ids=positions, use_cache=False).logits
-        assert torch.equal(ours, model(ids, position_ids=positions, use_cache=False).logits)
+        for implementation in (NAME, "sdpa"):
+            with attn(model, implementation):
+                cache = model(ids[:, :9], attention_mask=mask[:, :9], position_ids=positions[:, :9],
+                              use_cache=True).past_key_values
+                logits[implementation] = model(ids[:, 9:], attention_mask=mask, position_ids=positions[:, 9:],
+                                               past_key_values=cache).logits
+        exact = reference_model(model)(ids, attention_mask=mask, position_ids=positions).logits[:, 9:]
+    assert_within_noise("logits", rel_err(logits[NAME], exact), rel_err(logits["sdpa"], exact))
+    assert [c[:6] for c in varlen_calls[2:]] == [((6, 4, 16), (20, 2, 16), [0, 3, 6], [0, 12, 20], 3, 12)] * 2
+
+
+def test_sliding_window_over_padding_runs_varlen(varlen_calls: list, no_fallback: None) -> None:
+    """Qwen2 with its last layer sliding (window 4): over left or right padding (each row's real tokens in one
+    run) both layers unpad, the sliding one with window_size (3, 0) counted in real tokens."""
+    model = tiny_model("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=1)
+    ref = reference_model(model)
+    for side in ("left", "right"):
+        ids, mask = padded(torch.randint(1, 128, (3, 12)), [0, 5, 9], side)
+        assert_within_noise(f"{side} logits", *logits_errors(model, ref, ids, mask)[:2])
+    assert [c[7] for c in varlen_calls] == [(-1, -1), (3, 0)] * 2
+
+
+def test_sliding_window_over_holes_falls_back_to_sdpa(varlen_calls: list) -> None:
+    """Padding between real tokens: a sliding window counts positions, the kernel would count real tokens, so
+    the sliding layer falls back to sdpa (the full one still unpads)."""
+    model = tiny_model("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=1)
+    ids = torch.randint(1, 128, (2, 12))
+    mask = torch.ones_like(ids)
+    mask[1, 3:6] = 0
+    with pytest.warns(fht.SdpaFallbackWarning, match="holes"):
+        errors = logits_errors(model, reference_model(model), ids.masked_fill(mask == 0, 0), mask)
+    assert_within_noise("logits", *errors[:2])
+    assert [c[7] for c in varlen_calls] == [(-1, -1)]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_sequences_run_varlen(family: str, kernel_calls: list, varlen_calls: list, no_fallback: None) -> None:
+    """Documents packed into two rows, told apart by position_ids restarting at 0 (padding-free training):
+    each attends within itself, as each document run on its own; the cumulative lengths are the
+    documents' over the rows flattened."""
+    model = tiny_model(family)
+    cu = [0, 5, 8, 12, 14, 24]
+    spans = documents(cu, 12)
+    ids, positions = torch.randint(1, 128, (2, 12)), restarting_positions(spans, 2, 12)
+    assert_within_noise("logits", *packed_logits_errors(model, reference_model(model), ids, spans,
+                                                        position_ids=positions))
     assert kernel_calls == []
+    assert varlen_calls == [((24, 4, 16), (24, 2, 16), cu, cu, 10, 10, True, (-1, -1))] * 2
+
+
+def test_packed_sequences_gradients_match_sdpa(varlen_calls: list, no_fallback: None) -> None:
+    model = tiny_model("qwen2").train()
+    spans = documents([0, 4, 11, 16], 16)
+    ids, positions = torch.randint(1, 128, (1, 16)), restarting_positions(spans, 1, 16)
+    for name, (err, sdpa_err) in grad_errors(model, reference_model(model), ids, position_ids=positions).items():
+        assert_within_noise(f"{name}.grad", err, sdpa_err)
+    assert [c[2] for c in varlen_calls] == [[0, 4, 11, 16]] * 2
+
+
+@pytest.mark.parametrize("with_positions", [True, False])
+def test_cu_seq_lens_run_varlen(with_positions: bool, kernel_calls: list, varlen_calls: list,
+                                no_fallback: None) -> None:
+    """flash-attn's varlen arguments (DataCollatorWithFlattening(return_flash_attn_kwargs=True)): with
+    position_ids restarting, as that collator gives them, or alone (the documents then keep the row's
+    positions): each document as if run on its own."""
+    model = tiny_model("llama")
+    cu = [0, 6, 9, 15]
+    spans = documents(cu, 15)
+    ids = torch.randint(1, 128, (1, 15))
+    cu_seqlens = torch.tensor(cu, dtype=torch.int32)
+    inputs = {"cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens, "max_length_q": 6, "max_length_k": 6}
+    if with_positions:
+        inputs["position_ids"] = restarting_positions(spans, 1, 15)
+    assert_within_noise("logits", *packed_logits_errors(model, reference_model(model), ids, spans, **inputs))
+    assert kernel_calls == []
+    assert varlen_calls == [((15, 4, 16), (15, 2, 16), cu, cu, 6, 6, True, (-1, -1))] * 2
+
+
+def test_cu_seq_lens_gradients_match_sdpa(varlen_calls: list, no_fallback: None) -> None:
+    """A training step with cu_seq_lens and position_ids (sdpa and the reference read the position_ids)."""
+    model = tiny_model("llama").train()
+    cu = [0, 7, 9, 14]
+    spans = documents(cu, 14)
+    ids = torch.randint(1, 128, (1, 14))
+    inputs = {"position_ids": restarting_positions(spans, 1, 14), "cu_seq_lens_q": torch.tensor(cu, dtype=torch.int32),
+              "cu_seq_lens_k": torch.tensor(cu, dtype=torch.int32), "max_length_q": 7, "max_length_k": 7}
+    for name, (err, sdpa_err) in grad_errors(model, reference_model(model), ids, **inputs).items():
+        assert_within_noise(f"{name}.grad", err, sdpa_err)
+    assert [c[2] for c in varlen_calls] == [cu] * 2
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
+def test_softcap_and_sinks_over_padding_reach_varlen(family: str, varlen_calls: list, no_fallback: None) -> None:
+    """Gemma 2's softcap and gpt-oss's sinks with their sliding layers over a left-padded batch, against
+    transformers' eager attention with the same mask (at the real positions); Gemma 2 within FA3's criterion
+    of the float64 model run on each row's real tokens alone (its eager attention over padding gives NaNs in
+    float64)."""
+    model = tiny_variant_model(family)
+    pads = [0, 3, 7]
+    ids, mask = left_padded(torch.randint(1, 128, (3, 12)), pads)
+    real = mask.bool()
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        eager = model(ids, attention_mask=mask).logits[real]
+        if family == "gemma2":
+            ref = copy.deepcopy(model).to(torch.float64)
+            exact = torch.cat([ref(ids[row:row + 1, n:], position_ids=torch.arange(n, 12)[None]).logits[0]
+                               for row, n in enumerate(pads)])
+        model.set_attn_implementation(NAME)
+        ours = model(ids, attention_mask=mask).logits[real]
+    if family == "gemma2":
+        assert_within_noise("logits", rel_err(ours, exact), rel_err(eager, exact))
+    else:
+        assert rel_err(ours, eager) < 1e-5
+    assert [c[7] for c in varlen_calls] == [(3, 0), (-1, -1)]
+
+
+def test_attention_forward_unpads_each_row() -> None:
+    """attention_forward with build_mask's padding mask, against flash_attn_func on each row's real tokens
+    alone: causal with the queries the last q_length tokens (prefill, one and several tokens against a
+    cache; left, right and inner padding), and bidirectional (every query, cross-attention lengths too);
+    padded query rows give zeros."""
+    masks = torch.tensor([[1] * 10, [0, 0, 0, 1, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 0, 0, 0, 0],
+                          [1, 1, 0, 0, 1, 1, 1, 0, 1, 1]], dtype=torch.bool)
+    k, v = torch.randn(4, 2, 10, 8, dtype=torch.float64), torch.randn(4, 2, 10, 8, dtype=torch.float64)
+    for causal, q_length in [(True, 10), (True, 1), (True, 4), (False, 10), (False, 3)]:
+        q = torch.randn(4, 4, q_length, 8, dtype=torch.float64)
+        out, _ = fht.attention_forward(torch.nn.Module(), q, k, v, masks, is_causal=causal, scaling=0.3)
+        for row, real in enumerate(masks):
+            queries = real[10 - q_length:] if causal else torch.ones(q_length, dtype=torch.bool)
+            if queries.any():
+                expect = fht.flash_attn_func(q[row:row + 1, :, queries].transpose(1, 2),
+                                             k[row:row + 1, :, real].transpose(1, 2),
+                                             v[row:row + 1, :, real].transpose(1, 2), softmax_scale=0.3, causal=causal)
+                torch.testing.assert_close(out[row, queries], expect[0], rtol=1e-12, atol=1e-12)
+            assert not out[row, ~queries].any()
+
+
+def test_cu_seq_lens_leave_no_garbage_past_the_last_sequence() -> None:
+    q, k, v = torch.randn(1, 4, 7, 8), torch.randn(1, 2, 7, 8), torch.randn(1, 2, 7, 8)
+    cu = torch.tensor([0, 3, 5], dtype=torch.int32)
+    out, _ = fht.attention_forward(torch.nn.Module(), q, k, v, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+    t = (lambda x: x.transpose(1, 2))
+    for a, b in ((0, 3), (3, 5)):
+        torch.testing.assert_close(out[:, a:b], fht.flash_attn_func(t(q)[:, a:b], t(k)[:, a:b], t(v)[:, a:b],
+                                                                    causal=True))
+    assert not out[:, 5:].any()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_padded_and_packed_checks(family: str, kernel_calls: list, varlen_calls: list, no_fallback: None) -> None:
+    """The gpu test's (and scripts/check_transformers.py's) checks, small, on the CPU."""
+    model = tiny_model(family)
+    cells, failures = padded_and_packed_checks(model, reference_model(model), vocab=128, seqlen=24)
+    assert not failures, "; ".join(failures)
+    assert len(cells) == 7 and kernel_calls == [] and varlen_calls
+
+
+# Fallbacks to sdpa: the same computation as attn_implementation="sdpa", with the warning.
+
+def test_dropout_with_padding_falls_back_to_sdpa(varlen_calls: list, kernel_calls: list) -> None:
+    """flash_attn_varlen_func has no dropout: a padded batch in training with attention dropout runs sdpa (the
+    mask rebuilt from the padding mask), repeatable under one seed like sdpa itself."""
+    model = tiny_model("llama", attention_dropout=0.5).train()
+    ids, mask = left_padded(torch.randint(1, 128, (2, 10)), [0, 4])
+    out = {}
+    for implementation in (NAME, "sdpa"):
+        with attn(model, implementation), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.manual_seed(3)
+            out[implementation] = model(ids, attention_mask=mask).logits
+        fallbacks = [str(w.message) for w in caught if w.category is fht.SdpaFallbackWarning]
+        assert len(fallbacks) == (0 if implementation == "sdpa" else 2)  # each layer
+        assert all("dropout" in m for m in fallbacks)
+    assert torch.equal(out[NAME], out["sdpa"])
+    assert varlen_calls == kernel_calls == []
 
 
 def test_all_ones_mask_runs_the_kernel(kernel_calls: list, no_fallback: None) -> None:
@@ -349,10 +696,16 @@ def test_options_sdpa_cannot_run_raise_on_fallback(option: str, kwargs: dict[str
         fht.attention_forward(torch.nn.Module(), q, k, v, mask, **kwargs)
 
 
-def test_packed_sequences_without_a_mask_raise() -> None:
+def test_cu_seq_lens_that_sdpa_would_ignore_raise() -> None:
+    """cu_seq_lens and a call that must fall back (dropout, a position bias): sdpa would ignore them."""
     q, k, v = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    cu = {"cu_seq_lens_q": torch.tensor([0, 3, 5]), "cu_seq_lens_k": torch.tensor([0, 3, 5])}
     with pytest.raises(NotImplementedError, match="cu_seq_lens_q"):
-        fht.attention_forward(torch.nn.Module(), q, k, v, None, cu_seq_lens_q=torch.tensor([0, 3, 5]))
+        fht.attention_forward(torch.nn.Module(), q, k, v, None, dropout=0.1, **cu)
+    with pytest.raises(NotImplementedError, match="cu_seq_lens_q"):
+        fht.attention_forward(torch.nn.Module(), q, k, v, None, position_bias=torch.zeros(1, 4, 5, 5), **cu)
+    with pytest.raises(ValueError, match="go together"):
+        fht.attention_forward(torch.nn.Module(), q, k, v, None, cu_seq_lens_q=cu["cu_seq_lens_q"])
 
 
 def tiny_variant_model(family: str) -> PreTrainedModel:
@@ -408,31 +761,77 @@ def test_softcap_sinks_and_windows_reach_the_kernel(family: str, kernel_calls: l
     for (name, p), (_, p_ref) in zip(model.named_parameters(), ref.named_parameters()):
         if p.grad is not None and p_ref.grad is not None and p_ref.grad.abs().sum() > 0:
             assert rel_err(p.grad, p_ref.grad) < 1e-4, name
+
+
 PAD = torch.tensor([[1, 1, 1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1, 1, 1]], dtype=torch.bool)
+RIGHT_PAD = PAD.flip(-1)
+HOLES = torch.tensor([[1, 1, 1, 1, 1, 1, 1, 1], [1, 1, 0, 0, 1, 1, 1, 1]], dtype=torch.bool)
 SLIDING, FULL = sliding_window_causal_mask_function(3), bidirectional_mask_function
 
 
-@pytest.mark.parametrize("none, args", [
-    (True, {"q_length": 8, "kv_length": 8}),                                        # training, prefill
-    (True, {"q_length": 1, "kv_length": 8, "q_offset": 7}),                         # a decoding step
-    (True, {"q_length": 3, "kv_length": 8, "q_offset": 5}),                         # tokens against a cache
-    (True, {"q_length": 8, "kv_length": 8, "attention_mask": PAD[:1]}),             # an all-ones mask
-    (True, {"q_length": 8, "kv_length": 8, "mask_function": FULL, "allow_is_bidirectional_skip": True}),
-    (False, {"q_length": 8, "kv_length": 8, "attention_mask": PAD}),                # padding
-    (False, {"q_length": 1, "kv_length": 9, "q_offset": 8, "attention_mask": PAD[:1]}),  # ones, short of the keys
-    (False, {"q_length": 8, "kv_length": 16}),                                      # a static cache's empty slots
-    (False, {"q_length": 8, "kv_length": 8, "allow_is_causal_skip": False}),        # the caller wants a mask
-    (False, {"q_length": 8, "kv_length": 8, "mask_function": FULL}),                # ... bidirectional too
-    (False, {"q_length": 8, "kv_length": 8, "mask_function": SLIDING}),             # another pattern
+@pytest.mark.parametrize("expect, args", [
+    ("none", {"q_length": 8, "kv_length": 8}),                                      # training, prefill
+    ("none", {"q_length": 1, "kv_length": 8, "q_offset": 7}),                       # a decoding step
+    ("none", {"q_length": 3, "kv_length": 8, "q_offset": 5}),                       # tokens against a cache
+    ("none", {"q_length": 8, "kv_length": 8, "attention_mask": PAD[:1]}),           # an all-ones mask
+    ("none", {"q_length": 8, "kv_length": 8, "mask_function": FULL, "allow_is_bidirectional_skip": True}),
+    ("padding", {"q_length": 8, "kv_length": 8, "attention_mask": PAD}),            # left padding
+    ("padding", {"q_length": 8, "kv_length": 8, "attention_mask": RIGHT_PAD}),      # right padding
+    ("padding", {"q_length": 8, "kv_length": 8, "attention_mask": HOLES}),          # causal counts real tokens
+    ("padding", {"q_length": 1, "kv_length": 8, "q_offset": 7, "attention_mask": PAD}),  # a decoding step
+    ("padding", {"q_length": 3, "kv_length": 8, "q_offset": 5, "attention_mask": PAD}),  # tokens against a cache
+    ("padding", {"q_length": 8, "kv_length": 8, "attention_mask": PAD, "mask_function": FULL,
+                 "allow_is_bidirectional_skip": True}),
+    ("padding", {"q_length": 8, "kv_length": 8, "attention_mask": RIGHT_PAD, "mask_function": SLIDING,
+                 "local_size": 3}),
+    ("none", {"q_length": 8, "kv_length": 8, "mask_function": SLIDING, "local_size": 3}),
+    ("sdpa", {"q_length": 8, "kv_length": 8, "attention_mask": HOLES, "mask_function": SLIDING,
+              "local_size": 3}),                                                    # a window over holes
+    ("sdpa", {"q_length": 1, "kv_length": 9, "q_offset": 8, "attention_mask": PAD[:1]}),  # ones, short of the keys
+    ("sdpa", {"q_length": 8, "kv_length": 16}),                                     # a static cache's empty slots
+    ("sdpa", {"q_length": 8, "kv_length": 16, "attention_mask": PAD}),              # ... with padding
+    ("sdpa", {"q_length": 8, "kv_length": 8, "allow_is_causal_skip": False}),       # the caller wants a mask
+    ("sdpa", {"q_length": 8, "kv_length": 8, "allow_is_causal_skip": False, "attention_mask": PAD}),
+    ("sdpa", {"q_length": 8, "kv_length": 8, "mask_function": FULL}),               # ... bidirectional too
+    ("sdpa", {"q_length": 8, "kv_length": 8, "mask_function": SLIDING}),            # another pattern
 ])
-def test_build_mask(none: bool, args: dict[str, Any]) -> None:
-    """None exactly where the kernel computes the pattern itself; otherwise sdpa's full boolean mask."""
+def test_build_mask(expect: str, args: dict[str, Any]) -> None:
+    """None exactly where the kernel computes the pattern itself; the keys' padding mask where the varlen
+    kernel computes it over padding; otherwise sdpa's full boolean mask."""
     mask = fht.build_mask(batch_size=2 if "attention_mask" not in args else len(args["attention_mask"]), **args)
-    if none:
+    if expect == "none":
         assert mask is None
+    elif expect == "padding":
+        assert mask.dtype == torch.bool and torch.equal(mask, args["attention_mask"])
     else:
         sdpa_args = {**args, "allow_is_causal_skip": False, "allow_is_bidirectional_skip": False}
-        assert torch.equal(mask, sdpa_mask(batch_size=mask.shape[0], **sdpa_args))
+        assert mask.dim() == 4 and torch.equal(mask, sdpa_mask(batch_size=mask.shape[0], **sdpa_args))
+
+
+def test_build_mask_packed_sequences() -> None:
+    """transformers' packed-sequence masks (position_ids restarting, no attention_mask, no cache) come back as
+    each token's document index, int32, for the causal and the sliding layers; an overlay on them, or a
+    model that adds its own mask onto sdpa's (Doge), keeps sdpa's mask."""
+    from transformers import DogeConfig
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])
+    docs = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2, 2]] * 2, dtype=torch.int32)
+    model = tiny_model("qwen2", use_sliding_window=True, sliding_window=3, max_window_layers=1)
+    model.set_attn_implementation(NAME)
+    embeds = torch.empty(2, 9, 0)
+    for create in (create_causal_mask, create_sliding_window_causal_mask):
+        mask = create(model.config, embeds, None, None, positions)
+        assert mask.dtype == torch.int32 and torch.equal(mask, docs)
+        assert create(model.config, embeds, None, None, torch.arange(9)[None]) is None  # not packed
+    packed = and_masks(remap_positions_for_packed_sequence(causal_mask_function, positions.expand(2, -1)),
+                       packed_sequence_mask_function(find_packed_sequence_indices(positions.expand(2, -1))))
+    sdpa = sdpa_mask(2, 9, 9, mask_function=packed, allow_is_causal_skip=False)
+    assert torch.equal(fht.build_mask(2, 9, 9, mask_function=packed), docs)
+    overlay = and_masks(packed, lambda b, h, q, kv: kv != 4)
+    assert torch.equal(fht.build_mask(2, 9, 9, mask_function=overlay),
+                       sdpa_mask(2, 9, 9, mask_function=overlay, allow_is_causal_skip=False))
+    assert torch.equal(fht.build_mask(2, 9, 9, mask_function=packed, config=DogeConfig()), sdpa)
 
 
 # Entry points and the optional dependency.
@@ -460,10 +859,14 @@ def test_import_flashhopper_does_not_import_transformers() -> None:
 
 # GPU: the kernels in bf16, head dim 128 (the CI build's), against sdpa in bf16 and the float32 reference.
 
-def gpu_model(family: str) -> PreTrainedModel:
-    """The device family's causal kernels (forward and backward) must be in the build."""
+def gpu_model(family: str, varlen: bool = False) -> PreTrainedModel:
+    """The device family's causal kernels (forward and backward; with ``varlen``, the packed-batch ones too)
+    must be in the build."""
     cap = torch.cuda.get_device_capability()
-    require_backend(next(b for b in ("sm90", "sm80") if runs_on(b, cap)), torch.bfloat16, 128, True, mode="bwd")
+    backend = next(b for b in ("sm90", "sm80") if runs_on(b, cap))
+    require_backend(backend, torch.bfloat16, 128, True, mode="bwd")
+    if varlen:
+        require_backend(backend, torch.bfloat16, 128, True, mode="bwd", varlen=True)
     return tiny_model(family, hidden=512, vocab=1024, dtype=torch.bfloat16, device="cuda")
 
 
@@ -479,3 +882,14 @@ def test_gpu_logits_generate_and_gradients(family: str, no_fallback: None) -> No
     model.train()
     for name, (err, sdpa_err) in grad_errors(model, ref.train(), ids).items():
         assert_within_noise(f"{name}.grad", err, sdpa_err)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gpu_padded_and_packed(family: str, kernel_calls: list, varlen_calls: list, no_fallback: None) -> None:
+    """Padded batches (left, right; logits, generate(), gradients) and packed sequences (position_ids,
+    cu_seq_lens; logits, gradients) through flash_attn_varlen_func, within FA3's criterion."""
+    model = gpu_model(family, varlen=True)
+    cells, failures = padded_and_packed_checks(model, reference_model(model), vocab=1024, seqlen=300)
+    assert not failures, "; ".join(failures)
+    assert kernel_calls == [] and varlen_calls

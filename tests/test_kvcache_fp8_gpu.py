@@ -198,3 +198,50 @@ def test_compile_fullgraph() -> None:
     eager = f(q, k)
     compiled = torch.compile(f, fullgraph=True)(q, k)
     assert torch.equal(eager, compiled)
+
+
+@pytest.mark.parametrize("layout", [None, 16], ids=["contiguous", "paged16"])
+def test_eager_fast_path_repeats(layout: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode loop over an e4m3 cache with appends: the repeats take the eager fast path (one plan kept) and give
+    the full path's caches, scales, out and lse bit for bit (the full path forced by FLASHHOPPER_DEBUG_KVCACHE on a
+    copy of the same loop), and attend as the reference over the stored values does."""
+    from flashhopper import kvcache
+
+    require_fp8_kvcache(torch.bfloat16, 128, 1, True)
+    torch.manual_seed(23)
+    batch, steps, seed = 3, 4, 5
+    lengths = [5, 300, 0]
+    kc, vc, table, _, _ = poisoned_cache(batch, 8, 128, torch.bfloat16, lengths, layout, seed=3)
+    kc = torch.where(torch.isfinite(kc), kc, torch.randn_like(kc))
+    vc = torch.where(torch.isfinite(vc), vc, torch.randn_like(vc))
+    caches = [list(kvcache_fp8.quantize_kv_cache(kc, vc, seed)) for _ in range(2)]
+    caches[1] = [x.clone() for x in caches[0]]
+    inputs = [(torch.randn(batch, 1, 32, 128, dtype=torch.bfloat16, device="cuda"),
+               torch.randn(batch, 1, 8, 128, dtype=torch.bfloat16, device="cuda"),
+               torch.randn(batch, 1, 8, 128, dtype=torch.bfloat16, device="cuda")) for _ in range(steps)]
+    results = []
+    for run, full in enumerate((True, False)):
+        if full:
+            monkeypatch.setenv("FLASHHOPPER_DEBUG_KVCACHE", "1")
+        else:
+            monkeypatch.delenv("FLASHHOPPER_DEBUG_KVCACHE", raising=False)
+        kvcache._PLANS.clear()
+        k8, v8, ks, vs = caches[run]
+        lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+        outs = []
+        for q, k, v in inputs:
+            outs.append(flash_attn_with_kvcache(q, k8, v8, k, v, cache_seqlens=lens, page_table=table, return_lse=True,
+                                                k_cache_scale=ks, v_cache_scale=vs, hadamard_seed=seed))
+            lens += 1
+        results.append(outs)
+        if not full:
+            assert len(kvcache._PLANS) == 1, "the repeats should have one plan"
+    for a, b in zip(caches[0], caches[1]):
+        assert torch.equal(a.view(torch.uint8) if a.dtype == kvcache_fp8.E4M3 else a,
+                           b.view(torch.uint8) if b.dtype == kvcache_fp8.E4M3 else b), "the appends differ"
+    for (o1, l1), (o2, l2) in zip(*results):
+        assert torch.equal(o1, o2) and torch.equal(l1, l2), "fast path and full path differ"
+    k8, v8, ks, vs = caches[1]
+    now = [n + steps for n in lengths]
+    q = inputs[-1][0]
+    check_against_stored(results[1][-1][0], results[1][-1][1], q, k8, v8, ks, vs, now, True, table, seed)

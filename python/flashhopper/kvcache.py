@@ -677,6 +677,8 @@ class _Plan(NamedTuple):
     launch: KVCacheLaunch
     seqlen_new: int
     offset: int  # the append's first position when cache_seqlens is an int (else 0)
+    fp8: bool = False  # an e4m3 cache: the quantizing append, q's transform, the scales' pointers
+    seed: int | None = None  # the e4m3 cache's Hadamard seed (int64), or None
 
 
 _PLANS = _plans.Plans()
@@ -684,10 +686,11 @@ _PLANS = _plans.Plans()
 
 def _call_key(q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any, cache_seqlens: Any, page_table: Any,
               cache_batch_idx: Any, softmax_scale: Any, causal: Any, num_splits: Any, return_lse: Any, backend: Any,
-              window_size: Any, softcap: Any) -> Any:
+              window_size: Any, softcap: Any, k_cache_scale: Any = None, v_cache_scale: Any = None,
+              hadamard_seed: Any = None) -> Any:
     """Everything the full path's checks and the launch read, or None where the fast path does not apply (a
     tensor subclass, or anything but a plain tensor where one is expected)."""
-    tensors = (q, k_cache, v_cache, k, v, page_table, cache_batch_idx)
+    tensors = (q, k_cache, v_cache, k, v, page_table, cache_batch_idx, k_cache_scale, v_cache_scale)
     for x in tensors:
         if x is not None and type(x) is not torch.Tensor:
             return None
@@ -698,33 +701,45 @@ def _call_key(q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any, cache_seqlens:
     else:
         lengths = _plans.scalars(cache_seqlens)
     return (tuple(None if x is None else _plans.meta(x) for x in tensors), lengths,
-            _plans.scalars(softmax_scale, causal, num_splits, return_lse, backend, window_size, softcap))
+            _plans.scalars(softmax_scale, causal, num_splits, return_lse, backend, window_size, softcap, hadamard_seed))
 
 
 def _run_plan(plan: _Plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor | None,
               v: torch.Tensor | None, cache_seqlens: Any, page_table: torch.Tensor | None,
-              cache_batch_idx: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+              cache_batch_idx: torch.Tensor | None, scales: tuple[torch.Tensor, torch.Tensor] | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The call through its plan, or None (nothing done) where a pointer is not 16-byte aligned."""
-    if _plans.pointers(q, k_cache, v_cache) is None:
+    if _plans.pointers(q, k_cache, v_cache, *(scales or ())) is None:
         return None
     lengths = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None
-    if k is not None:
+    if k is not None and plan.fp8:
+        assert v is not None and scales is not None  # (the key: the first call had them)
+        with torch.no_grad():  # (torch ops: k / v that require grad must not make the cache require it)
+            kvcache_append_fp8(k_cache, v_cache, scales[0], scales[1], k, v, lengths, plan.offset, page_table,
+                               cache_batch_idx, plan.seed)
+    elif k is not None:
         if not _append_kernel_takes(k_cache, v_cache, k, v, lengths, page_table, cache_batch_idx):
             return None
         _launch_append(k_cache, v_cache, k, v, lengths, plan.offset, page_table, cache_batch_idx)
     if lengths is not None and plan.seqlen_new:
         lengths = lengths + plan.seqlen_new
+    if plan.fp8:
+        with torch.no_grad():
+            q = kvcache_fp8.transform_q(q, plan.seed)
     out, lse = _empty_outputs(q, v_cache)
-    plan.launch.run(q, k_cache, v_cache, out, lse, page_table if page_table is not None else cache_batch_idx, lengths)
+    plan.launch.run(q, k_cache, v_cache, out, lse, page_table if page_table is not None else cache_batch_idx, lengths,
+                    scales)
     return out, lse
 
 
 def _plan_of(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor | None,
              v: torch.Tensor | None, cache_seqlens: Any, page_table: torch.Tensor | None,
              cache_batch_idx: torch.Tensor | None, shapes: CacheShapes, seqlen_k: int, scale: float, causal: bool,
-             num_splits: int, backend: str) -> _Plan | None:
+             num_splits: int, backend: str, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+             seed: int | None = None) -> _Plan | None:
     """The plan of a call that just ran the kernel on the full path, or None where the fast path would have to
-    copy something per call (index tensors that are not contiguous, an append the kernel does not take)."""
+    copy something per call (index tensors that are not contiguous, an append the kernel does not take).
+    ``scales``: an e4m3 cache's (its append is torch ops, any layout), ``seed`` its Hadamard seed (int64)."""
     if seqlen_k == 0 or q.numel() == 0 or (page_table is not None and page_table.shape[1] > 1
                                             and page_table.stride(1) != 1):
         return None
@@ -732,12 +747,13 @@ def _plan_of(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: t
                                                             if isinstance(cache_seqlens, torch.Tensor) else None)):
         return None
     lengths = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None
-    if k is not None and not _append_kernel_takes(k_cache, v_cache, k, v, lengths, page_table, cache_batch_idx):
+    if (k is not None and scales is None
+            and not _append_kernel_takes(k_cache, v_cache, k, v, lengths, page_table, cache_batch_idx)):
         return None
     table = page_table if page_table is not None else cache_batch_idx
-    launch = _prepare_kvcache_fwd(q, k_cache, v_cache, seqlen_k, table, scale, causal, num_splits, backend)
+    launch = _prepare_kvcache_fwd(q, k_cache, v_cache, seqlen_k, table, scale, causal, num_splits, backend, scales)
     offset = int(cache_seqlens) if cache_seqlens is not None and lengths is None else 0
-    return _Plan(launch, shapes.seqlen_new, offset)
+    return _Plan(launch, shapes.seqlen_new, offset, scales is not None, seed)
 
 
 # --- the public function ---
@@ -821,20 +837,22 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
     Eager calls that repeat a configuration (the same dtypes, shapes, strides and arguments: a decode loop) take a
     fast path, as flash_attn_func's (docs/architecture.md): the checks and the launch preparation of the first
-    such call are kept, and a repeat appends, allocates and launches.
+    such call are kept, and a repeat appends, allocates and launches (e4m3 caches: the quantizing append's torch
+    ops and q's transform too).
 
     Returns out (batch, seqlen_q, nheads_q, headdim_v) like q, or (out, lse).
     """
     key = None
     fp8 = any(isinstance(x, torch.Tensor) and x.dtype == kvcache_fp8.E4M3 for x in (k_cache, v_cache))
-    # (FLASHHOPPER_DEBUG_KVCACHE's value checks are per call: the full path runs them. e4m3 caches: no fast path
-    # yet.)
-    if _plans.direct() and os.environ.get(DEBUG_ENV) != "1" and not fp8 and k_cache_scale is None:
+    # (FLASHHOPPER_DEBUG_KVCACHE's value checks are per call: the full path runs them.)
+    if _plans.direct() and os.environ.get(DEBUG_ENV) != "1":
         key = _call_key(q, k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx, softmax_scale, causal,
-                        num_splits, return_lse, backend, window_size, softcap)
+                        num_splits, return_lse, backend, window_size, softcap, k_cache_scale, v_cache_scale,
+                        hadamard_seed)
         plan = None if key is None else _PLANS.get(key)
         if plan is not None:
-            res = _run_plan(plan, q, k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx)
+            scales = (k_cache_scale, v_cache_scale) if plan.fp8 else None
+            res = _run_plan(plan, q, k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx, scales)
             if res is not None:
                 return res if return_lse else res[0]
     if _autocast.enabled():
@@ -879,7 +897,7 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                                       causal, int(num_splits), name)
     if key is not None and name in KVCACHE_BACKENDS:
         plan = _plan_of(q, k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx, shapes, seqlen_k, scale,
-                        causal, int(num_splits), name)
+                        causal, int(num_splits), name, (k_cache_scale, v_cache_scale) if fp8 else None, seed)
         if plan is not None:
             _PLANS.put(key, plan)
     return (out, lse) if return_lse else out

@@ -194,8 +194,9 @@ struct FwdMainloop {
     TMA_KBlock k;
     TMA_VBlock v;
   };
-  // e4m3 cache scales: float32 (pages, kv heads, page_size) with these strides, tokens contiguous. Each 16-row
-  // chunk's 64 bytes go with the K/V copy of its rows (a bulk copy on the same barrier) into the stage's slot.
+  // e4m3 cache scales: float32 (pages, kv heads, page_size) with these strides, tokens contiguous. A block's go with
+  // its copy (a bulk copy on the same barrier, one per 16-row chunk where the block is copied chunk by chunk) into
+  // the stage's slot, but those of a chunk-copied V block (convert()).
   struct CacheScales {
     float const* k = nullptr;
     float const* v = nullptr;
@@ -210,7 +211,7 @@ struct FwdMainloop {
       uint32_t(size(take<0, 2>(SmemLayoutK8{})) * sizeof(ElementKV) + kBlockN * sizeof(float));
   static constexpr uint32_t kVCacheStageBytes =
       uint32_t(size(take<0, 2>(SmemLayoutV8{})) * sizeof(ElementKV) + kBlockN * sizeof(float));
-  // Blocks copied chunk by chunk (pages smaller than a block, or not a multiple of it): the converters read the
+  // V blocks copied chunk by chunk (pages smaller than a block, or not a multiple of it): the converters read their
   // scales themselves (convert()), so TMA brings the data alone.
   static constexpr uint32_t kCacheScaleBytes = uint32_t(kBlockN * sizeof(float));
 

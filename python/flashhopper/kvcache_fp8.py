@@ -10,8 +10,9 @@ holds (a per-page scale fixed by a page's first token would clip later outliers)
 
 Incoherent processing: with ``hadamard_seed`` K's rows are stored as ``H diag(signs) k / sqrt(d)`` (docs/fp8.md's
 signs), which spreads an outlier channel over the row before its scale is taken; q then gets the same transform
-(``transform_q``), so q.k is unchanged. V is never transformed. The kernel reads the cache as it is (dequantizing
-each block into 16-bit shared memory), so the math stays 16-bit with float32 accumulation.
+(``transform_q``), so q.k is unchanged. V is never transformed. The kernel reads the cache as it is: the scores are
+e4m3 GEMMs on K's blocks with q carried as two e4m3 terms, and V's blocks are converted exactly into 16-bit shared
+memory for the PV GEMM (docs/kvcache-fp8.md, "Kernel" and "Precision of the scores").
 """
 from __future__ import annotations
 

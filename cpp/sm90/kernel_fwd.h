@@ -117,22 +117,25 @@ struct FwdKernel {
     uint32_t const num_kv_consumers = one_consumer ? cutlass::NumThreadsPerWarpGroup : Mainloop::kNumMmaThreads;
     auto make_kv_pipelines = [&] {
       if constexpr (Mainloop::kFp8Cache) {
-        // K: TMA -> the consumers' S GEMMs, with the scales always. V: TMA -> converters -> the consumers' 16-bit
-        // stages; blocks copied chunk by chunk bring the data alone (the converters read their scales).
+        // K: TMA -> the consumers' S GEMMs. V: TMA -> converters -> the consumers' 16-bit stages. Each block with its
+        // scales. Gathered blocks (Mainloop::kGatherKV): each of the producer warp's 32 lanes arrives once its copies
+        // land (cp.async.mbarrier.arrive.noinc), and no thread expects TMA bytes.
+        constexpr bool kGather = Mainloop::kGatherKV;
         typename PipelineCache::Params k_params;
-        k_params.transaction_bytes = Mainloop::kKCacheStageBytes;
+        k_params.num_producers = kGather ? cutlass::NumThreadsPerWarp : 1;
+        k_params.transaction_bytes = kGather ? 0 : Mainloop::kKCacheStageBytes;
         k_params.role = !is_producer                ? PipelineCache::ThreadCategory::Consumer
                         : warp_idx_in_wg == 0 ? PipelineCache::ThreadCategory::Producer
                                               : PipelineCache::ThreadCategory::NonParticipant;
-        k_params.is_leader = is_producer && thread_idx == 0;
+        k_params.is_leader = !kGather && is_producer && thread_idx == 0;
         k_params.num_consumers = num_kv_consumers;
         PipelineCache k8(ss.barriers.pipeline_k8, k_params, Shape<_1, _1, _1>{});
         typename PipelineCache::Params c_params;
-        uint32_t const scale_bytes = Mainloop::KVBlocks::whole(params.mainloop.kv_blocks) ? 0 : Mainloop::kCacheScaleBytes;
-        c_params.transaction_bytes = Mainloop::kVCacheStageBytes - scale_bytes;
+        c_params.num_producers = k_params.num_producers;
+        c_params.transaction_bytes = kGather ? 0 : Mainloop::kVCacheStageBytes;
         c_params.role = is_producer && warp_idx_in_wg == 0 ? PipelineCache::ThreadCategory::Producer
                                                            : PipelineCache::ThreadCategory::Consumer;
-        c_params.is_leader = is_producer && thread_idx == 0;
+        c_params.is_leader = k_params.is_leader;
         c_params.num_consumers = num_convert;
         PipelineCache v8(ss.barriers.pipeline_v8, c_params, Shape<_1, _1, _1>{});
         typename Pipeline::Params a_params;
@@ -190,7 +193,10 @@ struct FwdKernel {
     };
     if (is_producer) {
       cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
-      if (warp_idx_in_wg == 0 && lane_predicate) {
+      // One thread issues every load, or the whole warp where it gathers K/V (each lane walks the same static
+      // schedule; lane_predicate's thread alone publishes the tiles).
+      static_assert(!Mainloop::kGatherKV || !Scheduler::kNeedsCounter, "gathering lanes walk a static schedule");
+      if (warp_idx_in_wg == 0 && (Mainloop::kGatherKV || lane_predicate)) {
         auto write_q = cutlass::make_producer_start_state<PipelineQ>();
         auto write_k = cutlass::make_producer_start_state<PipelineLoad>();
         auto write_v = cutlass::make_producer_start_state<PipelineLoad>();
@@ -204,15 +210,19 @@ struct FwdKernel {
           tile_pipeline.producer_acquire(write_tile);
           PublishedTile& slot = ss.tiles[write_tile.index()];
           if (!valid) {
-            slot.tile = -1;
-            tile_pipeline.producer_commit(write_tile);
+            if (lane_predicate) {
+              slot.tile = -1;
+              tile_pipeline.producer_commit(write_tile);
+            }
             break;
           }
           int const next = Scheduler::next(sched, tile, total_tiles);  // in flight while this tile's loads go out
           TileWork const t = tile_work(params, tile);
-          slot.tile = tile;
-          if constexpr (kPublishWork) slot.work = t.tile;
-          tile_pipeline.producer_commit(write_tile);
+          if (lane_predicate) {
+            slot.tile = tile;
+            if constexpr (kPublishWork) slot.work = t.tile;
+            tile_pipeline.producer_commit(write_tile);
+          }
           ++write_tile;
           if (t.has_rows && t.has_keys) {  // otherwise the consumers write zeros (or nothing), without Q
             Mainloop::load(params.mainloop, pipeline_q, pipeline_load_k, pipeline_load_v, write_q, write_k, write_v,

@@ -11,15 +11,18 @@
 // per panel of the stage's swizzle atom (16 rows x 64 16-bit columns: 2 KB, contiguous in the stage), from the
 // chunk's own page, so pages of any multiple of kChunkRows (16 .. 256) land in the same stages.
 // PageBlocks: which of the two a kernel holds. kAny decides per launch (whole_blocks); kWhole / kChunked hold one
-// walk only, for kernels whose other code would cost the first one registers (the e4m3 cache's: its converters
-// copy a chunked block's scales themselves, and that code, present but not run, made the whole-block decode
-// 11-15% slower: docs/perf-notes.md, S2). The launcher picks between them by the same test.
+// walk only, for kernels whose other code would cost the first one registers (the e4m3 cache's: code present but
+// not run made its whole-block decode 11-15% slower: docs/perf-notes.md, S2). The launcher picks between them by
+// the same test. kChunked kernels gather (kGather): a warp copies each block's rows with cp.async, 16 bytes per
+// lane and copy, instead of one TMA box per 16-row chunk and panel (the TMA unit's cost per box bounded pages of
+// 16: perf-notes, X1).
 // Chunks past the entry's last key take a page coordinate past the tensor (TMA fills zeros, counts the bytes):
 // the page table is never read past the entry's pages.
 #pragma once
 
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
+#include <cute/arch/copy_sm80.hpp>
 #include <cutlass/fast_math.h>
 
 #include <type_traits>
@@ -28,8 +31,12 @@ namespace flashhopper::sm90 {
 
 using namespace cute;
 
+enum class PageBlocks { kAny, kWhole, kChunked };
+
 struct ContiguousKVBlocks {
   static constexpr bool kPaged = false;
+  static constexpr PageBlocks kBlocks = PageBlocks::kWhole;  // (one copy per block)
+  static constexpr bool kGather = false;
   struct Params {};
 
   CUTE_DEVICE ContiguousKVBlocks(Params const&, int /*batch*/, int /*seqlen_k*/) {}
@@ -47,12 +54,11 @@ inline constexpr int kPageChunkRows = 16;
 struct NoPageCompanion {  // load_paged's default companion: nothing
   CUTE_DEVICE void operator()(int, int, int, int) const {}
 };
-enum class PageBlocks { kAny, kWhole, kChunked };
-
 template <PageBlocks kBlocks_ = PageBlocks::kAny>
 struct PagedKVBlocks {
   static constexpr bool kPaged = true;
   static constexpr PageBlocks kBlocks = kBlocks_;
+  static constexpr bool kGather = kBlocks == PageBlocks::kChunked;
   static constexpr int kChunkRows = kPageChunkRows;
   struct Params {
     int const* page_table = nullptr;  // int32 (batch, pages per entry), or nullptr: entry b's one page is b
@@ -138,7 +144,7 @@ struct PagedKVBlocks {
       }
       return;
     }
-    if constexpr (kBlocks != PageBlocks::kWhole) {
+    if constexpr (kBlocks == PageBlocks::kAny) {
     // kUpfront: the chunks' table reads first, all independent, so that their latencies overlap; else each right
     // before its chunk's copies (a block's chunks share one or a few 32-byte sectors of the table: all but the
     // first hit L1). Issuing the copies is this one thread's work: 2 x kBlockN / 16 x panels per K/V block pair.
@@ -165,6 +171,52 @@ struct PagedKVBlocks {
       copy(tma.with(barrier, 0, hint), get<0>(parts), get<1>(parts));
       if constexpr (kChunkCompanion) companion(page[slot], chunk[slot] * kChunkRows, c * kChunkRows, kChunkRows);
     }
+    }
+  }
+
+  // kGather: block n_block's rows into `stage` ((kBlockN, headdim) smem tensor, any swizzle of 16-byte units), copied
+  // by the 32 lanes of one warp (this one: lane), each 16-row chunk from its page: row r of page g at
+  // src + g x page_stride + r x row_stride (src: the kv head's first row). Rows past the entry's keys become zeros.
+  // scale_src (or nullptr): the same rows of a float array (g x scale_page_stride + r, kv head applied) into
+  // scale_dst[0, kBlockN), 4 per copy. The copies complete on whichever barrier the caller arrives on afterwards
+  // (cp.async.mbarrier.arrive); their writes are the generic proxy's (a WGMMA reader fences first).
+  template <int kBlockN, class T, class Stage>
+  CUTE_DEVICE void gather(T const* src, int64_t row_stride, int64_t page_stride, int n_block, Stage&& stage, int lane,
+                          float const* scale_src = nullptr, int64_t scale_page_stride = 0,
+                          float* scale_dst = nullptr) const {
+    constexpr int kChunks = kBlockN / kChunkRows;
+    constexpr int kVec = 16 / int(sizeof(T));                    // elements per copy
+    constexpr int kVecs = int(size<1>(std::decay_t<Stage>{})) / kVec;  // copies per row
+    constexpr int kRowsPerPass = 32 / kVecs;                     // rows one copy of every lane covers
+    static_assert(kChunks <= 32 && 32 % kVecs == 0 && kChunkRows % kRowsPerPass == 0);
+    // Lane c < kChunks looks up chunk c's page (independent loads); the others' copies come by shuffle.
+    int page, row;
+    locate(n_block * kBlockN + (lane % kChunks) * kChunkRows, page, row);
+    int const first_key = n_block * kBlockN;
+    int const lane_row = lane / kVecs, lane_col = (lane % kVecs) * kVec;
+#pragma unroll 1
+    for (int c = 0; c < kChunks; ++c) {
+      int const pg = __shfl_sync(0xffffffffu, page, c), r0 = __shfl_sync(0xffffffffu, row, c);
+      T const* chunk = src + int64_t(pg) * page_stride + int64_t(r0 + lane_row) * row_stride + lane_col;
+      CUTE_UNROLL
+      for (int i = 0; i < kChunkRows / kRowsPerPass; ++i) {
+        int const r = c * kChunkRows + i * kRowsPerPass + lane_row;  // the stage's row
+        bool const in = first_key + r < seqlen_k_;
+        T const* g = in ? chunk + int64_t(i * kRowsPerPass) * row_stride : src;  // (not read past the keys)
+        SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(*reinterpret_cast<cute::uint128_t const*>(g),
+                                                              *reinterpret_cast<cute::uint128_t*>(&stage(r, lane_col)), in);
+      }
+    }
+    if (scale_src != nullptr) {
+      static_assert(kBlockN / 4 <= 32 && kChunkRows % 4 == 0);
+      int const c = cute::min(lane * 4 / kChunkRows, kChunks - 1);
+      int const pg = __shfl_sync(0xffffffffu, page, c), r0 = __shfl_sync(0xffffffffu, row, c);
+      if (lane < kBlockN / 4) {
+        bool const in = first_key + lane * 4 < seqlen_k_;
+        float const* g = in ? scale_src + int64_t(pg) * scale_page_stride + r0 + (lane * 4) % kChunkRows : scale_src;
+        SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(
+            *reinterpret_cast<cute::uint128_t const*>(g), *reinterpret_cast<cute::uint128_t*>(scale_dst + lane * 4), in);
+      }
     }
   }
 };

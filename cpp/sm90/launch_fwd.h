@@ -31,8 +31,8 @@ namespace flashhopper {
 
 namespace sm90 {
 
-// kBlocks: the paged kernels' block walk (kv_blocks.h); run_fwd_sm90 picks it.
-template <class Config, PageBlocks kBlocks = PageBlocks::kAny>
+// kBlocks: the paged kernels' block walk (kv_blocks.h); run_fwd_sm90 picks it (e4m3 caches: kWhole or kChunked).
+template <class Config, PageBlocks kBlocks = Config::kKVCacheFp8 ? PageBlocks::kWhole : PageBlocks::kAny>
 struct FwdConfig {
   using Element = typename ElementOf<Config::kDType>::type;
   // e4m3 KV caches: their own tiles (the e4m3 stages beside the 16-bit ones).

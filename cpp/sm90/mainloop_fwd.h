@@ -21,12 +21,12 @@
 // key block folds into the O rescale that the online softmax does anyway; O leaves as bfloat16
 // through its own shared-memory buffer (Q's fp8 stage is too small to stage it).
 //
-// e4m3 KV cache read by 16-bit queries (ElementKV = e4m3, KV caches only): TMA brings each K/V block into e4m3
-// stages with its per-token scales (V's blocks copied chunk by chunk without them: the converters copy those). The
-// S GEMMs read K's stages as loaded, e4m3 x e4m3, with q as two e4m3 terms per element (prepare_q8) and K's scales
-// and q's row scales on S. The producer warpgroup's warps 1-3 (convert(); with warpgroup 1 in one-consumer mode)
-// write V's stages exactly into 16-bit ones, a PipelineAsync the PV GEMM reads as before, with V's scales as
-// per-key factors on P; rows past the keys become zeros.
+// e4m3 KV cache read by 16-bit queries (ElementKV = e4m3, KV caches only): each K/V block comes into e4m3 stages
+// with its per-token scales, by TMA where blocks lie inside pages, else gathered row by row by the producer warp's
+// lanes (cp.async; kv_blocks.h). The S GEMMs read K's stages as loaded, e4m3 x e4m3, with q as two e4m3 terms per
+// element (prepare_q8) and K's scales and q's row scales on S. The producer warpgroup's warps 1-3 (convert(); with
+// warpgroup 1 in one-consumer mode) write V's stages exactly into 16-bit ones, a PipelineAsync the PV GEMM reads as
+// before, with V's scales as per-key factors on P; rows past the keys become zeros.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -172,6 +172,11 @@ struct FwdMainloop {
   using TMA_Q = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutQ{}), Shape<_64, D>{}, _1{}));
   // Paged K/V (kv_blocks.h): boxes of 16 keys x one swizzle-atom panel of the stage, copied chunk by chunk.
   static constexpr bool kPaged = KVBlocks::kPaged;
+  // Blocks gathered by the producer warp's lanes with cp.async (kv_blocks.h: the kChunked walk).
+  static constexpr bool kGatherKV = KVBlocks::kGather;
+  static_assert(!kGatherKV || kFp8Cache, "gathered blocks: the e4m3 cache's chunk walk");
+  // e4m3 caches: whole blocks by TMA (kWhole) or gathered (kChunked); the TMA chunk walk (kAny) brings no V scales.
+  static_assert(!kFp8Cache || KVBlocks::kBlocks != PageBlocks::kAny, "e4m3 caches: kWhole or kChunked kernels");
   static_assert(!kPaged || !kFp8, "paged K/V: 16-bit kernels");
   static_assert(!kFp8Cache || (kPaged && kHeadDimV == kHeadDim && kNumMmaWG == 2), "e4m3 caches: KV-cache kernels");
   static constexpr int kPanelK = size<1>(SmemAtomKLoad{}), kPanelV = size<1>(SmemAtomVLoad{});
@@ -195,12 +200,17 @@ struct FwdMainloop {
     TMA_VBlock v;
   };
   // e4m3 cache scales: float32 (pages, kv heads, page_size) with these strides, tokens contiguous. A block's go with
-  // its copy (a bulk copy on the same barrier, one per 16-row chunk where the block is copied chunk by chunk) into
-  // the stage's slot, but those of a chunk-copied V block (convert()).
+  // its copy into the stage's slot: a bulk copy on the same barrier, or gathered with its rows.
   struct CacheScales {
     float const* k = nullptr;
     float const* v = nullptr;
     int64_t page_stride = 0, head_stride = 0;
+  };
+  // Paged K/V for the gathers: row r of page g of kv head h at k + g x page + h x head + r x row (V likewise).
+  struct GatherKV {
+    ElementKV const* k = nullptr;
+    ElementKV const* v = nullptr;
+    int64_t row_k = 0, head_k = 0, page_k = 0, row_v = 0, head_v = 0, page_v = 0;
   };
 
   static constexpr uint32_t kQStageBytes = uint32_t(size(take<0, 3>(SmemLayoutQ{})) * sizeof(Element));
@@ -211,9 +221,6 @@ struct FwdMainloop {
       uint32_t(size(take<0, 2>(SmemLayoutK8{})) * sizeof(ElementKV) + kBlockN * sizeof(float));
   static constexpr uint32_t kVCacheStageBytes =
       uint32_t(size(take<0, 2>(SmemLayoutV8{})) * sizeof(ElementKV) + kBlockN * sizeof(float));
-  // V blocks copied chunk by chunk (pages smaller than a block, or not a multiple of it): the converters read their
-  // scales themselves (convert()), so TMA brings the data alone.
-  static constexpr uint32_t kCacheScaleBytes = uint32_t(kBlockN * sizeof(float));
 
   // The 16-bit K/V stages the consumers read: filled by TMA, or for an e4m3 cache by the converter warps.
   // (e4m3 cache: the V stages only.)
@@ -302,6 +309,7 @@ struct FwdMainloop {
     int num_splits;                      // split-KV (kSplits): each entry's key blocks in this many ranges
     std::conditional_t<kPaged, BlockTmas, NoBlockTma> tma_block;  // paged: whole-block copies
     CacheScales scales;                  // e4m3 cache: per-token scales
+    GatherKV gather;                     // kGatherKV: K/V as plain pointers
     // KV caches whose tiles hold at most 64 rows (decode, short speculation): consumer warpgroup 1's rows are all
     // padding, so it skips them, and with an e4m3 cache converts stages beside the producer's warps (the kernel).
     bool one_consumer;
@@ -374,6 +382,8 @@ struct FwdMainloop {
             num_splits,
             tma_block(),
             scales,
+            GatherKV{k, v, get<0>(stride_k), get<2>(stride_k), get<3>(stride_k), get<0>(stride_v), get<2>(stride_v),
+                     get<3>(stride_v)},
             false};  // one_consumer: the launcher's choice
   }
 
@@ -433,20 +443,23 @@ struct FwdMainloop {
     auto q_parts = tma_partition(p.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
     Tensor tQgQ = get<0>(q_parts);  // (TMA, m64)
     Tensor tQsQ = get<1>(q_parts);  // (TMA, wg, q_stage)
-    auto load_q = [&] {
+    // issuer: the thread that issues Q's copies (all that run this, but one lane where a warp gathers K/V).
+    auto load_q = [&](bool issuer) {
       pipeline_q.producer_acquire(write_q);
-      CUTE_UNROLL
-      for (int wg = 0; wg < kNumMmaWG; ++wg) {
-        copy(p.tma_q.with(desc_q, *pipeline_q.producer_get_barrier(write_q), 0, TMA::CacheHintSm90::EVICT_FIRST),
-             tQgQ(_, m_block * kNumMmaWG + wg), tQsQ(_, wg, write_q.index()));
+      if (issuer) {
+        CUTE_UNROLL
+        for (int wg = 0; wg < kNumMmaWG; ++wg) {
+          copy(p.tma_q.with(desc_q, *pipeline_q.producer_get_barrier(write_q), 0, TMA::CacheHintSm90::EVICT_FIRST),
+               tQgQ(_, m_block * kNumMmaWG + wg), tQsQ(_, wg, write_q.index()));
+        }
       }
       ++write_q;
     };
     // The tile's load order (above), whatever copies a block.
-    auto issue = [&](auto&& load_k, auto&& load_v) {
+    auto issue = [&](auto&& load_k, auto&& load_v, bool q_issuer = true) {
       int n_block = n_block_max - 1;
       load_k(n_block);
-      load_q();
+      load_q(q_issuer);
       for (; n_block > n_block_min; --n_block) {
         load_k(n_block - 1);
         load_v(n_block);
@@ -454,7 +467,29 @@ struct FwdMainloop {
       load_v(n_block_min);
     };
 
-    if constexpr (kPaged) {
+    if constexpr (kGatherKV) {
+      // The producer warp's 32 lanes gather each block with its scales (kv_blocks.h); every lane waits for the stage,
+      // none arrives until its copies are out, and the barrier's phase (32 arrivals: the kernel's pipelines) completes
+      // when they have all landed. Q stays a TMA copy (load_q, lane 0).
+      int const lane = cutlass::canonical_lane_idx();
+      auto gather = [&](auto& pipeline, auto& write, int n_block, ElementKV const* src, int64_t row, int64_t page,
+                        ElementKV* smem, float const* scale_src, float* scale_dst) {
+        pipeline.producer_acquire(write);
+        Tensor stage = make_tensor(make_smem_ptr(smem), SmemLayoutK8{})(_, _, write.index());
+        kv_blocks.template gather<kBlockN>(src, row, page, n_block, stage, lane,
+                                           scale_src + int64_t(kv_head) * p.scales.head_stride, p.scales.page_stride,
+                                           scale_dst + write.index() * kBlockN);
+        pipeline.producer_commit(write, cutlass::arch::cpasync_barrier_arrive_noinc);
+        ++write;
+      };
+      static_assert(std::is_same_v<SmemLayoutK8, SmemLayoutV8>);
+      auto const& g = p.gather;
+      issue([&](int n) { gather(pipeline_k, write_k, n, g.k + kv_head * g.head_k, g.row_k, g.page_k, ts.smem_k8.data(),
+                                p.scales.k, ts.smem_ks.data()); },
+            [&](int n) { gather(pipeline_v, write_v, n, g.v + kv_head * g.head_v, g.row_v, g.page_v, ts.smem_v8.data(),
+                                p.scales.v, ts.smem_vs.data()); },
+            lane == 0);
+    } else if constexpr (kPaged) {
       // K/V pages of the kv head: (page_size, headdim, page); each block chunk by chunk (kv_blocks.h).
       Tensor pK = p.tma_k.get_tma_tensor(p.shape_k)(_, _, kv_head, _);
       Tensor pV = p.tma_v.get_tma_tensor(p.shape_v)(_, _, kv_head, _);
@@ -542,25 +577,6 @@ struct FwdMainloop {
     if constexpr (kFp8Cache) {
       int const n_block_max = bi.n_block_max(m_block);
       int const n_block_min = bi.n_block_min(m_block);
-      // Blocks copied chunk by chunk come without V's scales (kv_blocks.h): each converter thread copies those of its
-      // rows (r = thread_idx + i x num_threads) into the e4m3 stage's scale slot itself, cp.async one block ahead of
-      // their use (no register holds them across the loop); the page index comes from the table sector the
-      // producer read for the same block.
-      KVBlocks const kv_blocks(p.kv_blocks, batch, seq.seqlen_k);
-      bool const own_scales = !kv_blocks.whole();
-      int64_t const head_offset = int64_t(head / p.heads_ratio) * p.scales.head_stride;
-      auto prefetch = [&](float* slot, int n_block) {
-        for (int r = thread_idx; r < kBlockN; r += num_threads) {
-          int const key = n_block * kBlockN + r;
-          if (key < seq.seqlen_k) {  // (past the keys the converter reads no scale)
-            int page, row;
-            kv_blocks.locate(key, page, row);
-            SM80_CP_ASYNC_CACHEALWAYS<float>::copy(p.scales.v[int64_t(page) * p.scales.page_stride + head_offset + row],
-                                                   slot[r]);
-          }
-        }
-      };
-      if (own_scales) prefetch(ts.smem_vs.data() + read_v8.index() * kBlockN, n_block_max - 1);
       Tensor sV8 = make_tensor(make_smem_ptr(ts.smem_v8.data()), SmemLayoutV8{});
       Tensor sVs = make_tensor(make_smem_ptr(ts.smem_vs.data()), SmemLayoutScale{});
       Tensor sV = make_tensor(make_smem_ptr(ts.smem_v.data()), SmemLayoutV{});  // (keys, headdim_v, stage)
@@ -568,21 +584,40 @@ struct FwdMainloop {
       // factor = scale / (the block's largest), and the block's largest x kConvertFactor as its descale
       // (smem_vmax16); the consumers multiply P by factor x (descale / the first V block's descale) and O by the
       // first one's at the end, so P's factors stay near 1 whatever the scales' size.
-      auto one = [&](int n_block, auto own) {
-        constexpr int kVecs = kHeadDimV / 16;  // 16-element vectors per row
+      // The conversion's shared addresses, computed once per tile: every layout here repeats each 8 rows (its swizzle
+      // atom's) and each stage at a fixed stride, so that a lane's vectors in group 0 of stage 0 give all the others.
+      // (Through CuTe's indexing per vector, addresses took ~80 of the loop's ~114 instructions per vector: perf-notes.)
+      constexpr int kVecs = kHeadDimV / 16;             // 16-element vectors per row
+      constexpr int kPerLane = 8 * kVecs / cutlass::NumThreadsPerWarp;  // a lane's vectors per 8-row group
+      constexpr int kRowStep = cutlass::NumThreadsPerWarp / kVecs;      // rows between them
+      static_assert(8 * kVecs % cutlass::NumThreadsPerWarp == 0 && kBlockN % 8 == 0);
+      int const warp = thread_idx / cutlass::NumThreadsPerWarp, num_warps = num_threads / cutlass::NumThreadsPerWarp;
+      // (in_group: one swizzle atom of the e4m3 stage, 8 rows x its panel; out_group likewise for the 16-bit stage.)
+      constexpr uint32_t kInGroup = 8 * size<1>(SmemAtomV8{}) * sizeof(ElementKV);
+      constexpr uint32_t kOutGroup = 8 * size<1>(SmemAtomV{}) * sizeof(Element);
+      constexpr uint32_t kInStage = kBlockN * kHeadDimV * sizeof(ElementKV);
+      constexpr uint32_t kOutStage = kBlockN * kHeadDimV * sizeof(Element);
+      struct LaneAddrs {
+        uint32_t src[kPerLane], dst[kPerLane][2];
+        int row;
+      } lanes;
+      {
+        auto addr = [](auto const& ref) { return cute::cast_smem_ptr_to_uint(&ref); };
+        int const lane = thread_idx % cutlass::NumThreadsPerWarp, col = (lane % kVecs) * 16;
+        lanes.row = lane / kVecs;
+        CUTE_UNROLL
+        for (int k = 0; k < kPerLane; ++k) {
+          int const r = lanes.row + k * kRowStep;
+          lanes.src[k] = addr(sV8(r, col, 0));
+          lanes.dst[k][0] = addr(sV(r, col, 0));
+          lanes.dst[k][1] = addr(sV(r, col + 8, 0));
+        }
+      }
+      auto one = [&](int n_block) {
         int const valid = seq.seqlen_k - n_block * kBlockN;
         pipeline_v8.consumer_wait(read_v8);
         pipeline_v.producer_acquire(write_v);
         int const in = read_v8.index(), out = write_v.index();
-        if constexpr (decltype(own)::value) {
-          cute::cp_async_wait<0>();  // this thread's scales of the block (copied a block ago)
-          // Every warp reads every row's scale below (the block's largest), so all copies must have landed.
-          // (Unaligned: the warps come from the mbarrier waits above, whose lanes leave their loops one by one.)
-          cutlass::arch::NamedBarrier(num_threads, kConvertBarrier).arrive_and_wait_unaligned();
-          // The next block lands in the next stage, whose slot's last reads (kCacheStages blocks ago) every thread
-          // finished before the barrier above.
-          if (n_block > n_block_min) prefetch(ts.smem_vs.data() + ((in + 1) % kCacheStages) * kBlockN, n_block - 1);
-        }
         // The scales become the consumers' per-key factors (the e4m3 stage is released below); past the keys 0.
         // Shared-memory accesses through 32-bit shared addresses throughout: through CuTe's generic pointers here
         // the compiler emitted generic LD/ST (ncu: long-scoreboard stalls; the decode ran at 0.3 of the copy).
@@ -603,24 +638,31 @@ struct FwdMainloop {
           float const f = load_scale(r) * mult;
           cutlass::arch::shared_store<4>(cute::cast_smem_ptr_to_uint(&sVs16(r, out)), &f);
         }
-#pragma unroll kUnroll
-        for (int i = thread_idx; i < kBlockN * kVecs; i += num_threads) {
-          int const r = i / kVecs, c = (i % kVecs) * 16;
-          // Rows past the keys: zeros (the cache may hold NaN there, and 0 x NaN is NaN in the PV GEMM).
-          uint4 x = make_uint4(0, 0, 0, 0);
-          if (r < valid) cutlass::arch::shared_load<16>(&x, cute::cast_smem_ptr_to_uint(&sV8(r, c, in)));
-          auto const h = cutlass::NumericArrayConverter<cutlass::half_t, ElementKV, 16>{}(
-              reinterpret_cast<cutlass::Array<ElementKV, 16> const&>(x));
-          uint4 w[2];
-          static_assert(sizeof(h) == sizeof(w));
-          memcpy(w, &h, sizeof(w));
-          if constexpr (std::is_same_v<Element, cutlass::bfloat16_t>) {
-            uint32_t* const u = reinterpret_cast<uint32_t*>(w);
-            CUTE_UNROLL
-            for (int j = 0; j < 8; ++j) u[j] = (u[j] & 0x80008000u) | ((u[j] >> 3) & 0x0FFF0FFFu);  // kConvertFactor
+        // Warp w converts the 8-row groups w, w + warps, ...: each lane its kPerLane vectors of the group, at shared
+        // addresses fixed per lane plus the group's and the stage's strides.
+        uint32_t const in_base = uint32_t(in) * kInStage, out_base = uint32_t(out) * kOutStage;
+#pragma unroll (kUnroll / kPerLane > 1 ? kUnroll / kPerLane : 1)
+        for (int g = warp; g < kBlockN / 8; g += num_warps) {
+          CUTE_UNROLL
+          for (int k = 0; k < kPerLane; ++k) {
+            int const r = g * 8 + lanes.row + k * kRowStep;
+            // Rows past the keys: zeros (the cache may hold NaN there, and 0 x NaN is NaN in the PV GEMM).
+            uint4 x = make_uint4(0, 0, 0, 0);
+            if (r < valid) cutlass::arch::shared_load<16>(&x, lanes.src[k] + in_base + uint32_t(g) * kInGroup);
+            auto const h = cutlass::NumericArrayConverter<cutlass::half_t, ElementKV, 16>{}(
+                reinterpret_cast<cutlass::Array<ElementKV, 16> const&>(x));
+            uint4 w[2];
+            static_assert(sizeof(h) == sizeof(w));
+            memcpy(w, &h, sizeof(w));
+            if constexpr (std::is_same_v<Element, cutlass::bfloat16_t>) {
+              uint32_t* const u = reinterpret_cast<uint32_t*>(w);
+              CUTE_UNROLL
+              for (int j = 0; j < 8; ++j) u[j] = (u[j] & 0x80008000u) | ((u[j] >> 3) & 0x0FFF0FFFu);  // kConvertFactor
+            }
+            uint32_t const o = out_base + uint32_t(g) * kOutGroup;
+            cutlass::arch::shared_store<16>(lanes.dst[k][0] + o, &w[0]);
+            cutlass::arch::shared_store<16>(lanes.dst[k][1] + o, &w[1]);
           }
-          cutlass::arch::shared_store<16>(cute::cast_smem_ptr_to_uint(&sV(r, c, out)), &w[0]);
-          cutlass::arch::shared_store<16>(cute::cast_smem_ptr_to_uint(&sV(r, c + 8, out)), &w[1]);
         }
         cutlass::arch::fence_view_async_shared();  // the generic-proxy writes before the GEMMs' async reads
         pipeline_v8.consumer_release(read_v8);
@@ -628,16 +670,8 @@ struct FwdMainloop {
         pipeline_v.producer_commit(write_v);
         ++write_v;
       };
-      // The producer's V order (load's `issue`), with the scale copies (blocks copied chunk by chunk) or without; a
-      // kernel holds one of the two walks (KVBlocks::kBlocks: the launcher instantiates both kernels).
-      auto walk = [&](auto own) {
-        for (int n_block = n_block_max - 1; n_block >= n_block_min; --n_block) one(n_block, own);
-      };
-      if (own_scales) {
-        walk(cute::true_type{});
-      } else {
-        walk(cute::false_type{});
-      }
+      // The producer's V order (load's `issue`).
+      for (int n_block = n_block_max - 1; n_block >= n_block_min; --n_block) one(n_block);
     }
   }
 
@@ -896,6 +930,8 @@ struct FwdMainloop {
     // S_n = Q K_n^T for key block n; the caller waits for it.
     auto issue_s = [&] {
       pipeline_k.consumer_wait(read_k);
+      // Gathered K: cp.async wrote the stage through the generic proxy; the WGMMA reads it through the async one.
+      if constexpr (kGatherKV) cutlass::arch::fence_view_async_shared();
       if constexpr (kFp8Cache) {
         auto const& tSrQ8 = get<1>(qk);
         wgmma_sum<-1>(get<0>(qk), tSrQ8(_, _, _, 0), tSrQ8(_, _, _, 1), get<2>(qk)(_, _, _, read_k.index()), tSrS);

@@ -10,7 +10,6 @@ namespace flashhopper::sm90 {
 
 enum NamedBarriers : uint32_t {
   kSchedBarrier0 = 0,     // 0 .. kNumMmaWG-1: ping-pong turn of each consumer warpgroup
-  kConvertBarrier = 3,    // e4m3 KV cache: the converter threads (kernels with 2 consumer warpgroups)
   kEpilogueBarrier0 = 4,  // 4 .. 4+kNumMmaWG-1: a warpgroup's own epilogue (128 threads)
 };
 

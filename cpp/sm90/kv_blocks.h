@@ -13,9 +13,9 @@
 // PageBlocks: which of the two a kernel holds. kAny decides per launch (whole_blocks); kWhole / kChunked hold one
 // walk only, for kernels whose other code would cost the first one registers (the e4m3 cache's: code present but
 // not run made its whole-block decode 11-15% slower: docs/perf-notes.md, S2). The launcher picks between them by
-// the same test. kChunked kernels gather (kGather): a warp copies each block's rows with cp.async, 16 bytes per
-// lane and copy, instead of one TMA box per 16-row chunk and panel (the TMA unit's cost per box bounded pages of
-// 16: perf-notes, X1).
+// the same test. kChunked kernels gather (kGather): a warp copies each block's rows and scales with cp.async, 16
+// bytes per lane and copy, instead of one TMA box per 16-row chunk and panel (faster in pages of 16, with or
+// without TMA boxes for the data: docs/perf-notes.md, session 5, X2 and X6).
 // Chunks past the entry's last key take a page coordinate past the tensor (TMA fills zeros, counts the bytes):
 // the page table is never read past the entry's pages.
 #pragma once

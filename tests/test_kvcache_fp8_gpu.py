@@ -3,8 +3,8 @@ GPU (skipped here).
 
 Caches are built as in test_kvcache_gpu (random lengths, pages scattered, every unused slot NaN or inf) and quantized
 with kvcache_fp8.quantize_kv_cache, so the unused slots hold NaN data and NaN scales. The kernel must match exact
-float64 attention over the cache's stored values (dequantized, q transformed as K is) to the 16-bit rounding of the
-dequantized values, and exact attention over the original values to fp8's error; appends write exactly the bytes
+float64 attention over the cache's stored values (dequantized, q transformed as K is) to the rounding of P to e4m3
+in the PV GEMM, and exact attention over the original values to fp8's error; appends write exactly the bytes
 and scales quantize_rows gives; a captured decode step replays equal to an eager call.
 """
 from __future__ import annotations
@@ -51,7 +51,8 @@ def check_against_stored(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, 
                          ks: torch.Tensor, vs: torch.Tensor, lengths: list[int], causal: bool,
                          table: torch.Tensor | None, seed: int | None) -> None:
     """out / lse finite, and against float64 attention over the stored values (q transformed as K's rows):
-    ||out - ref|| / ||ref|| within the 16-bit rounding of the dequantized values and of out. The kernel's scores are
+    ||out - ref|| / ||ref|| within the rounding of P to e4m3 before the PV GEMM (2^-4 of each element, as the FP8
+    forward's and FA3's: 1.8-2.9e-2 measured on these shapes; a wrong key or block gives O(1)). The kernel's scores are
     e4m3 GEMMs (q as two e4m3 terms, 2^-8 of each element; the tensor cores' fp8 accumulation keeps about 14 bits):
     up to ~3e-3 of a score in error, so the lse bound grows with |lse| (docs/kvcache-fp8.md)."""
     assert torch.isfinite(out).all(), "out is not finite (a poisoned slot was read?)"
@@ -62,7 +63,7 @@ def check_against_stored(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, 
     lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
     ref, ref_lse = attention_kvcache_ref(qt, kd, vd, lens, table, causal=causal, dtype=torch.float64)
     err = rel_err(out, ref)
-    assert err < 1.5e-2, f"||out - ref|| / ||ref|| = {err:.3g} over the stored e4m3 values"
+    assert err < 4e-2, f"||out - ref|| / ||ref|| = {err:.3g} over the stored e4m3 values"
     seen = torch.isfinite(ref_lse)
     assert torch.equal(seen, torch.isfinite(lse)), "rows without keys differ"
     lse_err = (lse[seen].double() - ref_lse[seen]).abs()

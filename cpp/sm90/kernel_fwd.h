@@ -117,7 +117,7 @@ struct FwdKernel {
     uint32_t const num_kv_consumers = one_consumer ? cutlass::NumThreadsPerWarpGroup : Mainloop::kNumMmaThreads;
     auto make_kv_pipelines = [&] {
       if constexpr (Mainloop::kFp8Cache) {
-        // K: TMA -> the consumers' S GEMMs. V: TMA -> converters -> the consumers' 16-bit stages. Each block with its
+        // K: TMA -> the consumers' S GEMMs. V: TMA -> converters -> the consumers' V^T e4m3 stages. Each block with its
         // scales. Gathered blocks (Mainloop::kGatherKV): each of the producer warp's 32 lanes arrives once its copies
         // land (cp.async.mbarrier.arrive.noinc), and no thread expects TMA bytes.
         constexpr bool kGather = Mainloop::kGatherKV;
@@ -296,9 +296,9 @@ struct FwdKernel {
         }
         if (one_consumer && wg == 1) {  // its rows are padding: no GEMMs, no store
           if constexpr (Mainloop::kFp8Cache) {
-            Mainloop::template convert<4>(params.mainloop, pipeline_load_v, pipeline_v, read_v8, write_v, ss.tensors,
-                                          t.seq, t.block_info, w.m_block, w.head, w.batch,
-                                          Mainloop::kNumConvertThreads + thread_idx, num_convert);
+            Mainloop::convert(params.mainloop, pipeline_load_v, pipeline_v, read_v8, write_v, ss.tensors, t.seq,
+                              t.block_info, w.m_block, w.head, w.batch, Mainloop::kNumConvertThreads + thread_idx,
+                              num_convert);
           }
           // The Q stage's release still counts this warpgroup (after its load: phases stay in order).
           pipeline_q.consumer_wait(read_q);

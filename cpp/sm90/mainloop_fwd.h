@@ -25,8 +25,9 @@
 // with its per-token scales, by TMA where blocks lie inside pages, else gathered row by row by the producer warp's
 // lanes (cp.async; kv_blocks.h). The S GEMMs read K's stages as loaded, e4m3 x e4m3, with q as two e4m3 terms per
 // element (prepare_q8) and K's scales and q's row scales on S. The producer warpgroup's warps 1-3 (convert(); with
-// warpgroup 1 in one-consumer mode) write V's stages exactly into 16-bit ones, a PipelineAsync the PV GEMM reads as
-// before, with V's scales as per-key factors on P; rows past the keys become zeros.
+// warpgroup 1 in one-consumer mode) transpose V's stages into V^T e4m3 stages laid out as FP8's (keys permuted within
+// groups of 16), a PipelineAsync to the PV GEMMs, e4m3 x e4m3 with P in e4m3 as FP8's; V's scales are per-key
+// factors on P before it is rounded; rows past the keys become zeros.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -132,7 +133,7 @@ struct FwdMainloop {
   using SmemAtomV8 = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, ElementKV, BN, DV>());
   using SmemLayoutV8 = decltype(tile_to_shape(SmemAtomV8{}, Shape<BN, DV, Int<kCacheStages>>{}));
   using SmemLayoutScale = Layout<Shape<BN, Int<kCacheStages>>>;
-  using SmemLayoutScale16 = Layout<Shape<BN, Int<kStages>>>;
+  using SmemLayoutScaleT = Layout<Shape<BN, Int<kStages>>>;
   // e4m3 cache, S = Q K^T on the e4m3 K stages as loaded (e4m3 x e4m3 WGMMA, no K conversion): each row of q
   // (times its scale, the row's largest |q| to 448) is the sum of two e4m3 terms, hi = e4m3(x) and lo = e4m3(x - hi),
   // both GEMMs accumulating into S, which keeps q to about 2^-8 of each element (bf16 holds 2^-9). The two terms
@@ -150,10 +151,22 @@ struct FwdMainloop {
     using type = decltype(make_tiled_mma(GMMA::ss_op_selector<ElementKV, ElementKV, float, Shape<_64, BN, D>>()));
   };
   using TiledMmaQK8 = typename QK8Of<kFp8Cache>::type;
-  // convert() writes e4m3 values exactly as 16-bit ones: fp16 through cvt; bf16 as those fp16 bits moved into
-  // bf16's fields (exponent and mantissa shifted by 3), which is the value times 2^-112. The key's factor undoes it.
-  // (Placing the e4m3 bits with integer ops alone, PRMT/shift/mask, measured slower: docs/perf-notes.md.)
-  static constexpr float kConvertFactor = std::is_same_v<Element, cutlass::bfloat16_t> ? 0x1p112f : 1.f;
+  // e4m3 cache, O += P V on V^T e4m3 stages (headdim_v, keys), which convert() transposes from V's e4m3 stages with
+  // FP8's key permutation (above), so that P's accumulator converts to the A operand as in FP8 (to_p). P, times its
+  // keys' factors, goes in as one e4m3 term, as in FP8 (2^-4 of each element; two terms like q's cost 12-15% of the
+  // decode's time for 20-45% less output error: docs/perf-notes.md, V4/V5).
+  using SmemAtomVt8 = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, ElementKV, DV, BN>());
+  using SmemLayoutVt8 = decltype(tile_to_shape(SmemAtomVt8{}, Shape<DV, BN, Int<kStages>>{}));
+  template <bool kCache, class = void>
+  struct PV8Of {
+    using type = void;
+  };
+  template <class Unused>
+  struct PV8Of<true, Unused> {
+    using type = decltype(make_tiled_mma(GMMA::rs_op_selector<ElementKV, ElementKV, float, Shape<_64, DV, BN>>()));
+  };
+  using TiledMmaPV8 = typename PV8Of<kFp8Cache>::type;
+  static constexpr float kPFactor = 256.f;  // P in e4m3: p x factor x 2^8 (to_p_cache)
   using SmemAtomKLoad = std::conditional_t<kFp8Cache, SmemAtomK8, SmemAtomKV>;
   using SmemAtomVLoad = std::conditional_t<kFp8Cache, SmemAtomV8, SmemAtomV>;
   using SmemLayoutKLoad = std::conditional_t<kFp8Cache, SmemLayoutK8, SmemLayoutK>;
@@ -222,8 +235,8 @@ struct FwdMainloop {
   static constexpr uint32_t kVCacheStageBytes =
       uint32_t(size(take<0, 2>(SmemLayoutV8{})) * sizeof(ElementKV) + kBlockN * sizeof(float));
 
-  // The 16-bit K/V stages the consumers read: filled by TMA, or for an e4m3 cache by the converter warps.
-  // (e4m3 cache: the V stages only.)
+  // The K/V stages the consumers read: 16-bit ones filled by TMA, or for an e4m3 cache V^T e4m3 ones filled by the
+  // converter warps.
   using Pipeline = std::conditional_t<kFp8Cache, cutlass::PipelineAsync<kStages>, cutlass::PipelineTmaAsync<kStages>>;
   using PipelineState = typename Pipeline::PipelineState;
   using PipelineCache = cutlass::PipelineTmaAsync<kCacheStages>;  // e4m3 stages: TMA -> consumers (K), converters (V)
@@ -242,17 +255,17 @@ struct FwdMainloop {
   struct TensorStorageFp8 : TensorStorage16 {
     cute::array_aligned<ElementOut, kNumMmaWG * kOSlotElems, 1024> smem_o;
   };
-  // e4m3 cache: the consumers read K's e4m3 stages; V's are converted into 16-bit ones.
+  // e4m3 cache: the consumers read K's e4m3 stages; V's are transposed into V^T e4m3 ones.
   struct TensorStorageFp8Cache {
     cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> smem_q;  // (and each warpgroup's q terms: prepare_q8)
-    cute::array_aligned<Element, cosize_v<SmemLayoutV>, 1024> smem_v;
+    cute::array_aligned<ElementKV, cosize_v<SmemLayoutVt8>, 1024> smem_vt8;
     cute::array_aligned<ElementKV, cosize_v<SmemLayoutK8>, 1024> smem_k8;
     cute::array_aligned<ElementKV, cosize_v<SmemLayoutV8>, 1024> smem_v8;
     cute::array_aligned<float, cosize_v<SmemLayoutScale>, 128> smem_ks;
     cute::array_aligned<float, cosize_v<SmemLayoutScale>, 128> smem_vs;
-    // Per 16-bit V stage: each key's factor (its scale over the block's largest; 0 past the entry's keys).
-    cute::array_aligned<float, cosize_v<SmemLayoutScale16>, 128> smem_vs16;
-    cute::array_aligned<float, kStages, 16> smem_vmax16;  // per 16-bit V stage: its block's V descale
+    // Per V^T stage: each key's factor (its scale over the block's largest; 0 past the entry's keys), and that largest.
+    cute::array_aligned<float, cosize_v<SmemLayoutScaleT>, 128> smem_vfac;
+    cute::array_aligned<float, kStages, 16> smem_vmax;
     cute::array_aligned<float, 64 * kNumMmaWG, 16> smem_qrow;  // per query row: 1 / its q scale (prepare_q8)
   };
   using TensorStorage = std::conditional_t<kFp8, TensorStorageFp8,
@@ -562,14 +575,14 @@ struct FwdMainloop {
 
   // ---------------------------------------------------------------------------------------------
   // e4m3 cache converter: warps 1-3 of the producer warpgroup (thread_idx 0..95 among them) take each e4m3 V stage
-  // in the producer's order and write it exactly (no scale) into a 16-bit stage, with the rows' scales as the
-  // stage's per-key factors, which the consumers apply to P's columns; rows at or past the entry's keys become
-  // zeros (whatever the cache holds there, NaN included). 16 bytes of e4m3 in, 32 of the 16-bit type out per step:
-  // contiguous in both swizzled layouts. (Multiplying each element by its scale here, in float, made the conversion
-  // the decode's bottleneck: docs/perf-notes.md.) K's stages go to the consumers as loaded (prepare_q8).
-  // thread_idx: 0 .. num_threads - 1 among the converters (more than the 96 above in one-consumer mode).
-  // kUnroll: 16-byte steps in flight per thread (the producer's 72 registers hold 2).
-  template <int kUnroll = 2>
+  // in the producer's order and transpose it into a V^T e4m3 stage (the PV GEMM's K-major B operand: the bytes as
+  // loaded, keys permuted within groups of 16 as FP8's V^T), with the rows' scales as the stage's per-key factors,
+  // which the consumers apply to P before rounding it; keys at or past the entry's end become zeros (whatever the
+  // cache holds there, NaN included). A warp moves 16 keys x 32 bytes per step: ldmatrix.trans of four 8 x 8 tiles of
+  // 16-bit pairs gives each lane 2 keys x 2 bytes per tile, two byte permutes per tile pair make 4 keys x 1 byte of
+  // two V^T rows, and stmatrix writes the four tiles of V^T rows. (Until session 6 the converters wrote 16-bit V
+  // stages: twice the bytes, ~40 instructions per 16 bytes, 32 KB of stages per block at head dim 128; perf-notes.)
+  // thread_idx: 0 .. num_threads - 1 among the converters (whole warps; more than 96 in one-consumer mode).
   CUTE_DEVICE static void convert(Params const& p, PipelineCache& pipeline_v8, Pipeline& pipeline_v,
                                   PipelineStateCache& read_v8, PipelineState& write_v, TensorStorage& ts,
                                   SeqlenInfo const& seq, BlockInfoT const& bi, int m_block, int head, int batch,
@@ -577,41 +590,36 @@ struct FwdMainloop {
     if constexpr (kFp8Cache) {
       int const n_block_max = bi.n_block_max(m_block);
       int const n_block_min = bi.n_block_min(m_block);
-      Tensor sV8 = make_tensor(make_smem_ptr(ts.smem_v8.data()), SmemLayoutV8{});
+      Tensor sV8 = make_tensor(make_smem_ptr(ts.smem_v8.data()), SmemLayoutV8{});    // (keys, headdim_v, stage)
       Tensor sVs = make_tensor(make_smem_ptr(ts.smem_vs.data()), SmemLayoutScale{});
-      Tensor sV = make_tensor(make_smem_ptr(ts.smem_v.data()), SmemLayoutV{});  // (keys, headdim_v, stage)
-      Tensor sVs16 = make_tensor(make_smem_ptr(ts.smem_vs16.data()), SmemLayoutScale16{});
-      // factor = scale / (the block's largest), and the block's largest x kConvertFactor as its descale
-      // (smem_vmax16); the consumers multiply P by factor x (descale / the first V block's descale) and O by the
-      // first one's at the end, so P's factors stay near 1 whatever the scales' size.
-      // The conversion's shared addresses, computed once per tile: every layout here repeats each 8 rows (its swizzle
-      // atom's) and each stage at a fixed stride, so that a lane's vectors in group 0 of stage 0 give all the others.
-      // (Through CuTe's indexing per vector, addresses took ~80 of the loop's ~114 instructions per vector: perf-notes.)
-      constexpr int kVecs = kHeadDimV / 16;             // 16-element vectors per row
-      constexpr int kPerLane = 8 * kVecs / cutlass::NumThreadsPerWarp;  // a lane's vectors per 8-row group
-      constexpr int kRowStep = cutlass::NumThreadsPerWarp / kVecs;      // rows between them
-      static_assert(8 * kVecs % cutlass::NumThreadsPerWarp == 0 && kBlockN % 8 == 0);
-      int const warp = thread_idx / cutlass::NumThreadsPerWarp, num_warps = num_threads / cutlass::NumThreadsPerWarp;
-      // (in_group: one swizzle atom of the e4m3 stage, 8 rows x its panel; out_group likewise for the 16-bit stage.)
-      constexpr uint32_t kInGroup = 8 * size<1>(SmemAtomV8{}) * sizeof(ElementKV);
-      constexpr uint32_t kOutGroup = 8 * size<1>(SmemAtomV{}) * sizeof(Element);
+      Tensor sVt8 = make_tensor(make_smem_ptr(ts.smem_vt8.data()), SmemLayoutVt8{});  // (headdim_v, keys, stage)
+      Tensor sVfac = make_tensor(make_smem_ptr(ts.smem_vfac.data()), SmemLayoutScaleT{});
+      // factor = scale / (the block's largest), that largest in smem_vmax: the consumers keep O in units of the newest
+      // block's largest, so that P's factors stay at most 1 whatever the scales' size.
+      // Steps (key group g, dim group c): 16 keys x 32 bytes. A lane's ldmatrix row is key 16 g + lane % 8 + 8 ((lane / 8)
+      // % 2), bytes 32 c + 16 (lane / 16); its stmatrix row is V^T row 32 c + 16 (lane / 16) + 2 (lane % 8) + (lane / 8) % 2,
+      // keys 16 g .. 16 g + 15. Both swizzles only permute 16-byte pieces inside a row of their atom, so from the
+      // lane's addresses at g = c = 0: the e4m3 stage's at (src0 ^ (32 c mod panel)) + (32 c / panel) x panel stride
+      // + g x (16 rows), V^T's at (dst0 ^ 16 g) + c x (32 rows), plus the stages' strides (scripts/check_vt_addr.cu
+      // checks this against the layouts for the e4m3 tiles). A compact loop, not unrolled: ncu measured the unrolled one's warps stalled on
+      // instruction fetch (V2, perf-notes).
+      constexpr int kKeyGroups = kBlockN / 16, kDimGroups = kHeadDimV / 32, kSteps = kKeyGroups * kDimGroups;
+      constexpr uint32_t kPanel = size<1>(SmemAtomV8{}) * sizeof(ElementKV);  // bytes per row of the e4m3 atom
+      constexpr uint32_t kPanelStride = kBlockN * kPanel;
+      static_assert(kBlockN % 16 == 0 && kHeadDimV % 32 == 0 && kPanel % 32 == 0);
+      static_assert(kBlockN * sizeof(ElementKV) <= size<1>(SmemAtomVt8{}) * sizeof(ElementKV), "V^T: one atom per row");
+      auto addr = [](auto const& ref) { return cute::cast_smem_ptr_to_uint(&ref); };
       constexpr uint32_t kInStage = kBlockN * kHeadDimV * sizeof(ElementKV);
-      constexpr uint32_t kOutStage = kBlockN * kHeadDimV * sizeof(Element);
-      struct LaneAddrs {
-        uint32_t src[kPerLane], dst[kPerLane][2];
-        int row;
-      } lanes;
+      constexpr uint32_t kOutStage = kHeadDimV * kBlockN * sizeof(ElementKV);
+      uint32_t const in_keys16 = addr(sV8(16 % kBlockN, 0, 0)) - addr(sV8(0, 0, 0));
+      uint32_t const out_rows32 = addr(sVt8(32 % kHeadDimV, 0, 0)) - addr(sVt8(0, 0, 0));
+      int const lane = thread_idx % cutlass::NumThreadsPerWarp, warp = thread_idx / cutlass::NumThreadsPerWarp;
+      int const num_warps = num_threads / cutlass::NumThreadsPerWarp;
+      uint32_t src0, dst0;
       {
-        auto addr = [](auto const& ref) { return cute::cast_smem_ptr_to_uint(&ref); };
-        int const lane = thread_idx % cutlass::NumThreadsPerWarp, col = (lane % kVecs) * 16;
-        lanes.row = lane / kVecs;
-        CUTE_UNROLL
-        for (int k = 0; k < kPerLane; ++k) {
-          int const r = lanes.row + k * kRowStep;
-          lanes.src[k] = addr(sV8(r, col, 0));
-          lanes.dst[k][0] = addr(sV(r, col, 0));
-          lanes.dst[k][1] = addr(sV(r, col + 8, 0));
-        }
+        int const key = lane % 8 + 8 * ((lane / 8) % 2), col = 16 * (lane / 16);
+        src0 = addr(sV8(key, col, 0));
+        dst0 = addr(sVt8(col + 2 * (lane % 8) + (lane / 8) % 2, 0, 0));
       }
       auto one = [&](int n_block) {
         int const valid = seq.seqlen_k - n_block * kBlockN;
@@ -623,46 +631,41 @@ struct FwdMainloop {
         // the compiler emitted generic LD/ST (ncu: long-scoreboard stalls; the decode ran at 0.3 of the copy).
         auto load_scale = [&](int r) {
           float f = 0.f;
-          if (r < valid) cutlass::arch::shared_load<4>(&f, cute::cast_smem_ptr_to_uint(&sVs(r, in)));
+          if (r < valid) cutlass::arch::shared_load<4>(&f, addr(sVs(r, in)));
           return f;
         };
         float m = 0.f;  // every warp finds the block's largest V scale itself
-        for (int r = thread_idx % cutlass::NumThreadsPerWarp; r < kBlockN; r += cutlass::NumThreadsPerWarp) {
-          m = fmaxf(m, load_scale(r));
-        }
+        for (int r = lane; r < kBlockN; r += cutlass::NumThreadsPerWarp) m = fmaxf(m, load_scale(r));
         CUTE_UNROLL
         for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
         float const mult = m > 0.f ? 1.f / m : 0.f;
-        if (thread_idx == 0) ts.smem_vmax16[out] = m * kConvertFactor;
+        if (thread_idx == 0) ts.smem_vmax[out] = m;
         for (int r = thread_idx; r < kBlockN; r += num_threads) {
           float const f = load_scale(r) * mult;
-          cutlass::arch::shared_store<4>(cute::cast_smem_ptr_to_uint(&sVs16(r, out)), &f);
+          cutlass::arch::shared_store<4>(addr(sVfac(r, out)), &f);
         }
-        // Warp w converts the 8-row groups w, w + warps, ...: each lane its kPerLane vectors of the group, at shared
-        // addresses fixed per lane plus the group's and the stage's strides.
+        // The lane's 4 keys of group g in each word it writes: 16 g + {2 q, 2 q + 1, 2 q + 8, 2 q + 9}, q = lane % 4
+        // (FP8's permutation); bytes of keys at or past `valid` are zeroed (the block with the entry's last key).
+        bool const partial = valid < kBlockN;
         uint32_t const in_base = uint32_t(in) * kInStage, out_base = uint32_t(out) * kOutStage;
-#pragma unroll (kUnroll / kPerLane > 1 ? kUnroll / kPerLane : 1)
-        for (int g = warp; g < kBlockN / 8; g += num_warps) {
-          CUTE_UNROLL
-          for (int k = 0; k < kPerLane; ++k) {
-            int const r = g * 8 + lanes.row + k * kRowStep;
-            // Rows past the keys: zeros (the cache may hold NaN there, and 0 x NaN is NaN in the PV GEMM).
-            uint4 x = make_uint4(0, 0, 0, 0);
-            if (r < valid) cutlass::arch::shared_load<16>(&x, lanes.src[k] + in_base + uint32_t(g) * kInGroup);
-            auto const h = cutlass::NumericArrayConverter<cutlass::half_t, ElementKV, 16>{}(
-                reinterpret_cast<cutlass::Array<ElementKV, 16> const&>(x));
-            uint4 w[2];
-            static_assert(sizeof(h) == sizeof(w));
-            memcpy(w, &h, sizeof(w));
-            if constexpr (std::is_same_v<Element, cutlass::bfloat16_t>) {
-              uint32_t* const u = reinterpret_cast<uint32_t*>(w);
-              CUTE_UNROLL
-              for (int j = 0; j < 8; ++j) u[j] = (u[j] & 0x80008000u) | ((u[j] >> 3) & 0x0FFF0FFFu);  // kConvertFactor
-            }
-            uint32_t const o = out_base + uint32_t(g) * kOutGroup;
-            cutlass::arch::shared_store<16>(lanes.dst[k][0] + o, &w[0]);
-            cutlass::arch::shared_store<16>(lanes.dst[k][1] + o, &w[1]);
+        for (int step = warp; step < kSteps; step += num_warps) {
+          uint32_t const g = uint32_t(step) / kDimGroups, c32 = uint32_t(step) % kDimGroups * 32;
+          uint32_t const src = (src0 ^ (c32 % kPanel)) + c32 / kPanel * kPanelStride + g * in_keys16 + in_base;
+          uint32_t const dst = (dst0 ^ (g * 16)) + c32 / 32 * out_rows32 + out_base;
+          uint32_t keep = 0xffffffffu;
+          if (partial) {
+            int const k0 = 16 * int(g) + 2 * (lane % 4);
+            keep = (k0 < valid ? 0xffu : 0u) | (k0 + 1 < valid ? 0xff00u : 0u) | (k0 + 8 < valid ? 0xff0000u : 0u) |
+                   (k0 + 9 < valid ? 0xff000000u : 0u);
           }
+          uint32_t r0, r1, r2, r3;
+          asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                       : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                       : "r"(src));
+          uint32_t const w0 = __byte_perm(r0, r1, 0x6420) & keep, w1 = __byte_perm(r0, r1, 0x7531) & keep;
+          uint32_t const w2 = __byte_perm(r2, r3, 0x6420) & keep, w3 = __byte_perm(r2, r3, 0x7531) & keep;
+          asm volatile("stmatrix.sync.aligned.x4.m8n8.shared.b16 [%0], {%1, %2, %3, %4};\n"
+                       :: "r"(dst), "r"(w0), "r"(w1), "r"(w2), "r"(w3));
         }
         cutlass::arch::fence_view_async_shared();  // the generic-proxy writes before the GEMMs' async reads
         pipeline_v8.consumer_release(read_v8);
@@ -804,13 +807,23 @@ struct FwdMainloop {
     };
 
     Tensor sQ = make_tensor(make_smem_ptr(ts.smem_q.data()), SmemLayoutQ{});
-    Tensor sVt = make_tensor(make_smem_ptr(ts.smem_v.data()), SmemLayoutVt{});
 
     TiledMmaQK mma_qk;
-    TiledMmaPV mma_pv;
     auto thr_qk = mma_qk.get_thread_slice(thread_idx);
-    auto thr_pv = mma_pv.get_thread_slice(thread_idx);
-    Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (MMA, 1, K, stage)
+    // The PV GEMM and its B operand (MMA, 1, K, stage): V's stages, or (e4m3 cache) the V^T e4m3 stages.
+    auto pv = [&] {
+      if constexpr (kFp8Cache) {
+        TiledMmaPV8 mma_pv8;
+        Tensor sVt8 = make_tensor(make_smem_ptr(ts.smem_vt8.data()), SmemLayoutVt8{});
+        return cute::make_tuple(mma_pv8, mma_pv8.get_thread_slice(thread_idx).partition_fragment_B(sVt8));
+      } else {
+        TiledMmaPV mma_pv;
+        Tensor sVt = make_tensor(make_smem_ptr(ts.smem_v.data()), SmemLayoutVt{});
+        return cute::make_tuple(mma_pv, mma_pv.get_thread_slice(thread_idx).partition_fragment_B(sVt));
+      }
+    }();
+    auto& mma_pv = get<0>(pv);
+    auto& tOrV = get<1>(pv);
     // The S GEMMs' operands: Q's stage and K's 16-bit stages, or (e4m3 cache) q's two e4m3 terms and K's e4m3 stages.
     if constexpr (kFp8Cache) prepare_q8(ts, q_stage, wg, thread_idx);
     auto qk = [&] {
@@ -834,9 +847,11 @@ struct FwdMainloop {
     // a thread holds 4 registers of 4 keys, (row r, keys 16h + 4t .. 16h + 4t + 3) in register 2h + r,
     // while its accumulator holds keys 8j + 2t, 8j + 2t + 1; V^T's key permutation makes the accumulator's
     // keys {16h + 2t, +1, 16h + 8 + 2t, +1} the ones the A operand wants, so the conversion only regroups.
+    // e4m3 cache: P as e4m3, in FP8's layout.
+    using ElementP = std::conditional_t<kFp8Cache, ElementKV, Element>;
     Tensor tOrP = [&] {
-      if constexpr (kFp8) {
-        return make_tensor<Element>(Shape<Shape<_4, _2, _2>, _1, Int<kBlockN / 32>>{});
+      if constexpr (kFp8 || kFp8Cache) {
+        return make_tensor<ElementP>(Shape<Shape<_4, _2, _2>, _1, Int<kBlockN / 32>>{});
       } else {
         return make_tensor<Element>(acc_layout_as_a_operand(tSrS.layout()));
       }
@@ -849,25 +864,31 @@ struct FwdMainloop {
       if constexpr (Dropout::kEnabled) return p.dropout.stream(batch * get<2>(p.shape_q) + head);
       else return 0;
     }();
-    auto to_p = [&](int n) {
-      if constexpr (kFp8) {
-        static_assert(kBlockN % 32 == 0);
-        cutlass::NumericArrayConverter<Element, float, 4> convert;
+    // FP8's regrouping: emit(four, r, h, kb) gets the 4 accumulator values that go to A-operand register
+    // (make_coord(_, r, h), 0, kb).
+    auto regroup = [&](auto&& emit) {
+      static_assert(!(kFp8 || kFp8Cache) || kBlockN % 32 == 0);
+      CUTE_UNROLL
+      for (int kb = 0; kb < kBlockN / 32; ++kb) {
         CUTE_UNROLL
-        for (int kb = 0; kb < kBlockN / 32; ++kb) {
+        for (int h = 0; h < 2; ++h) {
           CUTE_UNROLL
-          for (int h = 0; h < 2; ++h) {
+          for (int r = 0; r < 2; ++r) {
+            cutlass::Array<float, 4> four;
             CUTE_UNROLL
-            for (int r = 0; r < 2; ++r) {
-              cutlass::Array<float, 4> four;
-              CUTE_UNROLL
-              for (int b = 0; b < 4; ++b) four[b] = tSrS(make_coord(b % 2, r, kb * 4 + h * 2 + b / 2), 0, 0);
-              auto const packed = convert(four);
-              CUTE_UNROLL
-              for (int b = 0; b < 4; ++b) tOrP(make_coord(b, r, h), 0, kb) = packed[b];
-            }
+            for (int b = 0; b < 4; ++b) four[b] = tSrS(make_coord(b % 2, r, kb * 4 + h * 2 + b / 2), 0, 0);
+            emit(four, r, h, kb);
           }
         }
+      }
+    };
+    auto to_p = [&](int n) {
+      if constexpr (kFp8 || kFp8Cache) {
+        regroup([&](cutlass::Array<float, 4> const& four, int r, int h, int kb) {
+          auto const packed = cutlass::NumericArrayConverter<ElementP, float, 4>{}(four);
+          CUTE_UNROLL
+          for (int b = 0; b < 4; ++b) tOrP(make_coord(b, r, h), 0, kb) = packed[b];
+        });
       } else {
         Tensor p16 = convert_type<Element>(tSrS);
         if constexpr (Dropout::kEnabled) {
@@ -879,7 +900,8 @@ struct FwdMainloop {
     };
     // O is kept in units of the V descale of the newest key block in it: moving from block n + 1 to
     // n multiplies by v_descale(n + 1) / v_descale(n) together with the softmax rescale.
-    float v_descale_prev = kFp8Cache ? 0.f : v_descale(n_block_max - 1);  // (e4m3 cache: set by scale_p)
+    // (e4m3 cache: the largest V scale of the newest block, set by to_p_cache; 0 before the first.)
+    float v_descale_prev = kFp8Cache ? 0.f : v_descale(n_block_max - 1);
     auto rescale_o = [&](cute::array<float, 2> o_scale, float vd) {
       if constexpr (kFp8) {
         float const ratio = v_descale_prev / vd;
@@ -891,10 +913,8 @@ struct FwdMainloop {
       Softmax::rescale(o, o_scale);
     };
 
-    // e4m3 cache: the stage's per-key factors (convert()), on S's columns before the score mod and mask (read before
-    // the K stage is released), and on P's columns once its V stage is there.
     Tensor tScSflat = thr_qk.partition_C(make_identity_tensor(Shape<_64, BN>{}));
-    // Per-key factors from a 16-bit stage's array, two adjacent keys per 8-byte load: the accumulator fragment
+    // Per-key factors from a stage's array, two adjacent keys per 8-byte load: the accumulator fragment
     // holds (key pair, row pair, key group) in that order (utils.h rowcol), so elements 4g .. 4g + 3 are keys c, c + 1
     // of two rows. `extra` multiplies every factor.
     auto apply_factors = [&](auto& frag, float const* base, int stage, float extra) {
@@ -968,21 +988,37 @@ struct FwdMainloop {
         }
       }
     };
-    // e4m3 cache: V's factors on P once the V stage is there, relative to the first V block's descale, O's unit
-    // throughout (the kernel multiplies it in at the end): P x scale_j / descale_first.
-    auto scale_p = [&](int stage) {
+    // e4m3 cache, once the softmax of block n is done and the previous PV GEMM has finished: wait for block n's V^T
+    // stage, move O to the units of its largest V scale (with the softmax's o_scale, `rescale`) and turn P, times its
+    // keys' factors and 2^8, into e4m3 (2^8: e4m3's smallest normal is 2^-6, as FP8's kMaxOffset). (A block whose V
+    // rows are all zeros, scales 0, keeps O's units.)
+    auto to_p_cache = [&](auto rescale, cute::array<float, 2> o_scale) {
       if constexpr (kFp8Cache) {
+        pipeline_v.consumer_wait(read_v);
+        int const stage = read_v.index();
         float vmax;
-        cutlass::arch::shared_load<4>(&vmax, cute::cast_smem_ptr_to_uint(ts.smem_vmax16.data() + stage));
-        if (v_descale_prev == 0.f) v_descale_prev = vmax;
-        apply_factors(tOrP, ts.smem_vs16.data(), stage, vmax / v_descale_prev);
+        cutlass::arch::shared_load<4>(&vmax, cute::cast_smem_ptr_to_uint(ts.smem_vmax.data() + stage));
+        float const unit = vmax > 0.f ? vmax : v_descale_prev;
+        float const ratio = v_descale_prev > 0.f && unit > 0.f ? v_descale_prev / unit : 1.f;
+        v_descale_prev = unit;
+        if (warp_live) {
+          if constexpr (decltype(rescale)::value) {
+            o_scale[0] *= ratio;
+            o_scale[1] *= ratio;
+            Tensor o = rowcol(tOrO);
+            Softmax::rescale(o, o_scale);
+          }
+          apply_factors(tSrS, ts.smem_vfac.data(), stage, kPFactor);
+        }
+        to_p(0);
       }
     };
-    // O += P V for the block whose P is in tOrP.
+    // O += P V for the block whose P is in tOrP (e4m3 cache: its V^T stage waited for by to_p_cache).
     auto issue_pv = [&] {
-      pipeline_v.consumer_wait(read_v);
-      guard_v(read_v.index());
-      if (warp_live) scale_p(read_v.index());
+      if constexpr (!kFp8Cache) {
+        pipeline_v.consumer_wait(read_v);
+        guard_v(read_v.index());
+      }
       wgmma<false, -1>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
     };
     auto release_v = [&] {
@@ -1013,7 +1049,8 @@ struct FwdMainloop {
       mask.template apply<true, true, true>(scores, tScS, row_offset, n_block);
       softmax.template update<true, true>(scores, qk_scale(n_block));
     }
-    to_p(n_block);
+    if constexpr (kFp8Cache) to_p_cache(cute::false_type{}, {});
+    else to_p(n_block);
 
     // S_n is issued together with O += P_{n+1} V_{n+1}; the softmax of S_n runs while the PV GEMM
     // is still on the tensor cores, and O is rescaled once it has finished.
@@ -1036,8 +1073,12 @@ struct FwdMainloop {
       }
       warpgroup_wait<0>();
       release_v();
-      if (warp_live) rescale_o(o_scale, vd);
-      to_p(n);
+      if constexpr (kFp8Cache) {
+        to_p_cache(cute::true_type{}, o_scale);
+      } else {
+        if (warp_live) rescale_o(o_scale, vd);
+        to_p(n);
+      }
     };
     constexpr bool kLeftEdge = BlockInfoT::kHasLeft;
     for (--n_block; n_block >= n_right; --n_block) step(n_block, cute::true_type{}, cute::bool_constant<kLeftEdge>{});
@@ -1050,7 +1091,7 @@ struct FwdMainloop {
     sched_arrive();
     warpgroup_wait<0>();
     release_v();
-    return v_descale_prev * p.dropout.scale();
+    return (kFp8Cache ? v_descale_prev / kPFactor : v_descale_prev) * p.dropout.scale();
   }
 };
 

@@ -81,15 +81,15 @@ struct FwdTileSize<256, DType::kFloat8E4M3> : FwdTileDefaults {
 
 // KV caches of e4m3 read by 16-bit queries (KVCacheKind::kE4M3): TMA lands each block in e4m3 stages
 // (kCacheStages deep, with the block's per-token scales); the consumers' S GEMMs read K's as they are, and the
-// producer warpgroup's other warps convert V's into the kStages 16-bit stages of the PV GEMM. Two consumer
+// producer warpgroup's other warps transpose V's into the kStages V^T e4m3 stages of the PV GEMM. Two consumer
 // warpgroups at every head dim (decode fills few rows; the converters need the producer warpgroup's registers).
-// Head dim 128: 128 keys, 3 e4m3 stages (Q 32 KB, 16-bit V 2 x 32 KB, e4m3 3 x 2 x 16 KB: 195 KB with the scales);
-// pages of 128 rows are then whole blocks (112 keys and 2 stages ran contiguous caches up to 10% faster and pages
-// of 128 40% slower: docs/perf-notes.md, T5). Head dim 256: 64 keys (Q 64 KB, V 32 KB, e4m3 2 x 2 x 16 KB).
+// Head dim 128: 128 keys (Q 32 KB, V^T 2 x 16 KB, e4m3 3 x 2 x 16 KB: 165 KB with the scales); pages of 128 rows
+// are then whole blocks (112 keys lost to 128 in pages of 128 by 40%: docs/perf-notes.md, T5). 3 e4m3 stages: 4
+// measured 0-4% slower (F6). Head dim 256: 64 keys (Q 64 KB, V^T 2 x 16 KB, e4m3 3 x 2 x 16 KB).
 template <int kHeadDim>
 struct FwdFp8CacheTileSize : FwdTileDefaults {
   static constexpr int kBlockM = 128, kBlockN = kHeadDim == 256 ? 64 : 128, kQStages = 1;
-  static constexpr int kStages = kHeadDim == 256 ? 1 : 2, kCacheStages = kHeadDim == 256 ? 2 : 3;
+  static constexpr int kStages = 2, kCacheStages = 3;
 };
 
 // ---------------------------------------------------------------------------------------------

@@ -11,8 +11,9 @@ holds (a per-page scale fixed by a page's first token would clip later outliers)
 Incoherent processing: with ``hadamard_seed`` K's rows are stored as ``H diag(signs) k / sqrt(d)`` (docs/fp8.md's
 signs), which spreads an outlier channel over the row before its scale is taken; q then gets the same transform
 (``transform_q``), so q.k is unchanged. V is never transformed. The kernel reads the cache as it is: the scores are
-e4m3 GEMMs on K's blocks with q carried as two e4m3 terms, and V's blocks are converted exactly into 16-bit shared
-memory for the PV GEMM (docs/kvcache-fp8.md, "Kernel" and "Precision of the scores").
+e4m3 GEMMs on K's blocks with q carried as two e4m3 terms, and the PV GEMMs e4m3 on V's blocks transposed in shared
+memory, with P rounded to e4m3 after V's per-token scales (docs/kvcache-fp8.md, "Kernel" and "Precision of the
+scores").
 """
 from __future__ import annotations
 

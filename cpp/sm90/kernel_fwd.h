@@ -1,11 +1,12 @@
 // The Hopper forward kernel: composes the mainloop (producer loads, consumer GEMMs + softmax),
 // the epilogue and the persistent tile scheduler into one warp-specialized, persistent CTA.
 //   warpgroup 0      producer: lowers its registers (setmaxnreg) and one thread issues all TMA; with an e4m3 KV
-//                    cache its warps 1-3 convert the e4m3 V stages into 16-bit ones (Mainloop::convert)
+//                    cache its warps 1-3 transpose the e4m3 V stages into V^T ones (Mainloop::convert), or where
+//                    blocks are gathered warp 0 gathers K, warp 1 V (Mainloop::gather_v), warps 2-3 transpose
 //   warpgroups 1..W  consumers: raise their registers; each owns 64 query rows of the tile
 // One-consumer mode (KV caches whose tiles hold at most 64 rows, Mainloop::Params::one_consumer): warpgroup 1
 // leaves the K/V stages to warpgroup 0 (half the GEMM work of a decode step's tile, whose rows beyond 64 are
-// padding); with an e4m3 cache it converts stages beside the producer's warps 1-3.
+// padding); with an e4m3 cache it transposes V stages beside the producer's converter warps.
 // Each tile's batch entry has its own bounds (the mainloop's seqlen_info and block_info): a tile past
 // the entry's last row is skipped, one whose rows see no key gets O = 0 and LSE = -inf (or the sink).
 #pragma once
@@ -110,7 +111,10 @@ struct FwdKernel {
     // Barriers are initialized by warp 0 inside the pipeline constructors.
     // K/V stages: TMA -> consumers; with an e4m3 cache TMA -> converter warps (PipelineCache) -> consumers.
     using PipelineCache = typename Mainloop::PipelineCache;
-    bool const is_converter = Mainloop::kFp8Cache && is_producer && warp_idx_in_wg > 0;
+    // Gathered e4m3 blocks: warp 1 gathers V (Mainloop::gather_v), warps 2-3 convert.
+    constexpr int kFirstConverter = Mainloop::kGatherKV ? 2 : 1;
+    bool const is_v_gatherer = Mainloop::kGatherKV && is_producer && warp_idx_in_wg == 1;
+    bool const is_converter = Mainloop::kFp8Cache && is_producer && warp_idx_in_wg >= kFirstConverter;
     bool const one_consumer = params.mainloop.one_consumer;
     bool const wg1_converts = Mainloop::kFp8Cache && one_consumer && warp_group_idx == 2;
     int const num_convert = Mainloop::kNumConvertThreads + (one_consumer ? cutlass::NumThreadsPerWarpGroup : 0);
@@ -118,8 +122,8 @@ struct FwdKernel {
     auto make_kv_pipelines = [&] {
       if constexpr (Mainloop::kFp8Cache) {
         // K: TMA -> the consumers' S GEMMs. V: TMA -> converters -> the consumers' V^T e4m3 stages. Each block with its
-        // scales. Gathered blocks (Mainloop::kGatherKV): each of the producer warp's 32 lanes arrives once its copies
-        // land (cp.async.mbarrier.arrive.noinc), and no thread expects TMA bytes.
+        // scales. Gathered blocks (Mainloop::kGatherKV): each of the 32 lanes of the gathering warp (K: warp 0, V: warp
+        // 1) arrives once its copies land (cp.async.mbarrier.arrive.noinc), and no thread expects TMA bytes.
         constexpr bool kGather = Mainloop::kGatherKV;
         typename PipelineCache::Params k_params;
         k_params.num_producers = kGather ? cutlass::NumThreadsPerWarp : 1;
@@ -133,8 +137,10 @@ struct FwdKernel {
         typename PipelineCache::Params c_params;
         c_params.num_producers = k_params.num_producers;
         c_params.transaction_bytes = kGather ? 0 : Mainloop::kVCacheStageBytes;
-        c_params.role = is_producer && warp_idx_in_wg == 0 ? PipelineCache::ThreadCategory::Producer
-                                                           : PipelineCache::ThreadCategory::Consumer;
+        c_params.role = is_producer && warp_idx_in_wg == (kGather ? 1 : 0) ? PipelineCache::ThreadCategory::Producer
+                        : is_v_gatherer || (is_producer && warp_idx_in_wg == 0)
+                            ? PipelineCache::ThreadCategory::NonParticipant
+                            : PipelineCache::ThreadCategory::Consumer;
         c_params.is_leader = k_params.is_leader;
         c_params.num_consumers = num_convert;
         PipelineCache v8(ss.barriers.pipeline_v8, c_params, Shape<_1, _1, _1>{});
@@ -232,6 +238,20 @@ struct FwdKernel {
           }
           tile = next;
         }
+      } else if (is_v_gatherer) {
+        if constexpr (Mainloop::kGatherKV) {
+          static_assert(!Scheduler::kNeedsCounter, "the V gatherer walks a static schedule");
+          auto write_v8 = cutlass::make_producer_start_state<PipelineLoad>();
+          int const total_tiles = Scheduler::total(sched);
+          for (int tile = Scheduler::initial(sched); tile < total_tiles;
+               tile = Scheduler::next(sched, tile, total_tiles)) {
+            TileWork const t = tile_work(params, tile);
+            if (t.has_rows && t.has_keys) {
+              Mainloop::gather_v(params.mainloop, pipeline_load_v, write_v8, ss.tensors, t.seq, t.block_info,
+                                 t.tile.m_block, t.tile.head, t.tile.batch);
+            }
+          }
+        }
       } else if (is_converter) {
         if constexpr (Mainloop::kFp8Cache) {
         // The producer's tiles, walked the same way (the schedule is static: a function of the tile index).
@@ -244,7 +264,7 @@ struct FwdKernel {
           if (t.has_rows && t.has_keys) {
             Mainloop::convert(params.mainloop, pipeline_load_v, pipeline_v, read_v8, write_v, ss.tensors, t.seq,
                               t.block_info, t.tile.m_block, t.tile.head, t.tile.batch,
-                              thread_idx - cutlass::NumThreadsPerWarp, num_convert);
+                              thread_idx - kFirstConverter * cutlass::NumThreadsPerWarp, num_convert);
           }
         }
         }

@@ -22,12 +22,12 @@
 // through its own shared-memory buffer (Q's fp8 stage is too small to stage it).
 //
 // e4m3 KV cache read by 16-bit queries (ElementKV = e4m3, KV caches only): each K/V block comes into e4m3 stages
-// with its per-token scales, by TMA where blocks lie inside pages, else gathered row by row by the producer warp's
-// lanes (cp.async; kv_blocks.h). The S GEMMs read K's stages as loaded, e4m3 x e4m3, with q as two e4m3 terms per
-// element (prepare_q8) and K's scales and q's row scales on S. The producer warpgroup's warps 1-3 (convert(); with
-// warpgroup 1 in one-consumer mode) transpose V's stages into V^T e4m3 stages laid out as FP8's (keys permuted within
-// groups of 16), a PipelineAsync to the PV GEMMs, e4m3 x e4m3 with P in e4m3 as FP8's; V's scales are per-key
-// factors on P before it is rounded; rows past the keys become zeros.
+// with its per-token scales, by TMA where blocks lie inside pages, else gathered row by row by the lanes of two
+// producer warps (cp.async; kv_blocks.h; K by warp 0, V by warp 1). The S GEMMs read K's stages as loaded, e4m3 x
+// e4m3, with q as two e4m3 terms per element (prepare_q8) and K's scales and q's row scales on S. The producer
+// warpgroup's converter warps (convert(); with warpgroup 1 in one-consumer mode) transpose V's stages into V^T e4m3
+// stages laid out as FP8's (keys permuted within groups of 16), a PipelineAsync to the PV GEMMs, e4m3 x e4m3 with P in
+// e4m3 as FP8's; V's scales are per-key factors on P before it is rounded; rows past the keys become zeros.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -88,7 +88,9 @@ struct FwdMainloop {
   static_assert(!kFp8 || !Dropout::kEnabled, "dropout is for training: 16-bit kernels only");
   static constexpr int kStages = Tile::kStages, kQStages = Tile::kQStages;
   static constexpr int kCacheStages = cache_stages<Tile>();  // e4m3 cache stages (kFp8Cache)
-  static constexpr int kNumConvertThreads = 3 * cutlass::NumThreadsPerWarp;  // producer warpgroup's warps 1-3
+  // Producer warpgroup: warp 0 loads; warps 1-3 convert, or where blocks are gathered (kGatherKV, below) warp 1
+  // gathers V and warps 2-3 convert.
+  static constexpr int kNumConvertThreads = (KVBlocks::kGather ? 2 : 3) * cutlass::NumThreadsPerWarp;
   static constexpr MaskKind kMask = kMask_;
   static constexpr int kNumMmaWG = kBlockM / 64;
   static constexpr int kNumMmaThreads = kNumMmaWG * cutlass::NumThreadsPerWarpGroup;
@@ -185,7 +187,8 @@ struct FwdMainloop {
   using TMA_Q = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutQ{}), Shape<_64, D>{}, _1{}));
   // Paged K/V (kv_blocks.h): boxes of 16 keys x one swizzle-atom panel of the stage, copied chunk by chunk.
   static constexpr bool kPaged = KVBlocks::kPaged;
-  // Blocks gathered by the producer warp's lanes with cp.async (kv_blocks.h: the kChunked walk).
+  // Blocks gathered by producer warps' lanes with cp.async (kv_blocks.h: the kChunked walk; K by warp 0 in load, V by
+  // warp 1 in gather_v: one warp for both measured 1.4-1.6x the time in pages of 16, docs/perf-notes.md G2W).
   static constexpr bool kGatherKV = KVBlocks::kGather;
   static_assert(!kGatherKV || kFp8Cache, "gathered blocks: the e4m3 cache's chunk walk");
   // e4m3 caches: whole blocks by TMA (kWhole) or gathered (kChunked); the TMA chunk walk (kAny) brings no V scales.
@@ -481,7 +484,7 @@ struct FwdMainloop {
     };
 
     if constexpr (kGatherKV) {
-      // The producer warp's 32 lanes gather each block with its scales (kv_blocks.h); every lane waits for the stage,
+      // The producer warp's 32 lanes gather each K block with its scales (kv_blocks.h); every lane waits for the stage,
       // none arrives until its copies are out, and the barrier's phase (32 arrivals: the kernel's pipelines) completes
       // when they have all landed. Q stays a TMA copy (load_q, lane 0).
       int const lane = cutlass::canonical_lane_idx();
@@ -497,11 +500,10 @@ struct FwdMainloop {
       };
       static_assert(std::is_same_v<SmemLayoutK8, SmemLayoutV8>);
       auto const& g = p.gather;
+      // K here; V by warp 1 (gather_v), so that two warps' copies are in flight.
       issue([&](int n) { gather(pipeline_k, write_k, n, g.k + kv_head * g.head_k, g.row_k, g.page_k, ts.smem_k8.data(),
                                 p.scales.k, ts.smem_ks.data()); },
-            [&](int n) { gather(pipeline_v, write_v, n, g.v + kv_head * g.head_v, g.row_v, g.page_v, ts.smem_v8.data(),
-                                p.scales.v, ts.smem_vs.data()); },
-            lane == 0);
+            [&](int) {}, lane == 0);
     } else if constexpr (kPaged) {
       // K/V pages of the kv head: (page_size, headdim, page); each block chunk by chunk (kv_blocks.h).
       Tensor pK = p.tma_k.get_tma_tensor(p.shape_k)(_, _, kv_head, _);
@@ -573,16 +575,40 @@ struct FwdMainloop {
     }
   }
 
+  // Gathered blocks (kGatherKV): warp 1 of the producer warpgroup gathers the tile's V blocks with their scales, in
+  // the converters' order, as warp 0 does K's (load).
+  template <class PipelineKV>
+  CUTE_DEVICE static void gather_v(Params const& p, PipelineKV& pipeline_v, typename PipelineKV::PipelineState& write_v,
+                                   TensorStorage& ts, SeqlenInfo const& seq, BlockInfoT const& bi, int m_block,
+                                   int head, int batch) {
+    if constexpr (kGatherKV) {
+      int const kv_head = head / p.heads_ratio;
+      KVBlocks const kv_blocks(p.kv_blocks, batch, seq.seqlen_k);
+      int const lane = cutlass::canonical_lane_idx();
+      auto const& g = p.gather;
+      for (int n_block = bi.n_block_max(m_block) - 1; n_block >= bi.n_block_min(m_block); --n_block) {
+        pipeline_v.producer_acquire(write_v);
+        Tensor stage = make_tensor(make_smem_ptr(ts.smem_v8.data()), SmemLayoutV8{})(_, _, write_v.index());
+        kv_blocks.template gather<kBlockN>(g.v + kv_head * g.head_v, g.row_v, g.page_v, n_block, stage, lane,
+                                           p.scales.v + int64_t(kv_head) * p.scales.head_stride, p.scales.page_stride,
+                                           ts.smem_vs.data() + write_v.index() * kBlockN);
+        pipeline_v.producer_commit(write_v, cutlass::arch::cpasync_barrier_arrive_noinc);
+        ++write_v;
+      }
+    }
+  }
+
   // ---------------------------------------------------------------------------------------------
-  // e4m3 cache converter: warps 1-3 of the producer warpgroup (thread_idx 0..95 among them) take each e4m3 V stage
-  // in the producer's order and transpose it into a V^T e4m3 stage (the PV GEMM's K-major B operand: the bytes as
-  // loaded, keys permuted within groups of 16 as FP8's V^T), with the rows' scales as the stage's per-key factors,
-  // which the consumers apply to P before rounding it; keys at or past the entry's end become zeros (whatever the
-  // cache holds there, NaN included). A warp moves 16 keys x 32 bytes per step: ldmatrix.trans of four 8 x 8 tiles of
-  // 16-bit pairs gives each lane 2 keys x 2 bytes per tile, two byte permutes per tile pair make 4 keys x 1 byte of
-  // two V^T rows, and stmatrix writes the four tiles of V^T rows. (Until session 6 the converters wrote 16-bit V
-  // stages: twice the bytes, ~40 instructions per 16 bytes, 32 KB of stages per block at head dim 128; perf-notes.)
-  // thread_idx: 0 .. num_threads - 1 among the converters (whole warps; more than 96 in one-consumer mode).
+  // e4m3 cache converter: warps 1-3 of the producer warpgroup (2-3 where blocks are gathered; thread_idx 0.. among
+  // them) take each e4m3 V stage in the producer's order and transpose it into a V^T e4m3 stage (the PV GEMM's
+  // K-major B operand: the bytes as loaded, keys permuted within groups of 16 as FP8's V^T), with the rows' scales
+  // as the stage's per-key factors, which the consumers apply to P before rounding it; keys at or past the entry's
+  // end become zeros (whatever the cache holds there, NaN included). A warp moves 16 keys x 32 bytes per step:
+  // ldmatrix.trans of four 8 x 8 tiles of 16-bit pairs gives each lane 2 keys x 2 bytes per tile, two byte permutes
+  // per tile pair make 4 keys x 1 byte of two V^T rows, and stmatrix writes the four tiles of V^T rows. (Until
+  // session 6 the converters wrote 16-bit V stages: twice the bytes, ~40 instructions per 16 bytes, 32 KB of stages
+  // per block at head dim 128; perf-notes.)
+  // thread_idx: 0 .. num_threads - 1 among the converters (whole warps; 128 more in one-consumer mode).
   CUTE_DEVICE static void convert(Params const& p, PipelineCache& pipeline_v8, Pipeline& pipeline_v,
                                   PipelineStateCache& read_v8, PipelineState& write_v, TensorStorage& ts,
                                   SeqlenInfo const& seq, BlockInfoT const& bi, int m_block, int head, int batch,

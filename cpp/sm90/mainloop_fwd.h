@@ -144,30 +144,25 @@ struct FwdMainloop {
   // bf16 columns it has read (prepare_q8).
   using SmemAtomQ8 = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, ElementKV, _64, D>());
   using SmemLayoutQ8 = decltype(tile_to_shape(SmemAtomQ8{}, Shape<_64, D, _2>{}, Step<_1, _3, _2>{}));
-  template <bool kCache, class = void>
-  struct QK8Of {
-    using type = void;
-  };
-  template <class Unused>
-  struct QK8Of<true, Unused> {
-    using type = decltype(make_tiled_mma(GMMA::ss_op_selector<ElementKV, ElementKV, float, Shape<_64, BN, D>>()));
-  };
-  using TiledMmaQK8 = typename QK8Of<kFp8Cache>::type;
   // e4m3 cache, O += P V on V^T e4m3 stages (headdim_v, keys), which convert() transposes from V's e4m3 stages with
   // FP8's key permutation (above), so that P's accumulator converts to the A operand as in FP8 (to_p). P, times its
   // keys' factors, goes in as one e4m3 term, as in FP8 (2^-4 of each element; two terms like q's cost 12-15% of the
   // decode's time for 20-45% less output error: docs/perf-notes.md, V4/V5).
   using SmemAtomVt8 = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, ElementKV, DV, BN>());
   using SmemLayoutVt8 = decltype(tile_to_shape(SmemAtomVt8{}, Shape<DV, BN, Int<kStages>>{}));
+  // The e4m3 x e4m3 GEMMs of an e4m3 cache (void for the other kernels, which have none).
   template <bool kCache, class = void>
-  struct PV8Of {
-    using type = void;
+  struct E4m3Mmas {
+    using QK = void;
+    using PV = void;
   };
   template <class Unused>
-  struct PV8Of<true, Unused> {
-    using type = decltype(make_tiled_mma(GMMA::rs_op_selector<ElementKV, ElementKV, float, Shape<_64, DV, BN>>()));
+  struct E4m3Mmas<true, Unused> {
+    using QK = decltype(make_tiled_mma(GMMA::ss_op_selector<ElementKV, ElementKV, float, Shape<_64, BN, D>>()));
+    using PV = decltype(make_tiled_mma(GMMA::rs_op_selector<ElementKV, ElementKV, float, Shape<_64, DV, BN>>()));
   };
-  using TiledMmaPV8 = typename PV8Of<kFp8Cache>::type;
+  using TiledMmaQK8 = typename E4m3Mmas<kFp8Cache>::QK;
+  using TiledMmaPV8 = typename E4m3Mmas<kFp8Cache>::PV;
   static constexpr float kPFactor = 256.f;  // P in e4m3: p x factor x 2^8 (to_p_cache)
   using SmemAtomKLoad = std::conditional_t<kFp8Cache, SmemAtomK8, SmemAtomKV>;
   using SmemAtomVLoad = std::conditional_t<kFp8Cache, SmemAtomV8, SmemAtomV>;

@@ -147,7 +147,7 @@ struct FwdMainloop {
   // e4m3 cache, O += P V on V^T e4m3 stages (headdim_v, keys), which convert() transposes from V's e4m3 stages with
   // FP8's key permutation (above), so that P's accumulator converts to the A operand as in FP8 (to_p). P, times its
   // keys' factors, goes in as one e4m3 term, as in FP8 (2^-4 of each element; two terms like q's cost 12-15% of the
-  // decode's time for 20-45% less output error: docs/perf-notes.md, V4/V5).
+  // decode's time for up to a third less output error: docs/perf-notes.md, V4/V5).
   using SmemAtomVt8 = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, ElementKV, DV, BN>());
   using SmemLayoutVt8 = decltype(tile_to_shape(SmemAtomVt8{}, Shape<DV, BN, Int<kStages>>{}));
   // The e4m3 x e4m3 GEMMs of an e4m3 cache (void for the other kernels, which have none).

@@ -138,9 +138,8 @@ struct FwdKernel {
         c_params.num_producers = k_params.num_producers;
         c_params.transaction_bytes = kGather ? 0 : Mainloop::kVCacheStageBytes;
         c_params.role = is_producer && warp_idx_in_wg == (kGather ? 1 : 0) ? PipelineCache::ThreadCategory::Producer
-                        : is_v_gatherer || (is_producer && warp_idx_in_wg == 0)
-                            ? PipelineCache::ThreadCategory::NonParticipant
-                            : PipelineCache::ThreadCategory::Consumer;
+                        : is_producer && warp_idx_in_wg == 0     ? PipelineCache::ThreadCategory::NonParticipant
+                                                                 : PipelineCache::ThreadCategory::Consumer;
         c_params.is_leader = k_params.is_leader;
         c_params.num_consumers = num_convert;
         PipelineCache v8(ss.barriers.pipeline_v8, c_params, Shape<_1, _1, _1>{});

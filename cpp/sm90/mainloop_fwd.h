@@ -479,26 +479,11 @@ struct FwdMainloop {
     };
 
     if constexpr (kGatherKV) {
-      // The producer warp's 32 lanes gather each K block with its scales (kv_blocks.h); every lane waits for the stage,
-      // none arrives until its copies are out, and the barrier's phase (32 arrivals: the kernel's pipelines) completes
-      // when they have all landed. Q stays a TMA copy (load_q, lane 0).
-      int const lane = cutlass::canonical_lane_idx();
-      auto gather = [&](auto& pipeline, auto& write, int n_block, ElementKV const* src, int64_t row, int64_t page,
-                        ElementKV* smem, float const* scale_src, float* scale_dst) {
-        pipeline.producer_acquire(write);
-        Tensor stage = make_tensor(make_smem_ptr(smem), SmemLayoutK8{})(_, _, write.index());
-        kv_blocks.template gather<kBlockN>(src, row, page, n_block, stage, lane,
-                                           scale_src + int64_t(kv_head) * p.scales.head_stride, p.scales.page_stride,
-                                           scale_dst + write.index() * kBlockN);
-        pipeline.producer_commit(write, cutlass::arch::cpasync_barrier_arrive_noinc);
-        ++write;
-      };
-      static_assert(std::is_same_v<SmemLayoutK8, SmemLayoutV8>);
-      auto const& g = p.gather;
+      // The producer warp's 32 lanes gather each K block with its scales (gather_block); Q stays a TMA copy (load_q,
+      // lane 0).
       // K here; V by warp 1 (gather_v), so that two warps' copies are in flight.
-      issue([&](int n) { gather(pipeline_k, write_k, n, g.k + kv_head * g.head_k, g.row_k, g.page_k, ts.smem_k8.data(),
-                                p.scales.k, ts.smem_ks.data()); },
-            [&](int) {}, lane == 0);
+      issue([&](int n) { gather_block<false>(p, kv_blocks, pipeline_k, write_k, n, kv_head, ts); }, [&](int) {},
+            cutlass::canonical_lane_idx() == 0);
     } else if constexpr (kPaged) {
       // K/V pages of the kv head: (page_size, headdim, page); each block chunk by chunk (kv_blocks.h).
       Tensor pK = p.tma_k.get_tma_tensor(p.shape_k)(_, _, kv_head, _);
@@ -577,20 +562,31 @@ struct FwdMainloop {
                                    TensorStorage& ts, SeqlenInfo const& seq, BlockInfoT const& bi, int m_block,
                                    int head, int batch) {
     if constexpr (kGatherKV) {
-      int const kv_head = head / p.heads_ratio;
       KVBlocks const kv_blocks(p.kv_blocks, batch, seq.seqlen_k);
-      int const lane = cutlass::canonical_lane_idx();
-      auto const& g = p.gather;
       for (int n_block = bi.n_block_max(m_block) - 1; n_block >= bi.n_block_min(m_block); --n_block) {
-        pipeline_v.producer_acquire(write_v);
-        Tensor stage = make_tensor(make_smem_ptr(ts.smem_v8.data()), SmemLayoutV8{})(_, _, write_v.index());
-        kv_blocks.template gather<kBlockN>(g.v + kv_head * g.head_v, g.row_v, g.page_v, n_block, stage, lane,
-                                           p.scales.v + int64_t(kv_head) * p.scales.head_stride, p.scales.page_stride,
-                                           ts.smem_vs.data() + write_v.index() * kBlockN);
-        pipeline_v.producer_commit(write_v, cutlass::arch::cpasync_barrier_arrive_noinc);
-        ++write_v;
+        gather_block<true>(p, kv_blocks, pipeline_v, write_v, n_block, head / p.heads_ratio, ts);
       }
     }
+  }
+
+  // One gathered block (K's, or V's: kIsV) with its scales into the stage `write` names, by the calling warp's lanes:
+  // each waits for the stage, none arrives until its copies are out, and the barrier's phase (32 arrivals: the
+  // kernel's pipelines) completes when they have all landed.
+  template <bool kIsV, class PipelineKV>
+  CUTE_DEVICE static void gather_block(Params const& p, KVBlocks const& kv_blocks, PipelineKV& pipeline,
+                                       typename PipelineKV::PipelineState& write, int n_block, int kv_head,
+                                       TensorStorage& ts) {
+    auto const& g = p.gather;
+    pipeline.producer_acquire(write);
+    Tensor stage = make_tensor(make_smem_ptr(kIsV ? ts.smem_v8.data() : ts.smem_k8.data()),
+                               std::conditional_t<kIsV, SmemLayoutV8, SmemLayoutK8>{})(_, _, write.index());
+    kv_blocks.template gather<kBlockN>(
+        kIsV ? g.v + kv_head * g.head_v : g.k + kv_head * g.head_k, kIsV ? g.row_v : g.row_k,
+        kIsV ? g.page_v : g.page_k, n_block, stage, cutlass::canonical_lane_idx(),
+        (kIsV ? p.scales.v : p.scales.k) + int64_t(kv_head) * p.scales.head_stride, p.scales.page_stride,
+        (kIsV ? ts.smem_vs.data() : ts.smem_ks.data()) + write.index() * kBlockN);
+    pipeline.producer_commit(write, cutlass::arch::cpasync_barrier_arrive_noinc);
+    ++write;
   }
 
   // ---------------------------------------------------------------------------------------------

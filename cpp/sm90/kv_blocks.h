@@ -145,9 +145,10 @@ struct PagedKVBlocks {
       return;
     }
     if constexpr (kBlocks == PageBlocks::kAny) {
-    // kUpfront: the chunks' table reads first, all independent, so that their latencies overlap; else each right
-    // before its chunk's copies (a block's chunks share one or a few 32-byte sectors of the table: all but the
-    // first hit L1). Issuing the copies is this one thread's work: 2 x kBlockN / 16 x panels per K/V block pair.
+    // kUpfront: the chunks' table reads first, all independent and branch-free (clamped to the last key, then
+    // replaced for chunks past it), so that one load latency covers all of them; the producer thread that issues
+    // every copy is what bounds blocks in pages of 16 (docs/perf-notes.md, session 8). Else each read right before
+    // its chunk's copies. Issuing the copies is this one thread's work: 2 x kBlockN / 16 x panels per K/V block pair.
     constexpr int kChunks = kBlockN / kChunkRows;
     constexpr int kKept = kUpfront ? kChunks : 1;
     int page[kKept], chunk[kKept];
@@ -157,8 +158,29 @@ struct PagedKVBlocks {
       chunk[slot] = row / kChunkRows;
     };
     if constexpr (kUpfront) {
+      int const first = n_block * kBlockN;
+      auto chunks = [&](auto paged) {
+        CUTE_UNROLL
+        for (int c = 0; c < kChunks; ++c) {
+          int idx, row;
+          page_size_(idx, row, cute::min(first + c * kChunkRows, seqlen_k_ - 1));
+          chunk[c] = row / kChunkRows;
+          if constexpr (decltype(paged)::value) {
+            page[c] = __ldg(table_ + idx);
+          } else {
+            page[c] = batch_;
+          }
+        }
+      };
+      if (table_ != nullptr) {
+        chunks(cute::true_type{});
+      } else {
+        chunks(cute::false_type{});
+      }
       CUTE_UNROLL
-      for (int c = 0; c < kChunks; ++c) lookup(c, c);
+      for (int c = 0; c < kChunks; ++c) {
+        if (first + c * kChunkRows >= seqlen_k_) page[c] = num_pages_, chunk[c] = 0;  // zeros, no table read
+      }
     }
     CUTE_UNROLL
     for (int c = 0; c < kChunks; ++c) {

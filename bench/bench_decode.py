@@ -15,7 +15,7 @@ CUDA-graph replays (a serving engine's decode step; the GPU's time alone) unless
   TB/s, and FA3's time over ours (> 1: we are faster).
 - prefill: 2k new query tokens (32 query / 8 kv heads, d128, causal bottom-right) over a 32k-key cache (batch 1:
   the chunk's own keys already in it), contiguous and in pages of 128, against our dense flash_attn_func on the
-  same q and k/v = the first 32k cache rows; TFLOPS count the visible (query, key) pairs exactly
+  same q and k/v = the first 32k cache rows (--prefill-headdims: d64 / d256 as well); TFLOPS count the visible (query, key) pairs exactly
   (4 x pairs x headdim x heads, pairs = sum_i (sk - sq + i + 1)).
 
 - --cache fp8 (decode and spec): the same shapes with an e4m3 cache (kvcache_fp8: e4m3 K/V, a float32 scale per
@@ -138,13 +138,13 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         out.append("copy TB/s (read + write): " + ", ".join(f"{b}x{n}: {t:.2f}" for (b, n), t in copies.items()))
     prefill = [r for r in rows if r["section"] == "prefill"]
     if prefill:
-        out += ["", "| chunk | cache | layout | kvcache us | TFLOPS | dense us | dense TFLOPS | kvcache / dense | FA3 us |",
-                "|---|---|---|---|---|---|---|---|---|"]
+        out += ["", "| chunk | cache | d | layout | kvcache us | TFLOPS | dense us | dense TFLOPS | kvcache / dense | "
+                "FA3 us |", "|---|---|---|---|---|---|---|---|---|---|"]
         for r in prefill:
             fa = r.get("us_fa3")
             if "us_flashhopper" not in r:
                 continue
-            out.append(f"| {r['seqlen_q']} | {r['seqlen_k']} | {r['layout']} | {r['us_flashhopper']:.1f} | "
+            out.append(f"| {r['seqlen_q']} | {r['seqlen_k']} | {r['headdim']} | {r['layout']} | {r['us_flashhopper']:.1f} | "
                        f"{r['tflops_flashhopper']:.0f} | {r['us_dense']:.1f} | {r['tflops_dense']:.0f} | "
                        f"{r['ratio_vs_dense']:.3f} | {'-' if fa is None else f'{fa:.1f}'} |")
     return "\n".join(out)
@@ -152,17 +152,17 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 # --- the GPU part ---
 
-def make_cache(batch: int, cache_len: int, layout: str, generator: torch.Generator
+def make_cache(batch: int, cache_len: int, layout: str, generator: torch.Generator, headdim: int = HEADDIM
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(k_cache, v_cache, page_table or None) holding batch x cache_len random keys: contiguous (batch, cache_len,
     h, d), or pages in random order with a page table."""
     page = page_size_of(layout)
     if page is None:
-        shape = (batch, cache_len, NHEADS_KV, HEADDIM)
+        shape = (batch, cache_len, NHEADS_KV, headdim)
         table = None
     else:
         per = math.ceil(cache_len / page)
-        shape = (batch * per, page, NHEADS_KV, HEADDIM)
+        shape = (batch * per, page, NHEADS_KV, headdim)
         table = torch.randperm(batch * per, device="cuda", generator=generator).view(batch, per).to(torch.int32)
     k = torch.randn(shape, dtype=DTYPE, device="cuda", generator=generator)
     v = torch.randn(shape, dtype=DTYPE, device="cuda", generator=generator)
@@ -324,15 +324,15 @@ def section_decode(timer: Callable[[Fn], float], rounds: int, shapes: list[tuple
 
 
 def section_prefill(timer: Callable[[Fn], float], rounds: int, layouts: list[str], iface: Any,
-                    seed: int) -> list[dict[str, Any]]:
+                    seed: int, headdim: int = HEADDIM) -> list[dict[str, Any]]:
     gen = torch.Generator(device="cuda").manual_seed(seed)
     sq, sk = PREFILL_Q, PREFILL_K
-    q = torch.randn(1, sq, NHEADS_Q, HEADDIM, dtype=DTYPE, device="cuda", generator=gen)
+    q = torch.randn(1, sq, NHEADS_Q, headdim, dtype=DTYPE, device="cuda", generator=gen)
     lens = torch.full((1,), sk, dtype=torch.int32, device="cuda")
-    flops = prefill_flops(sq, sk, NHEADS_Q, HEADDIM)
+    flops = prefill_flops(sq, sk, NHEADS_Q, headdim)
     rows = []
     for layout in layouts:
-        k, v, table = make_cache(1, sk, layout, gen)
+        k, v, table = make_cache(1, sk, layout, gen, headdim)
         if table is None:
             kd, vd = k[:, :sk], v[:, :sk]
         else:  # the same keys, dense: the pages in table order
@@ -342,14 +342,14 @@ def section_prefill(timer: Callable[[Fn], float], rounds: int, layouts: list[str
         fns["dense"] = lambda kd=kd, vd=vd: flash_attn_func(q, kd, vd, causal=True)
         ms = interleaved(fns, timer, rounds)
         row: dict[str, Any] = {"section": "prefill", "layout": layout, "seqlen_q": sq, "seqlen_k": sk,
-                               "nheads_q": NHEADS_Q, "nheads_kv": NHEADS_KV, "headdim": HEADDIM, "causal": True,
+                               "nheads_q": NHEADS_Q, "nheads_kv": NHEADS_KV, "headdim": headdim, "causal": True,
                                "flops": flops, "skipped": skipped}
         for name, t in ms.items():
             row[f"us_{name}"] = t * 1e3
             row[f"tflops_{name}"] = tflops(flops, t)
         if "flashhopper" in ms:
             row["ratio_vs_dense"] = ms["dense"] / ms["flashhopper"]
-            print(f"prefill {sq} over {sk} {layout}: kvcache {row['tflops_flashhopper']:.0f} TFLOPS, dense "
+            print(f"prefill {sq} over {sk} d{headdim} {layout}: kvcache {row['tflops_flashhopper']:.0f} TFLOPS, dense "
                   f"{row['tflops_dense']:.0f}, kvcache / dense x{row['ratio_vs_dense']:.3f}"
                   + (f", FA3 {row['tflops_fa3']:.0f}" if "fa3" in ms else ""), flush=True)
         rows.append(row)
@@ -373,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fa3-path", "--fa3", dest="fa3_path", type=Path,
                     help=f"folder with FA3's flash_attn_interface.py and flash_attn_3/ (default: ${FA3_ENV} or "
                          f"${fa3.ENV})")
+    ap.add_argument("--prefill-headdims", type=int, nargs="*", choices=(64, 128, 256), default=[HEADDIM],
+                    help="prefill: head dims to run (32 / 8 heads each)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; each provider's median over them")
     ap.add_argument("--l2-mb", type=float, default=50, help="L2 size: smaller caches are rotated over copies")
     ap.add_argument("--seed", type=int, default=0)
@@ -420,7 +422,8 @@ def main(argv: list[str] | None = None) -> int:
                                        int(args.l2_mb * 2**20), args.seed, graphs=not args.eager,
                                        seqlen_q=args.spec_tokens, cache=cache, hadamard_seed=args.hadamard_seed)
         if "prefill" in args.sections:
-            rows += section_prefill(timer, args.rounds, args.layouts, iface, args.seed)
+            for headdim in args.prefill_headdims:
+                rows += section_prefill(timer, args.rounds, args.layouts, iface, args.seed, headdim)
     print()
     print(markdown(rows))
     if args.out is not None:

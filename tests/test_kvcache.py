@@ -708,13 +708,13 @@ def test_bench_table_and_cli(capsys: pytest.CaptureFixture[str]) -> None:
              "tbps_fa3": 2.45, "fa3_over_ours": 1.1},
             {"section": "decode", "batch": 1, "cache_len": 131072, "layout": "contiguous", "num_splits": 14,
              "us_flashhopper": 200.0, "tbps_flashhopper": 2.68, "of_copy": 0.89, "tbps_copy": 3.01},
-            {"section": "prefill", "layout": "contiguous", "seqlen_q": 2048, "seqlen_k": 32768,
+            {"section": "prefill", "layout": "contiguous", "seqlen_q": 2048, "seqlen_k": 32768, "headdim": 128,
              "us_flashhopper": 1000.0, "tflops_flashhopper": 500.0, "us_dense": 950.0, "tflops_dense": 520.0,
              "ratio_vs_dense": 0.95}]
     table = bench.markdown(rows)
     assert "| decode | 8 | 8192 | paged16 | 2 | 100.0 | 2.70 | 0.90 | 110.0 | 2.45 | 1.10 |" in table
     assert "| decode | 1 | 131072 | contiguous | 14 | 200.0 | 2.68 | 0.89 | - | - | - |" in table
-    assert "| 2048 | 32768 | contiguous | 1000.0 | 500 | 950.0 | 520 | 0.950 | - |" in table
+    assert "| 2048 | 32768 | 128 | contiguous | 1000.0 | 500 | 950.0 | 520 | 0.950 | - |" in table
     with pytest.raises(SystemExit) as e:
         bench.main(["--help"])
     assert e.value.code == 0 and "flash_attn_with_kvcache" in capsys.readouterr().out

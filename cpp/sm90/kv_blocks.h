@@ -147,16 +147,21 @@ struct PagedKVBlocks {
     if constexpr (kBlocks == PageBlocks::kAny) {
     // kUpfront: the chunks' table reads first, all independent and branch-free (clamped to the last key, then
     // replaced for chunks past it), so that one load latency covers all of them; the producer thread that issues
-    // every copy is what bounds blocks in pages of 16 (docs/perf-notes.md, session 8). Else each read right before
-    // its chunk's copies. Issuing the copies is this one thread's work: 2 x kBlockN / 16 x panels per K/V block pair.
+    // every copy is what bounds blocks in pages of 16 (docs/perf-notes.md, session 8). Else (2 registers) each
+    // chunk's read goes out, branch-free too, before the previous chunk's copies. Issuing the copies is this one
+    // thread's work: 2 x kBlockN / 16 x panels per K/V block pair.
     constexpr int kChunks = kBlockN / kChunkRows;
-    constexpr int kKept = kUpfront ? kChunks : 1;
+    constexpr int kKept = kUpfront ? kChunks : 2;
     int page[kKept], chunk[kKept];
-    auto lookup = [&](int c, int slot) {
-      int row;
-      locate(n_block * kBlockN + c * kChunkRows, page[slot], row);
+    auto fetch = [&](int c, int slot) {
+      int const key = n_block * kBlockN + c * kChunkRows;
+      int idx, row;
+      page_size_(idx, row, cute::min(key, seqlen_k_ - 1));
+      page[slot] = table_ != nullptr ? __ldg(table_ + idx) : batch_;
       chunk[slot] = row / kChunkRows;
+      if (key >= seqlen_k_) page[slot] = num_pages_, chunk[slot] = 0;  // zeros, no table read
     };
+    if constexpr (!kUpfront) fetch(0, 0);
     if constexpr (kUpfront) {
       int const first = n_block * kBlockN;
       auto chunks = [&](auto paged) {
@@ -184,8 +189,10 @@ struct PagedKVBlocks {
     }
     CUTE_UNROLL
     for (int c = 0; c < kChunks; ++c) {
-      int const slot = kUpfront ? c : 0;
-      if constexpr (!kUpfront) lookup(c, 0);
+      int const slot = kUpfront ? c : c % 2;
+      if constexpr (!kUpfront) {
+        if (c + 1 < kChunks) fetch(c + 1, (c + 1) % 2);
+      }
       Tensor g = local_tile(pages(_, _, page[slot]), Shape<Int<kChunkRows>, Int<kPanel>>{},
                             make_coord(chunk[slot], _));                                          // (16, P, panels)
       Tensor s = local_tile(stage, Shape<Int<kChunkRows>, Int<kPanel>>{}, make_coord(c, _));  // (16, P, panels)

@@ -15,8 +15,8 @@ CUDA-graph replays (a serving engine's decode step; the GPU's time alone) unless
   TB/s, and FA3's time over ours (> 1: we are faster).
 - prefill: 2k new query tokens (32 query / 8 kv heads, d128, causal bottom-right) over a 32k-key cache (batch 1:
   the chunk's own keys already in it), contiguous and in pages of 128, against our dense flash_attn_func on the
-  same q and k/v = the first 32k cache rows (--prefill-headdims: d64 / d256 as well); TFLOPS count the visible (query, key) pairs exactly
-  (4 x pairs x headdim x heads, pairs = sum_i (sk - sq + i + 1)).
+  same q and k/v = the first 32k cache rows (--prefill-headdims: d64 / d256 as well); TFLOPS count the visible
+  (query, key) pairs exactly (4 x pairs x headdim x heads, pairs = sum_i (sk - sq + i + 1)).
 
 - --cache fp8 (decode and spec): the same shapes with an e4m3 cache (kvcache_fp8: e4m3 K/V, a float32 scale per
   token and kv head; --hadamard-seed for K's transform and q's), the bytes read counted as e4m3 data plus scales.
@@ -144,9 +144,9 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             fa = r.get("us_fa3")
             if "us_flashhopper" not in r:
                 continue
-            out.append(f"| {r['seqlen_q']} | {r['seqlen_k']} | {r['headdim']} | {r['layout']} | {r['us_flashhopper']:.1f} | "
-                       f"{r['tflops_flashhopper']:.0f} | {r['us_dense']:.1f} | {r['tflops_dense']:.0f} | "
-                       f"{r['ratio_vs_dense']:.3f} | {'-' if fa is None else f'{fa:.1f}'} |")
+            out.append(f"| {r['seqlen_q']} | {r['seqlen_k']} | {r['headdim']} | {r['layout']} | "
+                       f"{r['us_flashhopper']:.1f} | {r['tflops_flashhopper']:.0f} | {r['us_dense']:.1f} | "
+                       f"{r['tflops_dense']:.0f} | {r['ratio_vs_dense']:.3f} | {'-' if fa is None else f'{fa:.1f}'} |")
     return "\n".join(out)
 
 

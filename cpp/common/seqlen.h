@@ -98,13 +98,16 @@ struct VarlenSeqlens {
 // key blocks may be cut into ranges run by different CTAs (kSplits; the params' num_splits). GQA packing: a kv
 // head's g query heads may run as the rows of one head, query s's g heads the rows s g .. s g + g - 1
 // (kPackedRows, rows_per_query = g; seqlen_q counts rows), which the causal mask and ranges divide back.
-struct CacheSeqlens {
+// kSplitKV false: a kernel for one split only (the chunked prefill's), without the split ranges and partial stores,
+// whose per-tile values cost the consumers their uniform registers (docs/perf-notes.md, session 9).
+template <bool kSplitKV = true>
+struct CacheSeqlensT {
   int seqlen_q = 0, seqlen_k = 0;
   int const* cache_seqlens = nullptr;  // (batch,) keys per entry, or nullptr: seqlen_k each
   int rows_per_query = 1;
   static constexpr bool kTmaClipsRows = true;    // Q/O: the batch mode
   static constexpr bool kKVRowsClipped = false;
-  static constexpr bool kSplits = true;
+  static constexpr bool kSplits = kSplitKV;
   static constexpr bool kPackedRows = true;
   static constexpr bool kPerEntryTma = false;
   static constexpr bool kPacked = false;
@@ -116,6 +119,7 @@ struct CacheSeqlens {
   CUTE_HOST_DEVICE int padded_offset_k(int /*batch*/, int /*block*/) const { return 0; }
   CUTE_HOST_DEVICE static int first_block(int /*offset*/, int /*batch*/, int /*block*/) { return 0; }
 };
+using CacheSeqlens = CacheSeqlensT<true>;
 
 }  // namespace flashhopper
 

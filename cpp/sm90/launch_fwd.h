@@ -32,7 +32,9 @@ namespace flashhopper {
 namespace sm90 {
 
 // kBlocks: the paged kernels' block walk (kv_blocks.h); run_fwd_sm90 picks it (e4m3 caches: kWhole or kChunked).
-template <class Config, PageBlocks kBlocks = Config::kKVCacheFp8 ? PageBlocks::kWhole : PageBlocks::kAny>
+// kSplitKV: KV-cache kernels that can split an entry's keys (false: one split, common/seqlen.h).
+template <class Config, PageBlocks kBlocks = Config::kKVCacheFp8 ? PageBlocks::kWhole : PageBlocks::kAny,
+          bool kSplitKV = true>
 struct FwdConfig {
   using Element = typename ElementOf<Config::kDType>::type;
   // e4m3 KV caches: their own tiles (the e4m3 stages beside the 16-bit ones).
@@ -48,7 +50,8 @@ struct FwdConfig {
   static constexpr bool kKVCache = Config::kKVCache;
   static_assert(!kKVCache || (!kVarlen && !Config::kDropout && Config::kDType != DType::kFloat8E4M3),
                 "KV-cache kernels: padded 16-bit queries without dropout");
-  using Seqlens = std::conditional_t<kVarlen, VarlenSeqlens, std::conditional_t<kKVCache, CacheSeqlens, UniformSeqlens>>;
+  using Seqlens = std::conditional_t<kVarlen, VarlenSeqlens,
+                                     std::conditional_t<kKVCache, CacheSeqlensT<kSplitKV>, UniformSeqlens>>;
   using KVBlocks = std::conditional_t<kKVCache, PagedKVBlocks<kBlocks>, ContiguousKVBlocks>;
   using ElementKV = std::conditional_t<Config::kKVCacheFp8, cutlass::float_e4m3_t, Element>;
   static_assert(!Config::kKVCacheFp8 || Config::kDType != DType::kFloat8E4M3, "e4m3 caches: 16-bit queries");
@@ -82,10 +85,10 @@ bool fwd_whole_blocks(FwdParams const& p) {
   return p.page_size % block_n == 0 || p.seqlen_k <= p.page_size;
 }
 
-template <class Config, sm90::PageBlocks kBlocks>
+template <class Config, sm90::PageBlocks kBlocks, bool kSplitKV = true>
 int64_t run_fwd_sm90_blocks(FwdParams const& params, cudaStream_t stream) {
   using namespace cute;
-  using C = sm90::FwdConfig<Config, kBlocks>;
+  using C = sm90::FwdConfig<Config, kBlocks, kSplitKV>;
   using Element = typename C::Element;
   using Tile = typename C::Tile;
   using Mainloop = typename C::Mainloop;
@@ -119,6 +122,7 @@ int64_t run_fwd_sm90_blocks(FwdParams const& params, cudaStream_t stream) {
   FwdParams p = params;
   constexpr bool kKVCache = C::kKVCache;
   int const num_splits = kKVCache ? kvcache_num_splits(p) : 1;
+  if (!kSplitKV && num_splits > 1) throw std::logic_error("flashhopper: a one-split KV-cache kernel asked to split");
   // Packed: (total rows, headdim, heads, 1), each tensor's one batch coordinate given a stride past its
   // rows (tensor maps want strides that are non-zero multiples of 16 bytes).
   int const rows_q = kVarlen ? p.total_q : p.seqlen_q;
@@ -194,7 +198,7 @@ int64_t run_fwd_sm90_blocks(FwdParams const& params, cudaStream_t stream) {
     if constexpr (kVarlen) {
       return VarlenSeqlens{p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_q, p.seqused_k, ws.descs, ws.descs_extra};
     } else if constexpr (kKVCache) {
-      return CacheSeqlens{p.seqlen_q, p.seqlen_k, p.cache_seqlens, std::max(1, p.rows_per_query)};
+      return CacheSeqlensT<kSplitKV>{p.seqlen_q, p.seqlen_k, p.cache_seqlens, std::max(1, p.rows_per_query)};
     } else {
       return UniformSeqlens{p.seqlen_q, p.seqlen_k};
     }
@@ -299,13 +303,18 @@ int64_t run_fwd_sm90_blocks(FwdParams const& params, cudaStream_t stream) {
   return grid.x;
 }
 
-// e4m3 caches: one kernel per block walk, so that each holds its own code only (kv_blocks.h); 16-bit caches and
-// the rest: one kernel.
+// e4m3 caches: one kernel per block walk, so that each holds its own code only (kv_blocks.h). 16-bit caches under
+// the causal mask (chunked prefill, speculation): a second kernel for calls of one split, without the split-KV
+// bookkeeping that cost the consumers their uniform registers (5-9% of a prefill: docs/perf-notes.md, session 9).
+// The rest: one kernel.
 template <class Config>
 int64_t run_fwd_sm90(FwdParams const& params, cudaStream_t stream) {
   if constexpr (Config::kKVCacheFp8) {
     return fwd_whole_blocks<Config>(params) ? run_fwd_sm90_blocks<Config, sm90::PageBlocks::kWhole>(params, stream)
                                             : run_fwd_sm90_blocks<Config, sm90::PageBlocks::kChunked>(params, stream);
+  } else if constexpr (Config::kKVCache && Config::kMask == MaskKind::kCausal) {
+    return params.num_splits <= 1 ? run_fwd_sm90_blocks<Config, sm90::PageBlocks::kAny, false>(params, stream)
+                                  : run_fwd_sm90_blocks<Config, sm90::PageBlocks::kAny>(params, stream);
   } else {
     return run_fwd_sm90_blocks<Config, sm90::PageBlocks::kAny>(params, stream);
   }

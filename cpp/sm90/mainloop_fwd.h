@@ -814,7 +814,10 @@ struct FwdMainloop {
     // KV caches: a warp whose 16 rows are all past the tile's last one (a decode step's tile fills 4 of 128 with GQA
     // packing) skips their softmax (those rows are never stored; their P stays finite or not, row by row, and only
     // their own O rows see it), leaving its issue slots to the e4m3 converters and the GEMM issue.
-    bool const warp_live = !kPaged || row_offset + 16 * (thread_idx / cutlass::NumThreadsPerWarp) < seq.seqlen_q;
+    // The warp index comes from lane 0 so that ptxas sees a warp-uniform branch: with it (and split-KV compiled
+    // out) the consumers keep their pipeline state in uniform registers (docs/perf-notes.md, session 9).
+    int const warp = __shfl_sync(0xffffffffu, thread_idx / cutlass::NumThreadsPerWarp, 0);
+    bool const warp_live = !kPaged || row_offset + 16 * warp < seq.seqlen_q;
     // Ping-pong turns only with the other warpgroup working (one-consumer mode: warpgroup 0 alone).
     auto sched_sync = [&] {
       if (!p.one_consumer) Sched::sync(wg);

@@ -816,8 +816,14 @@ struct FwdMainloop {
     // their own O rows see it), leaving its issue slots to the e4m3 converters and the GEMM issue.
     // The warp index comes from lane 0 so that ptxas sees a warp-uniform branch: with it (and split-KV compiled
     // out) the consumers keep their pipeline state in uniform registers (docs/perf-notes.md, session 9).
-    int const warp = __shfl_sync(0xffffffffu, thread_idx / cutlass::NumThreadsPerWarp, 0);
-    bool const warp_live = !kPaged || row_offset + 16 * warp < seq.seqlen_q;
+    bool const warp_live = [&] {
+      if constexpr (kPaged) {
+        int const warp = __shfl_sync(0xffffffffu, thread_idx / cutlass::NumThreadsPerWarp, 0);
+        return row_offset + 16 * warp < seq.seqlen_q;
+      } else {
+        return true;
+      }
+    }();
     // Ping-pong turns only with the other warpgroup working (one-consumer mode: warpgroup 0 alone).
     auto sched_sync = [&] {
       if (!p.one_consumer) Sched::sync(wg);

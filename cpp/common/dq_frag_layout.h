@@ -9,7 +9,8 @@
 // fragment value i = e + 2 h + 4 j at row 16 (t / 32) + (t % 32) / 4 + 8 h and column
 // 8 j + 2 (t % 4) + e. Values i..i+3 (i % 4 == 0) are one 16-byte chunk:
 //   offset(group, t, i) = ((group * kCols / 8 + i / 4) * 128 + t) * 4 + i % 4   (floats)
-// Each query block takes 64 * headdim floats, blocks (then heads, then batches) one after another.
+// Each 64-row block takes 64 * headdim floats, blocks (then heads, then batches) one after another; a
+// 128-row query block is two of them (its warpgroups split the rows: one 64-row block each).
 #pragma once
 
 #include <cute/config.hpp>

@@ -186,7 +186,15 @@ __global__ void __launch_bounds__(256) convert_dq_when_ready_kernel(ConvertDqRea
     int const rows = min(p.block_m, seq.seqlen_q - m_block * p.block_m);
     Element* dst = static_cast<Element*>(p.accum.out) + seq.batch_coord * p.accum.batch_stride +
                    head * p.accum.head_stride + (int64_t(seq.offset_q) + m_block * p.block_m) * p.accum.row_stride;
-    convert_frag_block<Element, kFragCols>(p.accum.accum + row0 * p.accum.headdim, dst, rows, p.accum);
+    // A query block of 128 rows is two 64-row fragment blocks (dq_frag_layout.h).
+    constexpr int kFragRows = DqFragLayout<kFragCols>::kBlockM;
+    CUTE_UNROLL
+    for (int r0 = 0; r0 < BlockInfo::kM; r0 += kFragRows) {
+      if (r0 == 0 || r0 < rows) {
+        convert_frag_block<Element, kFragCols>(p.accum.accum + (row0 + r0) * p.accum.headdim,
+                                               dst + r0 * p.accum.row_stride, rows - r0, p.accum);
+      }
+    }
   }
   // This grid ends only after the main kernel has ended and its writes (dK, dV) are visible, so
   // work ordered after it on the stream sees them.
@@ -229,7 +237,7 @@ void launch_convert_dq_when_ready(BwdParams const& p, BwdWorkspace const& ws, Se
   ConvertDqReadyParams<Seqlens> const rp{dq_convert_params(p, ws), ws.at<int>(p.workspace, ws.dq_semaphore),
                                          ws.at<int>(p.workspace, ws.dq_ticket), kBlockM,
                                          ws.seqlen_q_rounded / kBlockM, seqlens, p.window_left, p.window_right};
-  static_assert(kBlockM == DqFragLayout<8>::kBlockM, "fragment order is in 64-row blocks");
+  static_assert(kBlockM % DqFragLayout<8>::kBlockM == 0, "fragment order is in 64-row blocks");
   auto kernel = &convert_dq_when_ready_kernel<Element, BlockInfo<kBlockM, kBlockN, kMask>, kFragCols, Seqlens>;
   int per_sm = 0;
   check_launch(max_blocks_per_sm_once(per_sm, kernel, p.device, 256, 0), "occupancy query");

@@ -41,8 +41,10 @@ namespace sm90 {
 template <class Config>
 struct BwdConfig {
   using Element = typename ElementOf<Config::kDType>::type;
-  using Tile = std::conditional_t<Config::kDropout, BwdDropoutTileSize<Config::kHeadDim, Config::kHeadDimV>,
-                                  typename BwdTileOf<typename Config::Variant, Config::kHeadDim, Config::kHeadDimV>::type>;
+  using Tile = std::conditional_t<
+      Config::kDropout, BwdDropoutTileSize<Config::kHeadDim, Config::kHeadDimV>,
+      std::conditional_t<Config::kScoreMod == ScoreModKind::kSoftcap, BwdSoftcapTileSize<Config::kHeadDim, Config::kHeadDimV>,
+                         typename BwdTileOf<typename Config::Variant, Config::kHeadDim, Config::kHeadDimV>::type>>;
   static constexpr bool kVarlen = Config::kVarlen;
   static_assert(!kVarlen || !Config::kDropout, "packed batches: kernels without dropout for now");
   using Seqlens = std::conditional_t<kVarlen, VarlenSeqlens, UniformSeqlens>;

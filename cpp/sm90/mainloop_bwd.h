@@ -83,7 +83,8 @@ struct BwdMainloop {
   // P^T and dS^T as register A operands of the dV/dK GEMMs: their accumulator rows are keys.
   static constexpr bool kdKVRegsA = kSdPSwapAB && !kdKVSwapAB;
   static_assert(kSdPSwapAB != kdKVSwapAB, "supported layouts: S^T with dK/dV, or S with dK^T/dV^T");
-  static_assert(kBlockM == 64, "dQ (kBlockM x headdim) is one 64-row WGMMA atom per warpgroup");
+  // dQ (kBlockM x headdim): a 64-row block split over the warpgroups by columns, or 128 rows by rows.
+  static_assert(kBlockM == 64 || kBlockM == 64 * 2, "dQ: one 64-row WGMMA atom per warpgroup");
   static_assert(kStagesdS == 1 || kStagesdS == kStages, "dS stages follow the Q stages");
   static constexpr int kNumMmaWG = 2;
   static constexpr int kNumMmaThreads = kNumMmaWG * cutlass::NumThreadsPerWarpGroup;
@@ -100,9 +101,12 @@ struct BwdMainloop {
   using DV = Int<kHeadDimV>;
   using BM = Int<kBlockM>;
   using BN = Int<kBlockN>;
-  // dQ is computed in kdQSlices column slices, each split over the two warpgroups.
+  // dQ is computed in kdQSlices column slices, each split over the two warpgroups: by columns in 64-row
+  // blocks, by rows in 128-row ones (each warpgroup then runs N = DSlice WGMMAs on its own rows of dS, which
+  // reads less shared memory per FLOP than two N = DSlice / 2 halves of all rows).
+  static constexpr bool kdQSplitRows = kBlockM == 128;
   using DSlice = Int<kHeadDim / kdQSlices>;
-  using DQCols = Int<kHeadDim / kdQSlices / 2>;  // one warpgroup's columns of one slice
+  using DQCols = Int<kdQSplitRows ? kHeadDim / kdQSlices : kHeadDim / kdQSlices / 2>;  // a warpgroup's of a slice
 
   // ---- GEMMs: one TiledMma over both consumer warpgroups (thread index 0..255) each ----------
   // S or S^T (and dP or dP^T), K = headdim; split over the keys.
@@ -140,12 +144,18 @@ struct BwdMainloop {
   // operand it is MN-major when S was S^T.
   static constexpr GMMA::Major kMajordS = kSdPSwapAB ? GMMA::Major::MN : GMMA::Major::K;
   using ShapedQ = Shape<BM, DSlice>;  // accumulator tile
-  using AtomShapedQ = Shape<BM, DQCols, BN>;
+  using AtomShapedQ = Shape<_64, DQCols, BN>;
   using MmaAtomdQ = decltype(GMMA::ss_op_selector<Element, Element, float, AtomShapedQ, kMajordS, GMMA::Major::MN>());
-  using TiledMmadQ = decltype(make_tiled_mma(MmaAtomdQ{}, Layout<Shape<_1, _2, _1>>{}));
-  // Fragment order of a dQ slice's sums: group slice * 2 + warpgroup.
+  using TiledMmadQ = decltype(make_tiled_mma(
+      MmaAtomdQ{}, std::conditional_t<kdQSplitRows, Layout<Shape<_2, _1, _1>>, Layout<Shape<_1, _2, _1>>>{}));
+  // Fragment order of a dQ slice's sums (dq_frag_layout.h): a warpgroup's share is 64 rows x DQCols, group
+  // slice * 2 + warpgroup of the query block's 64-row block, or group slice of 64-row block `warpgroup`.
   using FragLayout = DqFragLayout<DQCols::value>;
-  static constexpr int kdQHalfFloats = kBlockM * DQCols::value;  // one warpgroup's share of a slice
+  static constexpr int kdQHalfFloats = 64 * DQCols::value;  // one warpgroup's share of a slice
+  CUTE_HOST_DEVICE static constexpr int dq_share_offset(int slice, int wg) {  // floats, in its query block
+    return kdQSplitRows ? wg * 64 * kHeadDim + FragLayout::offset(slice, 0, 0)
+                        : FragLayout::offset(slice * kNumMmaWG + wg, 0, 0);
+  }
 
   // ---- Shared memory --------------------------------------------------------------------------
   using SmemAtomQ = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, BM, D>());
@@ -433,9 +443,7 @@ struct BwdMainloop {
         for (int wg = 0; wg < kNumMmaWG; ++wg) {
           cutlass::arch::NamedBarrier::sync(kdQHandoffThreads, kBwddQFull0 + wg);
           if (lane0) {
-            // Warpgroup wg holds columns [(slice * 2 + wg) * DQCols, +DQCols) of dQ_m.
-            int const group = slice * kNumMmaWG + wg;
-            bulk_reduce_add(dq_bh + m_block * int64_t(kBlockM * kHeadDim) + FragLayout::offset(group, 0, 0),
+            bulk_reduce_add(dq_bh + m_block * int64_t(kBlockM * kHeadDim) + dq_share_offset(slice, wg),
                             ts.smem_dq.data() + wg * kdQHalfFloats, kdQHalfFloats * sizeof(float));
             tma_store_arrive();
           }
@@ -663,8 +671,8 @@ struct BwdMainloop {
         if constexpr (kdQAtomic) {
           CUTE_UNROLL
           for (int i = 0; i < size(frag); i += 4) {
-            red_add_v4(dq_block + FragLayout::offset(slice * kNumMmaWG + wg, t, i), frag(i), frag(i + 1), frag(i + 2),
-                       frag(i + 3));
+            red_add_v4(dq_block + dq_share_offset(slice, wg) + FragLayout::offset(0, t, i), frag(i), frag(i + 1),
+                       frag(i + 2), frag(i + 3));
           }
         } else {
           cutlass::arch::NamedBarrier::sync(kdQHandoffThreads, kBwddQEmpty0 + wg);

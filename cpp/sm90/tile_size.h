@@ -102,14 +102,23 @@ struct FwdFp8CacheTileSize : FwdTileDefaults {
 //    S = Q K^T split over keys, P and dS go through shared memory, and dV^T = dO^T P,
 //    dK^T = Q^T dS (kdKVSwapAB), split over the head dim where each warpgroup gets whole 64-row
 //    WGMMA atoms (256: 128 rows each), over the keys otherwise (192: all rows, half the keys each).
-// dQ = dS K (64 x headdim) is split over the head dim, in kdQSlices column slices, and summed over the
-// key blocks in a float32 buffer (mainloop_bwd.h: DqPath).
+// dQ = dS K (kBlockM x headdim), in kdQSlices column slices, is split over the warpgroups by columns at 64 rows
+// and by rows at 128, and summed over the key blocks in a float32 buffer (mainloop_bwd.h: DqPath).
 // kStages: Q (with its LSE) stages; kStagesdO: dO (with D) stages; kStagesdS: P/dS buffers.
 template <int kHeadDim, int kHeadDimV = kHeadDim>
 struct BwdTileSize;
 
+// Head dim 64: 128 query rows per step (64 paid every per-step cost twice per FLOP: 1.48x FA3's instructions,
+// perf-notes L10; 128 rows: 1.04-1.08x from 2k). S^T and dP^T take 64 registers each per thread.
 template <>
 struct BwdTileSize<64> {
+  static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2, kStagesdO = 2, kStagesdS = 2, kdQSlices = 1;
+  static constexpr bool kSdPSwapAB = true, kdKVSwapAB = false;
+};
+
+// Head dim 64 in 64-row steps, for the kernels whose element work does not fit beside 128-row S^T/dP^T tiles:
+// dropout spilled 192 bytes there, softcap 46 (perf-notes, session 10; not measured at 128 rows).
+struct BwdTileHeadDim64Rows64 {
   static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2, kStagesdO = 2, kStagesdS = 2, kdQSlices = 1;
   static constexpr bool kSdPSwapAB = true, kdKVSwapAB = false;
 };
@@ -163,5 +172,13 @@ template <>
 struct BwdDropoutTileSize<256> : BwdTileSize<256> {
   static constexpr int kBlockN = 64;
 };
+template <>
+struct BwdDropoutTileSize<64> : BwdTileHeadDim64Rows64 {};
+
+// Kernels with a softcap (without dropout): the plain tiles but head dim 64's.
+template <int kHeadDim, int kHeadDimV = kHeadDim>
+struct BwdSoftcapTileSize : BwdTileSize<kHeadDim, kHeadDimV> {};
+template <>
+struct BwdSoftcapTileSize<64> : BwdTileHeadDim64Rows64 {};
 
 }  // namespace flashhopper::sm90

@@ -84,7 +84,7 @@ struct BwdMainloop {
   static constexpr bool kdKVRegsA = kSdPSwapAB && !kdKVSwapAB;
   static_assert(kSdPSwapAB != kdKVSwapAB, "supported layouts: S^T with dK/dV, or S with dK^T/dV^T");
   // dQ (kBlockM x headdim): a 64-row block split over the warpgroups by columns, or 128 rows by rows.
-  static_assert(kBlockM == 64 || kBlockM == 64 * 2, "dQ: one 64-row WGMMA atom per warpgroup");
+  static_assert(kBlockM == 64 || kBlockM == 128, "dQ: one 64-row WGMMA atom per warpgroup");
   static_assert(kStagesdS == 1 || kStagesdS == kStages, "dS stages follow the Q stages");
   static constexpr int kNumMmaWG = 2;
   static constexpr int kNumMmaThreads = kNumMmaWG * cutlass::NumThreadsPerWarpGroup;

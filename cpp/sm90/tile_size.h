@@ -117,7 +117,7 @@ struct BwdTileSize<64> {
 };
 
 // Head dim 64 in 64-row steps, for the kernels whose element work does not fit beside 128-row S^T/dP^T tiles:
-// dropout spilled 192 bytes there, softcap 46 (perf-notes, session 10; not measured at 128 rows).
+// there dropout spilled 192 bytes and softcap 46, and their training steps ran 5-10% slower (perf-notes, W5).
 struct BwdTileHeadDim64Rows64 {
   static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2, kStagesdO = 2, kStagesdS = 2, kdQSlices = 1;
   static constexpr bool kSdPSwapAB = true, kdKVSwapAB = false;

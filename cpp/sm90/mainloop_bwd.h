@@ -82,6 +82,9 @@ struct BwdMainloop {
   static constexpr int kdQSlices = Tile::kdQSlices;
   // P^T and dS^T as register A operands of the dV/dK GEMMs: their accumulator rows are keys.
   static constexpr bool kdKVRegsA = kSdPSwapAB && !kdKVSwapAB;
+  // dS from the float32 P, with P^T made 16-bit (and dV issued) after the dS math (W8: 1-6% faster
+  // at head dims 64 and 128). Dropout keeps dS from the 16-bit P: its Pd is one more tile.
+  static constexpr bool kLateP = kdKVRegsA && !Dropout::kEnabled;
   static_assert(kSdPSwapAB != kdKVSwapAB, "supported layouts: S^T with dK/dV, or S with dK^T/dV^T");
   // dQ (kBlockM x headdim): a 64-row block split over the warpgroups by columns, or 128 rows by rows.
   static_assert(kBlockM == 64 || kBlockM == 128, "dQ: one 64-row WGMMA atom per warpgroup");
@@ -499,18 +502,24 @@ struct BwdMainloop {
     TiledMmadV mma_dv;
     TiledMmadQ mma_dq;
     auto thr_sdp = mma_sdp.get_thread_slice(thread_idx);
-    auto thr_dk = mma_dk.get_thread_slice(thread_idx);
-    auto thr_dv = mma_dv.get_thread_slice(thread_idx);
-    auto thr_dq = mma_dq.get_thread_slice(thread_idx);
+    // Shared-memory operands (GMMA descriptors) depend only on the warpgroup. Sliced at its first thread,
+    // taken from lane 0, they stay in uniform registers: from the thread index ptxas built them in vector
+    // registers and moved them over (R2UR) before every GMMA (W10: head dim 64 3-7% faster). Only here:
+    // a warp-uniform `wg` for the dQ hand-off too made head dim 128 2-3% slower (W12).
+    int const wg_thread0 = __shfl_sync(0xffffffffu, wg, 0) * cutlass::NumThreadsPerWarpGroup;
+    auto wg_sdp = mma_sdp.get_thread_slice(wg_thread0);
+    auto wg_dk = mma_dk.get_thread_slice(wg_thread0);
+    auto wg_dv = mma_dv.get_thread_slice(wg_thread0);
+    auto wg_dq = mma_dq.get_thread_slice(wg_thread0);
 
     // Operand descriptors, stage mode last where there is one.
-    Tensor tSrQ = fragment_ab<!kSdPSwapAB>(thr_sdp, sQ);
-    Tensor tSrK = fragment_ab<kSdPSwapAB>(thr_sdp, sK);
-    Tensor tdPrdO = fragment_ab<!kSdPSwapAB>(thr_sdp, sdO);
-    Tensor tdPrV = fragment_ab<kSdPSwapAB>(thr_sdp, sV);
-    Tensor tdVrdO = fragment_ab<kdKVSwapAB>(thr_dv, sdOt);
-    Tensor tdKrQ = fragment_ab<kdKVSwapAB>(thr_dk, sQt);
-    Tensor tdQrdS = thr_dq.partition_fragment_A(sdSq);
+    Tensor tSrQ = fragment_ab<!kSdPSwapAB>(wg_sdp, sQ);
+    Tensor tSrK = fragment_ab<kSdPSwapAB>(wg_sdp, sK);
+    Tensor tdPrdO = fragment_ab<!kSdPSwapAB>(wg_sdp, sdO);
+    Tensor tdPrV = fragment_ab<kSdPSwapAB>(wg_sdp, sV);
+    Tensor tdVrdO = fragment_ab<kdKVSwapAB>(wg_dv, sdOt);
+    Tensor tdKrQ = fragment_ab<kdKVSwapAB>(wg_dk, sQt);
+    Tensor tdQrdS = wg_dq.partition_fragment_A(sdSq);
 
     auto smem_copy_pds = make_tiled_copy_C(SmemCopyAtomPdS{}, mma_sdp);
     auto thr_copy_pds = smem_copy_pds.get_thread_slice(thread_idx);
@@ -594,62 +603,84 @@ struct BwdMainloop {
       apply_mask(tSrS, m_block);
       Tensor scores = rowcol(tSrS);
       probs_from_lse(scores, lse, p.scale_log2);
-      Tensor rP = convert_type<Element>(tSrS);
-      // Dropout: dV takes Pd = s P where kept, 0 where dropped; dS takes both (DropoutPhilox::grad_scores).
-      // For the dV GEMM from registers Pd is made from the float P; for the one through shared memory (head
-      // dims 192, 256) from the 16-bit P. (Made after the dP wait instead, head dim 256 spilled as much.)
-      auto dropped = [&](auto const& src) {
-        Tensor d = make_tensor<Element>(src.layout());
-        CUTE_UNROLL
-        for (int i = 0; i < size(d); ++i) d(i) = Element(float(src(i)) * p.dropout.scale());
-        if constexpr (Dropout::kEnabled) {  // (DropoutNone has no apply: the generic lambda still names it)
-          Dropout::template apply<kSdPSwapAB, kDropGroupsWhole>(drop, rowcol(d), tScS_rc, m_block * kBlockM,
-                                                                n_block * kBlockN);
-        }
-        return d;
-      };
-      auto rPd = [&] {
-        if constexpr (Dropout::kEnabled && kdKVRegsA) return dropped(tSrS);
-        else if constexpr (Dropout::kEnabled) return dropped(rP);
-        else return rP;
-      }();
-      // dV += P^T dO needs only P: with P^T in registers it goes out now and runs under the dS math.
-      if constexpr (kdKVRegsA) {
-        Tensor tdVrP = make_tensor(rPd.data(), acc_layout_as_a_operand(rPd.layout()));
-        wgmma<false, -1>(mma_dv, tdVrP, tdVrdO(_, _, _, stage_do), tdVrdV);
-      }
+      Tensor rdS = [&] {
+        if constexpr (kLateP) {
+          // dS from the float P, then P^T to 16 bits for dV: a 16-bit P is never live beside the float P
+          // and dP, so the float P fits (dV goes out after the dS math instead of under it).
+          auto const dpsum = stat(ts.smem_dpsum.data() + stage_do * kBlockM);
+          warpgroup_wait<0>();  // dP done
+          warpgroup_fence_operand(tdPrdP);
+          Tensor dscores = rowcol(tdPrdP);
+          grad_scores(scores, dscores, dpsum);
+          p.score_mod.chain(dscores, scores, lse);
+          Tensor rP = convert_type<Element>(tSrS);
+          Tensor rdS = convert_type<Element>(tdPrdP);
+          if constexpr (kStagesdS == 1) cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBwdPdS);
+          copy(smem_copy_pds, thr_copy_pds.retile_S(rdS), tdSsdS(_, _, _, stage_ds));
+          // dV goes out between dS's stores and their fence, which then waits less (W12: head dim 64 1-5%).
+          Tensor tdVrP = make_tensor(rP.data(), acc_layout_as_a_operand(rP.layout()));
+          wgmma<false, -1>(mma_dv, tdVrP, tdVrdO(_, _, _, stage_do), tdVrdV);
+          return rdS;
+        } else {
+          Tensor rP = convert_type<Element>(tSrS);
+          // Dropout: dV takes Pd = s P where kept, 0 where dropped; dS takes both (DropoutPhilox::grad_scores).
+          // For the dV GEMM from registers Pd is made from the float P; for the one through shared memory (head
+          // dims 192, 256) from the 16-bit P. (Made after the dP wait instead, head dim 256 spilled as much.)
+          auto dropped = [&](auto const& src) {
+            Tensor d = make_tensor<Element>(src.layout());
+            CUTE_UNROLL
+            for (int i = 0; i < size(d); ++i) d(i) = Element(float(src(i)) * p.dropout.scale());
+            if constexpr (Dropout::kEnabled) {  // (DropoutNone has no apply: the generic lambda still names it)
+              Dropout::template apply<kSdPSwapAB, kDropGroupsWhole>(drop, rowcol(d), tScS_rc, m_block * kBlockM,
+                                                                    n_block * kBlockN);
+            }
+            return d;
+          };
+          auto rPd = [&] {
+            if constexpr (Dropout::kEnabled && kdKVRegsA) return dropped(tSrS);
+            else if constexpr (Dropout::kEnabled) return dropped(rP);
+            else return rP;
+          }();
+          // dV += P^T dO needs only P: with P^T in registers it goes out now and runs under the dS math.
+          if constexpr (kdKVRegsA) {
+            Tensor tdVrP = make_tensor(rPd.data(), acc_layout_as_a_operand(rPd.layout()));
+            wgmma<false, -1>(mma_dv, tdVrP, tdVrdO(_, _, _, stage_do), tdVrdV);
+          }
 
-      auto const dpsum = stat(ts.smem_dpsum.data() + stage_do * kBlockM);
-      warpgroup_wait<kdKVRegsA ? 1 : 0>();  // dP done
-      warpgroup_fence_operand(tdPrdP);
-      Tensor dscores = rowcol(tdPrdP);
-      // dS from the 16-bit P (the dV operand, as PyTorch's own 16-bit backward has it): the float32
-      // P is dead by now, which keeps the register budget.
-      if constexpr (Dropout::kEnabled) {
-        p.dropout.grad_scores(rowcol(rP), rowcol(rPd), dscores, dpsum);
-      } else {
-        grad_scores(rowcol(rP), dscores, dpsum);
-      }
-      p.score_mod.chain(dscores, rowcol(rP), lse);
-      Tensor rdS = convert_type<Element>(tdPrdP);
-      // With one dS (and P) buffer, both warpgroups must be done with the previous block's GEMMs.
-      if constexpr (kStagesdS == 1) cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBwdPdS);
-      if constexpr (!kdKVRegsA) {
-        Tensor sP = make_tensor(make_smem_ptr(ts.smem_p.data()), SmemLayoutPdS{});
-        copy(smem_copy_pds, thr_copy_pds.retile_S(rPd), thr_copy_pds.partition_D(sP)(_, _, _, stage_ds));
-      }
-      copy(smem_copy_pds, thr_copy_pds.retile_S(rdS), tdSsdS(_, _, _, stage_ds));
+          auto const dpsum = stat(ts.smem_dpsum.data() + stage_do * kBlockM);
+          warpgroup_wait<kdKVRegsA ? 1 : 0>();  // dP done
+          warpgroup_fence_operand(tdPrdP);
+          Tensor dscores = rowcol(tdPrdP);
+          // dS from the 16-bit P (the dV operand, as PyTorch's own 16-bit backward has it): the float32
+          // P is dead by now, which keeps the register budget.
+          if constexpr (Dropout::kEnabled) {
+            p.dropout.grad_scores(rowcol(rP), rowcol(rPd), dscores, dpsum);
+          } else {
+            grad_scores(rowcol(rP), dscores, dpsum);
+          }
+          p.score_mod.chain(dscores, rowcol(rP), lse);
+          Tensor rdS = convert_type<Element>(tdPrdP);
+          // With one dS (and P) buffer, both warpgroups must be done with the previous block's GEMMs.
+          if constexpr (kStagesdS == 1) cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBwdPdS);
+          if constexpr (!kdKVRegsA) {
+            Tensor sP = make_tensor(make_smem_ptr(ts.smem_p.data()), SmemLayoutPdS{});
+            copy(smem_copy_pds, thr_copy_pds.retile_S(rPd), thr_copy_pds.partition_D(sP)(_, _, _, stage_ds));
+          }
+          copy(smem_copy_pds, thr_copy_pds.retile_S(rdS), tdSsdS(_, _, _, stage_ds));
+          return rdS;
+        }
+      }();
       // dS (and P) written by both warpgroups, visible to the tensor cores.
       cutlass::arch::fence_view_async_shared();
       cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBwdPdS);
       if constexpr (!kdKVRegsA) {
         Tensor sPt = make_tensor(make_smem_ptr(ts.smem_p.data()), SmemLayoutPdSt{});
-        Tensor tdVrP = thr_dv.partition_fragment_B(sPt);
+        Tensor tdVrP = wg_dv.partition_fragment_B(sPt);
         wgmma<false, -1>(mma_dv, tdVrdO(_, _, _, stage_do), tdVrP(_, _, _, stage_ds), tdVrdV);
       }
       // dQ slices, with dK issued after the first: dQ_0, dK, dQ_1, ...
       auto issue_dq = [&](auto& tdQrdQ, int slice) {
-        Tensor tdQrK = thr_dq.partition_fragment_B(local_tile(sKt, Shape<DSlice, BN>{}, make_coord(slice, _0{})));
+        Tensor tdQrK = wg_dq.partition_fragment_B(local_tile(sKt, Shape<DSlice, BN>{}, make_coord(slice, _0{})));
         wgmma<true, -1>(mma_dq, tdQrdS(_, _, _, stage_ds), tdQrK, tdQrdQ);
       };
       auto issue_dk = [&]() {
@@ -657,7 +688,7 @@ struct BwdMainloop {
           Tensor tdKrdS = make_tensor(rdS.data(), acc_layout_as_a_operand(rdS.layout()));
           wgmma<false, -1>(mma_dk, tdKrdS, tdKrQ(_, _, _, stage_q), tdKrdK);
         } else {
-          Tensor tdKrdS = thr_dk.partition_fragment_B(sdSt);
+          Tensor tdKrdS = wg_dk.partition_fragment_B(sdSt);
           wgmma<false, -1>(mma_dk, tdKrQ(_, _, _, stage_q), tdKrdS(_, _, _, stage_ds), tdKrdK);
         }
       };

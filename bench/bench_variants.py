@@ -23,6 +23,7 @@ import json
 import math
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,14 @@ from flashhopper.report.environment import environment, source_root
 from flashhopper.report.timing import interleaved, make_timer
 
 Fn = Callable[[], Any]
+
+
+@dataclass(frozen=True)
+class Grid:
+    """What --hdims and --modes restrict: the cost and dropout sections' head dims (the others fix theirs),
+    and the modes of every section but dropout (which times a training step's both)."""
+    hdims: tuple[int, ...] = (64, 128, 256)
+    modes: tuple[str, ...] = ("fwd", "bwd")
 
 
 def timeable(mode: str, call: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -65,10 +74,10 @@ def inputs(batch: int, seqlen: int, heads: int, d: int, dv: int | None = None) -
     return q, k, v, sinks
 
 
-def section_cost(timer: Callable[[Fn], float], rounds: int) -> list[dict[str, Any]]:
+def section_cost(timer: Callable[[Fn], float], rounds: int, grid: Grid) -> list[dict[str, Any]]:
     rows = []
-    for mode in ("fwd", "bwd"):
-        for d in (64, 128, 256):
+    for mode in grid.modes:
+        for d in grid.hdims:
             for causal in (False, True):
                 for seqlen in (2048, 8192):
                     batch, heads = 16384 // seqlen, 2048 // d
@@ -89,9 +98,9 @@ def section_cost(timer: Callable[[Fn], float], rounds: int) -> list[dict[str, An
     return rows
 
 
-def section_window(timer: Callable[[Fn], float], rounds: int) -> list[dict[str, Any]]:
+def section_window(timer: Callable[[Fn], float], rounds: int, grid: Grid) -> list[dict[str, Any]]:
     rows = []
-    for mode in ("fwd", "bwd"):
+    for mode in grid.modes:
         for total, left in ((32768, 4096), (32768, 1024), (16384, 4096)):
             d, heads = 128, 16
             qw, kw, vw, _ = inputs(1, total, heads, d)
@@ -112,7 +121,7 @@ def section_window(timer: Callable[[Fn], float], rounds: int) -> list[dict[str, 
     return rows
 
 
-def section_fa3(timer: Callable[[Fn], float], rounds: int) -> list[dict[str, Any]]:
+def section_fa3(timer: Callable[[Fn], float], rounds: int, grid: Grid) -> list[dict[str, Any]]:
     iface = fa3.load()
     rows = []
     d, heads = 128, 16
@@ -125,7 +134,7 @@ def section_fa3(timer: Callable[[Fn], float], rounds: int) -> list[dict[str, Any
         ("softcap 30 causal 2k", 2048, True, (-1, -1), 30.0),
         ("softcap 30 causal 8k", 8192, True, (-1, -1), 30.0),
     ]
-    for mode in ("fwd", "bwd"):
+    for mode in grid.modes:
         for label, seqlen, causal, window, softcap in cases:
             batch = max(1, 16384 // seqlen)
             q, k, v, _ = inputs(batch, seqlen, heads, d)
@@ -149,10 +158,10 @@ def section_fa3(timer: Callable[[Fn], float], rounds: int) -> list[dict[str, Any
     return rows
 
 
-def section_headdims(timer: Callable[[Fn], float], rounds: int) -> list[dict[str, Any]]:
+def section_headdims(timer: Callable[[Fn], float], rounds: int, grid: Grid) -> list[dict[str, Any]]:
     rows = []
     dims = {"96": (96, 96), "128": (128, 128), "192": (192, 192), "192x128": (192, 128), "128x64": (128, 64)}
-    for mode in ("fwd", "bwd"):
+    for mode in grid.modes:
         for causal in (False, True):
             for seqlen in (512, 2048, 8192, 16384):
                 batch, fns, flops = 16384 // seqlen, {}, {}
@@ -172,9 +181,9 @@ def section_headdims(timer: Callable[[Fn], float], rounds: int) -> list[dict[str
     return rows
 
 
-def section_dropout(timer: Callable[[Fn], float], rounds: int) -> list[dict[str, Any]]:
+def section_dropout(timer: Callable[[Fn], float], rounds: int, grid: Grid) -> list[dict[str, Any]]:
     rows = []
-    for d in (64, 128, 256):
+    for d in grid.hdims:
         for causal in (False, True):
             for seqlen in (2048, 8192):
                 batch, heads = 16384 // seqlen, 2048 // d
@@ -203,6 +212,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sections", nargs="*", choices=("cost", "window", "fa3", "headdims", "dropout"),
                     default=["cost", "window", "fa3", "headdims", "dropout"])
     ap.add_argument("--fa3-path", type=Path, help=f"FA3 build with window and softcap (default: ${fa3.ENV})")
+    ap.add_argument("--hdims", nargs="*", type=int, default=list(Grid.hdims),
+                    help="head dims of the cost and dropout sections (the build must have them)")
+    ap.add_argument("--modes", nargs="*", choices=("fwd", "bwd"), default=list(Grid.modes),
+                    help="modes of the cost, window, fa3 and headdims sections")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--warmup-ms", type=float, default=25)
     ap.add_argument("--rep-ms", type=float, default=100)
@@ -222,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         if name == "fa3" and not fa3.configured():
             print("fa3 section skipped: no FA3 build (--fa3-path or $" + fa3.ENV + ")")
             continue
-        rows += fn(timer, args.rounds)
+        rows += fn(timer, args.rounds, Grid(tuple(args.hdims), tuple(args.modes)))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"environment": environment(timing, source_root()), "timing": timing, "rounds": args.rounds,

@@ -528,13 +528,32 @@ struct BwdMainloop {
     // (row, col) of each score in the S / S^T tile, and the query row of each.
     Tensor tScS = thr_sdp.partition_C(make_identity_tensor(ShapeSdP{}));
     Tensor tScS_rc = rowcol(tScS);
-    // The per-query statistics (LSE, D) of an element are read from shared memory where they are
-    // used: held in registers they cost 2 * kBlockM / 4 of them with S^T (2-8% slower at 64,
-    // docs/perf-notes.md v7).
+    // The per-query statistics (LSE, D) of an element. Held whole in registers they cost 2 * kBlockM / 4 of them
+    // with S^T (2-8% slower at 64 rows, docs/perf-notes.md v7), so they are read where they are used:
+    // - S^T at 128 rows (head dim 64): a thread's 32 columns are 8 k + 2 (lane % 4) + e (ni = 2 k + e), the same for
+    //   the 8 lanes of a lane % 4 group. Lane 4 j + g loads columns 16 j + 8 kk + 2 g + e (kk, e < 2: two LDS.64 per
+    //   statistic per step) and column (k, e) comes from lane 4 (k / 2) + g by a shuffle whose lane is an immediate,
+    //   the low two bits kept from the caller's (segment mask 3): no lane arithmetic for ptxas to hoist and spill.
+    //   32 LDS.64 per statistic per step became 2 (their FFMAs waited on them); +2-3% non-causal (perf-notes, W15).
+    // - otherwise from shared memory, element by element.
     auto stat = [&](float const* s_stat) {
-      return [&tScS_rc, s_stat](int mi, int ni) {
-        return s_stat[kSdPSwapAB ? int(get<1>(tScS_rc(0, ni))) : int(get<0>(tScS_rc(mi, 0)))];
-      };
+      if constexpr (kSdPSwapAB && kBlockM == 128) {
+        static_assert(decltype(size<1>(tScS_rc))::value == kBlockM / 4, "S^T: 32 columns per thread");
+        int const lane = thread_idx % 32;
+        float2 const lo = *reinterpret_cast<float2 const*>(s_stat + 16 * (lane / 4) + 2 * (lane % 4));
+        float2 const hi = *reinterpret_cast<float2 const*>(s_stat + 16 * (lane / 4) + 8 + 2 * (lane % 4));
+        return [lo, hi](int, int ni) {
+          int const k = ni / 2, e = ni % 2;
+          float const v = (k % 2 == 0) ? (e == 0 ? lo.x : lo.y) : (e == 0 ? hi.x : hi.y);
+          float out;
+          asm("shfl.sync.idx.b32 %0, %1, %2, 0x31f, 0xffffffff;" : "=f"(out) : "f"(v), "r"(4 * (k / 2)));
+          return out;
+        };
+      } else {
+        return [&tScS_rc, s_stat](int mi, int ni) {
+          return s_stat[kSdPSwapAB ? int(get<1>(tScS_rc(0, ni))) : int(get<0>(tScS_rc(mi, 0)))];
+        };
+      }
     };
 
     MaskT const mask{seq, p.window_left, p.window_right};

@@ -15,6 +15,7 @@
   attention), on the cost section's grid.
 
     python bench/bench_variants.py --fa3-path .peers/fa3-full --rounds 3 --out bench/results/variants.json
+    python bench/bench_variants.py --sections cost --hdims 64 --modes fwd   # a build with head dim 64 only
 """
 from __future__ import annotations
 
@@ -40,10 +41,11 @@ Fn = Callable[[], Any]
 
 @dataclass(frozen=True)
 class Grid:
-    """What --hdims and --modes restrict: the cost and dropout sections' head dims (the others fix theirs),
-    and the modes of every section but dropout (which times a training step's both)."""
+    """What --hdims, --modes and --causal restrict: the cost and dropout sections' head dims and masks (the
+    others fix theirs), and the modes of every section but dropout (which times a training step's both)."""
     hdims: tuple[int, ...] = (64, 128, 256)
     modes: tuple[str, ...] = ("fwd", "bwd")
+    causal: tuple[bool, ...] = (False, True)
 
 
 def timeable(mode: str, call: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -78,7 +80,7 @@ def section_cost(timer: Callable[[Fn], float], rounds: int, grid: Grid) -> list[
     rows = []
     for mode in grid.modes:
         for d in grid.hdims:
-            for causal in (False, True):
+            for causal in grid.causal:
                 for seqlen in (2048, 8192):
                     batch, heads = 16384 // seqlen, 2048 // d
                     q, k, v, s = inputs(batch, seqlen, heads, d)
@@ -184,7 +186,7 @@ def section_headdims(timer: Callable[[Fn], float], rounds: int, grid: Grid) -> l
 def section_dropout(timer: Callable[[Fn], float], rounds: int, grid: Grid) -> list[dict[str, Any]]:
     rows = []
     for d in grid.hdims:
-        for causal in (False, True):
+        for causal in grid.causal:
             for seqlen in (2048, 8192):
                 batch, heads = 16384 // seqlen, 2048 // d
                 q, k, v, _ = inputs(batch, seqlen, heads, d)
@@ -216,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="head dims of the cost and dropout sections (the build must have them)")
     ap.add_argument("--modes", nargs="*", choices=("fwd", "bwd"), default=list(Grid.modes),
                     help="modes of the cost, window, fa3 and headdims sections")
+    ap.add_argument("--causal", choices=("off", "on", "both"), default="both",
+                    help="masks of the cost and dropout sections")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--warmup-ms", type=float, default=25)
     ap.add_argument("--rep-ms", type=float, default=100)
@@ -228,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
         fa3.set_path(args.fa3_path)
     timing, timer = make_timer(args.warmup_ms, args.rep_ms)
     rows: list[dict[str, Any]] = []
+    masks = {"off": (False,), "on": (True,), "both": (False, True)}[args.causal]
+    grid = Grid(tuple(args.hdims), tuple(args.modes), masks)
     for name, fn in (("cost", section_cost), ("window", section_window), ("fa3", section_fa3),
                      ("headdims", section_headdims), ("dropout", section_dropout)):
         if name not in args.sections:
@@ -235,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         if name == "fa3" and not fa3.configured():
             print("fa3 section skipped: no FA3 build (--fa3-path or $" + fa3.ENV + ")")
             continue
-        rows += fn(timer, args.rounds, Grid(tuple(args.hdims), tuple(args.modes)))
+        rows += fn(timer, args.rounds, grid)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"environment": environment(timing, source_root()), "timing": timing, "rounds": args.rounds,

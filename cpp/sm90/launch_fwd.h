@@ -181,9 +181,13 @@ int64_t run_fwd_sm90_blocks(FwdParams const& params, cudaStream_t stream) {
       throw std::invalid_argument("flashhopper: fp8 kernels take V as V^T (batch, heads, headdim, seqlen_pad): "
                                   "v_dim_stride must be a positive multiple of 16");
     }
-    descale = {{p.q_scale_ptr, p.q_scale_batch_stride, p.q_scale_head_stride, p.q_scale_block_stride, p.q_scale_block},
-               {p.k_scale_ptr, p.k_scale_batch_stride, p.k_scale_head_stride, p.k_scale_block_stride, p.k_scale_block},
-               {p.v_scale_ptr, p.v_scale_batch_stride, p.v_scale_head_stride, p.v_scale_block_stride, p.v_scale_block}};
+    auto div = [](int block) { return cutlass::FastDivmod(std::max(block, 1)); };
+    descale = {{p.q_scale_ptr, p.q_scale_batch_stride, p.q_scale_head_stride, p.q_scale_block_stride, p.q_scale_block,
+                div(p.q_scale_block)},
+               {p.k_scale_ptr, p.k_scale_batch_stride, p.k_scale_head_stride, p.k_scale_block_stride, p.k_scale_block,
+                div(p.k_scale_block)},
+               {p.v_scale_ptr, p.v_scale_batch_stride, p.v_scale_head_stride, p.v_scale_block_stride, p.v_scale_block,
+                div(p.v_scale_block)}};
   }
   auto const stride_v = kFp8 ? stride(p.v_dim_stride, p.v_head_stride, p.v_batch_stride)
                              : stride(p.v_row_stride, p.v_head_stride, p.v_batch_stride);

@@ -64,10 +64,12 @@ struct FwdTileSize<128, kDType, 64> : FwdTileSize<128, kDType> {};
 // 32 (the fp8 PV GEMM's k) and is also the K/V scale block the kernel needs (docs/fp8.md). O has its
 // own bfloat16 staging buffer (64 x headdim x 2 bytes per warpgroup). Head dim 128: 192 keys measured
 // best of 96..256 (fewer iterations pay less per-iteration synchronization; 256 spills). Head dim 256:
-// 128 (96 was 7-9% slower). Head dim 64: 192 x 128 (perf-notes, fp8 tile ablation).
+// 128 (96 was 7-9% slower). Head dim 64: 192 x 128 (perf-notes, fp8 tile ablation), without ping-pong: its loop is
+// not paced by the tensor cores, so the turns only cost waits (FA3's has none either; +1-4% from 8k, session 13).
 template <>
 struct FwdTileSize<64, DType::kFloat8E4M3> : FwdTileDefaults {
   static constexpr int kBlockM = 192, kBlockN = 128, kStages = 3, kQStages = 2;
+  static constexpr bool kPingPong = false;
 };
 template <>
 struct FwdTileSize<128, DType::kFloat8E4M3> : FwdTileDefaults {

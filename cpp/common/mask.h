@@ -54,14 +54,18 @@ struct Mask : Visibility<kMask, kPackedRows> {
     if constexpr (!kSeqlenMask && !kRight && !kLeft) return;
     int const key_limit = seqlen_k - k0;       // local keys at or past this are padding
     int const diagonal = diag() + q0 - k0;     // local key c is on local row r's diagonal iff c == r + diagonal
+    int const right_limit = kRight ? diagonal + right() : 0, left_limit = kLeft ? diagonal - left() : 0;  // of k - q
+    // Every test evaluated and one select: with short-circuit tests ptxas branched around each score's
+    // (BSSY/BSYNC per score in the window kernels, ~10 instructions each).
     CUTE_UNROLL
     for (int i = 0; i < size(s); ++i) {
       int const q = int(get<kTransposed ? 1 : 0>(coords(i)));
       int const k = int(get<kTransposed ? 0 : 1>(coords(i)));
-      bool masked = kSeqlenMask && k >= key_limit;
-      if constexpr (kRight) masked = masked || k > q + diagonal + right();
-      if constexpr (kLeft) masked = masked || k < q + diagonal - left();
-      if (masked) s(i) = -INFINITY;
+      bool masked = false;
+      if constexpr (kSeqlenMask) masked |= k >= key_limit;
+      if constexpr (kRight) masked |= k - q > right_limit;
+      if constexpr (kLeft) masked |= k - q < left_limit;
+      s(i) = masked ? -INFINITY : s(i);
     }
   }
 };

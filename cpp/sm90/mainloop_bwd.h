@@ -618,7 +618,10 @@ struct BwdMainloop {
       auto const lse = stat(ts.smem_lse.data() + stage_q * kBlockM);
       warpgroup_wait<1>();
       warpgroup_fence_operand(tSrS);
-      p.score_mod.apply(tSrS);
+      auto const dmod = [&] {
+        if constexpr (kLateP) return p.score_mod.apply_keep_grad(tSrS);
+        else { p.score_mod.apply(tSrS); return 0; }
+      }();
       apply_mask(tSrS, m_block);
       Tensor scores = rowcol(tSrS);
       probs_from_lse(scores, lse, p.scale_log2);
@@ -631,7 +634,7 @@ struct BwdMainloop {
           warpgroup_fence_operand(tdPrdP);
           Tensor dscores = rowcol(tdPrdP);
           grad_scores(scores, dscores, dpsum);
-          p.score_mod.chain(dscores, scores, lse);
+          p.score_mod.chain_kept(tdPrdP, dmod);
           Tensor rP = convert_type<Element>(tSrS);
           Tensor rdS = convert_type<Element>(tdPrdP);
           if constexpr (kStagesdS == 1) cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBwdPdS);

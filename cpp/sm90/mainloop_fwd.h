@@ -292,8 +292,8 @@ struct FwdMainloop {
   // FP8 descales: scale(b, h, block) = ptr[b * batch + h * head + (first + token / block) * block_stride],
   // `first` the entry's first block (packed batches keep each entry's blocks in one block mode, batch 0).
   // The consumers take a tile's Row once: per key block the index is one IMAD.HI (block_div, set on the host), where
-  // the address with `token / block` had cost ~40 integer instructions per block, 8% of the e4m3 d64 loop (perf-notes,
-  // session 12).
+  // `token / block` cost two integer divisions per block (I2F / MUFU.RCP / F2I, on the pipe the exponentials load):
+  // +10-13% at e4m3 d64, +3-8% at d128 (perf-notes, session 13).
   struct Descale {
     float const* ptr;
     int64_t batch, head, block_stride;

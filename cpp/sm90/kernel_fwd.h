@@ -221,7 +221,6 @@ struct FwdKernel {
             }
             break;
           }
-          int const next = Scheduler::next(sched, tile, total_tiles);  // in flight while this tile's loads go out
           TileWork const t = tile_work(params, tile);
           if (lane_predicate) {
             slot.tile = tile;
@@ -235,7 +234,9 @@ struct FwdKernel {
                            t.tile.batch != last_entry);
             last_entry = t.tile.batch;
           }
-          tile = next;
+          // Taken once this tile's loads are out (the consumers a few key blocks from its end), not when it
+          // started: a dynamic schedule then hands the next tile to the CTA that frees up first (tile_scheduler.h).
+          tile = Scheduler::next(sched, tile, total_tiles);
         }
       } else if (is_v_gatherer) {
         if constexpr (Mainloop::kGatherKV) {

@@ -4,10 +4,15 @@
 // Non-causal tiles all cost the same, so CTAs stride through them in a static order with m_block
 // fastest: the CTAs running at one time share a head's K/V in L2.
 // Causal tiles cost ~(m_block + 1) key blocks, so each CTA takes its next tile from an atomic
-// counter when it starts the current one (greedy, which keeps SMs evenly loaded), in an order
+// counter once its current tile's loads are out (greedy, which keeps SMs evenly loaded), in an order
 // that is heaviest first inside sections of heads whose K/V fit in half of L2: the running CTAs
 // then share few heads and reuse their K/V from L2. (Heaviest first over all heads balanced best
 // in simulation but ran HBM-bound at 2k tokens: 128 heads' K/V live at once, 320 vs 600 TFLOPS.)
+// The heads that do not fill a section join the last one: alone, a short last section's heaviest tiles
+// started when the rest of the work was nearly done and ran past it. And a CTA that took its next tile
+// when it started the current one committed to it a whole tile early, so the order balanced more like a
+// static deal (scripts/sim_scheduler.py: 0.81-0.88 at head dim 256, 0.97-1.0 now). Both together measured
+// +3-5% causal at head dim 128, +9-12% at 256, +5-9% e4m3 from 8k (docs/perf-notes.md, session 14).
 #pragma once
 
 #include <cute/config.hpp>
@@ -129,11 +134,13 @@ struct DynamicTileScheduler {
   }
 
   CUTE_DEVICE static WorkTile decode(TileSchedulerParams const& p, int tile) {
-    int const tiles_per_section = p.num_m_blocks * p.heads_per_section;
-    int const section = tile / tiles_per_section;
+    int const hps = p.heads_per_section;
+    int const last = p.num_bh / hps - 1;  // (hps <= num_bh) the remainder of num_bh / hps joins this section
+    int const tiles_per_section = p.num_m_blocks * hps;
+    int const section = min(tile / tiles_per_section, last);
     int const r = tile - section * tiles_per_section;
-    int const bh0 = section * p.heads_per_section;
-    int const heads_here = min(p.heads_per_section, p.num_bh - bh0);  // the last section may be short
+    int const bh0 = section * hps;
+    int const heads_here = section == last ? p.num_bh - bh0 : hps;
     int const m_idx = r / heads_here;
     int const bh = bh0 + (r - m_idx * heads_here);
     return {p.num_m_blocks - 1 - m_idx, bh % p.num_heads, bh / p.num_heads};

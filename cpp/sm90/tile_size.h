@@ -38,10 +38,12 @@ struct FwdTileSize<128, kDType> : FwdTileDefaults {
 };
 
 // Large head dim: the O accumulator (64x256 fp32 per warpgroup) leaves room for 80 keys, and
-// shared memory for one Q tile.
+// shared memory for one Q tile. Without ping-pong: +1-5% in every cell of two runs (perf-notes, session 13):
+// the softmax of 80 keys is short against two 256-wide GEMMs, so the turns only added waits.
 template <DType kDType>
 struct FwdTileSize<256, kDType> : FwdTileDefaults {
   static constexpr int kBlockM = 128, kBlockN = 80, kStages = 2, kQStages = 1;
+  static constexpr bool kPingPong = false;
 };
 
 // Head dim 192: O takes 96 registers per thread, S 56 at 112 keys; Q 48 KB, K and V 2 x 42 KB each.
@@ -64,11 +66,12 @@ struct FwdTileSize<128, kDType, 64> : FwdTileSize<128, kDType> {};
 // 32 (the fp8 PV GEMM's k) and is also the K/V scale block the kernel needs (docs/fp8.md). O has its
 // own bfloat16 staging buffer (64 x headdim x 2 bytes per warpgroup). Head dim 128: 192 keys measured
 // best of 96..256 (fewer iterations pay less per-iteration synchronization; 256 spills). Head dim 256:
-// 128 (96 was 7-9% slower). Head dim 64: 192 x 128 (perf-notes, fp8 tile ablation), without ping-pong: its loop is
-// not paced by the tensor cores, so the turns only cost waits (FA3's has none either; +1-4% from 8k, session 13).
+// 128 (96 was 7-9% slower). Head dim 64: 192 x 160 (FA3's; 128 was 3% slower causal from 8k, 1% faster causal at 2k,
+// even non-causal: session 14), without ping-pong: its loop is not paced by the tensor cores, so the turns only cost
+// waits (FA3's has none either; +1-4% from 8k, session 13).
 template <>
 struct FwdTileSize<64, DType::kFloat8E4M3> : FwdTileDefaults {
-  static constexpr int kBlockM = 192, kBlockN = 128, kStages = 3, kQStages = 2;
+  static constexpr int kBlockM = 192, kBlockN = 160, kStages = 3, kQStages = 2;
   static constexpr bool kPingPong = false;
 };
 template <>

@@ -52,6 +52,7 @@
 #include "gemm.h"
 #include "kv_blocks.h"
 #include "named_barriers.h"
+#include "pipeline_wg_release.h"
 
 namespace flashhopper::sm90 {
 
@@ -236,7 +237,10 @@ struct FwdMainloop {
 
   // The K/V stages the consumers read: 16-bit ones filled by TMA, or for an e4m3 cache V^T e4m3 ones filled by the
   // converter warps.
-  using Pipeline = std::conditional_t<kFp8Cache, cutlass::PipelineAsync<kStages>, cutlass::PipelineTmaAsync<kStages>>;
+  // Tile::kWarpgroupRelease: the K/V stages released by one thread per warpgroup (pipeline_wg_release.h).
+  using PipelineTma = std::conditional_t<Tile::kWarpgroupRelease, PipelineTmaAsyncWarpgroupRelease<kStages>,
+                                         cutlass::PipelineTmaAsync<kStages>>;
+  using Pipeline = std::conditional_t<kFp8Cache, cutlass::PipelineAsync<kStages>, PipelineTma>;
   using PipelineState = typename Pipeline::PipelineState;
   using PipelineCache = cutlass::PipelineTmaAsync<kCacheStages>;  // e4m3 stages: TMA -> consumers (K), converters (V)
   using PipelineStateCache = typename PipelineCache::PipelineState;
@@ -1093,10 +1097,24 @@ struct FwdMainloop {
 
     // S_n is issued together with O += P_{n+1} V_{n+1}; the softmax of S_n runs while the PV GEMM
     // is still on the tensor cores, and O is rescaled once it has finished.
+    // With the warpgroup release, e4m3's descales are loaded one block ahead: the first exponential's FFMA then waits
+    // for no load issued in its own step, and ptxas can keep the PV wait after the exponentials (perf-notes, session 15).
+    float next_s_scale = 0.f, next_vd = 0.f;
+    if constexpr (Tile::kWarpgroupRelease) {
+      next_s_scale = qk_scale(cute::max(n_block_max - 2, 0));
+      next_vd = v_descale(cute::max(n_block_max - 2, 0));
+    }
     auto step = [&](int n, auto right_edge, auto left_edge) {
       constexpr bool kRight = decltype(right_edge)::value, kLeft = decltype(left_edge)::value;
       // Descale loads go out before the GEMMs and land while they run.
-      float const s_scale = qk_scale(n), vd = v_descale(n);
+      float s_scale, vd;
+      if constexpr (Tile::kWarpgroupRelease) {
+        s_scale = next_s_scale, vd = next_vd;
+        next_s_scale = qk_scale(cute::max(n - 1, n_block_min));
+        next_vd = v_descale(cute::max(n - 1, n_block_min));
+      } else {
+        s_scale = qk_scale(n), vd = v_descale(n);
+      }
       sched_sync();
       issue_s();
       issue_pv();

@@ -16,6 +16,10 @@ struct FwdTileSize;
 
 struct FwdTileDefaults {
   static constexpr bool kPingPong = true;
+  // K/V stages released by one thread per consumer warpgroup, not by all of them (sm90/pipeline_wg_release.h):
+  // ptxas can then run exponentials under the PV GEMM. Measured per head dim (perf-notes, session 15): +1-2% bf16 and
+  // +4-6% e4m3 non-causal at 128; 1-3% slower at 64 and 256, whose loops it left worse.
+  static constexpr bool kWarpgroupRelease = false;
 };
 
 // Small head dim: softmax costs as much as the GEMMs, so three consumer warpgroups share K/V.
@@ -35,6 +39,7 @@ struct FwdTileSize<96, kDType> : FwdTileDefaults {
 template <DType kDType>
 struct FwdTileSize<128, kDType> : FwdTileDefaults {
   static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2, kQStages = 2;
+  static constexpr bool kWarpgroupRelease = true;
 };
 
 // Large head dim: the O accumulator (64x256 fp32 per warpgroup) leaves room for 80 keys, and
@@ -77,6 +82,7 @@ struct FwdTileSize<64, DType::kFloat8E4M3> : FwdTileDefaults {
 template <>
 struct FwdTileSize<128, DType::kFloat8E4M3> : FwdTileDefaults {
   static constexpr int kBlockM = 128, kBlockN = 192, kStages = 2, kQStages = 2;
+  static constexpr bool kWarpgroupRelease = true;
 };
 // Q 32 KB, K and V 2 x 32 KB each, O 64 KB: 224 KB of the 227.
 template <>

@@ -581,6 +581,18 @@ def test_bad_fp8_tensor(arg: str) -> None:
     flash_attn_fp8_func(**kw)
 
 
+def test_scale_block_stride_past_32_bits() -> None:
+    # Meta tensors: a stride no real allocation here could hold. The kernels index a row's scales in 32 bits.
+    t = fp8_good()["k"]
+    b, h, n = t.batch, t.nheads, t.nblocks
+    data = t.data.to("meta")
+    far = torch.empty_strided((b, h, n), (h * n, n, 2**31 // n + 1), device="meta")
+    with raises(ValueError, "k"):
+        fp8_format.check_fp8_tensor("k", t._replace(data=data, scale=far))
+    near = torch.empty_strided((b, h, n), (h * n, n, (2**31 - 1) // (t.seqlen // t.block_size + 1)), device="meta")
+    fp8_format.check_fp8_tensor("k", t._replace(data=data, scale=near))
+
+
 def test_layout_and_seed_mismatches() -> None:
     t = fp8_good()
     with raises(ValueError, "k"):

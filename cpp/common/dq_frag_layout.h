@@ -11,29 +11,35 @@
 //   offset(group, t, i) = ((group * kCols / 8 + i / 4) * 128 + t) * 4 + i % 4   (floats)
 // Each 64-row block takes 64 * headdim floats, blocks (then heads, then batches) one after another; a
 // 128-row query block is two of them (its warpgroups split the rows: one 64-row block each).
+// kTransposed: the kernel computed dQ^T (head dim x 64 queries), in groups of 64 head-dim rows with all
+// kCols = 64 queries as columns; the offsets are the same, and a chunk holds (query, dim) (q, d), (q + 1, d),
+// (q, d + 8), (q + 1, d + 8).
 #pragma once
 
 #include <cute/config.hpp>
 
 namespace flashhopper {
 
-template <int kCols>
+template <int kCols, bool kTransposed = false>
 struct DqFragLayout {
   static_assert(kCols % 8 == 0, "8-column groups of the WGMMA accumulator");
   static constexpr int kBlockM = 64;  // one m64 WGMMA atom per warpgroup
+  static constexpr int kColumns = kCols;
   static constexpr int kChunksPerGroup = kCols / 8;
 
   // Float offset, within its query block, of fragment value i (a multiple of 4) of thread t.
   CUTE_HOST_DEVICE static constexpr int offset(int group, int t, int i) {
     return ((group * kChunksPerGroup + i / 4) * 128 + t) * 4;
   }
-  // The (row, col) of the first value of 16-byte chunk k of a block; its four values are (row, col),
-  // (row, col + 1), (row + 8, col), (row + 8, col + 1).
+  // The (row, col) of the accumulator's first value of 16-byte chunk k of a block; its four values are (row,
+  // col), (row, col + 1), (row + 8, col), (row + 8, col + 1) of the accumulator: of dQ, or of dQ^T (kTransposed:
+  // row a head-dim index, col a query).
   CUTE_HOST_DEVICE static constexpr void coord(int k, int& row, int& col) {
     int const t = k % 128, gj = k / 128;
     int const group = gj / kChunksPerGroup, j = gj % kChunksPerGroup;
-    row = 16 * (t / 32) + (t % 32) / 4;
-    col = group * kCols + 8 * j + 2 * (t % 4);
+    int const r = 16 * (t / 32) + (t % 32) / 4, c = 8 * j + 2 * (t % 4);
+    row = kTransposed ? group * 64 + r : r;
+    col = kTransposed ? c : group * kCols + c;
   }
 };
 

@@ -54,17 +54,24 @@ struct Mask : Visibility<kMask, kPackedRows> {
     if constexpr (!kSeqlenMask && !kRight && !kLeft) return;
     int const key_limit = seqlen_k - k0;       // local keys at or past this are padding
     int const diagonal = diag() + q0 - k0;     // local key c is on local row r's diagonal iff c == r + diagonal
-    int const right_limit = kRight ? diagonal + right() : 0, left_limit = kLeft ? diagonal - left() : 0;  // of k - q
+    // Score i's (key - query) is score 0's plus a constant of the tile's layout (coords(0) is at layout offset
+    // 0), so each test is one compare of that constant against a per-thread limit: computing (k - q) per score
+    // made ptxas keep the loop-invariant differences live across the loop and spill them.
+    constexpr int K = kTransposed ? 0 : 1, Q = kTransposed ? 1 : 0;
+    auto const c0 = coords(0);
+    int const kq0 = int(get<K>(c0)) - int(get<Q>(c0));
+    int const right_limit = kRight ? diagonal + right() - kq0 : 0, left_limit = kLeft ? diagonal - left() - kq0 : 0;
+    int const key_lim = key_limit - int(get<K>(c0));
     // Every test evaluated and one select: with short-circuit tests ptxas branched around each score's
     // (BSSY/BSYNC per score in the window kernels, ~10 instructions each).
     CUTE_UNROLL
     for (int i = 0; i < size(s); ++i) {
-      int const q = int(get<kTransposed ? 1 : 0>(coords(i)));
-      int const k = int(get<kTransposed ? 0 : 1>(coords(i)));
+      auto const off = coords.layout()(i);
+      int const dk = int(get<K>(off)), dkq = dk - int(get<Q>(off));
       bool masked = false;
-      if constexpr (kSeqlenMask) masked |= k >= key_limit;
-      if constexpr (kRight) masked |= k - q > right_limit;
-      if constexpr (kLeft) masked |= k - q < left_limit;
+      if constexpr (kSeqlenMask) masked |= dk >= key_lim;
+      if constexpr (kRight) masked |= dkq > right_limit;
+      if constexpr (kLeft) masked |= dkq < left_limit;
       s(i) = masked ? -INFINITY : s(i);
     }
   }

@@ -69,32 +69,64 @@ __global__ void __launch_bounds__(256) convert_accum_kernel(ConvertAccumParams c
 }
 
 // One query block of fragment-ordered sums (dq_frag_layout.h) to rows [0, rows) of dst: each thread
-// reads 16-byte chunks (two rows, two columns each), kBatch of them in flight.
-template <class Element, int kFragCols>
+// reads 16-byte chunks (two rows, two columns each), kBatch of them in flight. Transposed sums (dQ^T): a
+// chunk's pairs are two queries of one head-dim column, so each thread reads the chunk of thread t and of
+// t + 4 (the next head-dim row of the accumulator) for column pairs: lanes with (t % 32) / 4 even.
+template <class Element, int kFragCols, bool kTransposed = false>
 CUTE_DEVICE void convert_frag_block(float const* src, Element* dst, int rows, ConvertAccumParams const& p) {
-  using Layout = DqFragLayout<kFragCols>;
+  using Layout = DqFragLayout<kFragCols, kTransposed>;
   using Pair = cutlass::Array<Element, 2>;
   cutlass::NumericArrayConverter<Element, float, 2> convert;
   int const chunks = Layout::kBlockM * p.headdim / 4;
   constexpr int kBatch = 4;
-  for (int k0 = threadIdx.x; k0 < chunks; k0 += kBatch * blockDim.x) {
-    float4 a[kBatch];
+  if constexpr (!kTransposed) {
+    for (int k0 = threadIdx.x; k0 < chunks; k0 += kBatch * blockDim.x) {
+      float4 a[kBatch];
 #pragma unroll
-    for (int j = 0; j < kBatch; ++j) {
-      int const k = k0 + j * blockDim.x;
-      if (k < chunks) a[j] = __ldcg(reinterpret_cast<float4 const*>(src) + k);
+      for (int j = 0; j < kBatch; ++j) {
+        int const k = k0 + j * blockDim.x;
+        if (k < chunks) a[j] = __ldcg(reinterpret_cast<float4 const*>(src) + k);
+      }
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        int const k = k0 + j * blockDim.x;
+        if (k >= chunks) continue;
+        int row = 0, col = 0;
+        Layout::coord(k, row, col);
+        auto store = [&](int r, float x, float y) {
+          if (r < rows) *reinterpret_cast<Pair*>(dst + r * p.row_stride + col) = convert({x * p.scale, y * p.scale});
+        };
+        store(row, a[j].x, a[j].y);
+        store(row + 8, a[j].z, a[j].w);
+      }
     }
+  } else {
+    int const pairs = chunks / 2;  // unit u: chunk k (lane group 4 b + c of warp a, b even) and k + 4
+    for (int u0 = threadIdx.x; u0 < pairs; u0 += kBatch * blockDim.x) {
+      float4 a[kBatch], b[kBatch];
+      int ks[kBatch];
 #pragma unroll
-    for (int j = 0; j < kBatch; ++j) {
-      int const k = k0 + j * blockDim.x;
-      if (k >= chunks) continue;
-      int row = 0, col = 0;
-      Layout::coord(k, row, col);
-      auto store = [&](int r, float x, float y) {
-        if (r < rows) *reinterpret_cast<Pair*>(dst + r * p.row_stride + col) = convert({x * p.scale, y * p.scale});
-      };
-      store(row, a[j].x, a[j].y);
-      store(row + 8, a[j].z, a[j].w);
+      for (int j = 0; j < kBatch; ++j) {
+        int const u = u0 + j * blockDim.x, r = u % 64;
+        ks[j] = (u / 64) * 128 + 32 * (r / 16) + 8 * ((r / 4) % 4) + r % 4;
+        if (u < pairs) {
+          a[j] = __ldcg(reinterpret_cast<float4 const*>(src) + ks[j]);
+          b[j] = __ldcg(reinterpret_cast<float4 const*>(src) + ks[j] + 4);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        if (u0 + j * blockDim.x >= pairs) continue;
+        int d = 0, q = 0;
+        Layout::coord(ks[j], d, q);  // chunk k: dims d, d + 8; chunk k + 4: d + 1, d + 9; queries q, q + 1
+        auto store = [&](int r, int c, float x, float y) {
+          if (r < rows) *reinterpret_cast<Pair*>(dst + r * p.row_stride + c) = convert({x * p.scale, y * p.scale});
+        };
+        store(q, d, a[j].x, b[j].x);
+        store(q + 1, d, a[j].y, b[j].y);
+        store(q, d + 8, a[j].z, b[j].z);
+        store(q + 1, d + 8, a[j].w, b[j].w);
+      }
     }
   }
 }
@@ -147,7 +179,7 @@ CUTE_DEVICE bool decode_dq_ticket(ConvertDqReadyParams<Seqlens> const& p, int t,
   }
 }
 
-template <class Element, class BlockInfo, int kFragCols, class Seqlens>
+template <class Element, class BlockInfo, int kFragCols, bool kTransposed, class Seqlens>
 __global__ void __launch_bounds__(256) convert_dq_when_ready_kernel(ConvertDqReadyParams<Seqlens> const p) {
 #if defined(__CUDA_ARCH__)
   static_assert(cutlass::arch::IsGdcGloballyEnabled, "build with -DCUTLASS_ENABLE_GDC_FOR_SM90 (see CMakeLists.txt)");
@@ -191,7 +223,7 @@ __global__ void __launch_bounds__(256) convert_dq_when_ready_kernel(ConvertDqRea
     CUTE_UNROLL
     for (int r0 = 0; r0 < BlockInfo::kM; r0 += kFragRows) {
       if (r0 == 0 || r0 < rows) {
-        convert_frag_block<Element, kFragCols>(p.accum.accum + (row0 + r0) * p.accum.headdim,
+        convert_frag_block<Element, kFragCols, kTransposed>(p.accum.accum + (row0 + r0) * p.accum.headdim,
                                                dst + r0 * p.accum.row_stride, rows - r0, p.accum);
       }
     }
@@ -231,14 +263,14 @@ void launch_convert_dkv(BwdParams const& p, BwdWorkspace const& ws, int num_sms,
 
 // dQ as the main kernel completes its query blocks (the main kernel counts them in
 // ws.dq_semaphore and starts dependents early); BlockInfo's kBlockM is the counters' block.
-template <class Element, int kFragCols, int kBlockM, int kBlockN, MaskKind kMask, class Seqlens>
+template <class Element, int kFragCols, bool kTransposed, int kBlockM, int kBlockN, MaskKind kMask, class Seqlens>
 void launch_convert_dq_when_ready(BwdParams const& p, BwdWorkspace const& ws, Seqlens const& seqlens, int num_sms,
                                   cudaStream_t stream) {
   ConvertDqReadyParams<Seqlens> const rp{dq_convert_params(p, ws), ws.at<int>(p.workspace, ws.dq_semaphore),
                                          ws.at<int>(p.workspace, ws.dq_ticket), kBlockM,
                                          ws.seqlen_q_rounded / kBlockM, seqlens, p.window_left, p.window_right};
   static_assert(kBlockM % DqFragLayout<8>::kBlockM == 0, "fragment order is in 64-row blocks");
-  auto kernel = &convert_dq_when_ready_kernel<Element, BlockInfo<kBlockM, kBlockN, kMask>, kFragCols, Seqlens>;
+  auto kernel = &convert_dq_when_ready_kernel<Element, BlockInfo<kBlockM, kBlockN, kMask>, kFragCols, kTransposed, Seqlens>;
   int per_sm = 0;
   check_launch(max_blocks_per_sm_once(per_sm, kernel, p.device, 256, 0), "occupancy query");
   int64_t const blocks = int64_t(ws.batch_coords) * p.nheads_q * rp.blocks_per_head;

@@ -158,8 +158,8 @@ int64_t launch_bwd_main(BwdParams const& params, BwdWorkspace const& ws, int num
 
   // dQ block by block as the main kernel completes them (a programmatic dependent launch); with no
   // keys it converts the zeroed sums right away (every block's count is 0).
-  launch_convert_dq_when_ready<Element, int(Mainloop::DQCols::value), Mainloop::kBlockM, Mainloop::kBlockN,
-                               Mainloop::kMask>(p, ws, seqlens, num_sms, stream);
+  launch_convert_dq_when_ready<Element, Mainloop::FragLayout::kColumns, Mainloop::kdQSwapAB, Mainloop::kBlockM,
+                               Mainloop::kBlockN, Mainloop::kMask>(p, ws, seqlens, num_sms, stream);
   launch_convert_dkv<Element>(p, ws, num_sms, stream);
   return ctas;
 }

@@ -176,6 +176,15 @@ int64_t run_fwd_sm90_blocks(FwdParams const& params, cudaStream_t stream) {
       throw std::invalid_argument("flashhopper: fp8 k/v_scale_block must be a multiple of the kernel's block_n (" +
                                   std::to_string(Tile::kBlockN) + ")");
     }
+    // The kernel indexes a row's blocks in 32 bits (Descale::Row).
+    auto too_far = [](int block, int64_t block_stride, int seqlen) {
+      return (int64_t(seqlen) / std::max(block, 1) + 1) * (block_stride < 0 ? -block_stride : block_stride) > INT32_MAX;
+    };
+    if (too_far(p.q_scale_block, p.q_scale_block_stride, p.seqlen_q) ||
+        too_far(p.k_scale_block, p.k_scale_block_stride, p.seqlen_k) ||
+        too_far(p.v_scale_block, p.v_scale_block_stride, p.seqlen_k)) {
+      throw std::invalid_argument("flashhopper: fp8 scale block strides too large (block index x stride >= 2^31)");
+    }
     // V^T: (headdim, keys), head-dim rows v_dim_stride apart (Q's without keys, above).
     if (p.v_dim_stride <= 0 || p.v_dim_stride % 16 != 0) {
       throw std::invalid_argument("flashhopper: fp8 kernels take V as V^T (batch, heads, headdim, seqlen_pad): "

@@ -79,20 +79,25 @@ struct BwdMainloop {
   static constexpr int kStages = Tile::kStages, kStagesdO = Tile::kStagesdO, kStagesdS = Tile::kStagesdS;
   static constexpr MaskKind kMask = kMask_;
   static constexpr bool kSdPSwapAB = Tile::kSdPSwapAB, kdKVSwapAB = Tile::kdKVSwapAB;
-  static constexpr int kdQSlices = Tile::kdQSlices;
   // P^T and dS^T as register A operands of the dV/dK GEMMs: their accumulator rows are keys.
   static constexpr bool kdKVRegsA = kSdPSwapAB && !kdKVSwapAB;
   // dS from the float32 P, with P^T made 16-bit (and dV issued) after the dS math (W8: 1-6% faster
   // at head dims 64 and 128). Dropout keeps dS from the 16-bit P: its Pd is one more tile.
   static constexpr bool kLateP = kdKVRegsA && !Dropout::kEnabled;
   static_assert(kSdPSwapAB != kdKVSwapAB, "supported layouts: S^T with dK/dV, or S with dK^T/dV^T");
+  static constexpr int kNumMmaWG = 2;
+  static constexpr int kNumMmaThreads = kNumMmaWG * cutlass::NumThreadsPerWarpGroup;
   // dQ (kBlockM x headdim): a 64-row block split over the warpgroups by columns, or 128 rows by rows.
   static_assert(kBlockM == 64 || kBlockM == 128, "dQ: one 64-row WGMMA atom per warpgroup");
   static_assert(kStagesdS == 1 || kStagesdS == kStages, "dS stages follow the Q stages");
-  static constexpr int kNumMmaWG = 2;
-  static constexpr int kNumMmaThreads = kNumMmaWG * cutlass::NumThreadsPerWarpGroup;
   static constexpr DqPath kDqPath = kHeadDim >= 256 && !kDeterministic ? DqPath::kConsumerRed : DqPath::kWriterBulk;
   static constexpr bool kdQAtomic = kDqPath == DqPath::kConsumerRed;
+  // dQ^T = K^T dS^T (Tile::kdQSwapAB, with the consumers' reds only): slice s of warpgroup w is head-dim rows
+  // 64 (2 s + w) .. + 64 of dQ^T for all kBlockM queries, one N = kBlockM WGMMA per key step, one slice at a time.
+  static constexpr bool kdQSwapAB = Tile::kdQSwapAB && kdQAtomic;
+  static_assert(!kdQSwapAB || (!kSdPSwapAB && kBlockM == 64 && kHeadDim % (64 * kNumMmaWG) == 0),
+                "dQ^T: S (not S^T) tiles of 64 queries, whole 64-row head-dim atoms per warpgroup");
+  static constexpr int kdQSlices = kdQSwapAB ? kHeadDim / (64 * kNumMmaWG) : Tile::kdQSlices;
   // Without determinism the writer counts a query block's additions this many blocks after issuing
   // them, when they have long completed, so that waiting for them does not hold up the hand-offs
   // (1 and 2 measured alike).
@@ -110,6 +115,7 @@ struct BwdMainloop {
   static constexpr bool kdQSplitRows = kBlockM == 128;
   using DSlice = Int<kHeadDim / kdQSlices>;
   using DQCols = Int<kdQSplitRows ? kHeadDim / kdQSlices : kHeadDim / kdQSlices / 2>;  // a warpgroup's of a slice
+  // (dQ^T: a warpgroup's head-dim rows of a slice, 64.)
 
   // ---- GEMMs: one TiledMma over both consumer warpgroups (thread index 0..255) each ----------
   // S or S^T (and dP or dP^T), K = headdim; split over the keys.
@@ -146,14 +152,19 @@ struct BwdMainloop {
   // dS is stored the way the S accumulator holds it (adjacent pairs contiguous), so as dQ's A
   // operand it is MN-major when S was S^T.
   static constexpr GMMA::Major kMajordS = kSdPSwapAB ? GMMA::Major::MN : GMMA::Major::K;
-  using ShapedQ = Shape<BM, DSlice>;  // accumulator tile
-  using AtomShapedQ = Shape<_64, DQCols, BN>;
-  using MmaAtomdQ = decltype(GMMA::ss_op_selector<Element, Element, float, AtomShapedQ, kMajordS, GMMA::Major::MN>());
-  using TiledMmadQ = decltype(make_tiled_mma(
-      MmaAtomdQ{}, std::conditional_t<kdQSplitRows, Layout<Shape<_2, _1, _1>>, Layout<Shape<_1, _2, _1>>>{}));
+  // dQ^T: A = the K^T slice (MN-major: K's head dim is contiguous), B = dS^T, i.e. dS as stored (K-major).
+  using ShapedQ = std::conditional_t<kdQSwapAB, Shape<DSlice, BM>, Shape<BM, DSlice>>;  // accumulator tile
+  using AtomShapedQ = std::conditional_t<kdQSwapAB, Shape<_64, BM, BN>, Shape<_64, DQCols, BN>>;
+  using MmaAtomdQ = std::conditional_t<
+      kdQSwapAB, decltype(GMMA::ss_op_selector<Element, Element, float, AtomShapedQ, GMMA::Major::MN, kMajordS>()),
+      decltype(GMMA::ss_op_selector<Element, Element, float, AtomShapedQ, kMajordS, GMMA::Major::MN>())>;
+  using TiledMmadQ = decltype(make_tiled_mma(MmaAtomdQ{}, std::conditional_t<kdQSplitRows || kdQSwapAB,
+                                                                              Layout<Shape<_2, _1, _1>>,
+                                                                              Layout<Shape<_1, _2, _1>>>{}));
   // Fragment order of a dQ slice's sums (dq_frag_layout.h): a warpgroup's share is 64 rows x DQCols, group
-  // slice * 2 + warpgroup of the query block's 64-row block, or group slice of 64-row block `warpgroup`.
-  using FragLayout = DqFragLayout<DQCols::value>;
+  // slice * 2 + warpgroup of the query block's 64-row block, or group slice of 64-row block `warpgroup`;
+  // dQ^T's: 64 head-dim rows x the 64 queries, group slice * 2 + warpgroup.
+  using FragLayout = DqFragLayout<kdQSwapAB ? kBlockM : DQCols::value, kdQSwapAB>;
   static constexpr int kdQHalfFloats = 64 * DQCols::value;  // one warpgroup's share of a slice
   CUTE_HOST_DEVICE static constexpr int dq_share_offset(int slice, int wg) {  // floats, in its query block
     return kdQSplitRows ? wg * 64 * kHeadDim + FragLayout::offset(slice, 0, 0)
@@ -519,7 +530,10 @@ struct BwdMainloop {
     Tensor tdPrV = fragment_ab<kSdPSwapAB>(wg_sdp, sV);
     Tensor tdVrdO = fragment_ab<kdKVSwapAB>(wg_dv, sdOt);
     Tensor tdKrQ = fragment_ab<kdKVSwapAB>(wg_dk, sQt);
-    Tensor tdQrdS = wg_dq.partition_fragment_A(sdSq);
+    Tensor tdQrdS = [&] {
+      if constexpr (kdQSwapAB) return wg_dq.partition_fragment_B(sdS);
+      else return wg_dq.partition_fragment_A(sdSq);
+    }();
 
     auto smem_copy_pds = make_tiled_copy_C(SmemCopyAtomPdS{}, mma_sdp);
     auto thr_copy_pds = smem_copy_pds.get_thread_slice(thread_idx);
@@ -556,6 +570,9 @@ struct BwdMainloop {
       }
     };
 
+    // Fragment-order offsets are linear in (slice, warpgroup, thread, value): this thread's part (kdQAtomic).
+    int const dq_thread_offset =
+        dq_share_offset(0, wg) + FragLayout::offset(0, thread_idx % cutlass::NumThreadsPerWarpGroup, 0);
     MaskT const mask{seq, p.window_left, p.window_right};
     bool const seqlen_mask = (n_block + 1) * kBlockN > seq.seqlen_k;  // the last key block has padding
     // Dropout: the S^T tile's columns (queries) are whole per warpgroup; an S tile's keys are split over
@@ -643,6 +660,22 @@ struct BwdMainloop {
           Tensor tdVrP = make_tensor(rP.data(), acc_layout_as_a_operand(rP.layout()));
           wgmma<false, -1>(mma_dv, tdVrP, tdVrdO(_, _, _, stage_do), tdVrdV);
           return rdS;
+        } else if constexpr (!Dropout::kEnabled) {
+          // P and dS through shared memory (head dims 192, 256): dS from the float P too, both made 16-bit after
+          // the dS math; from the 16-bit P each score paid its unpacking (PRMT / IMAD.U32) twice.
+          auto const dpsum = stat(ts.smem_dpsum.data() + stage_do * kBlockM);
+          warpgroup_wait<0>();  // dP done
+          warpgroup_fence_operand(tdPrdP);
+          Tensor dscores = rowcol(tdPrdP);
+          grad_scores(scores, dscores, dpsum);
+          p.score_mod.chain(dscores, scores, lse);
+          Tensor rP = convert_type<Element>(tSrS);
+          Tensor rdS = convert_type<Element>(tdPrdP);
+          if constexpr (kStagesdS == 1) cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBwdPdS);
+          Tensor sP = make_tensor(make_smem_ptr(ts.smem_p.data()), SmemLayoutPdS{});
+          copy(smem_copy_pds, thr_copy_pds.retile_S(rP), thr_copy_pds.partition_D(sP)(_, _, _, stage_ds));
+          copy(smem_copy_pds, thr_copy_pds.retile_S(rdS), tdSsdS(_, _, _, stage_ds));
+          return rdS;
         } else {
           Tensor rP = convert_type<Element>(tSrS);
           // Dropout: dV takes Pd = s P where kept, 0 where dropped; dS takes both (DropoutPhilox::grad_scores).
@@ -702,8 +735,12 @@ struct BwdMainloop {
       }
       // dQ slices, with dK issued after the first: dQ_0, dK, dQ_1, ...
       auto issue_dq = [&](auto& tdQrdQ, int slice) {
-        Tensor tdQrK = wg_dq.partition_fragment_B(local_tile(sKt, Shape<DSlice, BN>{}, make_coord(slice, _0{})));
-        wgmma<true, -1>(mma_dq, tdQrdS(_, _, _, stage_ds), tdQrK, tdQrdQ);
+        auto const sKt_slice = local_tile(sKt, Shape<DSlice, BN>{}, make_coord(slice, _0{}));
+        if constexpr (kdQSwapAB) {
+          wgmma<true, -1>(mma_dq, wg_dq.partition_fragment_A(sKt_slice), tdQrdS(_, _, _, stage_ds), tdQrdQ);
+        } else {
+          wgmma<true, -1>(mma_dq, tdQrdS(_, _, _, stage_ds), wg_dq.partition_fragment_B(sKt_slice), tdQrdQ);
+        }
       };
       auto issue_dk = [&]() {
         if constexpr (kdKVRegsA) {
@@ -717,14 +754,16 @@ struct BwdMainloop {
 
       // A slice's sums, in fragment order: added by the consumers (kConsumerRed) or staged for the
       // dQ writer once it has emptied this warpgroup's buffer (kWriterBulk).
-      float* const dq_block = p.dq_accum + (m_block0 + m_block) * int64_t(kBlockM * kHeadDim);
+      // The thread's own part of the offsets is added once, the (slice, value) part is a constant: per-value
+      // 64-bit sums made ptxas keep 16 address pairs live across the loop (and spill) at head dim 256.
+      float* const dq_thread = p.dq_accum + (m_block0 + m_block) * int64_t(kBlockM * kHeadDim) + dq_thread_offset;
       auto stage_dq = [&](auto& frag, int slice) {
         warpgroup_fence_operand(frag);
         int const t = thread_idx % cutlass::NumThreadsPerWarpGroup;
         if constexpr (kdQAtomic) {
           CUTE_UNROLL
           for (int i = 0; i < size(frag); i += 4) {
-            red_add_v4(dq_block + dq_share_offset(slice, wg) + FragLayout::offset(0, t, i), frag(i), frag(i + 1),
+            red_add_v4(dq_thread + (dq_share_offset(slice, 0) + FragLayout::offset(0, 0, i)), frag(i), frag(i + 1),
                        frag(i + 2), frag(i + 3));
           }
         } else {
@@ -743,7 +782,22 @@ struct BwdMainloop {
         }
       };
       using FragdQ = decltype(partition_fragment_C(mma_dq, ShapedQ{}));
-      if constexpr (kdQSlices <= 2) {
+      if constexpr (kdQSwapAB) {
+        // One slice at a time in one accumulator (as FA3): dQ_0, dK; dQ_1 once dQ_0's reds are out.
+        FragdQ tdQrdQ;
+        issue_dq(tdQrdQ, 0);
+        issue_dk();
+        warpgroup_wait<1>();  // dV and dQ_0 done; dK in flight
+        pipeline_do.consumer_release(read_do);
+        ++read_do;
+        stage_dq(tdQrdQ, 0);
+        CUTE_UNROLL
+        for (int slice = 1; slice < kdQSlices; ++slice) {
+          issue_dq(tdQrdQ, slice);
+          warpgroup_wait<0>();
+          stage_dq(tdQrdQ, slice);
+        }
+      } else if constexpr (kdQSlices <= 2) {
         // Every slice in flight at once: dQ_0, dK, dQ_1.
         cute::array<FragdQ, kdQSlices> tdQrdQ;
         issue_dq(tdQrdQ[0], 0);

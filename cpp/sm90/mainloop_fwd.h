@@ -303,15 +303,16 @@ struct FwdMainloop {
     int64_t batch, head, block_stride;
     int block;
     cutlass::FastDivmod block_div;  // of block
+    // Within a row the block offset fits 32 bits (the launcher checks it): one IMAD and one IMAD.WIDE a block.
     struct Row {
       float const* ptr;
-      int64_t block_stride;
+      int block_stride;
       cutlass::FastDivmod block_div;
       CUTE_DEVICE float operator()(int token) const { return ptr[block_div.div(token) * block_stride]; }
     };
     CUTE_DEVICE int first(int offset, int b) const { return Seqlens::first_block(offset, b, block); }
     CUTE_DEVICE Row row(int b, int h, int first_block) const {
-      return {ptr + b * batch + h * head + first_block * block_stride, block_stride, block_div};
+      return {ptr + b * batch + h * head + first_block * block_stride, int(block_stride), block_div};
     }
   };
   struct Descales {

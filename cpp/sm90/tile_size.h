@@ -114,7 +114,8 @@ struct FwdFp8CacheTileSize : FwdTileDefaults {
 //    dK^T = Q^T dS (kdKVSwapAB), split over the head dim where each warpgroup gets whole 64-row
 //    WGMMA atoms (256: 128 rows each), over the keys otherwise (192: all rows, half the keys each).
 // dQ = dS K (kBlockM x headdim), in kdQSlices column slices, is split over the warpgroups by columns at 64 rows
-// and by rows at 128, and summed over the key blocks in a float32 buffer (mainloop_bwd.h: DqPath).
+// and by rows at 128, or computed as dQ^T = K^T dS^T in 64-row head-dim atoms (kdQSwapAB), and summed over the
+// key blocks in a float32 buffer (mainloop_bwd.h: DqPath).
 // kStages: Q (with its LSE) stages; kStagesdO: dO (with D) stages; kStagesdS: P/dS buffers.
 template <int kHeadDim, int kHeadDimV = kHeadDim>
 struct BwdTileSize;
@@ -124,14 +125,14 @@ struct BwdTileSize;
 template <>
 struct BwdTileSize<64> {
   static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2, kStagesdO = 2, kStagesdS = 2, kdQSlices = 1;
-  static constexpr bool kSdPSwapAB = true, kdKVSwapAB = false;
+  static constexpr bool kSdPSwapAB = true, kdKVSwapAB = false, kdQSwapAB = false;
 };
 
 // Head dim 64 in 64-row steps, for the kernels whose element work does not fit beside 128-row S^T/dP^T tiles:
 // there dropout spilled 192 bytes and softcap 46, and their training steps ran 5-10% slower (perf-notes, W5).
 struct BwdTileHeadDim64Rows64 {
   static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2, kStagesdO = 2, kStagesdS = 2, kdQSlices = 1;
-  static constexpr bool kSdPSwapAB = true, kdKVSwapAB = false;
+  static constexpr bool kSdPSwapAB = true, kdKVSwapAB = false, kdQSwapAB = false;
 };
 
 // 64 query rows per step; 80 (dQ^T as the GEMM) asked less of shared memory per FLOP but ran 10%
@@ -139,14 +140,14 @@ struct BwdTileHeadDim64Rows64 {
 template <>
 struct BwdTileSize<128> {
   static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2, kStagesdO = 2, kStagesdS = 2, kdQSlices = 1;
-  static constexpr bool kSdPSwapAB = true, kdKVSwapAB = false;
+  static constexpr bool kSdPSwapAB = true, kdKVSwapAB = false, kdQSwapAB = false;
 };
 
 // Head dim 96: head dim 128's layout (dK and dV take 48 registers each per thread).
 template <>
 struct BwdTileSize<96> {
   static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2, kStagesdO = 2, kStagesdS = 2, kdQSlices = 1;
-  static constexpr bool kSdPSwapAB = true, kdKVSwapAB = false;
+  static constexpr bool kSdPSwapAB = true, kdKVSwapAB = false, kdQSwapAB = false;
 };
 
 // Head dim 192: with S^T, one warpgroup would hold 64 keys x 192 of both dK and dV (192 registers).
@@ -155,7 +156,7 @@ struct BwdTileSize<96> {
 template <>
 struct BwdTileSize<192> {
   static constexpr int kBlockM = 64, kBlockN = 96, kStages = 2, kStagesdO = 1, kStagesdS = 1, kdQSlices = 3;
-  static constexpr bool kSdPSwapAB = false, kdKVSwapAB = true;
+  static constexpr bool kSdPSwapAB = false, kdKVSwapAB = true, kdQSwapAB = false;
 };
 
 // Q/K 192, V 128: head dim 192's layout (dV^T of 48 keys per warpgroup takes 48 registers, where dK^T
@@ -166,12 +167,15 @@ template <>
 struct BwdTileSize<128, 64> : BwdTileSize<128> {};
 
 // Head dim 256: 80 keys per CTA (20% less Q/dO traffic per FLOP than 64; dK^T/dV^T take 160
-// registers), dQ in four 32-column slices to fit the registers; one dO stage, released mid-iteration
-// (after dV), so the next one loads under the dQ/dK GEMMs; one P/dS buffer (a second: +0-1%).
+// registers); one dO stage, released mid-iteration (after dV), so the next one loads under the dQ/dK
+// GEMMs; one P/dS buffer (a second: +0-1%). dQ as dQ^T = K^T dS^T (kdQSwapAB): each warpgroup a 64-row
+// atom of the head dim x the 64 queries per slice, N = 64 WGMMAs, half the instructions and less shared
+// memory per FLOP than dQ's 32-column N = 32 halves; the deterministic instantiation (its slices staged
+// in shared memory, where 128-row slices do not fit) keeps dQ in kdQSlices column slices.
 template <>
 struct BwdTileSize<256> {
   static constexpr int kBlockM = 64, kBlockN = 80, kStages = 2, kStagesdO = 1, kStagesdS = 1, kdQSlices = 4;
-  static constexpr bool kSdPSwapAB = false, kdKVSwapAB = true;
+  static constexpr bool kSdPSwapAB = false, kdKVSwapAB = true, kdQSwapAB = true;
 };
 
 // Kernels with dropout (common/dropout.h): the plain tiles, except head dim 256's 80 keys, split 40 / 40 between

@@ -188,6 +188,12 @@ def check_fp8_tensor(name: str, t: Any) -> None:
                   else f"ceil(seqlen / block_size) = ceil({t.seqlen} / {t.block_size}) = {t.nblocks}")
         raise ValueError(f"{name}.scale has shape {tuple(t.scale.shape)}; it must be (batch, nheads, nblocks) = "
                          f"{target} or broadcastable to it, with nblocks = {blocks}")
+    # The kernels index a row's scale blocks in 32 bits (launch_fwd.h checks the same bound).
+    stride = abs(t.scales().stride(2))
+    reach = (t.seqlen // t.block_size + 1) if t.block_size is not None else 1
+    if reach * stride > 2**31 - 1:
+        raise ValueError(f"{name}.scale's block stride {stride} times {reach} blocks reaches past 2**31 elements; "
+                         f"the kernels index a row's scales in 32 bits: pass a (more) contiguous scale tensor")
 
 
 def token_scales(t: FP8Tensor) -> torch.Tensor:

@@ -59,13 +59,18 @@ struct FwdTileSize<192, kDType> : FwdTileDefaults {
 };
 
 // Q/K 192, V 128 (DeepSeek-V3's prefill): O as at head dim 128, 128 keys; Q 48 KB, K 2 x 48 KB, V 2 x 32 KB.
-// Q/K 128, V 64: head dim 128's tiles. Starting points (FA3's), measured in docs/perf-notes.md.
+// Starting points (FA3's), measured in docs/perf-notes.md.
 template <DType kDType>
 struct FwdTileSize<192, kDType, 128> : FwdTileDefaults {
   static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2, kQStages = 1;
 };
+// Q/K 128, V 64 forward: head dim 64's 192 x 128 on three consumer warpgroups (O takes 32 registers, as at 64):
+// +7-10% non-causal from 2k and causal from 8k against head dim 128's 128 x 128; causal at 512 tokens 15% slower
+// (3 tiles of 192 rows for 512; perf-notes, session 19).
 template <DType kDType>
-struct FwdTileSize<128, kDType, 64> : FwdTileSize<128, kDType> {};
+struct FwdTileSize<128, kDType, 64> : FwdTileDefaults {
+  static constexpr int kBlockM = 192, kBlockN = 128, kStages = 2, kQStages = 2;
+};
 
 // FP8 (e4m3): half the bytes per K/V tile, the same registers per score. kBlockN must be a multiple of
 // 32 (the fp8 PV GEMM's k) and is also the K/V scale block the kernel needs (docs/fp8.md). O has its

@@ -1146,8 +1146,8 @@ struct FwdMainloop {
     }
     auto step = [&](int n, auto right_edge, auto left_edge) {
       constexpr bool kRight = decltype(right_edge)::value, kLeft = decltype(left_edge)::value;
-      // Descale loads go out before the GEMMs and land while they run.
-      // After the GEMM issue: the first shuffle after opening waits for the window's loads.
+      // Per-block descale loads go out before the GEMMs and land while they run; the window's shuffles go after the
+      // GEMM issue (the first one after opening waits for the window's loads).
       constexpr bool kWindowed = kDescaleWindow && !(kRight || kLeft);
       float s_scale, vd;
       auto prefetch = [&] {

@@ -124,7 +124,8 @@ CUTE_DEVICE void convert_frag_block(float const* src, Element* dst, int rows, El
 }
 
 // dQ one query block at a time, each once the main kernel has counted all the key blocks that add
-// to it (BlockInfo::num_n_blocks_of; zero for rows that see no key, whose dQ is the zeroed accumulator).
+// to it (BlockInfo::num_n_blocks_of; zero for rows that see no key, whose dQ is the zeroed accumulator)
+// and, where some were counted as issued (kDqUnlanded), once the main kernel has completed.
 // Launched as a programmatic dependent of the main kernel, so its CTAs fill the SMs that the main
 // kernel's tail leaves idle. Blocks are handed out in the order the main kernel finishes them:
 // (batch, head) ascending, as its CTAs start, and within a head the last query block first, as
@@ -193,7 +194,10 @@ __global__ void __launch_bounds__(256) convert_dq_when_ready_kernel(ConvertDqRea
               scratch_row0_q<BlockInfo::kM>(p.seqlens, seq, batch, head, nheads, p.blocks_per_head * p.block_m) /
                   p.block_m + m_block;
           cuda::atomic_ref<int const, cuda::thread_scope_device> ready(p.ready[block]);
-          while (ready.load(cuda::memory_order_acquire) < need) __nanosleep(256);  // spare L2 the polling
+          int count;
+          while (((count = ready.load(cuda::memory_order_acquire)) & ~kDqUnlanded) < need) __nanosleep(256);
+          // Counted as issued: the additions have landed once the main kernel has completed.
+          if (count & kDqUnlanded) cutlass::arch::wait_on_dependent_grids();
           __threadfence();  // the block's sums, before the barrier publishes them to the CTA
         } else {
           batch = -2;

@@ -4,7 +4,9 @@
 // with sinks such rows have the sink's finite LSE and their P is 0 by the mask). With sinks,
 // also each row's share of the sinks' gradient (the main kernel needs nothing else for sinks: the
 // LSE includes them).
-// Memory-bound: 16-byte loads, a few threads per row, shuffles to reduce.
+// It also zeroes the workspace's accumulators and semaphores, split evenly over its blocks: one kernel
+// instead of a memset and a kernel (the main kernel runs after it on the stream).
+// Memory-bound: 16-byte loads and stores, a few threads per row, shuffles to reduce.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -31,6 +33,8 @@ struct BwdPreprocessParams {
   float* dpsum;       // same
   float const* sinks; // (nheads,) sink logits, or nullptr
   float* dsinks_rows; // with sinks: like lse, each row's share of d(sinks)
+  uint4* zero;        // the workspace's zeroed pieces (BwdWorkspace::zero_begin..zero_end)
+  int64_t zero_vecs;  // their size in 16-byte vectors
   int64_t o_batch_stride, o_row_stride, o_head_stride;
   int64_t do_batch_stride, do_row_stride, do_head_stride;
   Seqlens seqlens;
@@ -63,6 +67,13 @@ __global__ void __launch_bounds__(BwdPreprocess<Element, kHeadDim, kBlockM>::kTh
   using Cfg = BwdPreprocess<Element, kHeadDim, kBlockM>;
   using Vec = cutlass::Array<Element, Cfg::kVec>;
   int const head = blockIdx.y, batch = blockIdx.z;
+  {  // This block's share of the zeroing, before the early return below: every block takes one.
+    int64_t const blocks = int64_t(gridDim.x) * gridDim.y * gridDim.z;
+    int64_t const block = (int64_t(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+    int64_t const per = (p.zero_vecs + blocks - 1) / blocks;
+    int64_t const end = min(block * per + per, p.zero_vecs);
+    for (int64_t i = block * per + threadIdx.x; i < end; i += Cfg::kThreads) p.zero[i] = make_uint4(0, 0, 0, 0);
+  }
   SeqlenInfo const seq = p.seqlens(batch);
   int const rows_rounded = (seq.seqlen_q + kBlockM - 1) / kBlockM * kBlockM;  // this entry's, with padding rows
   if (int(blockIdx.x) * Cfg::kRowsPerBlock >= rows_rounded) return;  // past the entry (block-uniform)
@@ -108,22 +119,26 @@ __global__ void __launch_bounds__(BwdPreprocess<Element, kHeadDim, kBlockM>::kTh
   }
 }
 
-// Zero the workspace's accumulators (one memset) and run the preprocess into its statistics; kBlockM is the
-// workspace's (its per-row pieces are in whole query blocks).
+// Run the preprocess into the workspace's statistics and zero its accumulators; kBlockM is the workspace's
+// (its per-row pieces are in whole query blocks).
 template <class Element, int kHeadDim, int kBlockM, class Seqlens>
 void launch_bwd_preprocess(BwdParams const& p, BwdWorkspace const& ws, Seqlens const& seqlens, cudaStream_t stream) {
-  check_launch(cudaMemsetAsync(ws.at<char>(p.workspace, ws.zero_begin), 0, ws.zero_end - ws.zero_begin, stream),
-               "backward workspace memset");
+  static_assert(BwdWorkspace::kAlign % sizeof(uint4) == 0, "the zeroed pieces are whole 16-byte vectors");
   constexpr bool kPacked = Seqlens::kPacked;
   BwdPreprocessParams<Seqlens> pre{p.o_ptr, p.do_ptr, p.lse_ptr, p.dlse_ptr,
                                    ws.at<float>(p.workspace, ws.lse_log2), ws.at<float>(p.workspace, ws.dpsum),
                                    p.sinks_ptr, p.dsinks_rows_ptr,
+                                   ws.at<uint4>(p.workspace, ws.zero_begin),
+                                   int64_t((ws.zero_end - ws.zero_begin) / sizeof(uint4)),
                                    p.o_batch_stride, p.o_row_stride, p.o_head_stride,
                                    p.do_batch_stride, p.do_row_stride, p.do_head_stride,
                                    seqlens, p.seqlen_q, kPacked ? p.total_q : p.seqlen_q,
                                    ws.seqlen_q_rounded, p.nheads_q};
   using Pre = BwdPreprocess<Element, kHeadDim, kBlockM>;
-  if (p.seqlen_q == 0 || (kPacked && p.total_q == 0)) return;  // no query rows: no statistics (an empty grid)
+  if (p.seqlen_q == 0 || (kPacked && p.total_q == 0)) {  // no query rows: no statistics (an empty grid)
+    check_launch(cudaMemsetAsync(pre.zero, 0, ws.zero_end - ws.zero_begin, stream), "backward workspace memset");
+    return;
+  }
   bwd_preprocess_kernel<Element, kHeadDim, kBlockM, Seqlens><<<Pre::grid(pre, p.batch), Pre::kThreads, 0, stream>>>(pre);
   check_launch(cudaGetLastError(), "backward preprocess launch");
 }

@@ -16,7 +16,7 @@
 namespace flashhopper {
 
 // Where each piece of the backward's scratch lives in the caller's workspace. The zeroed pieces
-// are contiguous so that one memset clears them. Per-row pieces are (batch coordinate, head, rows): a
+// are contiguous so that the preprocess kernel clears them as one range. Per-row pieces are (batch coordinate, head, rows): a
 // padded batch has batch coordinates of seqlen rows (rounded up to blocks), a packed one (kVarlen) one
 // coordinate whose rows hold every entry's, each from a block boundary on (Seqlens::padded_offset_*).
 struct BwdWorkspace {
@@ -28,7 +28,8 @@ struct BwdWorkspace {
   size_t dk_accum = 0, dv_accum = 0;                   // GQA: float (batch_coords, nheads_kv, rows_k, headdim[_v])
   size_t dq_semaphore = 0;                             // int per (batch_coord, head, query block): key blocks
                                                        // whose dQ additions have landed (sm90 counts
-                                                       // them always, sm80 when deterministic)
+                                                       // them always, sm80 when deterministic), or
+                                                       // been issued: then kDqUnlanded is set too
   size_t dq_ticket = 0;                                // int: next query block for the dQ postprocess
   size_t dkv_semaphore = 0;                            // deterministic GQA: int per (batch_coord, kv head, key block)
   size_t zero_end = 0, total = 0;
@@ -78,6 +79,11 @@ struct BwdWorkspace {
     return reinterpret_cast<T*>(static_cast<char*>(base) + offset);
   }
 };
+
+// A dq_semaphore count that includes additions still in flight (sm90, not deterministic, no mask: a CTA counts
+// its last query block without waiting for it to land, so as not to hold its SM for the round trip); the dQ
+// postprocess converts such a block only once the main kernel has completed. The count is the other bits.
+constexpr int kDqUnlanded = 1 << 30;
 
 // Where one (entry, head)'s per-row scratch starts: its first row in the (batch_coords, heads, rows) pieces
 // (row statistics, dQ sums: rows = seqlen_q_rounded, kBlock = kBlockM; its block index, divided by kBlock).

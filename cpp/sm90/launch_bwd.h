@@ -1,8 +1,8 @@
 // Host launcher of the Hopper backward: carves the caller's workspace, then on one stream
-//   1. zeroes the float32 accumulators and semaphores (one memset),
-//   2. preprocess: D = rowsum(dO * O) - dLSE and LSE * log2(e) per query row,
-//   3. the main kernel (grid: key blocks x query heads x batch),
-//   4. postprocess: dQ = softmax_scale * dQ_accum in the input dtype, each query block once the main
+//   1. preprocess: D = rowsum(dO * O) - dLSE and LSE * log2(e) per query row; the same kernel zeroes the
+//      float32 accumulators and semaphores,
+//   2. the main kernel (grid: key blocks x query heads x batch),
+//   3. postprocess: dQ = softmax_scale * dQ_accum in the input dtype, each query block once the main
 //      kernel has counted all its key blocks' additions, launched to run beside the main kernel's
 //      tail; under GQA then dK, dV.
 // Included by the generated translation units, one per KernelConfig (kernel_key.h).

@@ -102,6 +102,11 @@ struct BwdMainloop {
   // them, when they have long completed, so that waiting for them does not hold up the hand-offs
   // (1 and 2 measured alike).
   static constexpr int kdQCountLag = 1;
+  // Without determinism and without a mask, the writer counts its last blocks as issued (kDqUnlanded): waiting
+  // for them to land kept each CTA on its SM for the round trip (d64, 512 tokens: main kernel 440 -> 418 us).
+  // Only then: there every key block ends on query block 0 of its head, which alone waits for the grid; with a
+  // causal or window mask each ends on its own diagonal block, and nearly every block would (perf-notes, S21A).
+  static constexpr bool kCountLastIssued = kMask == MaskKind::kNone;
   using BlockInfoT = BlockInfo<kBlockM, kBlockN, kMask>;
   using MaskT = Mask<kBlockN, kMask>;
 
@@ -423,7 +428,8 @@ struct BwdMainloop {
   // Once a query block's additions have landed in global memory, its dq_semaphore counts them: the
   // postprocess converts a block as soon as every key block has counted (it runs beside this
   // kernel's tail). Deterministic: key blocks add one at a time, in later_key_blocks order, and
-  // count at once; otherwise a block is counted kdQCountLag query blocks later.
+  // count at once; otherwise a block is counted kdQCountLag query blocks later, and the last ones
+  // on landing or, kCountLastIssued, as issued.
   CUTE_DEVICE static void store_dq(Params const& p, TensorStorage& ts, SeqlenInfo const& seq, BlockInfoT const& bi,
                                    int n_block, int head, int batch) {
     if constexpr (kdQAtomic) return;  // the consumers add and count dQ themselves
@@ -475,7 +481,17 @@ struct BwdMainloop {
         count(m_block + kdQCountLag, m_block + kdQCountLag, Int<kdQCountLag * kGroupsPerBlock>{});
       }
     }
-    if (!p.deterministic) count(m_begin, imin(m_end, m_begin + kdQCountLag) - 1, Int<0>{});
+    if (p.deterministic) return;
+    if constexpr (!kCountLastIssued) {
+      count(m_begin, imin(m_end, m_begin + kdQCountLag) - 1, Int<0>{});
+    } else if (lane0) {
+      // Their reads of shared memory are done (the loop waited for them).
+      for (int m = m_begin; m < imin(m_end, m_begin + kdQCountLag); ++m) {
+        cuda::atomic_ref<int, cuda::thread_scope_device> sem(sem_bh[m]);
+        sem.fetch_or(kDqUnlanded, cuda::memory_order_relaxed);  // before the count: a reader of it sees the mark
+        sem.fetch_add(1, cuda::memory_order_relaxed);
+      }
+    }
   }
 
   // ---------------------------------------------------------------------------------------------

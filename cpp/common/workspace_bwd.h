@@ -16,9 +16,10 @@
 namespace flashhopper {
 
 // Where each piece of the backward's scratch lives in the caller's workspace. The zeroed pieces
-// are contiguous so that the preprocess kernel clears them as one range. Per-row pieces are (batch coordinate, head, rows): a
-// padded batch has batch coordinates of seqlen rows (rounded up to blocks), a packed one (kVarlen) one
-// coordinate whose rows hold every entry's, each from a block boundary on (Seqlens::padded_offset_*).
+// are contiguous so that the preprocess kernel clears them as one range. Per-row pieces are (batch
+// coordinate, head, rows): a padded batch has batch coordinates of seqlen rows (rounded up to blocks),
+// a packed one (kVarlen) one coordinate whose rows hold every entry's, each from a block boundary on
+// (Seqlens::padded_offset_*).
 struct BwdWorkspace {
   static constexpr size_t kAlign = 256;
   size_t lse_log2 = 0, dpsum = 0;                      // float (batch_coords, nheads_q, seqlen_q_rounded)

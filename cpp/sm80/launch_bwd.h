@@ -1,6 +1,6 @@
 // Host launcher of the Ampere backward: carves the caller's workspace, then on one stream the
-// shared preprocess (D and LSE per row, the accumulators zeroed), the main kernel (grid: key blocks x query heads x
-// batch) and the postprocess (dQ from its fragment-ordered tiles; under GQA the shared dK, dV one).
+// shared preprocess (D and LSE per row, the accumulators zeroed), the main kernel (grid: key blocks x
+// query heads x batch) and the postprocess (dQ from its fragment-ordered tiles; under GQA the shared dK, dV one).
 // The tiles follow the shared memory the device allows (sm80::BwdTileSize: 99 KB on sm_86/sm_89).
 // Included by the generated translation units, one per KernelConfig (kernel_key.h); compiled for
 // sm_80 and sm_90.

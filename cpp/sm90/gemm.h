@@ -9,6 +9,32 @@ namespace flashhopper::sm90 {
 
 using namespace cute;
 
+// CuTe's WGMMA atom for a (64, N, K) tile, checked to be one atom of the tile's whole N. CuTe has every N from 8 to
+// 256 in steps of 8 only under CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED (else 8, 16, 32, 64, 96, 128, 192, 256), and
+// without it picks a narrower atom that divides N, silently: more and smaller WGMMAs. That define adds ~30 s to a
+// translation unit's compile (its headers), so the generator sets it only in the units whose tiles need it
+// (generate_kernels.py: extended_wgmma_shapes); a tile that needs it elsewhere fails to compile here.
+template <class MmaOp, class TileShape>
+CUTE_HOST_DEVICE constexpr MmaOp checked_atom() {
+  constexpr int kAtomN = size<1>(typename MMA_Traits<MmaOp>::Shape_MNK{});
+  constexpr int kTileN = size<1>(TileShape{});
+  static_assert(kAtomN == kTileN,
+                "no WGMMA atom of the tile's N: add this unit to extended_wgmma_shapes in cpp/generate_kernels.py");
+  return MmaOp{};
+}
+template <class ElementA, class ElementB, class ElementC, class TileShape, GMMA::Major kMajorA = GMMA::Major::K,
+          GMMA::Major kMajorB = GMMA::Major::K>
+CUTE_HOST_DEVICE constexpr auto ss_atom() {
+  return checked_atom<decltype(GMMA::ss_op_selector<ElementA, ElementB, ElementC, TileShape, kMajorA, kMajorB>()),
+                      TileShape>();
+}
+template <class ElementA, class ElementB, class ElementC, class TileShape, GMMA::Major kMajorA = GMMA::Major::K,
+          GMMA::Major kMajorB = GMMA::Major::K>
+CUTE_HOST_DEVICE constexpr auto rs_atom() {
+  return checked_atom<decltype(GMMA::rs_op_selector<ElementA, ElementB, ElementC, TileShape, kMajorA, kMajorB>()),
+                      TileShape>();
+}
+
 // Fence the operands, issue all k-blocks, commit; then wait until at most kWait batches of this
 // warpgroup are in flight (kWait < 0: do not wait). A comes from registers (RS) or a shared-memory
 // descriptor (SS); the accumulator is zeroed first when kZeroInit.

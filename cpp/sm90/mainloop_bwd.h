@@ -127,8 +127,7 @@ struct BwdMainloop {
   using ShapeSdP = std::conditional_t<kSdPSwapAB, Shape<BN, BM>, Shape<BM, BN>>;
   using AtomShapeSdP = std::conditional_t<kSdPSwapAB, Shape<Int<kBlockN / 2>, BM, D>, Shape<BM, Int<kBlockN / 2>, D>>;
   using AtomLayoutSdP = std::conditional_t<kSdPSwapAB, Layout<Shape<_2, _1, _1>>, Layout<Shape<_1, _2, _1>>>;
-  using TiledMmaSdP = decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, AtomShapeSdP>(),
-                                              AtomLayoutSdP{}));
+  using TiledMmaSdP = decltype(make_tiled_mma(ss_atom<Element, Element, float, AtomShapeSdP>(), AtomLayoutSdP{}));
   // dV, dK (kBlockN x headdim, split over keys) or dV^T, dK^T (headdim x kBlockN, split over the
   // head dim), K = kBlockM.
   // dK^T's warpgroups split the head dim when each gets whole 64-row atoms, else the keys (tile_size.h);
@@ -144,10 +143,10 @@ struct BwdMainloop {
   template <class Dim>
   using TiledMmadKVOf = decltype(make_tiled_mma(
       std::conditional_t<kdKVRegsA,
-                         decltype(GMMA::rs_op_selector<Element, Element, float, AtomShapedKVOf<Dim>, GMMA::Major::K,
-                                                       GMMA::Major::MN>()),
-                         decltype(GMMA::ss_op_selector<Element, Element, float, AtomShapedKVOf<Dim>, GMMA::Major::MN,
-                                                       GMMA::Major::MN>())>{},
+                         decltype(rs_atom<Element, Element, float, AtomShapedKVOf<Dim>, GMMA::Major::K,
+                                          GMMA::Major::MN>()),
+                         decltype(ss_atom<Element, Element, float, AtomShapedKVOf<Dim>, GMMA::Major::MN,
+                                          GMMA::Major::MN>())>{},
       std::conditional_t<kdKVSplitKeys, Layout<Shape<_1, _2, _1>>, Layout<Shape<_2, _1, _1>>>{}));
   using ShapedK = ShapedKVOf<D>;
   using ShapedV = ShapedKVOf<DV>;
@@ -161,8 +160,8 @@ struct BwdMainloop {
   using ShapedQ = std::conditional_t<kdQSwapAB, Shape<DSlice, BM>, Shape<BM, DSlice>>;  // accumulator tile
   using AtomShapedQ = std::conditional_t<kdQSwapAB, Shape<_64, BM, BN>, Shape<_64, DQCols, BN>>;
   using MmaAtomdQ = std::conditional_t<
-      kdQSwapAB, decltype(GMMA::ss_op_selector<Element, Element, float, AtomShapedQ, GMMA::Major::MN, kMajordS>()),
-      decltype(GMMA::ss_op_selector<Element, Element, float, AtomShapedQ, kMajordS, GMMA::Major::MN>())>;
+      kdQSwapAB, decltype(ss_atom<Element, Element, float, AtomShapedQ, GMMA::Major::MN, kMajordS>()),
+      decltype(ss_atom<Element, Element, float, AtomShapedQ, kMajordS, GMMA::Major::MN>())>;
   using TiledMmadQ = decltype(make_tiled_mma(MmaAtomdQ{}, std::conditional_t<kdQSplitRows || kdQSwapAB,
                                                                               Layout<Shape<_2, _1, _1>>,
                                                                               Layout<Shape<_1, _2, _1>>>{}));

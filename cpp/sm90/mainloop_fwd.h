@@ -110,9 +110,9 @@ struct FwdMainloop {
   using BN = Int<kBlockN>;
 
   // GEMMs of one consumer warpgroup: S(64 x BN) = Q(64 x D) K^T, O(64 x DV) += P(64 x BN) V.
-  using TiledMmaQK = decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, Shape<_64, BN, D>>()));
-  using TiledMmaPV = decltype(make_tiled_mma(GMMA::rs_op_selector<Element, Element, float, Shape<_64, DV, BN>,
-                                                                   GMMA::Major::K, kFp8 ? GMMA::Major::K : GMMA::Major::MN>()));
+  using TiledMmaQK = decltype(make_tiled_mma(ss_atom<Element, Element, float, Shape<_64, BN, D>>()));
+  using TiledMmaPV = decltype(make_tiled_mma(rs_atom<Element, Element, float, Shape<_64, DV, BN>, GMMA::Major::K,
+                                                     kFp8 ? GMMA::Major::K : GMMA::Major::MN>()));
 
   // Q: one 64-row slice per consumer warpgroup, kQStages tiles deep. The 16-bit epilogue stages O in
   // the warpgroup's slice once its last S GEMM is done, so O needs no buffer of its own (FP8 does).
@@ -160,8 +160,8 @@ struct FwdMainloop {
   };
   template <class Unused>
   struct E4m3Mmas<true, Unused> {
-    using QK = decltype(make_tiled_mma(GMMA::ss_op_selector<ElementKV, ElementKV, float, Shape<_64, BN, D>>()));
-    using PV = decltype(make_tiled_mma(GMMA::rs_op_selector<ElementKV, ElementKV, float, Shape<_64, DV, BN>>()));
+    using QK = decltype(make_tiled_mma(ss_atom<ElementKV, ElementKV, float, Shape<_64, BN, D>>()));
+    using PV = decltype(make_tiled_mma(rs_atom<ElementKV, ElementKV, float, Shape<_64, DV, BN>>()));
   };
   using TiledMmaQK8 = typename E4m3Mmas<kFp8Cache>::QK;
   using TiledMmaPV8 = typename E4m3Mmas<kFp8Cache>::PV;

@@ -82,9 +82,9 @@ def cpp_config(key: kk.KernelKey) -> str:
 
 def extended_wgmma_shapes(mode: str, key: kk.KernelKey) -> bool:
     """Whether the unit has a WGMMA whose N is not one of CuTe's standard 8, 16, 32, 64, 96, 128, 192, 256 (the tiles
-    of cpp/sm90/tile_size.h), so that it needs CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED. That define costs ~30 s of
-    every unit's compile (the extended atoms' headers), so it is set only here; sm90/gemm.h's ss_atom / rs_atom fail
-    to compile a unit that needs it without it."""
+    of cpp/sm90/tile_size.h), so that it needs CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED. That define's headers cost a
+    unit ~30 s of its compile on a 2-core machine (docs/perf-notes.md, session 22), so it is set only here;
+    sm90/gemm.h's ss_atom / rs_atom fail to compile a unit that needs it without it."""
     if key.arch != 90:
         return False
     if mode == "fwd":

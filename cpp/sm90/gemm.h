@@ -11,9 +11,10 @@ using namespace cute;
 
 // CuTe's WGMMA atom for a (64, N, K) tile, checked to be one atom of the tile's whole N. CuTe has every N from 8 to
 // 256 in steps of 8 only under CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED (else 8, 16, 32, 64, 96, 128, 192, 256), and
-// without it picks a narrower atom that divides N, silently: more and smaller WGMMAs. That define adds ~30 s to a
-// translation unit's compile (its headers), so the generator sets it only in the units whose tiles need it
-// (generate_kernels.py: extended_wgmma_shapes); a tile that needs it elsewhere fails to compile here.
+// without it picks a narrower atom that divides N, silently: more and smaller WGMMAs. That define's headers cost
+// every translation unit ~30 s of compiling on a 2-core machine (a d128 unit: 109 s with, 71 without), so the
+// generator sets it only in the units whose tiles need it (generate_kernels.py: extended_wgmma_shapes); a tile that
+// needs it elsewhere fails to compile here.
 template <class MmaOp, class TileShape>
 CUTE_HOST_DEVICE constexpr MmaOp checked_atom() {
   constexpr int kAtomN = size<1>(typename MMA_Traits<MmaOp>::Shape_MNK{});

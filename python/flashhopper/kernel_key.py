@@ -82,7 +82,8 @@ class KernelKey:
                 + (f" variant {self.variant}" if self.variant else ""))
 
     def file_name(self, mode: str) -> str:
-        """The generated translation unit's stem, e.g. fwd_sm90_bf16_hdim128_causal."""
+        """The configuration's name, e.g. fwd_sm90_bf16_hdim128_causal (its generated unit holds every
+        configuration of its arch, mode, dtype and head dims: cpp/generate_kernels.py's tu_name)."""
         hd = f"hdim{self.headdim}" + ("" if self.headdim_v == self.headdim else f"v{self.headdim_v}")
         mask = "" if self.mask == "none" else f"_{self.mask}"
         score_mod = "" if self.score_mod == "none" else f"_{self.score_mod}"

@@ -187,16 +187,16 @@ def main() -> None:
                            varlen == "on", kvcache)
         config = cpp_config(key)
         params = "FwdParams" if mode == "fwd" else "BwdParams"
-        unit = len(aliases)
+        tu = groups.setdefault(tu_name(mode, key), TranslationUnit(fam.header))
+        unit = len(tu.units)  # numbered within its unit: another head dim does not change (and rebuild) this one
         lines = [f"// {key.file_name(mode)}",
                  f"using Config{unit} = {config};",
                  f"template int64_t {fam.launcher}<Config{unit}>({params} const&, cudaStream_t);",
                  f"template TileInfo {fam.tiles}<Config{unit}>();"]
         if fam.workspace:
             lines.append(f"template size_t {fam.workspace}<Config{unit}>({params} const&);")
-        tu = groups.setdefault(tu_name(mode, key), TranslationUnit(fam.header))
         tu.units.append(("\n".join(lines), extended_wgmma_shapes(mode, key)))
-        alias = f"K{unit}"
+        alias = f"K{len(aliases)}"
         aliases.append(f"using {alias} = {config};  // {mode}")
         extra = f"&{fam.workspace}<{alias}>, " if fam.workspace else ""
         entries[mode].append(f"      {{{alias}::key(), &{fam.launcher}<{alias}>, {extra}{fam.tiles}<{alias}>()}},")

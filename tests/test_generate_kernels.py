@@ -127,3 +127,17 @@ def test_standard_shapes_only(name: str) -> None:
 ])
 def test_extended_where_a_tile_needs_it(name: str) -> None:
     assert gen.extended_wgmma_shapes(*key(name))
+
+
+def test_another_head_dim_leaves_the_other_units_unchanged(tmp_path: Path) -> None:
+    """A unit's text depends on its own configurations only, so a build that adds a head dim recompiles its units."""
+    common = ["--archs", "90", "80", "--modes", "fwd", "bwd", "--dtypes", "bf16", "--masks", "none", "causal",
+              "--varlen", "off", "on", "--kvcache", "off", "on"]
+    texts = []
+    for hdims in (["64", "128"], ["64", "96", "128"]):
+        out = tmp_path / "-".join(hdims)
+        subprocess.run([sys.executable, str(GENERATOR), "--out", str(out), "--hdims", *hdims, *common],
+                       check=True, capture_output=True)
+        texts.append({n: (out / n).read_text() for n in (out / "sources.txt").read_text().split()})
+    assert set(texts[0]) < set(texts[1])
+    assert all(texts[0][n] == texts[1][n] for n in texts[0])

@@ -98,8 +98,8 @@ int64_t run_fwd(FwdParams const& p, cudaStream_t stream) {
   cudaError_t err = raise_max_dynamic_smem(kernel, p.device, Kernel::kSmemBytes);
   if (err != cudaSuccess) throw std::runtime_error(std::string("flashhopper: cudaFuncSetAttribute: ") + cudaGetErrorString(err));
   kernel<<<grid, Kernel::kNumThreads, Kernel::kSmemBytes, stream>>>(kp);
-  if (kKVCache && num_splits > 1) {
-    combine_kvcache_splits<Element, Config::kHeadDim>(p, num_splits, kp.o_partial, kp.lse_partial, stream);
+  if constexpr (kKVCache) {  // constexpr: the combine is instantiated for the cache's head dims only (not 96, 192)
+    if (num_splits > 1) combine_kvcache_splits<Element, Config::kHeadDim>(p, num_splits, kp.o_partial, kp.lse_partial, stream);
   }
   return int64_t(grid.x) * grid.y * grid.z;
 }

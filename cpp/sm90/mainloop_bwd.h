@@ -130,15 +130,20 @@ struct BwdMainloop {
   using TiledMmaSdP = decltype(make_tiled_mma(ss_atom<Element, Element, float, AtomShapeSdP>(), AtomLayoutSdP{}));
   // dV, dK (kBlockN x headdim, split over keys) or dV^T, dK^T (headdim x kBlockN, split over the
   // head dim), K = kBlockM.
-  // dK^T's warpgroups split the head dim when each gets whole 64-row atoms, else the keys (tile_size.h);
-  // dV^T (headdim_v rows) is split the same way.
-  static constexpr bool kdKVSplitKeys = kdKVSwapAB && (kHeadDim % 128 != 0 || kHeadDimV % 128 != 0);
-  static_assert(!kdKVSplitKeys || (kHeadDim % 64 == 0 && kHeadDimV % 64 == 0 && kBlockN % 16 == 0),
+  // dK^T's and dV^T's warpgroups each split their GEMM's head dim (Dim rows) when each gets whole 64-row atoms,
+  // else the keys (tile_size.h). Both read all of P / dS from shared memory, so the two may split differently:
+  // at Q/K 192, V 128, dK^T splits the keys and dV^T the head dim (one N = kBlockN atom per warpgroup, which
+  // reads less shared memory per FLOP than two N = kBlockN / 2 ones).
+  template <class Dim>
+  static constexpr bool kdKVSplitKeysOf = kdKVSwapAB && Dim::value % 128 != 0;
+  static_assert(!kdKVSplitKeysOf<Int<kHeadDim>> || (kHeadDim % 64 == 0 && kBlockN % 16 == 0),
+                "whole atoms, 8-key columns per WG");
+  static_assert(!kdKVSplitKeysOf<Int<kHeadDimV>> || (kHeadDimV % 64 == 0 && kBlockN % 16 == 0),
                 "whole atoms, 8-key columns per WG");
   template <class Dim>
   using ShapedKVOf = std::conditional_t<kdKVSwapAB, Shape<Dim, BN>, Shape<BN, Dim>>;
   template <class Dim>
-  using AtomShapedKVOf = std::conditional_t<kdKVSwapAB, Shape<_64, Int<kdKVSplitKeys ? kBlockN / 2 : kBlockN>, BM>,
+  using AtomShapedKVOf = std::conditional_t<kdKVSwapAB, Shape<_64, Int<kdKVSplitKeysOf<Dim> ? kBlockN / 2 : kBlockN>, BM>,
                                             Shape<Int<kBlockN / 2>, Dim, BM>>;
   template <class Dim>
   using TiledMmadKVOf = decltype(make_tiled_mma(
@@ -147,7 +152,7 @@ struct BwdMainloop {
                                           GMMA::Major::MN>()),
                          decltype(ss_atom<Element, Element, float, AtomShapedKVOf<Dim>, GMMA::Major::MN,
                                           GMMA::Major::MN>())>{},
-      std::conditional_t<kdKVSplitKeys, Layout<Shape<_1, _2, _1>>, Layout<Shape<_2, _1, _1>>>{}));
+      std::conditional_t<kdKVSplitKeysOf<Dim>, Layout<Shape<_1, _2, _1>>, Layout<Shape<_2, _1, _1>>>{}));
   using ShapedK = ShapedKVOf<D>;
   using ShapedV = ShapedKVOf<DV>;
   using TiledMmadK = TiledMmadKVOf<D>;
@@ -187,8 +192,8 @@ struct BwdMainloop {
                                                                                  Step<_2, _1, _3>{})));
   // K^T is dQ's MN-major B operand, a warpgroup's DQCols columns at a time: those must be whole swizzle
   // atoms or lie inside one. At head dim 96 (48 columns) the 64-byte swizzle's 32-column atoms do
-  // neither, so K and V take the 32-byte swizzle there.
-  using KVAtomCols = std::conditional_t<kHeadDim % 64 == 0, D, DQCols>;
+  // neither, so K and V take the 32-byte swizzle there; at 192 (96 columns a warpgroup) the 64-byte one.
+  using KVAtomCols = std::conditional_t<DQCols::value % 64 == 0 || 64 % DQCols::value == 0, D, DQCols>;
   using SmemAtomKV =
       decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, BN, KVAtomCols>());
   using SmemLayoutK = decltype(tile_to_shape(SmemAtomKV{}, Shape<BN, D>{}));

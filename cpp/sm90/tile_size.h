@@ -157,10 +157,12 @@ struct BwdTileSize<96> {
 
 // Head dim 192: with S^T, one warpgroup would hold 64 keys x 192 of both dK and dV (192 registers).
 // Head dim 256's layout instead, the keys split: dK^T/dV^T of 48 keys per warpgroup take 144
-// registers, dQ goes in three 64-column slices. A starting point (FA3 uses 64 x 96 too).
+// registers. dQ in one slice, 96 columns per warpgroup (48 registers beside dK^T/dV^T, no spill): its N = 96
+// WGMMAs read dS once a step where three 64-column slices (N = 32 per warpgroup) read it three times, 60 KB of
+// shared memory a step instead of 108 (perf-notes, session 24). FA3 uses 64 x 96 too.
 template <>
 struct BwdTileSize<192> {
-  static constexpr int kBlockM = 64, kBlockN = 96, kStages = 2, kStagesdO = 1, kStagesdS = 1, kdQSlices = 3;
+  static constexpr int kBlockM = 64, kBlockN = 96, kStages = 2, kStagesdO = 1, kStagesdS = 1, kdQSlices = 1;
   static constexpr bool kSdPSwapAB = false, kdKVSwapAB = true, kdQSwapAB = false;
 };
 

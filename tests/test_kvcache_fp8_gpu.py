@@ -130,7 +130,8 @@ def test_sinks(seqlen_q: int, layout: int | None, num_splits: int) -> None:
                                        return_lse=True, k_cache_scale=ks, v_cache_scale=vs, hadamard_seed=7,
                                        sinks=sinks)
     check_against_stored(out, lse, q, k8, v8, ks, vs, lengths, True, table, 7, sinks)
-    assert torch.equal(lse[1], sinks[:, None].expand(32, seqlen_q)), "an entry without keys: lse is the sink"
+    # an entry without keys: lse is the sink (to float rounding: the kernels take it through exp2 units and back)
+    torch.testing.assert_close(lse[1], sinks[:, None].expand(32, seqlen_q), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("seqlen_new", [1, 16])

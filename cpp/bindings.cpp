@@ -194,19 +194,20 @@ PYBIND11_MODULE(_C, m) {
         "fwd() with these pointers in place of params' (0: none); params itself is left as it was.");
   m.def("fwd_kvcache_with", [](FwdParams params, int index, uintptr_t stream, uintptr_t q, uintptr_t k, uintptr_t v,
                                uintptr_t o, uintptr_t lse, uintptr_t page_table, uintptr_t cache_seqlens,
-                               uintptr_t split_workspace, uintptr_t k_scale, uintptr_t v_scale) {
+                               uintptr_t split_workspace, uintptr_t k_scale, uintptr_t v_scale, uintptr_t sinks) {
     FwdEntry const& e = entry(fwd_kernels(), index, "forward");
     set_ptr(params.q_ptr, q), set_ptr(params.k_ptr, k), set_ptr(params.v_ptr, v), set_ptr(params.o_ptr, o);
     set_ptr(params.lse_ptr, lse), set_ptr(params.page_table, page_table), set_ptr(params.cache_seqlens, cache_seqlens);
     set_ptr(params.split_workspace, split_workspace);
     if (k_scale != 0 || v_scale != 0) set_ptr(params.k_scale_ptr, k_scale), set_ptr(params.v_scale_ptr, v_scale);
+    set_ptr(params.sinks_ptr, sinks);
     return on_device(params.device, "forward kernel launch",
                      [&] { return e.launch(params, reinterpret_cast<cudaStream_t>(stream)); });
   }, py::arg("params"), py::arg("index"), py::arg("stream"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"),
         py::arg("lse"), py::arg("page_table"), py::arg("cache_seqlens"), py::arg("split_workspace"),
-        py::arg("k_scale") = 0, py::arg("v_scale") = 0,
+        py::arg("k_scale") = 0, py::arg("v_scale") = 0, py::arg("sinks") = 0,
         "A KV-cache kernel's fwd() with these pointers in place of params' (0: none; k_scale / v_scale: an e4m3 "
-        "cache's scales); params itself is left as it was.");
+        "cache's scales; sinks: float32 (nheads_q,) sink logits); params itself is left as it was.");
   m.def("bwd", [](BwdParams const& params, int index, uintptr_t stream) {
     BwdEntry const& e = entry(bwd_kernels(), index, "backward");
     if (params.workspace == nullptr) throw std::invalid_argument("flashhopper: the backward needs a workspace");

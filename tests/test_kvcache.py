@@ -23,9 +23,10 @@ F64 = torch.float64
 # --- helpers ---
 
 def brute_force(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], scale: float,
-                causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                causal: bool, sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention written out per (entry, head, row) in float64: entry b's keys[b] (L, nheads_kv, d); row i sees
-    key j iff not causal or j <= i + L - seqlen_q; a row that sees none: 0 and -inf."""
+    key j iff not causal or j <= i + L - seqlen_q; a row that sees none: 0 and -inf. ``sinks`` (nheads_q,): head
+    h's denominator gets exp(sinks[h]) with no value, and its lse includes it (a row that sees no key: the sink)."""
     b, sq, hq, _ = q.shape
     dv = values[0].shape[-1]
     out = torch.zeros(b, sq, hq, dv, dtype=F64)
@@ -35,15 +36,18 @@ def brute_force(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Te
         n = kk.shape[0]
         g = hq // kk.shape[1]
         for h in range(hq):
+            sink = -math.inf if sinks is None else float(sinks[h])
             for i in range(sq):
                 last = n if not causal else min(n, i + n - sq + 1)
                 if last <= 0:
+                    lse[e, h, i] = sink
                     continue
                 s = (kk[:last, h // g] @ q[e, i, h].double()) * scale
-                m = s.max()
+                m = max(float(s.max()), sink)
                 p = torch.exp(s - m)
-                lse[e, h, i] = m + torch.log(p.sum())
-                out[e, i, h] = (p[:, None] * vv[:last, h // g]).sum(0) / p.sum()
+                total = p.sum() + math.exp(sink - m)
+                lse[e, h, i] = m + torch.log(total)
+                out[e, i, h] = (p[:, None] * vv[:last, h // g]).sum(0) / total
     return out, lse
 
 
@@ -104,6 +108,34 @@ def test_reference_matches_brute_force(seqlen_q: int, causal: bool, hkv: int) ->
     torch.testing.assert_close(out, want)
     torch.testing.assert_close(lse, want_lse)
     assert (out[0] == 0).all() and torch.isneginf(lse[0]).all()  # an entry without keys
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q", [1, 3])
+@pytest.mark.parametrize("hkv", [4, 1])
+def test_sinks_match_brute_force(seqlen_q: int, causal: bool, hkv: int) -> None:
+    """flash_attn_with_kvcache(sinks=...) on the CPU, paged: each query head's sink joins its rows' denominators (a
+    large one dominates, a very negative one vanishes), and rows without keys get out = 0, lse = the sink."""
+    lengths = [0, 1, 5, 32]
+    q, kc, vc = make(len(lengths), seqlen_q, 32, hq=4, hkv=hkv, d=8)
+    sinks = torch.tensor([0.5, -1.0, 6.0, -40.0], dtype=torch.float32)
+    kc, vc = poison_past(kc, lengths), poison_past(vc, lengths)
+    kp, table = to_paged(kc, 16, generator=torch.Generator().manual_seed(1))
+    vp = torch.full_like(kp, float("nan"))
+    for e in range(len(lengths)):
+        for i in range(2):
+            vp[table[e, i]] = vc[e, 16 * i:16 * (i + 1)]
+    out, lse = flash_attn_with_kvcache(q, kp, vp, cache_seqlens=i32(lengths), page_table=table, softmax_scale=0.4,
+                                       causal=causal, return_lse=True, sinks=sinks)
+    want, want_lse = brute_force(q, [kc[e, :n] for e, n in enumerate(lengths)],
+                                 [vc[e, :n] for e, n in enumerate(lengths)], 0.4, causal, sinks)
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(lse, want_lse.float())  # (lse is float32 whatever the inputs)
+    assert (out[0] == 0).all() and torch.equal(lse[0], sinks[:, None].expand(4, seqlen_q))
+    plain, plain_lse = flash_attn_with_kvcache(q, kp, vp, cache_seqlens=i32(lengths), page_table=table,
+                                               softmax_scale=0.4, causal=causal, return_lse=True)
+    assert not torch.allclose(out[1:], plain[1:])  # the sinks changed something
+    torch.testing.assert_close(out[1:, :, 3], plain[1:, :, 3])  # exp(-40) is nothing next to a key
 
 
 def test_reference_paged_equals_contiguous() -> None:
@@ -353,6 +385,11 @@ BAD = [
     (dict(window_size=(16, 0)), False, False, NotImplementedError, "window_size=.* not supported yet"),
     (dict(window_size=(16,)), False, False, TypeError, "window_size must be a pair"),
     (dict(softcap=30.0), False, False, NotImplementedError, "softcap=30.0.* not supported yet"),
+    (dict(sinks=torch.zeros(4)), False, False, None, "float32 sinks, one per query head"),
+    (dict(sinks=torch.zeros(4, dtype=F64)), False, False, TypeError, "sinks has dtype torch.float64"),
+    (dict(sinks=torch.zeros(2)), False, False, ValueError, r"sinks must have shape \(4,\) \(one logit per query head\)"),
+    (dict(sinks=torch.zeros(4, device="meta")), False, False, ValueError, "sinks is on meta but q is on cpu"),
+    (dict(sinks=[0.0] * 4), False, False, TypeError, "sinks must be a torch.Tensor"),
     (dict(rotary_cos=_f64(32, 8)), False, False, TypeError, "rotary_cos"),
     (dict(cache_leftpad=i32([0, 0])), False, False, TypeError, "cache_leftpad"),
 ]
@@ -458,8 +495,11 @@ def test_fake_op_shapes() -> None:
         out, lse = torch.ops.flashhopper.kvcache_fwd(q, kc, vc, lens, 64, table, None, 0.1, True, 0, "sm90")
         torch.ops.flashhopper.kvcache_append(kc, vc, torch.empty(3, 2, 2, 64, dtype=torch.bfloat16),
                                              torch.empty(3, 2, 2, 32, dtype=torch.bfloat16), lens, 0, table, None)
+        out_s, lse_s = torch.ops.flashhopper.kvcache_fwd(q, kc, vc, lens, 64, table, None, 0.1, True, 0, "sm90",
+                                                         torch.empty(8))
     assert out.shape == (3, 1, 8, 32) and out.dtype == torch.bfloat16 and out.is_contiguous()
     assert lse.shape == (3, 8, 1) and lse.dtype == torch.float32 and lse.is_contiguous()
+    assert out_s.shape == out.shape and lse_s.shape == lse.shape
 
 
 def test_append_op_schema_mutates_the_caches() -> None:
@@ -480,6 +520,9 @@ def test_opcheck(paged: bool) -> None:
                           (kc, vc, args["k"], args["v"], lens, 0, table, None), test_utils=utils)
     torch.library.opcheck(torch.ops.flashhopper.kvcache_fwd.default,
                           (q, kc, vc, lens + 2, 32, table, None, 0.25, True, 0, "reference"), test_utils=utils)
+    torch.library.opcheck(torch.ops.flashhopper.kvcache_fwd.default,
+                          (q, kc, vc, lens + 2, 32, table, None, 0.25, True, 0, "reference", torch.randn(4)),
+                          test_utils=utils)
 
 
 @pytest.mark.skipif(not torch._dynamo.is_dynamo_supported(), reason="torch.compile (dynamo) is not supported here")
@@ -544,10 +587,10 @@ class FakeC:
 
     def fwd_kvcache_with(self, params: Any, index: int, stream: int, q: int, k: int, v: int, o: int, lse: int,
                          page_table: int, cache_seqlens: int, split_workspace: int, k_scale: int = 0,
-                         v_scale: int = 0) -> int:
+                         v_scale: int = 0, sinks: int = 0) -> int:
         d = dict(vars(params))
         d.update(q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=o, lse_ptr=lse, page_table=page_table, cache_seqlens=cache_seqlens,
-                 split_workspace=split_workspace, k_scale_ptr=k_scale, v_scale_ptr=v_scale)
+                 split_workspace=split_workspace, k_scale_ptr=k_scale, v_scale_ptr=v_scale, sinks_ptr=sinks)
         self.calls.append((d, index, stream))
         return 3
 
@@ -564,9 +607,9 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeC]:
     yield c
 
 
-def kvcache_fwd(q, kc, vc, lens, seqlen_k, table=None, rows=None, causal=True, num_splits=1):  # type: ignore[no-untyped-def]
+def kvcache_fwd(q, kc, vc, lens, seqlen_k, table=None, rows=None, causal=True, num_splits=1, sinks=None):  # type: ignore[no-untyped-def]
     return torch.ops.flashhopper.kvcache_fwd.default(q, kc, vc, lens, seqlen_k, table, rows, 0.125, causal,
-                                                     num_splits, "sm90")
+                                                     num_splits, "sm90", sinks)
 
 
 def test_launch_gqa_packed_decode(fake: FakeC) -> None:
@@ -653,11 +696,31 @@ def test_launch_splits(fake: FakeC) -> None:
     assert all(c[0]["split_workspace"] != 0 for c in fake.calls)
 
 
+def test_launch_sinks(fake: FakeC) -> None:
+    """Sinks reach the kernel as a pointer to float32 (nheads_q,) (contiguous: a strided view is copied), GQA-packed
+    and split alike (the kernels index them per packed row; the combine adds them); no sinks: a null pointer."""
+    q = torch.randn(1, 1, 32, 128, dtype=torch.bfloat16)
+    kc = torch.randn(4, 16, 8, 128, dtype=torch.bfloat16)
+    table = torch.zeros(1, 8192, dtype=torch.int32)
+    lens = i32([64])
+    sinks = torch.randn(32)
+    strided = torch.randn(64)[::2]
+    kvcache_fwd(q, kc, kc, lens, 131072, table, num_splits=3, sinks=sinks)
+    kvcache_fwd(q, kc, kc, lens, 131072, table, num_splits=1, sinks=strided)
+    kvcache_fwd(q, kc, kc, lens, 131072, table, num_splits=3)
+    (a, _, _), (b, _, _), (c, _, _) = fake.calls
+    assert a["sinks_ptr"] == sinks.data_ptr() and (a["num_splits"], a["rows_per_query"]) == (3, 4)
+    assert b["sinks_ptr"] not in (0, strided.data_ptr()) and c["sinks_ptr"] == 0
+
+
 def test_launch_without_keys_or_rows(fake: FakeC) -> None:
     q = torch.randn(2, 3, 4, 64, dtype=torch.bfloat16)
     kc = torch.randn(2, 0, 2, 64, dtype=torch.bfloat16)
     out, lse = kvcache_fwd(q, kc, kc, None, 0)
     assert not fake.calls and (out == 0).all() and torch.isneginf(lse).all()
+    sinks = torch.tensor([1.0, 2.0, -3.0, 0.5])
+    out, lse = kvcache_fwd(q, kc, kc, None, 0, sinks=sinks)  # a row without keys: the sink's logit
+    assert not fake.calls and (out == 0).all() and torch.equal(lse, sinks[None, :, None].expand(2, 4, 3))
     out, lse = kvcache_fwd(q[:0], kc, kc, None, 0)
     assert not fake.calls and out.shape == (0, 3, 4, 64)
 

@@ -49,7 +49,7 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 def check_against_stored(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor,
                          ks: torch.Tensor, vs: torch.Tensor, lengths: list[int], causal: bool,
-                         table: torch.Tensor | None, seed: int | None) -> None:
+                         table: torch.Tensor | None, seed: int | None, sinks: torch.Tensor | None = None) -> None:
     """out / lse finite, and against float64 attention over the stored values (q transformed as K's rows):
     ||out - ref|| / ||ref|| within the rounding of P to e4m3 before the PV GEMM (2^-4 of each element, as the FP8
     forward's and FA3's: 1.8-2.9e-2 measured on these shapes; a wrong key or block gives O(1)). The kernel's scores are
@@ -61,7 +61,7 @@ def check_against_stored(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, 
     kd = kvcache_fp8.dequantize_kv_cache(k8, ks, None, torch.float64)
     vd = kvcache_fp8.dequantize_kv_cache(v8, vs, None, torch.float64)
     lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
-    ref, ref_lse = attention_kvcache_ref(qt, kd, vd, lens, table, causal=causal, dtype=torch.float64)
+    ref, ref_lse = attention_kvcache_ref(qt, kd, vd, lens, table, causal=causal, sinks=sinks, dtype=torch.float64)
     err = rel_err(out, ref)
     assert err < 4e-2, f"||out - ref|| / ||ref|| = {err:.3g} over the stored e4m3 values"
     seen = torch.isfinite(ref_lse)
@@ -111,6 +111,27 @@ def test_splits(num_splits: int, layout: int | None) -> None:
     out, lse = flash_attn_with_kvcache(q, k8, v8, cache_seqlens=lens, page_table=table, num_splits=num_splits,
                                        return_lse=True, k_cache_scale=ks, v_cache_scale=vs, hadamard_seed=7)
     check_against_stored(out, lse, q, k8, v8, ks, vs, lengths, True, table, 7)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 0])
+@pytest.mark.parametrize(("seqlen_q", "layout"), [(1, 16), (4, None), (100, 128)])
+def test_sinks(seqlen_q: int, layout: int | None, num_splits: int) -> None:
+    """Sink logits over an e4m3 cache: per query head (GQA-packed rows included), once per row with splits, the sink
+    as the lse of rows without keys."""
+    require_fp8_kvcache(torch.bfloat16, 128, seqlen_q, True)
+    torch.manual_seed(seqlen_q + num_splits)
+    lengths = [1000, 0, 17, 1024]
+    kc, vc, table, _, _ = poisoned_cache(4, 8, 128, torch.bfloat16, lengths, layout, seed=num_splits + 3)
+    k8, v8, ks, vs = kvcache_fp8.quantize_kv_cache(kc, vc, 7)
+    q = torch.randn(4, seqlen_q, 32, 128, dtype=torch.bfloat16, device="cuda")
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    sinks = torch.linspace(-2.0, 6.0, 32, device="cuda")[torch.randperm(32, device="cuda")]
+    out, lse = flash_attn_with_kvcache(q, k8, v8, cache_seqlens=lens, page_table=table, num_splits=num_splits,
+                                       return_lse=True, k_cache_scale=ks, v_cache_scale=vs, hadamard_seed=7,
+                                       sinks=sinks)
+    check_against_stored(out, lse, q, k8, v8, ks, vs, lengths, True, table, 7, sinks)
+    # an entry without keys: lse is the sink (to float rounding: the kernels take it through exp2 units and back)
+    torch.testing.assert_close(lse[1], sinks[:, None].expand(32, seqlen_q), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("seqlen_new", [1, 16])

@@ -94,15 +94,17 @@ def poisoned_cache(batch: int, hkv: int, d: int, dtype: torch.dtype, lengths: li
 
 def check_entries(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, lengths: list[int], causal: bool, page_table: torch.Tensor | None = None,
-                  cache_batch_idx: torch.Tensor | None = None) -> None:
-    """Out and lse finite (lse -inf only on rows without keys), and each entry with FA3's criterion against exact
-    attention over its own first lengths[b] keys (gathered through the page table / cache_batch_idx)."""
+                  cache_batch_idx: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> None:
+    """Out and lse finite (lse -inf only on rows without keys, the sink there with ``sinks``), and each entry with
+    FA3's criterion against exact attention over its own first lengths[b] keys (gathered through the page table /
+    cache_batch_idx)."""
     assert not torch.isnan(out).any() and torch.isfinite(out).all(), "out is not finite (a poisoned slot was read?)"
     assert not torch.isnan(lse).any() and not torch.isposinf(lse).any(), "lse has NaN or +inf"
     for b, n in enumerate(lengths):
         kb = kvcache_entry(k_cache, b, n, page_table, cache_batch_idx)
         vb = kvcache_entry(v_cache, b, n, page_table, cache_batch_idx)
-        assert_matches_reference(out[b:b + 1], lse[b:b + 1], q[b:b + 1], kb[None], vb[None], None, causal)
+        assert_matches_reference(out[b:b + 1], lse[b:b + 1], q[b:b + 1], kb[None], vb[None], None, causal,
+                                 sinks=sinks)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -436,6 +438,69 @@ def test_packed_speculative_tokens(seqlen_q: int, heads: tuple[int, int], layout
         out80, lse80 = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, page_table=table, causal=True,
                                                num_splits=num_splits, return_lse=True, backend="sm80")
         check_entries(out80, lse80, q, kc, vc, lengths, True, table)
+
+
+SINK_CASES = [(1, (32, 8), 16), (1, (8, 8), None), (1, (8, 1), 128), (3, (32, 8), 64), (200, (8, 2), 128)]
+
+
+@pytest.mark.parametrize("backend", ["sm90", "sm80"])
+@pytest.mark.parametrize("num_splits", [1, 3, 0])
+@pytest.mark.parametrize(("seqlen_q", "heads", "layout"), SINK_CASES)
+def test_sinks(seqlen_q: int, heads: tuple[int, int], layout: int | None, num_splits: int, backend: str) -> None:
+    """Sink logits (gpt-oss) over a KV cache: GQA-packed rows take their own query head's sink, a split call adds it
+    once (in the combine), rows without keys get out = 0 and lse = the sink; FA3's criterion per entry against exact
+    attention with the sinks. Each head's sink differs and is large enough to move the output (a sink taken from
+    the wrong head, twice or not at all fails)."""
+    dtype, d, causal = torch.bfloat16, 128, True
+    (require_kvcache if backend == "sm90" else require_sm80_kvcache)(dtype, d, seqlen_q, causal)
+    torch.manual_seed(seqlen_q * 10 + num_splits)
+    hq, hkv = heads
+    lengths = [0, 1, 130, 2048, 1000, 777]
+    kc, vc, table, _, _ = poisoned_cache(len(lengths), hkv, d, dtype, lengths, layout, capacity=2048,
+                                         seed=seqlen_q + num_splits)
+    q = torch.randn(len(lengths), seqlen_q, hq, d, dtype=dtype, device="cuda")
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    sinks = torch.linspace(-2.0, 6.0, hq, device="cuda")[torch.randperm(hq, device="cuda")]
+    out, lse = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, page_table=table, causal=causal,
+                                       num_splits=num_splits, return_lse=True, sinks=sinks, backend=backend)
+    check_entries(out, lse, q, kc, vc, lengths, causal, table, sinks=sinks)
+    # an entry without keys: lse is the sink (to float rounding: the kernels take it through exp2 units and back)
+    torch.testing.assert_close(lse[0], sinks[:, None].expand(hq, seqlen_q), rtol=1e-6, atol=1e-6)
+
+
+def test_sinks_fast_path_and_graph() -> None:
+    """A decode loop with sinks: the repeats (eager fast path) equal the full path bit for bit, and a captured step
+    replays with the sinks changed in place."""
+    from flashhopper import kvcache
+
+    dtype, d = torch.bfloat16, 128
+    require_kvcache(dtype, d, 1, True)
+    torch.manual_seed(23)
+    lengths = [5, 300, 0, 1024]
+    kc, vc, table, _, _ = poisoned_cache(len(lengths), 8, d, dtype, lengths, 16)
+    q = torch.randn(len(lengths), 1, 32, d, dtype=dtype, device="cuda")
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    sinks = torch.randn(32, device="cuda") + 2
+    kvcache._PLANS.clear()
+    first = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, page_table=table, return_lse=True, sinks=sinks)
+    again = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, page_table=table, return_lse=True, sinks=sinks)
+    assert len(kvcache._PLANS) == 1
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
+    check_entries(*again, q, kc, vc, lengths, True, table, sinks=sinks)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, page_table=table, sinks=sinks)  # warm-up
+        with torch.cuda.graph(graph, stream=stream):
+            out, lse = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, page_table=table, return_lse=True,
+                                               sinks=sinks)
+    torch.cuda.current_stream().wait_stream(stream)
+    sinks.copy_(torch.randn(32, device="cuda") - 1)
+    graph.replay()
+    torch.cuda.synchronize()
+    check_entries(out, lse, q, kc, vc, lengths, True, table, sinks=sinks)
 
 
 def test_debug_checks_every_call(monkeypatch: pytest.MonkeyPatch) -> None:

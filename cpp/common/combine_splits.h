@@ -2,9 +2,10 @@
 // row's O is sum_s exp(LSE_s - LSE) O_s with LSE = log sum_s exp(LSE_s). One warp per row: the lanes reduce the
 // splits' LSEs, then each lane sums the weighted O_s of its headdim / 32 columns (adjacent lanes, adjacent
 // columns: coalesced). A split with LSE -inf (no key in its range) has weight 0 and its O_s is never read (it
-// was never written). Plain CUDA, shared by every kernel family that splits. The kernel and its launcher have
-// internal linkage: the sm90 and sm80 translation units instantiate them for different architectures, and one
-// merged host stub would bind every launch to one of the two device images (NVIDIA/cub#545).
+// was never written). With sinks the row's sink joins once, here: LSE = log (sum_s exp(LSE_s) + exp(sink)).
+// Plain CUDA, shared by every kernel family that splits. The kernel and its launcher have internal linkage: the
+// sm90 and sm80 translation units instantiate them for different architectures, and one merged host stub would bind
+// every launch to one of the two device images (NVIDIA/cub#545).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -21,6 +22,11 @@ struct CombineParams {
   int64_t o_batch_stride = 0, o_row_stride = 0, o_head_stride = 0;
   float* lse = nullptr;                // (batch, heads, rows) contiguous
   int num_splits = 1, batch = 0, heads = 0, rows = 0;
+  // Sink logits (float32 (heads x rows_per_query,), or nullptr), which the splits' partial LSEs leave out: the row's
+  // denominator gets exp(sink) once, here. Row r of head h is query head h g + r % g (g = rows_per_query: GQA-packed
+  // rows, softmax.h's sink_log2_of).
+  float const* sinks = nullptr;
+  int rows_per_query = 1;
 };
 
 inline constexpr int kCombineWarps = 4;
@@ -39,7 +45,12 @@ __global__ void __launch_bounds__(kCombineWarps * 32) combine_splits_kernel(Comb
   if (row_id >= total) return;
   int64_t const split_stride = total;
 
-  float m = -INFINITY;
+  int const r = int(row_id % p.rows);
+  int64_t const bh = row_id / p.rows;
+  int const h = int(bh % p.heads), b = int(bh / p.heads);
+  float const sink = p.sinks == nullptr ? -INFINITY : p.sinks[h * p.rows_per_query + r % p.rows_per_query];
+
+  float m = sink;  // the max over the splits' LSEs and the sink
   for (int s = lane; s < p.num_splits; s += 32) m = fmaxf(m, p.lse_partial[s * split_stride + row_id]);
   for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
   float sum = 0.f;
@@ -50,6 +61,7 @@ __global__ void __launch_bounds__(kCombineWarps * 32) combine_splits_kernel(Comb
     sum += w;
   }
   for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  if (sink != -INFINITY) sum += expf(sink - m);  // (the same on every lane)
   __syncwarp();
 
   float acc[kPer];
@@ -67,9 +79,6 @@ __global__ void __launch_bounds__(kCombineWarps * 32) combine_splits_kernel(Comb
     }
   }
   float const inv = sum > 0.f ? 1.f / sum : 0.f;
-  int const r = int(row_id % p.rows);
-  int64_t const bh = row_id / p.rows;
-  int const h = int(bh % p.heads), b = int(bh / p.heads);
   Element* dst = static_cast<Element*>(p.o) + b * p.o_batch_stride + int64_t(r) * p.o_row_stride +
                  int64_t(h) * p.o_head_stride + lane * kPer;
 #pragma unroll

@@ -19,8 +19,8 @@ inline int kvcache_num_splits(FwdParams const& p) {
   if (p.num_pages < 1 || p.page_size < 1) {
     throw std::invalid_argument("flashhopper: KV-cache kernels need a cache of at least one page of at least one row");
   }
-  if (p.sinks_ptr != nullptr || p.softcap != 0.f || p.window_left >= 0 || p.window_right >= 0) {
-    throw std::invalid_argument("flashhopper: KV-cache kernels have no sinks, softcap or window yet");
+  if (p.softcap != 0.f || p.window_left >= 0 || p.window_right >= 0) {
+    throw std::invalid_argument("flashhopper: KV-cache kernels have no softcap or window yet");
   }
   if (num_splits > kCombineMaxSplits || (num_splits > 1 && p.split_workspace == nullptr)) {
     throw std::invalid_argument("flashhopper: num_splits must be 1.." + std::to_string(kCombineMaxSplits) +
@@ -48,6 +48,8 @@ void combine_kvcache_splits(FwdParams const& p, int num_splits, float const* o_p
   cp.batch = p.batch;
   cp.heads = p.nheads_q;
   cp.rows = p.seqlen_q;
+  cp.sinks = p.sinks_ptr;
+  cp.rows_per_query = std::max(1, p.rows_per_query);
   cudaError_t const err = launch_combine_splits<Element, kHeadDimV>(cp, stream);
   if (err != cudaSuccess) throw std::runtime_error(std::string("flashhopper: split-KV combine launch: ") + cudaGetErrorString(err));
 }

@@ -80,11 +80,20 @@ struct OnlineSoftmax {
   // (exp(sink) + sum_j p_j), and the LSE includes it. Both are taken relative to m_new = max(row max,
   // sink), so neither a large sink nor a row with no visible key overflows.
   CUTE_DEVICE cute::array<float, kRows> finalize(cute::array<float, kRows>& lse, float sink_log2 = -INFINITY) {
+    cute::array<float, kRows> sinks;
+    CUTE_UNROLL
+    for (int mi = 0; mi < kRows; ++mi) sinks[mi] = sink_log2;
+    return finalize(lse, sinks);
+  }
+  // The same with a sink per row (GQA-packed rows are different query heads: sink_log2_of).
+  CUTE_DEVICE cute::array<float, kRows> finalize(cute::array<float, kRows>& lse,
+                                                 cute::array<float, kRows> const& sinks_log2) {
     cute::array<float, kRows> inv_sum;
     CUTE_UNROLL
     for (int mi = 0; mi < kRows; ++mi) {
       float const l = quad_allreduce(row_sum[mi], SumOp{});
       float const m = row_max[mi];  // -inf for a row that saw no key (then l == 0)
+      float const sink_log2 = sinks_log2[mi];
       float const m_new = fmaxf(m, sink_log2);
       // l is in units of 2^(m - kMaxOffset); rescaled to 2^m_new and to true probabilities.
       float const a = m == -INFINITY ? 0.f : exp2f(m - m_new) * exp2f(-float(kMaxOffset));
@@ -96,6 +105,13 @@ struct OnlineSoftmax {
     return inv_sum;
   }
 };
+
+// The sink logit of a row of kernel head `head`, in the exp2's units (logit * log2(e)); -inf without sinks
+// (float32 (nheads_q,) or nullptr). GQA-packed rows (KV caches, rows_per_query g > 1) are query heads: row r of
+// kernel head h is query head h g + r % g.
+CUTE_HOST_DEVICE float sink_log2_of(float const* sinks, int head, int row = 0, int rows_per_query = 1) {
+  return sinks == nullptr ? -INFINITY : sinks[head * rows_per_query + row % rows_per_query] * float(M_LOG2E);
+}
 
 // Backward: the probabilities are recomputed from the forward's statistics instead of a running
 // max, P = exp2(S * scale_log2 - lse_log2), and the score gradient is dS = P * (dP - D) with

@@ -66,17 +66,18 @@ struct FwdEpilogue {
     }
   }
 
-  // No row of the tile sees a key (causal with seqlen_q > seqlen_k): O = 0, LSE = empty_lse (-inf, or the
-  // head's sink logit).
+  // No row of the tile sees a key (causal with seqlen_q > seqlen_k): O = 0, LSE = empty_lse(row) (-inf, or the
+  // row's sink logit).
+  template <class EmptyLse>
   CUTE_DEVICE static void store_empty(Element* o, int64_t o_row_stride, float* lse_row, int seqlen_q, int m_block,
-                                      float empty_lse = -INFINITY) {
+                                      EmptyLse const& empty_lse) {
     int const rows = cute::min(int(kBlockM), seqlen_q - m_block * kBlockM);
     constexpr int kVec = 16 / sizeof(Element);
     for (int i = threadIdx.x; i < rows * (kHeadDim / kVec); i += blockDim.x) {
       int const r = i / (kHeadDim / kVec), c = i % (kHeadDim / kVec);
       *reinterpret_cast<uint4*>(o + int64_t(m_block * kBlockM + r) * o_row_stride + c * kVec) = make_uint4(0, 0, 0, 0);
     }
-    for (int r = threadIdx.x; r < rows; r += blockDim.x) lse_row[m_block * kBlockM + r] = empty_lse;
+    for (int r = threadIdx.x; r < rows; r += blockDim.x) lse_row[m_block * kBlockM + r] = empty_lse(m_block * kBlockM + r);
   }
 };
 

@@ -86,7 +86,12 @@ struct FwdKernel {
     Element* o = p.o + b * p.o_batch_stride + head * p.o_head_stride + seq.offset_q * p.o_row_stride;
     float* lse = p.lse + (b * p.nheads_q + head) * p.lse_rows + seq.offset_q;
 
-    float const sink_log2 = p.sinks == nullptr ? -INFINITY : p.sinks[head] * float(M_LOG2E);
+    // Sink logits (exp2 units): the head's, or per row where GQA-packed rows are query heads (KV caches).
+    float const head_sink_log2 = kPaged ? 0.f : sink_log2_of(p.sinks, head);
+    auto const row_sink_log2 = [&](int row) {
+      if constexpr (kPaged) return sink_log2_of(p.sinks, head, row, seq.rows_per_query);
+      else return head_sink_log2;
+    };
     typename Mainloop::TiledMma tiled_mma;
     Tensor acc_o = partition_fragment_C(tiled_mma, Shape<Int<Mainloop::kBlockM>, Int<Mainloop::kHeadDim>>{});
     constexpr int kRows = decltype(size<0>(rowcol(acc_o)))::value;
@@ -99,11 +104,24 @@ struct FwdKernel {
         for (int r = threadIdx.x; r < rows; r += blockDim.x) p.lse_partial[part_row0 + m_block * Mainloop::kBlockM + r] = -INFINITY;
         return;
       }
-      Epilogue::store_empty(o, p.o_row_stride, lse, seq.seqlen_q, m_block, sink_log2 * float(M_LN2));
+      Epilogue::store_empty(o, p.o_row_stride, lse, seq.seqlen_q, m_block,
+                            [&](int row) { return row_sink_log2(row) * float(M_LN2); });
       return;
     }
     cute::array<float, kRows> row_lse;
-    auto inv_sum = softmax.finalize(row_lse, sink_log2);
+    cute::array<float, kRows> sinks;
+    if constexpr (kPaged) {  // a split's partial LSE leaves the sink out: the combine adds it once
+      Tensor cO = rowcol(tiled_mma.get_thread_slice(threadIdx.x).partition_C(
+          make_identity_tensor(Shape<Int<Mainloop::kBlockM>, Int<Mainloop::kHeadDim>>{})));
+      CUTE_UNROLL
+      for (int mi = 0; mi < kRows; ++mi) {
+        sinks[mi] = partial ? -INFINITY : row_sink_log2(m_block * Mainloop::kBlockM + int(get<0>(cO(mi, _0{}))));
+      }
+    } else {
+      CUTE_UNROLL
+      for (int mi = 0; mi < kRows; ++mi) sinks[mi] = head_sink_log2;
+    }
+    auto inv_sum = softmax.finalize(row_lse, sinks);
     if constexpr (Mainloop::Dropout::kEnabled) {
       CUTE_UNROLL
       for (int mi = 0; mi < kRows; ++mi) inv_sum[mi] *= p.dropout.scale();

@@ -93,6 +93,13 @@ struct FwdEpilogue {
     }
   }
 
+  // The tile row (of seqlen_q) of this thread's accumulator row mi (rowcol view).
+  CUTE_DEVICE static int row_of(int m_block, int wg, int thread_idx, int mi) {
+    auto thr_mma = TiledMmaPV{}.get_thread_slice(thread_idx);
+    Tensor tOcO = rowcol(thr_mma.partition_C(make_identity_tensor(Shape<_64, D>{})));
+    return (m_block * kNumMmaWG + wg) * 64 + int(get<0>(tOcO(mi, _0{})));
+  }
+
   CUTE_DEVICE static void prefetch_descriptors(Params const& p) {
     cute::prefetch_tma_descriptor(p.tma_o.get_tma_descriptor());
   }
@@ -165,11 +172,12 @@ struct FwdEpilogue {
     }
   }
 
-  // A tile whose rows see no key (causal with seqlen_q > seqlen_k): O = 0, LSE = empty_lse (-inf, or the
-  // head's sink logit), written directly (16-byte stores) so that it never touches shared memory the
+  // A tile whose rows see no key (causal with seqlen_q > seqlen_k): O = 0, LSE = empty_lse(row) (-inf, or the
+  // row's sink logit), written directly (16-byte stores) so that it never touches shared memory the
   // producer may be filling.
+  template <class EmptyLse>
   CUTE_DEVICE static void store_empty(Params const& p, SeqlenInfo const& seq, int m_block, int head, int batch,
-                                      int wg, int thread_idx, float empty_lse = -INFINITY, int split = 0) {
+                                      int wg, int thread_idx, EmptyLse const& empty_lse, int split = 0) {
     if (split_store(p)) {  // the combine kernel skips a split whose LSE is -inf (its O is never read)
       int64_t const row0 = partial_row0(p, split, batch, head) + (m_block * kNumMmaWG + wg) * 64;
       for (int r = thread_idx; r < 64; r += cutlass::NumThreadsPerWarpGroup) {
@@ -192,7 +200,7 @@ struct FwdEpilogue {
     }
     float* lse_bh = p.lse_ptr + lse_offset(p, seq, head);
     for (int r = thread_idx; r < 64; r += cutlass::NumThreadsPerWarpGroup) {
-      if (row0 + r < seqlen_q) lse_bh[row0 + r] = empty_lse;
+      if (row0 + r < seqlen_q) lse_bh[row0 + r] = empty_lse(row0 + r);
     }
   }
 };

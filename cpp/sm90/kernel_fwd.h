@@ -93,6 +93,25 @@ struct FwdKernel {
             bi.n_block_max(w.m_block) > bi.n_block_min(w.m_block)};
   }
 
+  // The sink logits (exp2 units) of this thread's two accumulator rows. GQA-packed rows (KV caches) are query heads of
+  // their own; a split's partial LSE leaves the sink out, and the combine adds it once (common/combine_splits.h).
+  CUTE_DEVICE static cute::array<float, 2> sinks_log2(Params const& params, SeqlenInfo const& seq, int m_block,
+                                                       int head, int wg, int thread_idx) {
+    cute::array<float, 2> sinks;
+    if constexpr (Mainloop::Seqlens::kPackedRows) {
+      bool const split = Epilogue::split_store(params.epilogue);
+      CUTE_UNROLL
+      for (int mi = 0; mi < 2; ++mi) {
+        sinks[mi] = split ? -INFINITY
+                          : Mainloop::sink_log2(params.mainloop, head, Epilogue::row_of(m_block, wg, thread_idx, mi),
+                                                seq.rows_per_query);
+      }
+    } else {
+      sinks[0] = sinks[1] = Mainloop::sink_log2(params.mainloop, head);
+    }
+    return sinks;
+  }
+
   CUTE_DEVICE static void run(Params const& params, char* smem) {
     using Pipeline = typename Mainloop::Pipeline;
     using PipelineQ = typename Mainloop::PipelineQ;
@@ -309,9 +328,19 @@ struct FwdKernel {
                                         : tile_work(params, pub.tile);
         WorkTile const& w = t.tile;
         if (!t.has_rows) continue;
-        if (!t.has_keys) {
-          Epilogue::store_empty(params.epilogue, t.seq, w.m_block, w.head, w.batch, wg, thread_idx,
-                                Mainloop::sink_log2(params.mainloop, w.head) * float(M_LN2), w.split);
+        if (!t.has_keys) {  // LSE = the row's sink (GQA-packed rows: each its query head's), or -inf
+          if constexpr (Mainloop::Seqlens::kPackedRows) {
+            Epilogue::store_empty(params.epilogue, t.seq, w.m_block, w.head, w.batch, wg, thread_idx,
+                                  [&](int row) {
+                                    return Mainloop::sink_log2(params.mainloop, w.head, row, t.seq.rows_per_query) *
+                                           float(M_LN2);
+                                  },
+                                  w.split);
+          } else {
+            float const empty_lse = Mainloop::sink_log2(params.mainloop, w.head) * float(M_LN2);
+            Epilogue::store_empty(params.epilogue, t.seq, w.m_block, w.head, w.batch, wg, thread_idx,
+                                  [empty_lse](int) { return empty_lse; }, w.split);
+          }
           continue;
         }
         if (one_consumer && wg == 1) {  // its rows are padding: no GEMMs, no store
@@ -341,7 +370,7 @@ struct FwdKernel {
         }
 
         cute::array<float, 2> lse;
-        auto inv_sum = softmax.finalize(lse, Mainloop::sink_log2(params.mainloop, w.head));
+        auto inv_sum = softmax.finalize(lse, sinks_log2(params, t.seq, w.m_block, w.head, wg, thread_idx));
         if constexpr (Mainloop::kFp8 || Mainloop::kFp8Cache || Mainloop::Dropout::kEnabled) {
           inv_sum[0] *= o_descale;
           inv_sum[1] *= o_descale;

@@ -342,9 +342,10 @@ struct FwdMainloop {
     bool one_consumer;
   };
 
-  // The head's sink logit in the softmax's exp2 units (OnlineSoftmax::finalize), -inf without sinks.
-  CUTE_DEVICE static float sink_log2(Params const& p, int head) {
-    return p.sinks == nullptr ? -INFINITY : p.sinks[head] * float(M_LOG2E);
+  // The sink logit of a row of the head in the softmax's exp2 units (OnlineSoftmax::finalize), -inf without sinks;
+  // GQA-packed rows (rows_per_query > 1) are query heads of their own (sink_log2_of).
+  CUTE_DEVICE static float sink_log2(Params const& p, int head, int row = 0, int rows_per_query = 1) {
+    return sink_log2_of(p.sinks, head, row, rows_per_query);
   }
 
   // What the params' seqlens say of one batch entry, and its block ranges.

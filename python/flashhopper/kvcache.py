@@ -442,7 +442,7 @@ class KVCacheLaunch(NamedTuple):
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
             table: torch.Tensor | None, lengths: torch.Tensor | None,
-            scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> int:
+            scales: tuple[torch.Tensor, torch.Tensor] | None = None, sinks: torch.Tensor | None = None) -> int:
         if self.pack:
             # Token s's g query heads of kv head h are rows s g .. s g + g - 1 of kernel head h; out and lse come
             # back through the same permutation.
@@ -452,15 +452,15 @@ class KVCacheLaunch(NamedTuple):
             qp = q.reshape(b, sq, hkv, g, d).transpose(1, 2).contiguous()  # (b, hkv, sq, g, d)
             op = out.new_empty((b, hkv, sq, g, dv))
             lp = lse.new_empty((b, hkv, sq, g))
-            ctas = self._launch(qp, k_cache, v_cache, op, lp, table, lengths, scales)
+            ctas = self._launch(qp, k_cache, v_cache, op, lp, table, lengths, scales, sinks)
             out.view(b, sq, hkv, g, dv).copy_(op.transpose(1, 2))
             lse.view(b, hkv, g, sq).copy_(lp.permute(0, 1, 3, 2))
             return ctas
-        return self._launch(q, k_cache, v_cache, out, lse, table, lengths, scales)
+        return self._launch(q, k_cache, v_cache, out, lse, table, lengths, scales, sinks)
 
     def _launch(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                 lse: torch.Tensor, table: torch.Tensor | None, lengths: torch.Tensor | None,
-                scales: tuple[torch.Tensor, torch.Tensor] | None) -> int:
+                scales: tuple[torch.Tensor, torch.Tensor] | None, sinks: torch.Tensor | None) -> int:
         # Partial O and LSE of the splits, any contents (float32 (splits, batch, heads, rows, headdim_v + 1)).
         # (It, table and lengths live until the launch is enqueued: enough, as the allocator reuses memory in
         # stream order.)
@@ -470,7 +470,8 @@ class KVCacheLaunch(NamedTuple):
             self.params, self.index, _launch.stream(self.device), q.data_ptr(), k_cache.data_ptr(),
             v_cache.data_ptr(), out.data_ptr(), lse.data_ptr(), 0 if table is None else table.data_ptr(),
             0 if lengths is None else lengths.data_ptr(), 0 if workspace is None else workspace.data_ptr(),
-            0 if scales is None else scales[0].data_ptr(), 0 if scales is None else scales[1].data_ptr()))
+            0 if scales is None else scales[0].data_ptr(), 0 if scales is None else scales[1].data_ptr(),
+            0 if sinks is None else sinks.data_ptr()))
 
 
 def _kernel_table(page_table: torch.Tensor | None, cache_batch_idx: torch.Tensor | None) -> torch.Tensor | None:
@@ -540,10 +541,12 @@ def _launch_kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         cache_seqlens: torch.Tensor | None, seqlen_k: int, page_table: torch.Tensor | None,
                         cache_batch_idx: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor,
                         softmax_scale: float, causal: bool, num_splits: int, backend: str = "sm90",
-                        scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> int:
+                        scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                        sinks: torch.Tensor | None = None) -> int:
     """The KV-cache forward of kernel family ``backend`` into out (batch, seqlen_q, nheads_q, headdim_v) and lse float32 (batch,
     nheads_q, seqlen_q), both contiguous. ``cache_seqlens``: int32 (batch,) key counts on the device, each at most
-    ``seqlen_k``, or None: every entry has seqlen_k keys. Returns the CTAs launched (the extension's answer)."""
+    ``seqlen_k``, or None: every entry has seqlen_k keys; ``sinks``: float32 (nheads_q,) sink logits or None.
+    Returns the CTAs launched (the extension's answer)."""
     b, sq, hq, _ = q.shape
     dv = v_cache.shape[3]
     if not (out.is_contiguous() and out.shape == (b, sq, hq, dv)):
@@ -557,27 +560,29 @@ def _launch_kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     lengths = None if cache_seqlens is None else cache_seqlens.contiguous()
     launch = _prepare_kvcache_fwd(q, k_cache, v_cache, seqlen_k, table, softmax_scale, causal, num_splits, backend,
                                   scales)
-    return launch.run(q, k_cache, v_cache, out, lse, table, lengths, scales)
+    return launch.run(q, k_cache, v_cache, out, lse, table, lengths, scales,
+                      None if sinks is None else sinks.contiguous())
 
 
 def kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 cache_seqlens: Optional[torch.Tensor], seqlen_k: int,  # noqa: UP045
                 page_table: Optional[torch.Tensor], cache_batch_idx: Optional[torch.Tensor],  # noqa: UP045
                 softmax_scale: float, causal: bool, num_splits: int,
-                backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+                backend: str, sinks: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: UP045
     """Attention of q over a KV cache: (out (batch, seqlen_q, nheads_q, headdim_v) like q, lse float32 (batch,
     nheads_q, seqlen_q)), both contiguous. Entry b attends to its first cache_seqlens[b] keys (int32 (batch,) on
     q's device: the counts after any append), or to ``seqlen_k`` keys each when cache_seqlens is None;
     ``seqlen_k`` bounds them all otherwise (the capacity). Arguments as flash_attn_with_kvcache's, validated;
     ``backend`` resolved ("sm90", "sm80" or "reference"); ``num_splits`` 0: the heuristic."""
     return _kvcache_fwd(q, k_cache, v_cache, cache_seqlens, seqlen_k, page_table, cache_batch_idx, softmax_scale,
-                        causal, num_splits, backend)
+                        causal, num_splits, backend, sinks=sinks)
 
 
 def _kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor | None,
                  seqlen_k: int, page_table: torch.Tensor | None, cache_batch_idx: torch.Tensor | None,
                  softmax_scale: float, causal: bool, num_splits: int, backend: str,
-                 scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     out, lse = _empty_outputs(q, v_cache)
     if backend == "reference":
         dtype = torch.float64 if (not q.is_cuda or q.dtype == torch.float64) else torch.float32
@@ -588,7 +593,7 @@ def _kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         ref_out, ref_lse = reference.attention_kvcache_ref(q, k_cache, v_cache,
                                                            seqlen_k if cache_seqlens is None else cache_seqlens,
                                                            page_table, cache_batch_idx, softmax_scale, causal,
-                                                           dtype=dtype)
+                                                           sinks=sinks, dtype=dtype)
         out.copy_(ref_out)
         lse.copy_(ref_lse)
     elif backend in KVCACHE_BACKENDS:
@@ -596,10 +601,13 @@ def _kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
             pass  # nothing to compute (no entry, no query row or no head)
         elif seqlen_k == 0:  # no entry has a key: what a row that sees none gets, without a launch
             out.zero_()
-            lse.fill_(-math.inf)
+            if sinks is None:
+                lse.fill_(-math.inf)
+            else:
+                lse.copy_(sinks[None, :, None].expand_as(lse))
         else:
             _launch_kvcache_fwd(q, k_cache, v_cache, cache_seqlens, seqlen_k, page_table, cache_batch_idx, out, lse,
-                                softmax_scale, causal, num_splits, backend, scales)
+                                softmax_scale, causal, num_splits, backend, scales, sinks)
     else:
         raise ValueError(f"backend must be 'sm90', 'sm80' or 'reference' for a KV cache, got {backend!r}")
     return out, lse
@@ -611,7 +619,8 @@ kvcache_fwd_op = _op.define("kvcache_fwd", kvcache_fwd, autocast=())
 @torch.library.register_fake("flashhopper::kvcache_fwd")
 def _(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: Optional[torch.Tensor],  # noqa: UP045
       seqlen_k: int, page_table: Optional[torch.Tensor], cache_batch_idx: Optional[torch.Tensor],  # noqa: UP045
-      softmax_scale: float, causal: bool, num_splits: int, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+      softmax_scale: float, causal: bool, num_splits: int, backend: str,
+      sinks: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: UP045
     return _empty_outputs(q, v_cache)
 
 
@@ -619,11 +628,12 @@ def kvcache_fwd_fp8(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     v_cache_scale: torch.Tensor, cache_seqlens: Optional[torch.Tensor], seqlen_k: int,  # noqa: UP045
                     page_table: Optional[torch.Tensor], cache_batch_idx: Optional[torch.Tensor],  # noqa: UP045
                     softmax_scale: float, causal: bool, num_splits: int,
-                    backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+                    backend: str, sinks: Optional[torch.Tensor] = None  # noqa: UP045
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """kvcache_fwd over an e4m3 cache with its per-token scales (kvcache_fp8), q already transformed as K's rows
     are (kvcache_fp8.transform_q). Backends "sm90" and "reference"."""
     return _kvcache_fwd(q, k_cache, v_cache, cache_seqlens, seqlen_k, page_table, cache_batch_idx, softmax_scale,
-                        causal, num_splits, backend, (k_cache_scale, v_cache_scale))
+                        causal, num_splits, backend, (k_cache_scale, v_cache_scale), sinks)
 
 
 kvcache_fwd_fp8_op = _op.define("kvcache_fwd_fp8", kvcache_fwd_fp8, autocast=())
@@ -633,7 +643,8 @@ kvcache_fwd_fp8_op = _op.define("kvcache_fwd_fp8", kvcache_fwd_fp8, autocast=())
 def _(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_cache_scale: torch.Tensor,
       v_cache_scale: torch.Tensor, cache_seqlens: Optional[torch.Tensor], seqlen_k: int,  # noqa: UP045
       page_table: Optional[torch.Tensor], cache_batch_idx: Optional[torch.Tensor],  # noqa: UP045
-      softmax_scale: float, causal: bool, num_splits: int, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+      softmax_scale: float, causal: bool, num_splits: int, backend: str,
+      sinks: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: UP045
     return _empty_outputs(q, v_cache)
 
 
@@ -687,10 +698,10 @@ _PLANS = _plans.Plans()
 def _call_key(q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any, cache_seqlens: Any, page_table: Any,
               cache_batch_idx: Any, softmax_scale: Any, causal: Any, num_splits: Any, return_lse: Any, backend: Any,
               window_size: Any, softcap: Any, k_cache_scale: Any = None, v_cache_scale: Any = None,
-              hadamard_seed: Any = None) -> Any:
+              hadamard_seed: Any = None, sinks: Any = None) -> Any:
     """Everything the full path's checks and the launch read, or None where the fast path does not apply (a
     tensor subclass, or anything but a plain tensor where one is expected)."""
-    tensors = (q, k_cache, v_cache, k, v, page_table, cache_batch_idx, k_cache_scale, v_cache_scale)
+    tensors = (q, k_cache, v_cache, k, v, page_table, cache_batch_idx, k_cache_scale, v_cache_scale, sinks)
     for x in tensors:
         if x is not None and type(x) is not torch.Tensor:
             return None
@@ -706,8 +717,8 @@ def _call_key(q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any, cache_seqlens:
 
 def _run_plan(plan: _Plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor | None,
               v: torch.Tensor | None, cache_seqlens: Any, page_table: torch.Tensor | None,
-              cache_batch_idx: torch.Tensor | None, scales: tuple[torch.Tensor, torch.Tensor] | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor] | None:
+              cache_batch_idx: torch.Tensor | None, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+              sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The call through its plan, or None (nothing done) where a pointer is not 16-byte aligned."""
     if _plans.pointers(q, k_cache, v_cache, *(scales or ())) is None:
         return None
@@ -728,7 +739,7 @@ def _run_plan(plan: _Plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             q = kvcache_fp8.transform_q(q, plan.seed)
     out, lse = _empty_outputs(q, v_cache)
     plan.launch.run(q, k_cache, v_cache, out, lse, page_table if page_table is not None else cache_batch_idx, lengths,
-                    scales)
+                    scales, None if sinks is None else sinks.contiguous())
     return out, lse
 
 
@@ -767,7 +778,7 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             backend: str | None = ..., *, window_size: tuple[int, int] = ...,
                             softcap: float = ..., k_cache_scale: torch.Tensor | None = ...,
                             v_cache_scale: torch.Tensor | None = ...,
-                            hadamard_seed: int | None = ...) -> torch.Tensor: ...
+                            hadamard_seed: int | None = ..., sinks: torch.Tensor | None = ...) -> torch.Tensor: ...
 
 
 @overload
@@ -779,7 +790,7 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             backend: str | None = ..., window_size: tuple[int, int] = ...,
                             softcap: float = ..., k_cache_scale: torch.Tensor | None = ...,
                             v_cache_scale: torch.Tensor | None = ...,
-                            hadamard_seed: int | None = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
+                            hadamard_seed: int | None = ..., sinks: torch.Tensor | None = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -789,8 +800,8 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             causal: bool = True, num_splits: int = 0, return_lse: bool = False,
                             backend: str | None = None, *, window_size: tuple[int, int] = (-1, -1),
                             softcap: float = 0.0, k_cache_scale: torch.Tensor | None = None,
-                            v_cache_scale: torch.Tensor | None = None,
-                            hadamard_seed: int | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                            v_cache_scale: torch.Tensor | None = None, hadamard_seed: int | None = None,
+                            sinks: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention of new queries over a KV cache, optionally appending new keys and values to it first
     (flash-attn's ``flash_attn_with_kvcache``: decode, and chunked prefill).
 
@@ -817,14 +828,16 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     num_splits: split-KV, each entry's keys cut over that many CTAs whose partial results are merged (0: a
     heuristic from the tiles, the key blocks and the device's multiprocessors; 1: no split; at most 256, and
     never more than the key blocks). return_lse: also return lse float32 (batch, nheads_q, seqlen_q), natural
-    log; a row that sees no key (an entry with none) has out = 0 and lse = -inf.
+    log; a row that sees no key (an entry with none) has out = 0 and lse = -inf (the sink's logit with sinks).
+    sinks: float32 (nheads_q,) learnable sink logits (gpt-oss), as flash_attn_func's: each row's softmax
+    denominator gets exp(sinks[h]) with no value; the lse includes it. Split-KV adds it once, in the combine.
     backend: None picks the Hopper kernel for CUDA tensors where it runs and was built, else the Ampere one (an
     error saying what to rebuild with when this build has neither), and the float64 reference for CPU tensors;
     "sm90", "sm80" or "reference" (any dtype and head dim) by name.
 
     Not differentiable (an inference entry point, as flash-attn's): inputs that require grad are read as
     detached, the result has no gradient. Not supported yet: window_size other than (-1, -1) and softcap other
-    than 0 (NotImplementedError), sinks, rotary embeddings, cache_leftpad and ALiBi (no such arguments).
+    than 0 (NotImplementedError), rotary embeddings, cache_leftpad and ALiBi (no such arguments).
 
     e4m3 caches (the Hopper kernel; docs/kvcache-fp8.md, kvcache_fp8.py): k_cache and v_cache of
     torch.float8_e4m3fn with k_cache_scale / v_cache_scale float32 (num_pages, nheads_kv, page_size) (contiguous
@@ -848,11 +861,11 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if _plans.direct() and os.environ.get(DEBUG_ENV) != "1":
         key = _call_key(q, k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx, softmax_scale, causal,
                         num_splits, return_lse, backend, window_size, softcap, k_cache_scale, v_cache_scale,
-                        hadamard_seed)
+                        hadamard_seed, sinks)
         plan = None if key is None else _PLANS.get(key)
         if plan is not None:
             scales = (k_cache_scale, v_cache_scale) if plan.fp8 else None
-            res = _run_plan(plan, q, k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx, scales)
+            res = _run_plan(plan, q, k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx, scales, sinks)
             if res is not None:
                 return res if return_lse else res[0]
     if _autocast.enabled():
@@ -865,6 +878,7 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         raise ValueError("k_cache_scale, v_cache_scale and hadamard_seed are for e4m3 caches; these caches are "
                          f"{k_cache.dtype}")
     validation.check_flag("return_lse", return_lse)
+    validation.check_sinks(sinks, q)
     check_unsupported(window_size, softcap)
     name = resolve_backend(q, shapes, causal, backend, "e4m3" if fp8 else "on")
     if name != "reference":
@@ -891,10 +905,10 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         if fp8:
             out, lse = kvcache_fwd_fp8_op(kvcache_fp8.transform_q(q, seed), k_cache, v_cache, k_cache_scale,
                                           v_cache_scale, lengths, seqlen_k, page_table, cache_batch_idx, scale, causal,
-                                          int(num_splits), name)
+                                          int(num_splits), name, sinks)
         else:
             out, lse = kvcache_fwd_op(q, k_cache, v_cache, lengths, seqlen_k, page_table, cache_batch_idx, scale,
-                                      causal, int(num_splits), name)
+                                      causal, int(num_splits), name, sinks)
     if key is not None and name in KVCACHE_BACKENDS:
         plan = _plan_of(q, k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx, shapes, seqlen_k, scale,
                         causal, int(num_splits), name, (k_cache_scale, v_cache_scale) if fp8 else None, seed)

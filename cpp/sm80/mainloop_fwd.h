@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cute/tensor.hpp>
+#include <cutlass/detail/helper_macros.hpp>
 #include <cutlass/fast_math.h>
 
 #include "../common/block_info.h"
@@ -164,7 +165,8 @@ struct FwdMainloop {
     // One iteration; kTop: the block holds the sequence end or a key past some row's right edge (the
     // top of the range; it applies every edge), kBottom: a key before some row's left edge; in both a
     // row may have seen no visible key yet.
-    auto step = [&](auto top, auto bottom) {
+    // Forced inline, as the sm90 mainloop's step (a called instance put the fragments on the stack).
+    auto step = [&](auto top, auto bottom) CUTLASS_LAMBDA_FUNC_INLINE {
       constexpr bool kTop = decltype(top)::value, kBottom = decltype(bottom)::value;
       constexpr bool kMasked = kTop || kBottom;
       clear(acc_s);

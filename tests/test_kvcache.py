@@ -24,12 +24,12 @@ F64 = torch.float64
 
 def brute_force(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], scale: float,
                 causal: bool, sinks: torch.Tensor | None = None,
-                window: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                window: tuple[int, int] | None = None, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention written out per (entry, head, row) in float64: entry b's keys[b] (L, nheads_kv, d); row i sees
     key j iff not causal or j <= i + L - seqlen_q, and with ``window`` (left, right) (-1 unbounded) iff
     i + L - seqlen_q - left <= j <= i + L - seqlen_q + right; a row that sees none: 0 and -inf. ``sinks``
     (nheads_q,): head h's denominator gets exp(sinks[h]) with no value, and its lse includes it (a row that sees no
-    key: the sink)."""
+    key: the sink). ``softcap`` c > 0: each score s becomes c tanh(s / c)."""
     b, sq, hq, _ = q.shape
     dv = values[0].shape[-1]
     out = torch.zeros(b, sq, hq, dv, dtype=F64)
@@ -53,6 +53,8 @@ def brute_force(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Te
                     lse[e, h, i] = sink
                     continue
                 s = (kk[first:last, h // g] @ q[e, i, h].double()) * scale
+                if softcap > 0:
+                    s = softcap * torch.tanh(s / softcap)
                 m = max(float(s.max()), sink)
                 p = torch.exp(s - m)
                 total = p.sum() + math.exp(sink - m)
@@ -170,6 +172,27 @@ def test_window_matches_brute_force(window: tuple[int, int], causal: bool, seqle
         full, _ = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=i32(lengths), softmax_scale=0.4, causal=causal,
                                           return_lse=True, sinks=sinks)
         assert not torch.allclose(out[4], full[4])
+
+
+@pytest.mark.parametrize(("softcap", "window", "with_sinks"), [(5.0, None, False), (0.5, None, True), (2.0, (6, 0), True)])
+@pytest.mark.parametrize("seqlen_q", [1, 3])
+def test_softcap_matches_brute_force(softcap: float, window: tuple[int, int] | None, with_sinks: bool,
+                                     seqlen_q: int) -> None:
+    """flash_attn_with_kvcache(softcap=...) on the CPU (Gemma 2): each score s becomes c tanh(s / c) before the softmax,
+    with windows and sinks as well."""
+    lengths = [0, 1, 5, 32]
+    q, kc, vc = make(len(lengths), seqlen_q, 32, hq=4, hkv=2, d=8)
+    q = q * 3  # scores of a few units, so that a cap of 0.5-5 bends them
+    sinks = torch.tensor([0.5, -1.0, 2.0, -3.0]) if with_sinks else None
+    out, lse = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=i32(lengths), softmax_scale=0.4, causal=True,
+                                       window_size=window or (-1, -1), softcap=softcap, return_lse=True, sinks=sinks)
+    want, want_lse = brute_force(q, [kc[e, :n] for e, n in enumerate(lengths)],
+                                 [vc[e, :n] for e, n in enumerate(lengths)], 0.4, True, sinks, window, softcap)
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(lse, want_lse.float())
+    plain = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=i32(lengths), softmax_scale=0.4, causal=True,
+                                    window_size=window or (-1, -1), sinks=sinks)
+    assert not torch.allclose(out[3], plain[3])
 
 
 def test_reference_paged_equals_contiguous() -> None:
@@ -419,7 +442,9 @@ BAD = [
     (dict(window_size=(16, 0)), False, False, None, "windows run (the reference on the CPU)"),
     (dict(window_size=(-2, 0)), False, False, ValueError, "window_size"),
     (dict(window_size=(16,)), False, False, TypeError, "window_size must be a pair"),
-    (dict(softcap=30.0), False, False, NotImplementedError, "softcap=30.0.* not supported yet"),
+    (dict(softcap=30.0), False, False, None, "softcap runs (the reference on the CPU)"),
+    (dict(softcap=-1.0), False, False, ValueError, "softcap must be 0 .off. or a positive finite float"),
+    (dict(softcap="30"), False, False, TypeError, "softcap must be a float"),
     (dict(sinks=torch.zeros(4)), False, False, None, "float32 sinks, one per query head"),
     (dict(sinks=torch.zeros(4, dtype=F64)), False, False, TypeError, "sinks has dtype torch.float64"),
     (dict(sinks=torch.zeros(2)), False, False, ValueError, r"sinks must have shape \(4,\) \(one logit per query head\)"),
@@ -603,10 +628,11 @@ class FakeC:
         for dtype in ("bfloat16", "float16"):
             for hd in (64, 128):
                 for mask in ("none", "causal", "window"):
-                    self.table.append({"mode": "fwd", "index": len(self.table), "arch": 90, "dtype": dtype,
-                                       "headdim": hd, "headdim_v": hd, "mask": mask, "variant": "",
-                                       "score_mod": "none", "dropout": False, "varlen": False, "kvcache": "on",
-                                       "block_m": 64, "block_n": 128})
+                    for score_mod in ("none", "softcap"):
+                        self.table.append({"mode": "fwd", "index": len(self.table), "arch": 90, "dtype": dtype,
+                                           "headdim": hd, "headdim_v": hd, "mask": mask, "variant": "",
+                                           "score_mod": score_mod, "dropout": False, "varlen": False,
+                                           "kvcache": "on", "block_m": 64, "block_n": 128})
         self.calls: list[tuple[dict[str, Any], int, int]] = []
         self.workspace_queries: list[tuple[int, ...]] = []
 
@@ -766,6 +792,20 @@ def test_launch_window(fake: FakeC) -> None:
     assert (c["window_left"], c["window_right"]) == (-1, -1)
     assert a["num_splits"] == num_splits_heuristic(8, 132, 8)  # 1024 keys: 8 blocks of 128
     assert c["num_splits"] == num_splits_heuristic(8, 132, 1024)
+
+
+def test_launch_softcap(fake: FakeC) -> None:
+    """softcap > 0 runs the softcap kernel with the cap in the params; 0 the plain one with 0."""
+    q = torch.randn(2, 1, 8, 64, dtype=torch.bfloat16)
+    kc = torch.randn(2, 40, 2, 64, dtype=torch.bfloat16)
+    op = torch.ops.flashhopper.kvcache_fwd.default
+    op(q, kc, kc, i32([40, 3]), 40, None, None, 0.125, True, 1, "sm90", None, -1, -1, 30.0)
+    op(q, kc, kc, i32([40, 3]), 40, None, None, 0.125, True, 1, "sm90", None, 7, 0, 30.0)
+    op(q, kc, kc, i32([40, 3]), 40, None, None, 0.125, True, 1, "sm90")
+    (a, ia, _), (b, ib, _), (c, ic, _) = fake.calls
+    assert (fake.key_of(ia).score_mod, fake.key_of(ia).mask, a["softcap"]) == ("softcap", "none", 30.0)
+    assert (fake.key_of(ib).score_mod, fake.key_of(ib).mask, b["softcap"]) == ("softcap", "window", 30.0)
+    assert (fake.key_of(ic).score_mod, c["softcap"]) == ("none", 0.0)
 
 
 def test_window_keys() -> None:

@@ -181,13 +181,6 @@ def check_kvcache_inputs(q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any, cac
                        slots, capacity, seqlen_new), scale
 
 
-def check_unsupported(softcap: Any) -> None:
-    """flash-attn's arguments that flash_attn_with_kvcache takes but does not implement yet (issue #23):
-    NotImplementedError unless at their defaults."""
-    if validation.check_softcap(softcap) != 0:
-        raise NotImplementedError(f"softcap={softcap}: softcap over a KV cache is not supported yet")
-
-
 def check_kvcache_values(shapes: CacheShapes, cache_seqlens: torch.Tensor | int | None,
                          page_table: torch.Tensor | None, cache_batch_idx: torch.Tensor | None) -> None:
     """What check_kvcache_inputs cannot see without the values (on the GPU a synchronization, so only on request:
@@ -260,6 +253,10 @@ def _kvcache_mask(seqlen_q: int, causal: bool, window: tuple[int, int] | None = 
     return "causal" if causal and seqlen_q > 1 else "none"
 
 
+def _score_mod(softcap: float) -> str:
+    return "softcap" if softcap > 0 else "none"
+
+
 def _window_of(window_left: int, window_right: int) -> tuple[int, int] | None:
     return None if (window_left, window_right) == (-1, -1) else (window_left, window_right)
 
@@ -288,8 +285,8 @@ KVCACHE_BACKENDS = ("sm90", "sm80")  # kernel families with KV-cache kernels, th
 
 
 def _kvcache_key(dtype: torch.dtype, headdim: int, headdim_v: int, mask: str, backend: str = "sm90",
-                 cache: str = "on") -> Any:
-    return dispatch._key(backend, dtype, headdim, mask, "", "none", headdim_v, dropout=False, varlen=False,
+                 cache: str = "on", score_mod: str = "none") -> Any:
+    return dispatch._key(backend, dtype, headdim, mask, "", score_mod, headdim_v, dropout=False, varlen=False,
                          kvcache=cache)
 
 
@@ -298,7 +295,7 @@ def _kvcache_key(dtype: torch.dtype, headdim: int, headdim_v: int, mask: str, ba
 # internal dynamo error).
 @torch.compiler.assume_constant_result
 def _kvcache_backend(index: int, dtype: torch.dtype, headdim: int, headdim_v: int, mask: str, backend: str,
-                     cache: str = "on") -> str:
+                     cache: str = "on", score_mod: str = "none") -> str:
     """The kernel family a CUDA call runs ("sm90", "sm80"; ``backend``: "" for the first of KVCACHE_BACKENDS that
     runs on the device and was built), or "!" followed by why there is none."""
     info = _device.device_info(index)
@@ -312,7 +309,7 @@ def _kvcache_backend(index: int, dtype: torch.dtype, headdim: int, headdim_v: in
     errors = []
     for b in usable:
         try:
-            dispatch.require_kernel("fwd", _kvcache_key(dtype, headdim, headdim_v, mask, b, cache))
+            dispatch.require_kernel("fwd", _kvcache_key(dtype, headdim, headdim_v, mask, b, cache, score_mod))
         except ValueError as e:
             errors.append(str(e))
             continue
@@ -321,7 +318,7 @@ def _kvcache_backend(index: int, dtype: torch.dtype, headdim: int, headdim_v: in
 
 
 def resolve_backend(q: torch.Tensor, shapes: CacheShapes, causal: bool, backend: str | None, cache: str = "on",
-                    window: tuple[int, int] | None = None) -> str:
+                    window: tuple[int, int] | None = None, softcap: float = 0.0) -> str:
     """"sm90", "sm80" or "reference" for a validated call: CPU tensors (backend None) and backend='reference' run
     the reference; CUDA tensors the Hopper KV-cache kernel where it runs and was built, else the Ampere one (or the
     family named), or a ValueError saying why there is none (never a silent fall back to the reference on a GPU)."""
@@ -333,7 +330,8 @@ def resolve_backend(q: torch.Tensor, shapes: CacheShapes, causal: bool, backend:
         raise ValueError(f"q head dim {hd}: the KV-cache kernels have head dims "
                          f"{', '.join(map(str, VARLEN_HEADDIMS))} (q, K and V alike); backend='reference' takes any")
     name = _kvcache_backend(q.device.index, q.dtype, shapes.headdim, shapes.headdim_v,
-                            _kvcache_mask(shapes.seqlen_q, causal, window), backend or "", cache)
+                            _kvcache_mask(shapes.seqlen_q, causal, window), backend or "", cache,
+                            _score_mod(softcap))
     if name.startswith("!"):
         raise ValueError(name[1:])
     return name
@@ -500,14 +498,14 @@ def _prepare_kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                          table: torch.Tensor | None, softmax_scale: float, causal: bool,
                          num_splits: int, backend: str = "sm90",
                          scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-                         window: tuple[int, int] | None = None) -> KVCacheLaunch:
+                         window: tuple[int, int] | None = None, softcap: float = 0.0) -> KVCacheLaunch:
     """The KVCacheLaunch of a call, from the tensors' metadata alone: the kernel, GQA packing, the split count and
     every params field but the pointers (``table``: _kernel_table's; ``scales``: an e4m3 cache's)."""
     b, sq, hq, d = q.shape
     page_size, hkv, dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
     cache = "on" if scales is None else "e4m3"
     entry = dispatch.require_kernel("fwd", _kvcache_key(q.dtype, d, dv, _kvcache_mask(sq, causal, window), backend,
-                                                        cache))
+                                                        cache, _score_mod(softcap)))
     pack = 0
     if _packs_gqa(sq, hq, hkv) and sq == 1:
         # GQA packing: the g query heads of a kv head are g rows of one head (K/V read once per kv head). Query
@@ -538,7 +536,7 @@ def _prepare_kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     _launch.fill_strides(p, q=q4, k=k_cache, v=v_cache, o=o4)
     p.batch, p.seqlen_q, p.seqlen_k = b, rows, seqlen_k
     p.nheads_q, p.nheads_kv, p.headdim, p.headdim_v = heads, hkv, d, dv
-    p.softmax_scale = softmax_scale
+    p.softmax_scale, p.softcap = softmax_scale, softcap
     p.page_table_batch_stride = 0 if table is None else (table.stride(0) if table.dim() == 2 else 1)
     p.page_size, p.num_pages = page_size, k_cache.shape[0]
     p.num_splits = splits
@@ -562,11 +560,12 @@ def _launch_kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         cache_batch_idx: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor,
                         softmax_scale: float, causal: bool, num_splits: int, backend: str = "sm90",
                         scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-                        sinks: torch.Tensor | None = None, window: tuple[int, int] | None = None) -> int:
+                        sinks: torch.Tensor | None = None, window: tuple[int, int] | None = None,
+                        softcap: float = 0.0) -> int:
     """The KV-cache forward of kernel family ``backend`` into out (batch, seqlen_q, nheads_q, headdim_v) and lse float32 (batch,
     nheads_q, seqlen_q), both contiguous. ``cache_seqlens``: int32 (batch,) key counts on the device, each at most
     ``seqlen_k``, or None: every entry has seqlen_k keys; ``sinks``: float32 (nheads_q,) sink logits or None;
-    ``window``: normalized (kernel_key.normalize_window) or None.
+    ``window``: normalized (kernel_key.normalize_window) or None; ``softcap``: 0 (off) or c > 0.
     Returns the CTAs launched (the extension's answer)."""
     b, sq, hq, _ = q.shape
     dv = v_cache.shape[3]
@@ -580,7 +579,7 @@ def _launch_kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     table = _kernel_table(page_table, cache_batch_idx)
     lengths = None if cache_seqlens is None else cache_seqlens.contiguous()
     launch = _prepare_kvcache_fwd(q, k_cache, v_cache, seqlen_k, table, softmax_scale, causal, num_splits, backend,
-                                  scales, window)
+                                  scales, window, softcap)
     return launch.run(q, k_cache, v_cache, out, lse, table, lengths, scales,
                       None if sinks is None else sinks.contiguous())
 
@@ -590,23 +589,25 @@ def kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 page_table: Optional[torch.Tensor], cache_batch_idx: Optional[torch.Tensor],  # noqa: UP045
                 softmax_scale: float, causal: bool, num_splits: int,
                 backend: str, sinks: Optional[torch.Tensor] = None,  # noqa: UP045
-                window_left: int = -1, window_right: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+                window_left: int = -1, window_right: int = -1,
+                softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q over a KV cache: (out (batch, seqlen_q, nheads_q, headdim_v) like q, lse float32 (batch,
     nheads_q, seqlen_q)), both contiguous. Entry b attends to its first cache_seqlens[b] keys (int32 (batch,) on
     q's device: the counts after any append), or to ``seqlen_k`` keys each when cache_seqlens is None;
     ``seqlen_k`` bounds them all otherwise (the capacity). Arguments as flash_attn_with_kvcache's, validated;
     ``backend`` resolved ("sm90", "sm80" or "reference"); ``num_splits`` 0: the heuristic; the window normalized
-    (kernel_key.normalize_window), (-1, -1) for none."""
+    (kernel_key.normalize_window), (-1, -1) for none; ``softcap`` 0 for none."""
     return _kvcache_fwd(q, k_cache, v_cache, cache_seqlens, seqlen_k, page_table, cache_batch_idx, softmax_scale,
-                        causal, num_splits, backend, sinks=sinks, window=_window_of(window_left, window_right))
+                        causal, num_splits, backend, sinks=sinks, window=_window_of(window_left, window_right),
+                        softcap=softcap)
 
 
 def _kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor | None,
                  seqlen_k: int, page_table: torch.Tensor | None, cache_batch_idx: torch.Tensor | None,
                  softmax_scale: float, causal: bool, num_splits: int, backend: str,
                  scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 sinks: torch.Tensor | None = None,
-                 window: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 sinks: torch.Tensor | None = None, window: tuple[int, int] | None = None,
+                 softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     out, lse = _empty_outputs(q, v_cache)
     if backend == "reference":
         dtype = torch.float64 if (not q.is_cuda or q.dtype == torch.float64) else torch.float32
@@ -617,7 +618,8 @@ def _kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         ref_out, ref_lse = reference.attention_kvcache_ref(q, k_cache, v_cache,
                                                            seqlen_k if cache_seqlens is None else cache_seqlens,
                                                            page_table, cache_batch_idx, softmax_scale, causal,
-                                                           sinks=sinks, window=window, dtype=dtype)
+                                                           sinks=sinks, window=window, softcap=softcap,
+                                                           dtype=dtype)
         out.copy_(ref_out)
         lse.copy_(ref_lse)
     elif backend in KVCACHE_BACKENDS:
@@ -631,7 +633,7 @@ def _kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                 lse.copy_(sinks[None, :, None].expand_as(lse))
         else:
             _launch_kvcache_fwd(q, k_cache, v_cache, cache_seqlens, seqlen_k, page_table, cache_batch_idx, out, lse,
-                                softmax_scale, causal, num_splits, backend, scales, sinks, window)
+                                softmax_scale, causal, num_splits, backend, scales, sinks, window, softcap)
     else:
         raise ValueError(f"backend must be 'sm90', 'sm80' or 'reference' for a KV cache, got {backend!r}")
     return out, lse
@@ -645,7 +647,7 @@ def _(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqle
       seqlen_k: int, page_table: Optional[torch.Tensor], cache_batch_idx: Optional[torch.Tensor],  # noqa: UP045
       softmax_scale: float, causal: bool, num_splits: int, backend: str,
       sinks: Optional[torch.Tensor] = None,  # noqa: UP045
-      window_left: int = -1, window_right: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+      window_left: int = -1, window_right: int = -1, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     return _empty_outputs(q, v_cache)
 
 
@@ -654,12 +656,13 @@ def kvcache_fwd_fp8(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     page_table: Optional[torch.Tensor], cache_batch_idx: Optional[torch.Tensor],  # noqa: UP045
                     softmax_scale: float, causal: bool, num_splits: int,
                     backend: str, sinks: Optional[torch.Tensor] = None,  # noqa: UP045
-                    window_left: int = -1, window_right: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+                    window_left: int = -1, window_right: int = -1,
+                    softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """kvcache_fwd over an e4m3 cache with its per-token scales (kvcache_fp8), q already transformed as K's rows
     are (kvcache_fp8.transform_q). Backends "sm90" and "reference"."""
     return _kvcache_fwd(q, k_cache, v_cache, cache_seqlens, seqlen_k, page_table, cache_batch_idx, softmax_scale,
                         causal, num_splits, backend, (k_cache_scale, v_cache_scale), sinks,
-                        _window_of(window_left, window_right))
+                        _window_of(window_left, window_right), softcap)
 
 
 kvcache_fwd_fp8_op = _op.define("kvcache_fwd_fp8", kvcache_fwd_fp8, autocast=())
@@ -671,7 +674,7 @@ def _(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_cache_sca
       page_table: Optional[torch.Tensor], cache_batch_idx: Optional[torch.Tensor],  # noqa: UP045
       softmax_scale: float, causal: bool, num_splits: int, backend: str,
       sinks: Optional[torch.Tensor] = None,  # noqa: UP045
-      window_left: int = -1, window_right: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+      window_left: int = -1, window_right: int = -1, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     return _empty_outputs(q, v_cache)
 
 
@@ -774,7 +777,7 @@ def _plan_of(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: t
              v: torch.Tensor | None, cache_seqlens: Any, page_table: torch.Tensor | None,
              cache_batch_idx: torch.Tensor | None, shapes: CacheShapes, seqlen_k: int, scale: float, causal: bool,
              num_splits: int, backend: str, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-             seed: int | None = None, window: tuple[int, int] | None = None) -> _Plan | None:
+             seed: int | None = None, window: tuple[int, int] | None = None, softcap: float = 0.0) -> _Plan | None:
     """The plan of a call that just ran the kernel on the full path, or None where the fast path would have to
     copy something per call (index tensors that are not contiguous, an append the kernel does not take).
     ``scales``: an e4m3 cache's (its append is torch ops, any layout), ``seed`` its Hadamard seed (int64)."""
@@ -790,7 +793,7 @@ def _plan_of(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: t
         return None
     table = page_table if page_table is not None else cache_batch_idx
     launch = _prepare_kvcache_fwd(q, k_cache, v_cache, seqlen_k, table, scale, causal, num_splits, backend, scales,
-                                  window)
+                                  window, softcap)
     offset = int(cache_seqlens) if cache_seqlens is not None and lengths is None else 0
     return _Plan(launch, shapes.seqlen_new, offset, scales is not None, seed)
 
@@ -867,8 +870,9 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     detached, the result has no gradient. window_size=(left, right) as flash_attn_func's (-1 unbounded; with causal
     the right edge is 0), bottom-right aligned per entry: query row i of entry b sees keys i + L_b - seqlen_q - left
     .. i + L_b - seqlen_q + right (L_b its keys); key blocks outside the window are skipped, and split-KV splits the
-    window's blocks (the window kernels: FLASHHOPPER_MASKS with window, as flash_attn_func's). Not supported yet:
-    softcap other than 0 (NotImplementedError), rotary embeddings, cache_leftpad and ALiBi (no such arguments).
+    window's blocks (the window kernels: FLASHHOPPER_MASKS with window, as flash_attn_func's). softcap=c > 0 (Gemma
+    2): scores become c * tanh(s / c) before the softmax (the softcap kernels: FLASHHOPPER_SCORE_MODS with softcap).
+    Not supported: rotary embeddings, cache_leftpad and ALiBi (no such arguments).
 
     e4m3 caches (the Hopper kernel; docs/kvcache-fp8.md, kvcache_fp8.py): k_cache and v_cache of
     torch.float8_e4m3fn with k_cache_scale / v_cache_scale float32 (num_pages, nheads_kv, page_size) (contiguous
@@ -910,9 +914,9 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                          f"{k_cache.dtype}")
     validation.check_flag("return_lse", return_lse)
     validation.check_sinks(sinks, q)
-    check_unsupported(softcap)
+    cap = validation.check_softcap(softcap)
     causal, window = normalize_window(causal, validation.check_window_size(window_size))
-    name = resolve_backend(q, shapes, causal, backend, "e4m3" if fp8 else "on", window)
+    name = resolve_backend(q, shapes, causal, backend, "e4m3" if fp8 else "on", window, cap)
     if name != "reference":
         _check_kernel_layouts(q, k_cache, v_cache)
     if not torch.compiler.is_compiling() and (not q.is_cuda or os.environ.get(DEBUG_ENV) == "1"):
@@ -937,13 +941,14 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         if fp8:
             out, lse = kvcache_fwd_fp8_op(kvcache_fp8.transform_q(q, seed), k_cache, v_cache, k_cache_scale,
                                           v_cache_scale, lengths, seqlen_k, page_table, cache_batch_idx, scale, causal,
-                                          int(num_splits), name, sinks, *(window or (-1, -1)))
+                                          int(num_splits), name, sinks, *(window or (-1, -1)), cap)
         else:
             out, lse = kvcache_fwd_op(q, k_cache, v_cache, lengths, seqlen_k, page_table, cache_batch_idx, scale,
-                                      causal, int(num_splits), name, sinks, *(window or (-1, -1)))
+                                      causal, int(num_splits), name, sinks, *(window or (-1, -1)), cap)
     if key is not None and name in KVCACHE_BACKENDS:
         plan = _plan_of(q, k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx, shapes, seqlen_k, scale,
-                        causal, int(num_splits), name, (k_cache_scale, v_cache_scale) if fp8 else None, seed, window)
+                        causal, int(num_splits), name, (k_cache_scale, v_cache_scale) if fp8 else None, seed, window,
+                        cap)
         if plan is not None:
             _PLANS.put(key, plan)
     return (out, lse) if return_lse else out

@@ -124,7 +124,7 @@ py::dict block_ranges_of(int seqlen_q, int seqlen_k, int window_left, int window
                               bi.n_block_left_masked_end(m), bi.num_n_blocks_of(m)));
     py::list of_m;
     for (int s = 0; s < num_splits; ++s) {
-      SplitBlockInfo<BlockInfo<kBlockM, kBlockN, kMask>> const sbi{seq, window_left, window_right, s, num_splits};
+      SplitBlockInfo<BlockInfo<kBlockM, kBlockN, kMask>> const sbi{seq, window_left, window_right, m, s, num_splits};
       of_m.append(py::make_tuple(sbi.n_block_min(m), sbi.n_block_max(m)));
     }
     splits.append(of_m);

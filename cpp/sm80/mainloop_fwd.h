@@ -81,7 +81,7 @@ struct FwdMainloop {
                               int window_left, int window_right, ScoreMod const& score_mod, Dropout const& dropout,
                               int bh, int m_block, FragO& acc_o, Softmax& softmax, PagedRows const& paged = {}) {
     BlockInfoT const info = [&] {
-      if constexpr (kPaged) return BlockInfoT{seq, window_left, window_right, paged.split, paged.num_splits};
+      if constexpr (kPaged) return BlockInfoT{seq, window_left, window_right, m_block, paged.split, paged.num_splits};
       else return BlockInfoT{seq, window_left, window_right};
     }();
     int const n_block_max = info.n_block_max(m_block);

@@ -350,9 +350,9 @@ struct FwdMainloop {
 
   // What the params' seqlens say of one batch entry, and its block ranges.
   CUTE_DEVICE static SeqlenInfo seqlen_info(Params const& p, int batch) { return p.seqlens(batch); }
-  CUTE_DEVICE static BlockInfoT block_info(Params const& p, SeqlenInfo const& s, int split = 0) {
+  CUTE_DEVICE static BlockInfoT block_info(Params const& p, SeqlenInfo const& s, int m_block, int split = 0) {
     if constexpr (kSplits) {
-      return {s, p.window_left, p.window_right, split, p.num_splits};
+      return {s, p.window_left, p.window_right, m_block, split, p.num_splits};
     } else {
       return {s, p.window_left, p.window_right};
     }

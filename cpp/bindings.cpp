@@ -113,13 +113,21 @@ py::list key_fields() {
 
 // The block ranges of block_info.h for every query block (forward) and key block (backward), for the
 // tests that check them against a brute-force walk of the visibility rule.
+// With num_splits > 1, also split-KV's share of each query block's range (SplitBlockInfo) for every split.
 template <int kBlockM, int kBlockN, MaskKind kMask>
-py::dict block_ranges_of(int seqlen_q, int seqlen_k, int window_left, int window_right) {
-  BlockInfo<kBlockM, kBlockN, kMask> const bi{UniformSeqlens{seqlen_q, seqlen_k}(0), window_left, window_right};
-  py::list fwd, bwd;
+py::dict block_ranges_of(int seqlen_q, int seqlen_k, int window_left, int window_right, int num_splits) {
+  SeqlenInfo const seq = UniformSeqlens{seqlen_q, seqlen_k}(0);
+  BlockInfo<kBlockM, kBlockN, kMask> const bi{seq, window_left, window_right};
+  py::list fwd, bwd, splits;
   for (int m = 0; m < bi.num_m_blocks(); ++m) {
     fwd.append(py::make_tuple(bi.n_block_min(m), bi.n_block_max(m), bi.n_block_right_masked_begin(m),
                               bi.n_block_left_masked_end(m), bi.num_n_blocks_of(m)));
+    py::list of_m;
+    for (int s = 0; s < num_splits; ++s) {
+      SplitBlockInfo<BlockInfo<kBlockM, kBlockN, kMask>> const sbi{seq, window_left, window_right, m, s, num_splits};
+      of_m.append(py::make_tuple(sbi.n_block_min(m), sbi.n_block_max(m)));
+    }
+    splits.append(of_m);
   }
   for (int n = 0; n < bi.num_n_blocks(); ++n) {
     bwd.append(py::make_tuple(bi.m_block_min(n), bi.m_block_max(n), bi.m_block_right_masked_end(n),
@@ -128,13 +136,14 @@ py::dict block_ranges_of(int seqlen_q, int seqlen_k, int window_left, int window
   py::dict d;
   d["fwd"] = fwd;
   d["bwd"] = bwd;
+  d["splits"] = splits;
   return d;
 }
 
 template <MaskKind kMask>
-py::dict block_ranges_mask(int block_m, int block_n, int sq, int sk, int wl, int wr) {
+py::dict block_ranges_mask(int block_m, int block_n, int sq, int sk, int wl, int wr, int splits) {
 #define FLASHHOPPER_TILE(bm, bn) \
-  if (block_m == bm && block_n == bn) return block_ranges_of<bm, bn, kMask>(sq, sk, wl, wr);
+  if (block_m == bm && block_n == bn) return block_ranges_of<bm, bn, kMask>(sq, sk, wl, wr, splits);
   FLASHHOPPER_TILE(64, 64) FLASHHOPPER_TILE(64, 80) FLASHHOPPER_TILE(64, 128) FLASHHOPPER_TILE(128, 64)
   FLASHHOPPER_TILE(128, 80) FLASHHOPPER_TILE(128, 128) FLASHHOPPER_TILE(128, 192) FLASHHOPPER_TILE(192, 128)
 #undef FLASHHOPPER_TILE
@@ -142,10 +151,12 @@ py::dict block_ranges_mask(int block_m, int block_n, int sq, int sk, int wl, int
 }
 
 py::dict block_ranges(int block_m, int block_n, std::string const& mask, int seqlen_q, int seqlen_k, int window_left,
-                      int window_right) {
-  if (mask == "none") return block_ranges_mask<MaskKind::kNone>(block_m, block_n, seqlen_q, seqlen_k, window_left, window_right);
-  if (mask == "causal") return block_ranges_mask<MaskKind::kCausal>(block_m, block_n, seqlen_q, seqlen_k, window_left, window_right);
-  if (mask == "window") return block_ranges_mask<MaskKind::kWindow>(block_m, block_n, seqlen_q, seqlen_k, window_left, window_right);
+                      int window_right, int num_splits) {
+  if (num_splits < 1) throw std::invalid_argument("block_ranges: num_splits must be >= 1");
+  int const sq = seqlen_q, sk = seqlen_k, wl = window_left, wr = window_right, ns = num_splits;
+  if (mask == "none") return block_ranges_mask<MaskKind::kNone>(block_m, block_n, sq, sk, wl, wr, ns);
+  if (mask == "causal") return block_ranges_mask<MaskKind::kCausal>(block_m, block_n, sq, sk, wl, wr, ns);
+  if (mask == "window") return block_ranges_mask<MaskKind::kWindow>(block_m, block_n, sq, sk, wl, wr, ns);
   throw std::invalid_argument("block_ranges: mask must be none, causal or window");
 }
 
@@ -309,7 +320,8 @@ PYBIND11_MODULE(_C, m) {
      "_SCORE_MODS, _DROPOUT, _VARLEN, _KVCACHE).");
 
   m.def("block_ranges", &block_ranges, py::arg("block_m"), py::arg("block_n"), py::arg("mask"), py::arg("seqlen_q"),
-        py::arg("seqlen_k"), py::arg("window_left") = -1, py::arg("window_right") = -1,
+        py::arg("seqlen_k"), py::arg("window_left") = -1, py::arg("window_right") = -1, py::arg("num_splits") = 1,
         "The kernels' block ranges (common/block_info.h), for tests: fwd[m] = (n_min, n_max, n_right_masked_begin, "
-        "n_left_masked_end, n_blocks_adding_to_dq), bwd[n] = (m_min, m_max, m_right_masked_end, m_left_masked_begin).");
+        "n_left_masked_end, n_blocks_adding_to_dq), bwd[n] = (m_min, m_max, m_right_masked_end, m_left_masked_begin), "
+        "splits[m][s] = split-KV split s's (n_min, n_max) of query block m (SplitBlockInfo).");
 }

@@ -175,8 +175,7 @@ def main() -> None:
                                or hdim != hdim_v or hdim not in kk.VARLEN_HEADDIMS):
             continue
         if kvcache != "off" and (not fam.kvcache or dtype == "e4m3" or varlen == "on" or dropout == "on"
-                                 or score_mod != "none" or variant or hdim != hdim_v
-                                 or hdim not in kk.VARLEN_HEADDIMS or mask == "window"):
+                                 or variant or hdim != hdim_v or hdim not in kk.VARLEN_HEADDIMS):
             continue
         if kvcache == "e4m3" and arch != 90:  # the e4m3 cache's conversion runs in the Hopper producer warpgroup
             continue

@@ -120,6 +120,32 @@ def test_random_cases() -> None:
         check(C, bm, bn, mask, sq, sk, left, right)
 
 
+def test_split_ranges_tile_each_query_block() -> None:
+    """Split-KV (KV caches): the splits' ranges of a query block are consecutive, in split order, and together exactly
+    its forward range (none empty but at the end; a window's blocks, not the entry's, are what is split)."""
+    C = _ext.extension()
+    rng = random.Random(5)
+    for _ in range(300):
+        bm, bn = rng.choice(TILES)
+        mask = rng.choice(MASKS)
+        sq, sk = rng.randint(0, 300), rng.randint(0, 3000)
+        left, right = (random_edge(rng), random_edge(rng)) if mask == "window" else (-1, -1)
+        splits = rng.choice([1, 2, 3, 7, 64])
+        ranges = C.block_ranges(bm, bn, mask, sq, sk, left, right, splits)
+        for m, (fwd, parts) in enumerate(zip(ranges["fwd"], ranges["splits"])):
+            n_min, n_max = fwd[0], fwd[1]
+            where = f"tile ({bm}, {bn}) {mask} ({sq}, {sk}) window ({left}, {right}) splits {splits} block {m}"
+            assert len(parts) == splits, where
+            nonempty = [(a, b) for a, b in parts if b > a]
+            if n_max <= n_min:
+                assert not nonempty, where
+                continue
+            assert nonempty[0][0] == n_min and nonempty[-1][1] == n_max, where
+            assert all(x[1] == y[0] for x, y in zip(nonempty, nonempty[1:])), where
+            first_empty = next((i for i, (a, b) in enumerate(parts) if b <= a), splits)
+            assert all(b <= a for a, b in parts[first_empty:]), where  # the empty ones come last
+
+
 def test_brute_force_check_catches_wrong_ranges() -> None:
     # The check itself can fail: ranges off by one block, either way, do not pass it.
     C = _ext.extension()

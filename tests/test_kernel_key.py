@@ -108,6 +108,13 @@ def test_configured(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _ext.configured("fwd", KernelKey(90, "float8_e4m3fn", 128, 128, "none", varlen=True))
     assert not _ext.configured("bwd", KernelKey(90, "float8_e4m3fn", 128, 128, "none", varlen=True))
     assert not _ext.configured("fwd", KernelKey(80, "float8_e4m3fn", 128, 128, "none", varlen=True))
+    # KV caches: forwards with the build's masks and score mods (windows and softcap too), no dropout.
+    info.update(varlen=["off", "on"], kvcache=["on", "e4m3"], masks=["none", "causal", "window"], score_mods=["none", "softcap"])
+    for cache in ("on", "e4m3"):
+        assert _ext.configured("fwd", KernelKey(90, "bfloat16", 128, 128, "window", score_mod="softcap", kvcache=cache))
+        assert not _ext.configured("bwd", KernelKey(90, "bfloat16", 128, 128, "window", kvcache=cache))
+    assert _ext.configured("fwd", KernelKey(80, "bfloat16", 128, 128, "window", kvcache="on"))
+    assert not _ext.configured("fwd", KernelKey(80, "bfloat16", 128, 128, "none", kvcache="e4m3"))  # Hopper only
 
 
 # --- against the extension ---

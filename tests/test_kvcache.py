@@ -23,10 +23,13 @@ F64 = torch.float64
 # --- helpers ---
 
 def brute_force(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], scale: float,
-                causal: bool, sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                causal: bool, sinks: torch.Tensor | None = None,
+                window: tuple[int, int] | None = None, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention written out per (entry, head, row) in float64: entry b's keys[b] (L, nheads_kv, d); row i sees
-    key j iff not causal or j <= i + L - seqlen_q; a row that sees none: 0 and -inf. ``sinks`` (nheads_q,): head
-    h's denominator gets exp(sinks[h]) with no value, and its lse includes it (a row that sees no key: the sink)."""
+    key j iff not causal or j <= i + L - seqlen_q, and with ``window`` (left, right) (-1 unbounded) iff
+    i + L - seqlen_q - left <= j <= i + L - seqlen_q + right; a row that sees none: 0 and -inf. ``sinks``
+    (nheads_q,): head h's denominator gets exp(sinks[h]) with no value, and its lse includes it (a row that sees no
+    key: the sink). ``softcap`` c > 0: each score s becomes c tanh(s / c)."""
     b, sq, hq, _ = q.shape
     dv = values[0].shape[-1]
     out = torch.zeros(b, sq, hq, dv, dtype=F64)
@@ -38,16 +41,25 @@ def brute_force(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Te
         for h in range(hq):
             sink = -math.inf if sinks is None else float(sinks[h])
             for i in range(sq):
-                last = n if not causal else min(n, i + n - sq + 1)
-                if last <= 0:
+                diag = i + n - sq
+                last = n if not causal else min(n, diag + 1)
+                first = 0
+                if window is not None:
+                    if window[1] >= 0:
+                        last = min(last, diag + window[1] + 1)
+                    if window[0] >= 0:
+                        first = max(0, diag - window[0])
+                if last <= first:
                     lse[e, h, i] = sink
                     continue
-                s = (kk[:last, h // g] @ q[e, i, h].double()) * scale
+                s = (kk[first:last, h // g] @ q[e, i, h].double()) * scale
+                if softcap > 0:
+                    s = softcap * torch.tanh(s / softcap)
                 m = max(float(s.max()), sink)
                 p = torch.exp(s - m)
                 total = p.sum() + math.exp(sink - m)
                 lse[e, h, i] = m + torch.log(total)
-                out[e, i, h] = (p[:, None] * vv[:last, h // g]).sum(0) / total
+                out[e, i, h] = (p[:, None] * vv[first:last, h // g]).sum(0) / total
     return out, lse
 
 
@@ -136,6 +148,51 @@ def test_sinks_match_brute_force(seqlen_q: int, causal: bool, hkv: int) -> None:
                                                softmax_scale=0.4, causal=causal, return_lse=True)
     assert not torch.allclose(out[1:], plain[1:])  # the sinks changed something
     torch.testing.assert_close(out[1:, :, 3], plain[1:, :, 3])  # exp(-40) is nothing next to a key
+
+
+@pytest.mark.parametrize(("window", "causal"), [((4, 0), True), ((3, 2), False), ((0, 0), True), ((40, -1), False),
+                                               ((-1, 3), False), ((6, 5), True)])
+@pytest.mark.parametrize("seqlen_q", [1, 3])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_window_matches_brute_force(window: tuple[int, int], causal: bool, seqlen_q: int, with_sinks: bool) -> None:
+    """flash_attn_with_kvcache(window_size=...) on the CPU, paged, GQA: each entry's window bottom-right aligned to
+    its own keys (causal: right edge 0), rows whose window holds no key get 0 (and the sink with sinks)."""
+    lengths = [0, 1, 5, 9, 32]
+    q, kc, vc = make(len(lengths), seqlen_q, 32, hq=4, hkv=2, d=8)
+    sinks = torch.tensor([0.5, -1.0, 2.0, -3.0]) if with_sinks else None
+    kc, vc = poison_past(kc, lengths), poison_past(vc, lengths)
+    out, lse = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=i32(lengths), softmax_scale=0.4, causal=causal,
+                                       window_size=window, return_lse=True, sinks=sinks)
+    eff = (window[0], 0) if causal else window
+    want, want_lse = brute_force(q, [kc[e, :n] for e, n in enumerate(lengths)],
+                                 [vc[e, :n] for e, n in enumerate(lengths)], 0.4, causal, sinks, eff)
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(lse, want_lse.float())
+    if window[0] >= 0 and window[0] + seqlen_q < 32:  # the window left keys out of the full entry
+        full, _ = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=i32(lengths), softmax_scale=0.4, causal=causal,
+                                          return_lse=True, sinks=sinks)
+        assert not torch.allclose(out[4], full[4])
+
+
+@pytest.mark.parametrize(("softcap", "window", "with_sinks"), [(5.0, None, False), (0.5, None, True), (2.0, (6, 0), True)])
+@pytest.mark.parametrize("seqlen_q", [1, 3])
+def test_softcap_matches_brute_force(softcap: float, window: tuple[int, int] | None, with_sinks: bool,
+                                     seqlen_q: int) -> None:
+    """flash_attn_with_kvcache(softcap=...) on the CPU (Gemma 2): each score s becomes c tanh(s / c) before the softmax,
+    with windows and sinks as well."""
+    lengths = [0, 1, 5, 32]
+    q, kc, vc = make(len(lengths), seqlen_q, 32, hq=4, hkv=2, d=8)
+    q = q * 3  # scores of a few units, so that a cap of 0.5-5 bends them
+    sinks = torch.tensor([0.5, -1.0, 2.0, -3.0]) if with_sinks else None
+    out, lse = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=i32(lengths), softmax_scale=0.4, causal=True,
+                                       window_size=window or (-1, -1), softcap=softcap, return_lse=True, sinks=sinks)
+    want, want_lse = brute_force(q, [kc[e, :n] for e, n in enumerate(lengths)],
+                                 [vc[e, :n] for e, n in enumerate(lengths)], 0.4, True, sinks, window, softcap)
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(lse, want_lse.float())
+    plain = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=i32(lengths), softmax_scale=0.4, causal=True,
+                                    window_size=window or (-1, -1), sinks=sinks)
+    assert not torch.allclose(out[3], plain[3])
 
 
 def test_reference_paged_equals_contiguous() -> None:
@@ -382,9 +439,12 @@ BAD = [
     (dict(backend="cuda"), False, False, ValueError, "backend must be one of"),
     (dict(backend="sm90"), False, False, ValueError, "backend='sm90' needs CUDA tensors"),
     (dict(backend="sm80"), False, False, ValueError, "backend='sm80' needs CUDA tensors"),
-    (dict(window_size=(16, 0)), False, False, NotImplementedError, "window_size=.* not supported yet"),
+    (dict(window_size=(16, 0)), False, False, None, "windows run (the reference on the CPU)"),
+    (dict(window_size=(-2, 0)), False, False, ValueError, "window_size"),
     (dict(window_size=(16,)), False, False, TypeError, "window_size must be a pair"),
-    (dict(softcap=30.0), False, False, NotImplementedError, "softcap=30.0.* not supported yet"),
+    (dict(softcap=30.0), False, False, None, "softcap runs (the reference on the CPU)"),
+    (dict(softcap=-1.0), False, False, ValueError, "softcap must be 0 .off. or a positive finite float"),
+    (dict(softcap="30"), False, False, TypeError, "softcap must be a float"),
     (dict(sinks=torch.zeros(4)), False, False, None, "float32 sinks, one per query head"),
     (dict(sinks=torch.zeros(4, dtype=F64)), False, False, TypeError, "sinks has dtype torch.float64"),
     (dict(sinks=torch.zeros(2)), False, False, ValueError, r"sinks must have shape \(4,\) \(one logit per query head\)"),
@@ -567,11 +627,12 @@ class FakeC:
         self.table = []
         for dtype in ("bfloat16", "float16"):
             for hd in (64, 128):
-                for mask in ("none", "causal"):
-                    self.table.append({"mode": "fwd", "index": len(self.table), "arch": 90, "dtype": dtype,
-                                       "headdim": hd, "headdim_v": hd, "mask": mask, "variant": "",
-                                       "score_mod": "none", "dropout": False, "varlen": False, "kvcache": "on",
-                                       "block_m": 64, "block_n": 128})
+                for mask in ("none", "causal", "window"):
+                    for score_mod in ("none", "softcap"):
+                        self.table.append({"mode": "fwd", "index": len(self.table), "arch": 90, "dtype": dtype,
+                                           "headdim": hd, "headdim_v": hd, "mask": mask, "variant": "",
+                                           "score_mod": score_mod, "dropout": False, "varlen": False,
+                                           "kvcache": "on", "block_m": 64, "block_n": 128})
         self.calls: list[tuple[dict[str, Any], int, int]] = []
         self.workspace_queries: list[tuple[int, ...]] = []
 
@@ -711,6 +772,49 @@ def test_launch_sinks(fake: FakeC) -> None:
     (a, _, _), (b, _, _), (c, _, _) = fake.calls
     assert a["sinks_ptr"] == sinks.data_ptr() and (a["num_splits"], a["rows_per_query"]) == (3, 4)
     assert b["sinks_ptr"] not in (0, strided.data_ptr()) and c["sinks_ptr"] == 0
+
+
+def test_launch_window(fake: FakeC) -> None:
+    """A window runs the window kernel with its edges in the params (causal: right 0; capped past the keys), GQA-packed
+    decode included, and the split heuristic counts the window's key blocks, not the cache's."""
+    q = torch.randn(1, 1, 32, 128, dtype=torch.bfloat16)
+    kc = torch.randn(4, 16, 8, 128, dtype=torch.bfloat16)
+    table = torch.zeros(1, 8192, dtype=torch.int32)
+    lens = i32([64])
+    op = torch.ops.flashhopper.kvcache_fwd.default
+    op(q, kc, kc, lens, 131072, table, None, 0.125, True, 0, "sm90", None, 1023, 0)
+    op(q, kc, kc, lens, 131072, table, None, 0.125, False, 0, "sm90", None, 1 << 20, 5)
+    op(q, kc, kc, lens, 131072, table, None, 0.125, True, 0, "sm90")
+    (a, ia, _), (b, ib, _), (c, ic, _) = fake.calls
+    assert fake.key_of(ia).mask == "window" and fake.key_of(ib).mask == "window" and fake.key_of(ic).mask == "none"
+    assert (a["window_left"], a["window_right"], a["rows_per_query"]) == (1023, 0, 4)
+    assert (b["window_left"], b["window_right"]) == (131073, 5)  # capped at seqlen_q + seqlen_k
+    assert (c["window_left"], c["window_right"]) == (-1, -1)
+    assert a["num_splits"] == num_splits_heuristic(8, 132, 8)  # 1024 keys: 8 blocks of 128
+    assert c["num_splits"] == num_splits_heuristic(8, 132, 1024)
+
+
+def test_launch_softcap(fake: FakeC) -> None:
+    """softcap > 0 runs the softcap kernel with the cap in the params; 0 the plain one with 0."""
+    q = torch.randn(2, 1, 8, 64, dtype=torch.bfloat16)
+    kc = torch.randn(2, 40, 2, 64, dtype=torch.bfloat16)
+    op = torch.ops.flashhopper.kvcache_fwd.default
+    op(q, kc, kc, i32([40, 3]), 40, None, None, 0.125, True, 1, "sm90", None, -1, -1, 30.0)
+    op(q, kc, kc, i32([40, 3]), 40, None, None, 0.125, True, 1, "sm90", None, 7, 0, 30.0)
+    op(q, kc, kc, i32([40, 3]), 40, None, None, 0.125, True, 1, "sm90")
+    (a, ia, _), (b, ib, _), (c, ic, _) = fake.calls
+    assert (fake.key_of(ia).score_mod, fake.key_of(ia).mask, a["softcap"]) == ("softcap", "none", 30.0)
+    assert (fake.key_of(ib).score_mod, fake.key_of(ib).mask, b["softcap"]) == ("softcap", "window", 30.0)
+    assert (fake.key_of(ic).score_mod, c["softcap"]) == ("none", 0.0)
+
+
+def test_window_keys() -> None:
+    from flashhopper.kvcache import window_keys
+    assert window_keys(1, 1000, True, None) == 1000
+    assert window_keys(1, 1000, True, (127, -1)) == 128  # causal: the right edge is 0
+    assert window_keys(3, 1000, False, (10, 4)) == 17
+    assert window_keys(3, 1000, False, (10, -1)) == 1000 and window_keys(3, 1000, False, (-1, 2)) == 1000
+    assert window_keys(3, 12, False, (100, 100)) == 12
 
 
 def test_launch_without_keys_or_rows(fake: FakeC) -> None:

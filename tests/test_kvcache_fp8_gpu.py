@@ -23,13 +23,15 @@ from flashhopper.reference import attention_kvcache_ref, kvcache_entry
 pytestmark = pytest.mark.gpu
 
 
-def require_fp8_kvcache(dtype: torch.dtype, headdim: int, seqlen_q: int, causal: bool) -> None:
+def require_fp8_kvcache(dtype: torch.dtype, headdim: int, seqlen_q: int, causal: bool,
+                        window: tuple[int, int] | None = None, softcap: float = 0.0) -> None:
     """Skip where Hopper kernels cannot run or the build was not configured with the e4m3-cache kernel; FAIL when
     it was configured and is missing, or when dispatch refuses a kernel the build has."""
     info = _device.device_info(torch.cuda.current_device())
     if not dispatch.runs_on("sm90", info.capability):
         pytest.skip(f"e4m3 KV caches are read by the Hopper (sm90) kernels only; this is {info.name}")
-    key = _kvcache_key(dtype, headdim, headdim, _kvcache_mask(seqlen_q, causal), "sm90", "e4m3")
+    key = _kvcache_key(dtype, headdim, headdim, _kvcache_mask(seqlen_q, causal, window), "sm90", "e4m3",
+                       "softcap" if softcap else "none")
     if _ext.kernel("fwd", key) is None:
         if _ext.configured("fwd", key):
             pytest.fail(f"the build was configured with {key.describe()} but does not have it ({_ext.build_info()})")
@@ -38,7 +40,7 @@ def require_fp8_kvcache(dtype: torch.dtype, headdim: int, seqlen_q: int, causal:
     q = torch.empty(1, seqlen_q, 1, headdim, dtype=dtype, device="cuda")
     shapes = CacheShapes(1, seqlen_q, 1, 1, headdim, headdim, False, 16, 1, 16, 0)
     try:
-        resolve_backend(q, shapes, causal, None, "e4m3")
+        resolve_backend(q, shapes, causal, None, "e4m3", window, softcap)
     except ValueError as e:
         pytest.fail(f"dispatch refuses the e4m3-cache kernel {key.describe()}, which the build has: {e}")
 
@@ -49,7 +51,8 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 def check_against_stored(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor,
                          ks: torch.Tensor, vs: torch.Tensor, lengths: list[int], causal: bool,
-                         table: torch.Tensor | None, seed: int | None, sinks: torch.Tensor | None = None) -> None:
+                         table: torch.Tensor | None, seed: int | None, sinks: torch.Tensor | None = None,
+                         window: tuple[int, int] | None = None, softcap: float = 0.0) -> None:
     """out / lse finite, and against float64 attention over the stored values (q transformed as K's rows):
     ||out - ref|| / ||ref|| within the rounding of P to e4m3 before the PV GEMM (2^-4 of each element, as the FP8
     forward's and FA3's: 1.8-2.9e-2 measured on these shapes; a wrong key or block gives O(1)). The kernel's scores are
@@ -61,7 +64,8 @@ def check_against_stored(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, 
     kd = kvcache_fp8.dequantize_kv_cache(k8, ks, None, torch.float64)
     vd = kvcache_fp8.dequantize_kv_cache(v8, vs, None, torch.float64)
     lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
-    ref, ref_lse = attention_kvcache_ref(qt, kd, vd, lens, table, causal=causal, sinks=sinks, dtype=torch.float64)
+    ref, ref_lse = attention_kvcache_ref(qt, kd, vd, lens, table, causal=causal, sinks=sinks, window=window,
+                                         softcap=softcap, dtype=torch.float64)
     err = rel_err(out, ref)
     assert err < 4e-2, f"||out - ref|| / ||ref|| = {err:.3g} over the stored e4m3 values"
     seen = torch.isfinite(ref_lse)
@@ -132,6 +136,42 @@ def test_sinks(seqlen_q: int, layout: int | None, num_splits: int) -> None:
     check_against_stored(out, lse, q, k8, v8, ks, vs, lengths, True, table, 7, sinks)
     # an entry without keys: lse is the sink (to float rounding: the kernels take it through exp2 units and back)
     torch.testing.assert_close(lse[1], sinks[:, None].expand(32, seqlen_q), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 0])
+@pytest.mark.parametrize(("window", "seqlen_q", "layout"), [((127, 0), 1, 16), ((255, 0), 4, None), ((60, 0), 100, 128)])
+def test_window(window: tuple[int, int], seqlen_q: int, layout: int | None, num_splits: int) -> None:
+    """Sliding windows over an e4m3 cache (with sinks): per entry, GQA-packed rows, splits over the window's blocks."""
+    require_fp8_kvcache(torch.bfloat16, 128, seqlen_q, True, window)
+    torch.manual_seed(seqlen_q + num_splits)
+    lengths = [1000, 0, 17, 1024, window[0] + seqlen_q]
+    kc, vc, table, _, _ = poisoned_cache(len(lengths), 8, 128, torch.bfloat16, lengths, layout, seed=num_splits + 5)
+    k8, v8, ks, vs = kvcache_fp8.quantize_kv_cache(kc, vc, 7)
+    q = torch.randn(len(lengths), seqlen_q, 32, 128, dtype=torch.bfloat16, device="cuda")
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    sinks = torch.linspace(-2.0, 6.0, 32, device="cuda")
+    out, lse = flash_attn_with_kvcache(q, k8, v8, cache_seqlens=lens, page_table=table, num_splits=num_splits,
+                                       window_size=window, return_lse=True, k_cache_scale=ks, v_cache_scale=vs,
+                                       hadamard_seed=7, sinks=sinks)
+    check_against_stored(out, lse, q, k8, v8, ks, vs, lengths, True, table, 7, sinks, window)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize(("window", "seqlen_q", "layout"), [(None, 1, 16), ((255, 0), 4, None)])
+def test_softcap(window: tuple[int, int] | None, seqlen_q: int, layout: int | None, num_splits: int) -> None:
+    """Softcap over an e4m3 cache, with a window and sinks."""
+    require_fp8_kvcache(torch.bfloat16, 128, seqlen_q, True, window, 5.0)
+    torch.manual_seed(seqlen_q + num_splits)
+    lengths = [1000, 0, 17, 1024]
+    kc, vc, table, _, _ = poisoned_cache(len(lengths), 8, 128, torch.bfloat16, lengths, layout, seed=num_splits + 9)
+    k8, v8, ks, vs = kvcache_fp8.quantize_kv_cache(kc, vc, 7)
+    q = torch.randn(len(lengths), seqlen_q, 32, 128, dtype=torch.bfloat16, device="cuda") * 3
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    sinks = torch.linspace(-2.0, 6.0, 32, device="cuda")
+    out, lse = flash_attn_with_kvcache(q, k8, v8, cache_seqlens=lens, page_table=table, num_splits=num_splits,
+                                       window_size=window or (-1, -1), softcap=5.0, return_lse=True, k_cache_scale=ks,
+                                       v_cache_scale=vs, hadamard_seed=7, sinks=sinks)
+    check_against_stored(out, lse, q, k8, v8, ks, vs, lengths, True, table, 7, sinks, window, 5.0)
 
 
 @pytest.mark.parametrize("seqlen_new", [1, 16])

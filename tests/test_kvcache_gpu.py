@@ -28,7 +28,8 @@ LAYOUTS = [None, 16, 32, 64, 128, 256]  # None: a contiguous cache; else the pag
 CAPACITY = 1024  # keys per entry: max_seqlen of a contiguous cache, pages x page size of a paged one
 
 
-def require_kvcache(dtype: torch.dtype, headdim: int, seqlen_q: int, causal: bool) -> None:
+def require_kvcache(dtype: torch.dtype, headdim: int, seqlen_q: int, causal: bool,
+                    window: tuple[int, int] | None = None, softcap: float = 0.0) -> None:
     """helpers.require_backend for the KV-cache kernel a call of this configuration runs (its key has kvcache
     set; one query row runs the non-causal kernel): skip where Hopper kernels cannot run or the build was not
     configured with it; FAIL when the build was configured with it and it is missing, or when the public
@@ -38,7 +39,8 @@ def require_kvcache(dtype: torch.dtype, headdim: int, seqlen_q: int, causal: boo
     if not dispatch.runs_on("sm90", info.capability):
         pytest.skip(f"the KV-cache kernels are Hopper (sm90) only; this is {info.name} (compute capability "
                     f"{info.capability[0]}.{info.capability[1]})")
-    key = _kvcache_key(dtype, headdim, headdim, _kvcache_mask(seqlen_q, causal))
+    key = _kvcache_key(dtype, headdim, headdim, _kvcache_mask(seqlen_q, causal, window), "sm90", "on",
+                       "softcap" if softcap else "none")
     if _ext.kernel("fwd", key) is None:
         if _ext.configured("fwd", key):
             pytest.fail(f"the build was configured with the fwd kernel {key.describe()}, but does not have it "
@@ -55,7 +57,7 @@ def require_kvcache(dtype: torch.dtype, headdim: int, seqlen_q: int, causal: boo
     q = torch.empty(1, seqlen_q, 1, headdim, dtype=dtype, device="cuda")
     shapes = CacheShapes(1, seqlen_q, 1, 1, headdim, headdim, False, 16, 1, 16, 0)
     try:
-        resolve_backend(q, shapes, causal, None)
+        resolve_backend(q, shapes, causal, None, "on", window, softcap)
     except ValueError as e:
         pytest.fail(f"dispatch refuses the KV-cache kernel {key.describe()}, which the build has: {e}")
 
@@ -94,7 +96,8 @@ def poisoned_cache(batch: int, hkv: int, d: int, dtype: torch.dtype, lengths: li
 
 def check_entries(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, lengths: list[int], causal: bool, page_table: torch.Tensor | None = None,
-                  cache_batch_idx: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> None:
+                  cache_batch_idx: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+                  window: tuple[int, int] | None = None, softcap: float = 0.0) -> None:
     """Out and lse finite (lse -inf only on rows without keys, the sink there with ``sinks``), and each entry with
     FA3's criterion against exact attention over its own first lengths[b] keys (gathered through the page table /
     cache_batch_idx)."""
@@ -104,7 +107,7 @@ def check_entries(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k_cache
         kb = kvcache_entry(k_cache, b, n, page_table, cache_batch_idx)
         vb = kvcache_entry(v_cache, b, n, page_table, cache_batch_idx)
         assert_matches_reference(out[b:b + 1], lse[b:b + 1], q[b:b + 1], kb[None], vb[None], None, causal,
-                                 sinks=sinks)
+                                 sinks=sinks, window=window, softcap=softcap)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -380,13 +383,15 @@ def test_eager_fast_path_repeats(layout: int | None) -> None:
     assert len(kvcache._PLANS) == 1, "the repeats should have one plan"
 
 
-def require_sm80_kvcache(dtype: torch.dtype, headdim: int, seqlen_q: int, causal: bool) -> None:
+def require_sm80_kvcache(dtype: torch.dtype, headdim: int, seqlen_q: int, causal: bool,
+                         window: tuple[int, int] | None = None, softcap: float = 0.0) -> None:
     """The Ampere fallback's KV-cache kernel (run on any sm_80+ GPU, Hopper included: its sm_90 code): skip where
     the build was not configured with it, fail where it was and the kernel is missing."""
     index = torch.cuda.current_device()
     if not dispatch.runs_on("sm80", _device.device_info(index).capability):
         pytest.skip("the sm80 kernels need compute capability 8.0 or newer")
-    key = _kvcache_key(dtype, headdim, headdim, _kvcache_mask(seqlen_q, causal), "sm80")
+    key = _kvcache_key(dtype, headdim, headdim, _kvcache_mask(seqlen_q, causal, window), "sm80", "on",
+                       "softcap" if softcap else "none")
     if _ext.kernel("fwd", key) is None:
         if _ext.configured("fwd", key):
             pytest.fail(f"the build was configured with the fwd kernel {key.describe()}, but does not have it")
@@ -466,6 +471,58 @@ def test_sinks(seqlen_q: int, heads: tuple[int, int], layout: int | None, num_sp
     check_entries(out, lse, q, kc, vc, lengths, causal, table, sinks=sinks)
     # an entry without keys: lse is the sink (to float rounding: the kernels take it through exp2 units and back)
     torch.testing.assert_close(lse[0], sinks[:, None].expand(hq, seqlen_q), rtol=1e-6, atol=1e-6)
+
+
+WINDOW_CASES = [((127, 0), True, 1, (32, 8), 16), ((255, 0), True, 3, (32, 8), 64), ((100, 20), False, 200, (8, 2), 128),
+                ((1000, 0), True, 1, (8, 8), None), ((0, 0), True, 5, (16, 2), 16)]
+
+
+@pytest.mark.parametrize("backend", ["sm90", "sm80"])
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["plain", "sinks"])
+@pytest.mark.parametrize("num_splits", [1, 3, 0])
+@pytest.mark.parametrize(("window", "causal", "seqlen_q", "heads", "layout"), WINDOW_CASES)
+def test_window(window: tuple[int, int], causal: bool, seqlen_q: int, heads: tuple[int, int], layout: int | None,
+                num_splits: int, with_sinks: bool, backend: str) -> None:
+    """Sliding windows over a KV cache (gpt-oss / Mistral decode): per entry, bottom-right aligned to its own keys;
+    GQA-packed decode and speculative tokens, split-KV over the window's key blocks, with and without sinks; FA3's
+    criterion per entry against exact attention with the window. Entries shorter than, as long as and far longer
+    than the window; every unused slot poisoned."""
+    dtype, d = torch.bfloat16, 128
+    (require_kvcache if backend == "sm90" else require_sm80_kvcache)(dtype, d, seqlen_q, causal, window)
+    torch.manual_seed(seqlen_q * 10 + num_splits + with_sinks)
+    hq, hkv = heads
+    lengths = [0, 1, 130, 2048, 1000, window[0] + seqlen_q, 777]
+    kc, vc, table, _, _ = poisoned_cache(len(lengths), hkv, d, dtype, lengths, layout, capacity=2048, seed=num_splits)
+    q = torch.randn(len(lengths), seqlen_q, hq, d, dtype=dtype, device="cuda")
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    sinks = torch.linspace(-2.0, 6.0, hq, device="cuda") if with_sinks else None
+    out, lse = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, page_table=table, causal=causal,
+                                       window_size=window, num_splits=num_splits, return_lse=True, sinks=sinks,
+                                       backend=backend)
+    check_entries(out, lse, q, kc, vc, lengths, causal, table, sinks=sinks, window=window)
+
+
+@pytest.mark.parametrize("backend", ["sm90", "sm80"])
+@pytest.mark.parametrize("num_splits", [1, 3, 0])
+@pytest.mark.parametrize(("window", "seqlen_q", "heads", "layout"), [
+    (None, 1, (32, 8), 16), (None, 3, (32, 8), None), ((255, 0), 1, (8, 8), 128), ((100, 0), 200, (8, 2), 64)])
+def test_softcap(window: tuple[int, int] | None, seqlen_q: int, heads: tuple[int, int], layout: int | None,
+                 num_splits: int, backend: str) -> None:
+    """Gemma 2's softcap over a KV cache (scores c tanh(s / c)), with windows and sinks: packed rows, splits; FA3's
+    criterion per entry against exact attention with the cap."""
+    dtype, d, causal, cap = torch.bfloat16, 128, True, 5.0
+    (require_kvcache if backend == "sm90" else require_sm80_kvcache)(dtype, d, seqlen_q, causal, window, cap)
+    torch.manual_seed(seqlen_q * 10 + num_splits)
+    hq, hkv = heads
+    lengths = [0, 1, 130, 2048, 1000, 777]
+    kc, vc, table, _, _ = poisoned_cache(len(lengths), hkv, d, dtype, lengths, layout, capacity=2048, seed=num_splits)
+    q = torch.randn(len(lengths), seqlen_q, hq, d, dtype=dtype, device="cuda") * 3  # scores the cap bends
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    sinks = torch.linspace(-2.0, 6.0, hq, device="cuda")
+    out, lse = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, page_table=table, causal=causal,
+                                       window_size=window or (-1, -1), softcap=cap, num_splits=num_splits,
+                                       return_lse=True, sinks=sinks, backend=backend)
+    check_entries(out, lse, q, kc, vc, lengths, causal, table, sinks=sinks, window=window, softcap=cap)
 
 
 def test_sinks_fast_path_and_graph() -> None:

@@ -19,9 +19,6 @@ inline int kvcache_num_splits(FwdParams const& p) {
   if (p.num_pages < 1 || p.page_size < 1) {
     throw std::invalid_argument("flashhopper: KV-cache kernels need a cache of at least one page of at least one row");
   }
-  if (p.softcap != 0.f || p.window_left >= 0 || p.window_right >= 0) {
-    throw std::invalid_argument("flashhopper: KV-cache kernels have no softcap or window yet");
-  }
   if (num_splits > kCombineMaxSplits || (num_splits > 1 && p.split_workspace == nullptr)) {
     throw std::invalid_argument("flashhopper: num_splits must be 1.." + std::to_string(kCombineMaxSplits) +
                                 ", and a split needs split_workspace");

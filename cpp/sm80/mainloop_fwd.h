@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cute/tensor.hpp>
+#include <cutlass/detail/helper_macros.hpp>
 #include <cutlass/fast_math.h>
 
 #include "../common/block_info.h"
@@ -80,7 +81,7 @@ struct FwdMainloop {
                               int window_left, int window_right, ScoreMod const& score_mod, Dropout const& dropout,
                               int bh, int m_block, FragO& acc_o, Softmax& softmax, PagedRows const& paged = {}) {
     BlockInfoT const info = [&] {
-      if constexpr (kPaged) return BlockInfoT{seq, window_left, window_right, paged.split, paged.num_splits};
+      if constexpr (kPaged) return BlockInfoT{seq, window_left, window_right, m_block, paged.split, paged.num_splits};
       else return BlockInfoT{seq, window_left, window_right};
     }();
     int const n_block_max = info.n_block_max(m_block);
@@ -164,7 +165,8 @@ struct FwdMainloop {
     // One iteration; kTop: the block holds the sequence end or a key past some row's right edge (the
     // top of the range; it applies every edge), kBottom: a key before some row's left edge; in both a
     // row may have seen no visible key yet.
-    auto step = [&](auto top, auto bottom) {
+    // Forced inline, as the sm90 mainloop's step (a called instance put the fragments on the stack).
+    auto step = [&](auto top, auto bottom) CUTLASS_LAMBDA_FUNC_INLINE {
       constexpr bool kTop = decltype(top)::value, kBottom = decltype(bottom)::value;
       constexpr bool kMasked = kTop || kBottom;
       clear(acc_s);

@@ -88,7 +88,7 @@ struct FwdKernel {
     return tile_work(params, w, Mainloop::seqlen_info(params.mainloop, w.batch));
   }
   CUTE_DEVICE static TileWork tile_work(Params const& params, WorkTile const& w, SeqlenInfo const& seq) {
-    auto const bi = Mainloop::block_info(params.mainloop, seq, w.split);
+    auto const bi = Mainloop::block_info(params.mainloop, seq, w.m_block, w.split);
     return {w, seq, bi, w.m_block * Mainloop::kBlockM < seq.seqlen_q,
             bi.n_block_max(w.m_block) > bi.n_block_min(w.m_block)};
   }

@@ -350,9 +350,9 @@ struct FwdMainloop {
 
   // What the params' seqlens say of one batch entry, and its block ranges.
   CUTE_DEVICE static SeqlenInfo seqlen_info(Params const& p, int batch) { return p.seqlens(batch); }
-  CUTE_DEVICE static BlockInfoT block_info(Params const& p, SeqlenInfo const& s, int split = 0) {
+  CUTE_DEVICE static BlockInfoT block_info(Params const& p, SeqlenInfo const& s, int m_block, int split = 0) {
     if constexpr (kSplits) {
-      return {s, p.window_left, p.window_right, split, p.num_splits};
+      return {s, p.window_left, p.window_right, m_block, split, p.num_splits};
     } else {
       return {s, p.window_left, p.window_right};
     }
@@ -1145,7 +1145,9 @@ struct FwdMainloop {
       next_s_scale = qk_scale(cute::max(n_block_max - 2, 0));
       next_vd = v_descale(cute::max(n_block_max - 2, 0));
     }
-    auto step = [&](int n, auto right_edge, auto left_edge) {
+    // Forced inline: with three instances (right-masked, plain, left-masked: windows over a KV cache) cicc kept one
+    // as a call, and every fragment it touches went to the stack (1.3-1.5 KB of local memory a thread).
+    auto step = [&](int n, auto right_edge, auto left_edge) CUTLASS_LAMBDA_FUNC_INLINE {
       constexpr bool kRight = decltype(right_edge)::value, kLeft = decltype(left_edge)::value;
       // Per-block descale loads go out before the GEMMs and land while they run; the window's shuffles go after the
       // GEMM issue (the first one after opening waits for the window's loads).

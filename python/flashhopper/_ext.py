@@ -119,11 +119,10 @@ def configured(mode: str, key: KernelKey) -> bool:
 
 def kvcache_configured(mode: str, key: KernelKey, info: dict[str, Any]) -> bool:
     """Whether the build makes a KV-cache kernel for ``key`` (FLASHHOPPER_KVCACHE on, or e4m3: Hopper only): the
-    16-bit forward of either family at VARLEN_HEADDIMS, masks none and causal, without score mod, dropout or varlen
-    (cpp/generate_kernels.py)."""
+    16-bit-query forward of either family at VARLEN_HEADDIMS, with the build's masks (window too) and score mods,
+    without dropout or varlen (cpp/generate_kernels.py)."""
     return (key.kvcache in info.get("kvcache", ["off"]) and (key.kvcache != "e4m3" or key.arch == 90)
-            and mode == "fwd" and key.dtype != "float8_e4m3fn"
-            and not key.dropout and not key.varlen and key.score_mod == "none" and key.mask != "window"
+            and mode == "fwd" and key.dtype != "float8_e4m3fn" and not key.dropout and not key.varlen
             and key.headdim == key.headdim_v and key.headdim in VARLEN_HEADDIMS)
 
 

@@ -27,7 +27,8 @@ import torch
 
 from . import _autocast, _device, _ext, _launch, _op, _plans, dispatch, kvcache_fp8, reference, validation
 from .fp8.format import seed_int64
-from .kernel_key import VARLEN_HEADDIMS
+from .kernel_key import VARLEN_HEADDIMS, normalize_window
+from .ops import window_edges
 
 # Opt-in checks that read cache_seqlens, page_table and cache_batch_idx on the host (a synchronization per call
 # on the GPU; on the CPU they always run): lengths within the capacity, indices within the cache.
@@ -180,17 +181,6 @@ def check_kvcache_inputs(q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any, cac
                        slots, capacity, seqlen_new), scale
 
 
-def check_unsupported(window_size: Any, softcap: Any) -> None:
-    """flash-attn's arguments that flash_attn_with_kvcache takes but does not implement yet (issue #22):
-    NotImplementedError unless at their defaults."""
-    window = validation.check_window_size(window_size)
-    if window is not None:
-        raise NotImplementedError(f"window_size={window}: local (sliding-window) attention over a KV cache is not "
-                                  "supported yet")
-    if validation.check_softcap(softcap) != 0:
-        raise NotImplementedError(f"softcap={softcap}: softcap over a KV cache is not supported yet")
-
-
 def check_kvcache_values(shapes: CacheShapes, cache_seqlens: torch.Tensor | int | None,
                          page_table: torch.Tensor | None, cache_batch_idx: torch.Tensor | None) -> None:
     """What check_kvcache_inputs cannot see without the values (on the GPU a synchronization, so only on request:
@@ -243,7 +233,8 @@ def kernel_num_splits(num_splits: int, batch: int, kernel_heads: int, kernel_row
                       block_m: int, block_n: int, num_sms: int) -> int:
     """The split count a launch uses: ``num_splits`` (0: num_splits_heuristic over the kernel's view: batch x
     kernel_heads x ceil(kernel_rows / block_m) tiles, ceil(seqlen_k / block_n) key blocks), never more than the
-    key blocks (each split gets one at least), at least 1."""
+    key blocks (each split gets one at least), at least 1. ``seqlen_k``: the keys a query block sees (a window's
+    span, bounded by the cache: window_keys), as the kernels split those."""
     n_blocks = _ceil_div(seqlen_k, block_n)
     if num_splits == 0:
         tiles = batch * kernel_heads * _ceil_div(kernel_rows, block_m)
@@ -253,10 +244,30 @@ def kernel_num_splits(num_splits: int, batch: int, kernel_heads: int, kernel_row
 
 # --- backend ---
 
-def _kvcache_mask(seqlen_q: int, causal: bool) -> str:
+def _kvcache_mask(seqlen_q: int, causal: bool, window: tuple[int, int] | None = None) -> str:
     # One query row sees every key of its entry either way (bottom-right aligned): the non-causal kernel, which
-    # GQA packing needs (the packed rows are heads, not positions).
+    # GQA packing needs (the packed rows are heads, not positions). A window (normalize_window's: not plain causal)
+    # runs the window kernels, whose edges the params carry (ops.window_edges: causal is right = 0).
+    if window is not None:
+        return "window"
     return "causal" if causal and seqlen_q > 1 else "none"
+
+
+def _score_mod(softcap: float) -> str:
+    return "softcap" if softcap > 0 else "none"
+
+
+def _window_of(window_left: int, window_right: int) -> tuple[int, int] | None:
+    return None if (window_left, window_right) == (-1, -1) else (window_left, window_right)
+
+
+def window_keys(seqlen_q: int, seqlen_k: int, causal: bool, window: tuple[int, int] | None) -> int:
+    """At most how many keys of an entry of ``seqlen_k`` one query block of ``seqlen_q`` rows sees: seqlen_k, or a
+    window's span (left + right + the rows) when both its edges are bounded (causal: right 0)."""
+    if window is None:
+        return seqlen_k
+    left, right = window[0], 0 if causal else window[1]
+    return seqlen_k if left < 0 or right < 0 else min(seqlen_k, left + right + seqlen_q)
 
 
 # GQA packing of several query tokens (speculative decoding, short chunks): up to this many rows (tokens x query
@@ -274,8 +285,8 @@ KVCACHE_BACKENDS = ("sm90", "sm80")  # kernel families with KV-cache kernels, th
 
 
 def _kvcache_key(dtype: torch.dtype, headdim: int, headdim_v: int, mask: str, backend: str = "sm90",
-                 cache: str = "on") -> Any:
-    return dispatch._key(backend, dtype, headdim, mask, "", "none", headdim_v, dropout=False, varlen=False,
+                 cache: str = "on", score_mod: str = "none") -> Any:
+    return dispatch._key(backend, dtype, headdim, mask, "", score_mod, headdim_v, dropout=False, varlen=False,
                          kvcache=cache)
 
 
@@ -284,7 +295,7 @@ def _kvcache_key(dtype: torch.dtype, headdim: int, headdim_v: int, mask: str, ba
 # internal dynamo error).
 @torch.compiler.assume_constant_result
 def _kvcache_backend(index: int, dtype: torch.dtype, headdim: int, headdim_v: int, mask: str, backend: str,
-                     cache: str = "on") -> str:
+                     cache: str = "on", score_mod: str = "none") -> str:
     """The kernel family a CUDA call runs ("sm90", "sm80"; ``backend``: "" for the first of KVCACHE_BACKENDS that
     runs on the device and was built), or "!" followed by why there is none."""
     info = _device.device_info(index)
@@ -298,7 +309,7 @@ def _kvcache_backend(index: int, dtype: torch.dtype, headdim: int, headdim_v: in
     errors = []
     for b in usable:
         try:
-            dispatch.require_kernel("fwd", _kvcache_key(dtype, headdim, headdim_v, mask, b, cache))
+            dispatch.require_kernel("fwd", _kvcache_key(dtype, headdim, headdim_v, mask, b, cache, score_mod))
         except ValueError as e:
             errors.append(str(e))
             continue
@@ -306,7 +317,8 @@ def _kvcache_backend(index: int, dtype: torch.dtype, headdim: int, headdim_v: in
     return "!" + errors[0]
 
 
-def resolve_backend(q: torch.Tensor, shapes: CacheShapes, causal: bool, backend: str | None, cache: str = "on") -> str:
+def resolve_backend(q: torch.Tensor, shapes: CacheShapes, causal: bool, backend: str | None, cache: str = "on",
+                    window: tuple[int, int] | None = None, softcap: float = 0.0) -> str:
     """"sm90", "sm80" or "reference" for a validated call: CPU tensors (backend None) and backend='reference' run
     the reference; CUDA tensors the Hopper KV-cache kernel where it runs and was built, else the Ampere one (or the
     family named), or a ValueError saying why there is none (never a silent fall back to the reference on a GPU)."""
@@ -318,7 +330,8 @@ def resolve_backend(q: torch.Tensor, shapes: CacheShapes, causal: bool, backend:
         raise ValueError(f"q head dim {hd}: the KV-cache kernels have head dims "
                          f"{', '.join(map(str, VARLEN_HEADDIMS))} (q, K and V alike); backend='reference' takes any")
     name = _kvcache_backend(q.device.index, q.dtype, shapes.headdim, shapes.headdim_v,
-                            _kvcache_mask(shapes.seqlen_q, causal), backend or "", cache)
+                            _kvcache_mask(shapes.seqlen_q, causal, window), backend or "", cache,
+                            _score_mod(softcap))
     if name.startswith("!"):
         raise ValueError(name[1:])
     return name
@@ -484,13 +497,15 @@ def _kernel_table(page_table: torch.Tensor | None, cache_batch_idx: torch.Tensor
 def _prepare_kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlen_k: int,
                          table: torch.Tensor | None, softmax_scale: float, causal: bool,
                          num_splits: int, backend: str = "sm90",
-                         scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> KVCacheLaunch:
+                         scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                         window: tuple[int, int] | None = None, softcap: float = 0.0) -> KVCacheLaunch:
     """The KVCacheLaunch of a call, from the tensors' metadata alone: the kernel, GQA packing, the split count and
     every params field but the pointers (``table``: _kernel_table's; ``scales``: an e4m3 cache's)."""
     b, sq, hq, d = q.shape
     page_size, hkv, dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
     cache = "on" if scales is None else "e4m3"
-    entry = dispatch.require_kernel("fwd", _kvcache_key(q.dtype, d, dv, _kvcache_mask(sq, causal), backend, cache))
+    entry = dispatch.require_kernel("fwd", _kvcache_key(q.dtype, d, dv, _kvcache_mask(sq, causal, window), backend,
+                                                        cache, _score_mod(softcap)))
     pack = 0
     if _packs_gqa(sq, hq, hkv) and sq == 1:
         # GQA packing: the g query heads of a kv head are g rows of one head (K/V read once per kv head). Query
@@ -513,18 +528,21 @@ def _prepare_kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     for name, x in ((("q", q4),) if not pack else ()) + (("k_cache", k_cache), ("v_cache", v_cache)):
         validation.check_kernel_layout(name, x)
     num_sms = _device.device_info(q.device.index).num_sms
-    splits = kernel_num_splits(num_splits, b, heads, rows, seqlen_k, entry.block_m, entry.block_n, num_sms)
+    splits = kernel_num_splits(num_splits, b, heads, rows, window_keys(sq, seqlen_k, causal, window), entry.block_m,
+                               entry.block_n, num_sms)
     C = _ext.extension()
 
     p = C.FwdParams()  # its own: a KVCacheLaunch may be kept and reused (never the thread's shared object)
     _launch.fill_strides(p, q=q4, k=k_cache, v=v_cache, o=o4)
     p.batch, p.seqlen_q, p.seqlen_k = b, rows, seqlen_k
     p.nheads_q, p.nheads_kv, p.headdim, p.headdim_v = heads, hkv, d, dv
-    p.softmax_scale = softmax_scale
+    p.softmax_scale, p.softcap = softmax_scale, softcap
     p.page_table_batch_stride = 0 if table is None else (table.stride(0) if table.dim() == 2 else 1)
     p.page_size, p.num_pages = page_size, k_cache.shape[0]
     p.num_splits = splits
     p.rows_per_query = (hq // hkv) if _packs_gqa(sq, hq, hkv) else 1
+    # Window edges in query positions (packed rows: the kernel divides rows back into queries), capped past the keys.
+    p.window_left, p.window_right = window_edges(causal, window, sq, seqlen_k)
     if scales is not None:  # (pages, kv heads, page_size), tokens contiguous; K's and V's strides are equal
         if not kvcache_fp8.scale_layout_ok(scales[0]) or not kvcache_fp8.scale_layout_ok(scales[1]):
             raise ValueError("k_cache_scale / v_cache_scale must start 16-byte aligned, with page and head strides "
@@ -542,10 +560,12 @@ def _launch_kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         cache_batch_idx: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor,
                         softmax_scale: float, causal: bool, num_splits: int, backend: str = "sm90",
                         scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-                        sinks: torch.Tensor | None = None) -> int:
+                        sinks: torch.Tensor | None = None, window: tuple[int, int] | None = None,
+                        softcap: float = 0.0) -> int:
     """The KV-cache forward of kernel family ``backend`` into out (batch, seqlen_q, nheads_q, headdim_v) and lse float32 (batch,
     nheads_q, seqlen_q), both contiguous. ``cache_seqlens``: int32 (batch,) key counts on the device, each at most
-    ``seqlen_k``, or None: every entry has seqlen_k keys; ``sinks``: float32 (nheads_q,) sink logits or None.
+    ``seqlen_k``, or None: every entry has seqlen_k keys; ``sinks``: float32 (nheads_q,) sink logits or None;
+    ``window``: normalized (kernel_key.normalize_window) or None; ``softcap``: 0 (off) or c > 0.
     Returns the CTAs launched (the extension's answer)."""
     b, sq, hq, _ = q.shape
     dv = v_cache.shape[3]
@@ -559,7 +579,7 @@ def _launch_kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     table = _kernel_table(page_table, cache_batch_idx)
     lengths = None if cache_seqlens is None else cache_seqlens.contiguous()
     launch = _prepare_kvcache_fwd(q, k_cache, v_cache, seqlen_k, table, softmax_scale, causal, num_splits, backend,
-                                  scales)
+                                  scales, window, softcap)
     return launch.run(q, k_cache, v_cache, out, lse, table, lengths, scales,
                       None if sinks is None else sinks.contiguous())
 
@@ -568,21 +588,26 @@ def kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 cache_seqlens: Optional[torch.Tensor], seqlen_k: int,  # noqa: UP045
                 page_table: Optional[torch.Tensor], cache_batch_idx: Optional[torch.Tensor],  # noqa: UP045
                 softmax_scale: float, causal: bool, num_splits: int,
-                backend: str, sinks: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: UP045
+                backend: str, sinks: Optional[torch.Tensor] = None,  # noqa: UP045
+                window_left: int = -1, window_right: int = -1,
+                softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q over a KV cache: (out (batch, seqlen_q, nheads_q, headdim_v) like q, lse float32 (batch,
     nheads_q, seqlen_q)), both contiguous. Entry b attends to its first cache_seqlens[b] keys (int32 (batch,) on
     q's device: the counts after any append), or to ``seqlen_k`` keys each when cache_seqlens is None;
     ``seqlen_k`` bounds them all otherwise (the capacity). Arguments as flash_attn_with_kvcache's, validated;
-    ``backend`` resolved ("sm90", "sm80" or "reference"); ``num_splits`` 0: the heuristic."""
+    ``backend`` resolved ("sm90", "sm80" or "reference"); ``num_splits`` 0: the heuristic; the window normalized
+    (kernel_key.normalize_window), (-1, -1) for none; ``softcap`` 0 for none."""
     return _kvcache_fwd(q, k_cache, v_cache, cache_seqlens, seqlen_k, page_table, cache_batch_idx, softmax_scale,
-                        causal, num_splits, backend, sinks=sinks)
+                        causal, num_splits, backend, sinks=sinks, window=_window_of(window_left, window_right),
+                        softcap=softcap)
 
 
 def _kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor | None,
                  seqlen_k: int, page_table: torch.Tensor | None, cache_batch_idx: torch.Tensor | None,
                  softmax_scale: float, causal: bool, num_splits: int, backend: str,
                  scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 sinks: torch.Tensor | None = None, window: tuple[int, int] | None = None,
+                 softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     out, lse = _empty_outputs(q, v_cache)
     if backend == "reference":
         dtype = torch.float64 if (not q.is_cuda or q.dtype == torch.float64) else torch.float32
@@ -593,7 +618,8 @@ def _kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         ref_out, ref_lse = reference.attention_kvcache_ref(q, k_cache, v_cache,
                                                            seqlen_k if cache_seqlens is None else cache_seqlens,
                                                            page_table, cache_batch_idx, softmax_scale, causal,
-                                                           sinks=sinks, dtype=dtype)
+                                                           sinks=sinks, window=window, softcap=softcap,
+                                                           dtype=dtype)
         out.copy_(ref_out)
         lse.copy_(ref_lse)
     elif backend in KVCACHE_BACKENDS:
@@ -607,7 +633,7 @@ def _kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                 lse.copy_(sinks[None, :, None].expand_as(lse))
         else:
             _launch_kvcache_fwd(q, k_cache, v_cache, cache_seqlens, seqlen_k, page_table, cache_batch_idx, out, lse,
-                                softmax_scale, causal, num_splits, backend, scales, sinks)
+                                softmax_scale, causal, num_splits, backend, scales, sinks, window, softcap)
     else:
         raise ValueError(f"backend must be 'sm90', 'sm80' or 'reference' for a KV cache, got {backend!r}")
     return out, lse
@@ -620,7 +646,8 @@ kvcache_fwd_op = _op.define("kvcache_fwd", kvcache_fwd, autocast=())
 def _(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: Optional[torch.Tensor],  # noqa: UP045
       seqlen_k: int, page_table: Optional[torch.Tensor], cache_batch_idx: Optional[torch.Tensor],  # noqa: UP045
       softmax_scale: float, causal: bool, num_splits: int, backend: str,
-      sinks: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: UP045
+      sinks: Optional[torch.Tensor] = None,  # noqa: UP045
+      window_left: int = -1, window_right: int = -1, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     return _empty_outputs(q, v_cache)
 
 
@@ -628,12 +655,14 @@ def kvcache_fwd_fp8(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     v_cache_scale: torch.Tensor, cache_seqlens: Optional[torch.Tensor], seqlen_k: int,  # noqa: UP045
                     page_table: Optional[torch.Tensor], cache_batch_idx: Optional[torch.Tensor],  # noqa: UP045
                     softmax_scale: float, causal: bool, num_splits: int,
-                    backend: str, sinks: Optional[torch.Tensor] = None  # noqa: UP045
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                    backend: str, sinks: Optional[torch.Tensor] = None,  # noqa: UP045
+                    window_left: int = -1, window_right: int = -1,
+                    softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """kvcache_fwd over an e4m3 cache with its per-token scales (kvcache_fp8), q already transformed as K's rows
     are (kvcache_fp8.transform_q). Backends "sm90" and "reference"."""
     return _kvcache_fwd(q, k_cache, v_cache, cache_seqlens, seqlen_k, page_table, cache_batch_idx, softmax_scale,
-                        causal, num_splits, backend, (k_cache_scale, v_cache_scale), sinks)
+                        causal, num_splits, backend, (k_cache_scale, v_cache_scale), sinks,
+                        _window_of(window_left, window_right), softcap)
 
 
 kvcache_fwd_fp8_op = _op.define("kvcache_fwd_fp8", kvcache_fwd_fp8, autocast=())
@@ -644,7 +673,8 @@ def _(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_cache_sca
       v_cache_scale: torch.Tensor, cache_seqlens: Optional[torch.Tensor], seqlen_k: int,  # noqa: UP045
       page_table: Optional[torch.Tensor], cache_batch_idx: Optional[torch.Tensor],  # noqa: UP045
       softmax_scale: float, causal: bool, num_splits: int, backend: str,
-      sinks: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: UP045
+      sinks: Optional[torch.Tensor] = None,  # noqa: UP045
+      window_left: int = -1, window_right: int = -1, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     return _empty_outputs(q, v_cache)
 
 
@@ -747,7 +777,7 @@ def _plan_of(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: t
              v: torch.Tensor | None, cache_seqlens: Any, page_table: torch.Tensor | None,
              cache_batch_idx: torch.Tensor | None, shapes: CacheShapes, seqlen_k: int, scale: float, causal: bool,
              num_splits: int, backend: str, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-             seed: int | None = None) -> _Plan | None:
+             seed: int | None = None, window: tuple[int, int] | None = None, softcap: float = 0.0) -> _Plan | None:
     """The plan of a call that just ran the kernel on the full path, or None where the fast path would have to
     copy something per call (index tensors that are not contiguous, an append the kernel does not take).
     ``scales``: an e4m3 cache's (its append is torch ops, any layout), ``seed`` its Hadamard seed (int64)."""
@@ -762,7 +792,8 @@ def _plan_of(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: t
             and not _append_kernel_takes(k_cache, v_cache, k, v, lengths, page_table, cache_batch_idx)):
         return None
     table = page_table if page_table is not None else cache_batch_idx
-    launch = _prepare_kvcache_fwd(q, k_cache, v_cache, seqlen_k, table, scale, causal, num_splits, backend, scales)
+    launch = _prepare_kvcache_fwd(q, k_cache, v_cache, seqlen_k, table, scale, causal, num_splits, backend, scales,
+                                  window, softcap)
     offset = int(cache_seqlens) if cache_seqlens is not None and lengths is None else 0
     return _Plan(launch, shapes.seqlen_new, offset, scales is not None, seed)
 
@@ -836,8 +867,12 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     "sm90", "sm80" or "reference" (any dtype and head dim) by name.
 
     Not differentiable (an inference entry point, as flash-attn's): inputs that require grad are read as
-    detached, the result has no gradient. Not supported yet: window_size other than (-1, -1) and softcap other
-    than 0 (NotImplementedError), rotary embeddings, cache_leftpad and ALiBi (no such arguments).
+    detached, the result has no gradient. window_size=(left, right) as flash_attn_func's (-1 unbounded; with causal
+    the right edge is 0), bottom-right aligned per entry: query row i of entry b sees keys i + L_b - seqlen_q - left
+    .. i + L_b - seqlen_q + right (L_b its keys); key blocks outside the window are skipped, and split-KV splits the
+    window's blocks (the window kernels: FLASHHOPPER_MASKS with window, as flash_attn_func's). softcap=c > 0 (Gemma
+    2): scores become c * tanh(s / c) before the softmax (the softcap kernels: FLASHHOPPER_SCORE_MODS with softcap).
+    Not supported: rotary embeddings, cache_leftpad and ALiBi (no such arguments).
 
     e4m3 caches (the Hopper kernel; docs/kvcache-fp8.md, kvcache_fp8.py): k_cache and v_cache of
     torch.float8_e4m3fn with k_cache_scale / v_cache_scale float32 (num_pages, nheads_kv, page_size) (contiguous
@@ -879,8 +914,9 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                          f"{k_cache.dtype}")
     validation.check_flag("return_lse", return_lse)
     validation.check_sinks(sinks, q)
-    check_unsupported(window_size, softcap)
-    name = resolve_backend(q, shapes, causal, backend, "e4m3" if fp8 else "on")
+    cap = validation.check_softcap(softcap)
+    causal, window = normalize_window(causal, validation.check_window_size(window_size))
+    name = resolve_backend(q, shapes, causal, backend, "e4m3" if fp8 else "on", window, cap)
     if name != "reference":
         _check_kernel_layouts(q, k_cache, v_cache)
     if not torch.compiler.is_compiling() and (not q.is_cuda or os.environ.get(DEBUG_ENV) == "1"):
@@ -905,13 +941,14 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         if fp8:
             out, lse = kvcache_fwd_fp8_op(kvcache_fp8.transform_q(q, seed), k_cache, v_cache, k_cache_scale,
                                           v_cache_scale, lengths, seqlen_k, page_table, cache_batch_idx, scale, causal,
-                                          int(num_splits), name, sinks)
+                                          int(num_splits), name, sinks, *(window or (-1, -1)), cap)
         else:
             out, lse = kvcache_fwd_op(q, k_cache, v_cache, lengths, seqlen_k, page_table, cache_batch_idx, scale,
-                                      causal, int(num_splits), name, sinks)
+                                      causal, int(num_splits), name, sinks, *(window or (-1, -1)), cap)
     if key is not None and name in KVCACHE_BACKENDS:
         plan = _plan_of(q, k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx, shapes, seqlen_k, scale,
-                        causal, int(num_splits), name, (k_cache_scale, v_cache_scale) if fp8 else None, seed)
+                        causal, int(num_splits), name, (k_cache_scale, v_cache_scale) if fp8 else None, seed, window,
+                        cap)
         if plan is not None:
             _PLANS.put(key, plan)
     return (out, lse) if return_lse else out

@@ -448,13 +448,15 @@ def attention_kvcache_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                           cache_seqlens: torch.Tensor | int | None = None, page_table: torch.Tensor | None = None,
                           cache_batch_idx: torch.Tensor | None = None, softmax_scale: float | None = None,
                           causal: bool = True, *, sinks: torch.Tensor | None = None,
+                          window: tuple[int, int] | None = None, softcap: float = 0.0,
                           dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q (batch, seqlen_q, nheads_q, headdim) over a KV cache, each entry alone: entry b's keys are
     the first cache_seqlens[b] of its cache (an int: the same for every entry; None: the whole capacity),
     gathered densely (kvcache_entry: paged through ``page_table`` (batch, max_pages) or contiguous, rows
     ``cache_batch_idx``), then attention_ref with batch 1 (every convention as there: GQA, causal bottom-right
     per entry, so query row i sees key j iff j <= i + cache_seqlens[b] - seqlen_q; a row that sees no key, an
-    entry with no keys included, gets out = 0 and lse = -inf, or the sink with ``sinks``). Nothing is appended (flash_attn_with_kvcache
+    entry with no keys included, gets out = 0 and lse = -inf, or the sink with ``sinks``; ``window`` as
+    attention_ref's, per entry; ``softcap`` likewise). Nothing is appended (flash_attn_with_kvcache
     writes k/v into the cache first, then attends to cache_seqlens + seqlen_new keys). Returns out (batch,
     seqlen_q, nheads_q, headdim_v) and lse (batch, nheads_q, seqlen_q) in ``dtype``. Reads cache_seqlens and
     the indices on the host."""
@@ -475,7 +477,8 @@ def attention_kvcache_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
             raise ValueError(f"cache_seqlens[{b}] = {length} is negative")
         kb = kvcache_entry(k_cache, b, length, page_table, cache_batch_idx)
         vb = kvcache_entry(v_cache, b, length, page_table, cache_batch_idx)
-        out_b, lse_b = attention_ref(q[b:b + 1], kb[None], vb[None], softmax_scale, causal, sinks=sinks, dtype=dtype)
+        out_b, lse_b = attention_ref(q[b:b + 1], kb[None], vb[None], softmax_scale, causal, window=window,
+                                     softcap=softcap, sinks=sinks, dtype=dtype)
         outs.append(out_b)
         lses.append(lse_b)
     if not outs:

@@ -18,7 +18,7 @@ from . import _autocast, _ext, _launch, _op, dispatch, reference, validation
 from .dispatch import ARCH, score_mod_of
 from .dropout import from_rng_state, keep_mask, new_rng_state
 from .kernel_key import mask_of, normalize_window
-from .ops import (_dropout_on, _fill_dropout, _reference_dropout, fill_bwd_params, register_no_double_backward,
+from .ops import (dropout_on, fill_bwd_params, fill_dropout, reference_dropout, register_no_double_backward,
                   window_edges)
 
 # Opt-in checks that read cu_seqlens / seqused on the host (a synchronization per call): for debugging.
@@ -45,7 +45,7 @@ def _launch_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
                        softmax_scale: float, causal: bool, window: tuple[int, int] | None, softcap: float,
                        sinks: torch.Tensor | None, arch: int, dropout_p: float = 0.0,
                        dropout_rng: torch.Tensor | None = None) -> int:
-    entry = _varlen_kernel("fwd", q, v, causal, window, softcap, arch, _dropout_on(dropout_p, dropout_rng))
+    entry = _varlen_kernel("fwd", q, v, causal, window, softcap, arch, dropout_on(dropout_p, dropout_rng))
     q4, k4, v4, o4 = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0)
     for name, x in (("q", q4), ("k", k4), ("v", v4), ("out", o4)):
         validation.check_kernel_layout(name, x)
@@ -69,7 +69,7 @@ def _launch_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
     p.softmax_scale = softmax_scale
     p.window_left, p.window_right = window_edges(causal, window, max_seqlen_q, max_seqlen_k)
     p.softcap, p.sinks_ptr = softcap, (0 if sinks is None else sinks.data_ptr())
-    _fill_dropout(p, dropout_p, dropout_rng)
+    fill_dropout(p, dropout_p, dropout_rng)
     p.cu_seqlens_q, p.cu_seqlens_k = cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr()
     p.seqused_q = 0 if seqused_q is None else seqused_q.data_ptr()
     p.seqused_k = 0 if seqused_k is None else seqused_k.data_ptr()
@@ -100,7 +100,7 @@ def varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: 
         ref_out, ref_lse = reference.attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal,
                                                           seqused_q=seqused_q, seqused_k=seqused_k, window=window,
                                                           softcap=softcap, sinks=sinks,
-                                                          dropout=_reference_dropout(dropout_p, dropout_rng),
+                                                          dropout=reference_dropout(dropout_p, dropout_rng),
                                                           dtype=dtype)
         out.copy_(ref_out)
         lse.copy_(ref_lse)
@@ -136,7 +136,7 @@ def _launch_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                        arch: int, dropout_p: float = 0.0, dropout_rng: torch.Tensor | None = None) -> int:
     """The arch-``arch`` packed-batch backward into dq, dk, dv (each like its input, kernel strides); lse, dlse and
     dsinks_rows (with sinks: each row's share of d(sinks)) float32 (nheads_q, total_q) contiguous."""
-    entry = _varlen_kernel("bwd", q, v, causal, window, softcap, arch, _dropout_on(dropout_p, dropout_rng))
+    entry = _varlen_kernel("bwd", q, v, causal, window, softcap, arch, dropout_on(dropout_p, dropout_rng))
     views = {name: x.unsqueeze(0) for name, x in (("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout),
                                                   ("dq", dq), ("dk", dk), ("dv", dv))}
     for name, x in views.items():
@@ -190,8 +190,9 @@ def varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Packed-batch attention backward: (dq, dk, dv, dsinks), each gradient like its input (contiguous), dsinks
     float32 (nheads_q,) (empty without sinks). ``out`` and ``lse`` are varlen_fwd's, ``dout`` the gradient w.r.t.
-    out, ``dlse`` w.r.t. lse or None; the rest (dropout: the forward's p and state) as varlen_fwd's. Rows of no sequence: zero gradients past a slot's
-    seqused; past cu_seqlens[-1], as in flash-attn, unwritten (the kernels; the reference writes zeros)."""
+    out, ``dlse`` w.r.t. lse or None; the rest (dropout: the forward's p and state) as varlen_fwd's. Rows of no
+    sequence: zero gradients past a slot's seqused; past cu_seqlens[-1], as in flash-attn, unwritten (the kernels;
+    the reference writes zeros)."""
     dq, dk, dv = _empty_grads(q, k, v, seqused_q, seqused_k)
     dsinks = _empty_dsinks(q, sinks)
     window = None if (window_left, window_right) == (-1, -1) else (window_left, window_right)
@@ -201,7 +202,7 @@ def varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         ref = reference.attention_varlen_bwd_ref(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale,
                                                  causal, dlse, seqused_q=seqused_q, seqused_k=seqused_k,
                                                  window=window, softcap=softcap, sinks=sinks,
-                                                 dropout=_reference_dropout(dropout_p, dropout_rng), dtype=dtype)
+                                                 dropout=reference_dropout(dropout_p, dropout_rng), dtype=dtype)
         for g, r in zip((dq, dk, dv), ref):
             g.copy_(r)
         if sinks is not None:

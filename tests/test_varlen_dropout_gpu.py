@@ -15,7 +15,7 @@ import math
 
 import pytest
 import torch
-from helpers import assert_grads_match_or_control, assert_matches_reference, require_backend
+from helpers import assert_grads_match_or_control, assert_matches_reference, require_backend, seeded_dropout_runs
 from test_varlen_gpu import ARCH, BACKENDS, cu, packed
 
 from flashhopper import flash_attn_varlen_func
@@ -137,12 +137,7 @@ def test_flash_attn_varlen_func_dropout(backend: str) -> None:
         return flash_attn_varlen_func(q, k, v, cq, ck, max(lq), max(lq), causal=True, backend=backend,
                                       return_lse=True, dropout_p=p, generator=g, return_dropout_mask=True)
 
-    out, lse, mask = run(7)
-    out2, lse2, mask2 = run(7)
-    out3, _, mask3 = run(8)
-    assert torch.equal(out, out2) and torch.equal(lse, lse2) and torch.equal(mask, mask2)
-    assert not torch.equal(mask, mask3) and not torch.equal(out, out3)
-    drop = from_rng_state(p, new_rng_state(q.device, torch.Generator("cuda").manual_seed(7)))
+    out, lse, mask, drop = seeded_dropout_runs(run, p)
     assert mask.shape == (len(lq), 8, max(lq), max(lq))
     assert torch.equal(keep_mask(drop, len(lq), 8, max(lq), max(lq), "cuda"), mask)
 

@@ -26,10 +26,12 @@ from flashhopper.varlen import _launch_varlen_bwd, _launch_varlen_fwd
 pytestmark = pytest.mark.gpu
 
 NHEADS_Q = 4
-# (q lengths, k lengths or None: the same): an empty sequence, one-token ones, lengths straddling the tiles, more
+# (q lengths, k lengths or None: the same): an empty sequence, one-query ones, lengths straddling the tiles, more
 # keys than queries and fewer; the last sequence's batch index is high enough that a wrong (batch, head) counter shows.
+# No one-key sequences, as in tests/test_dropout_gpu.py: their dq and dk are rounding noise (softmax constant) that
+# helpers.one_key_noise_bound bounds for plain attention only (dropout's scale amplifies it).
 LENGTHS = [
-    ([130, 0, 1, 255, 64], None),
+    ([130, 0, 1, 255, 64], [130, 0, 7, 255, 64]),
     ([700, 3, 129], [130, 300, 1000]),
     ([1] * 9 + [300], [5] * 9 + [257]),
 ]
@@ -125,33 +127,34 @@ def test_flash_attn_varlen_func_dropout(backend: str) -> None:
     """Seeded runs repeat bitwise, another seed draws another mask, the returned mask is the one used (out and
     autograd's gradients match the reference with that draw), and dropout_p=0 is the call without dropout."""
     require_backend(backend, torch.bfloat16, 128, True, mode="bwd", dropout=True, varlen=True)
-    lq = [300, 1, 1000, 57]
+    lq, lk = [300, 1, 1000, 57], [300, 9, 1000, 57]  # no one-key sequence (see LENGTHS)
     torch.manual_seed(3)
-    q, k, v, cq, ck = packed(lq, lq, 8, 2, 128, torch.bfloat16)
+    q, k, v, cq, ck = packed(lq, lk, 8, 2, 128, torch.bfloat16)
     for x in (q, k, v):
         x.requires_grad_()
     p = 0.17
 
     def run(seed: int) -> tuple[torch.Tensor, ...]:
         g = torch.Generator("cuda").manual_seed(seed)
-        return flash_attn_varlen_func(q, k, v, cq, ck, max(lq), max(lq), causal=True, backend=backend,
+        return flash_attn_varlen_func(q, k, v, cq, ck, max(lq), max(lk), causal=True, backend=backend,
                                       return_lse=True, dropout_p=p, generator=g, return_dropout_mask=True)
 
     out, lse, mask, drop = seeded_dropout_runs(run, p)
-    assert mask.shape == (len(lq), 8, max(lq), max(lq))
-    assert torch.equal(keep_mask(drop, len(lq), 8, max(lq), max(lq), "cuda"), mask)
+    assert mask.shape == (len(lq), 8, max(lq), max(lk))
+    assert torch.equal(keep_mask(drop, len(lq), 8, max(lq), max(lk), "cuda"), mask)
 
     dout = torch.randn_like(out)
     out.backward(dout)
     qd, kd, vd = q.detach(), k.detach(), v.detach()
-    for b, n in enumerate(lq):
-        r = slice(int(cq[b]), int(cq[b]) + n)
+    for b in range(len(lq)):
+        r = slice(int(cq[b]), int(cq[b]) + lq[b])
+        t = slice(int(ck[b]), int(ck[b]) + lk[b])
         seq_drop = drop._replace(batch_start=b)
-        assert_matches_reference(out.detach()[None, r], lse.detach()[None, :, r], qd[None, r], kd[None, r],
-                                 vd[None, r], None, True, dropout=seq_drop)
-        assert_grads_match_or_control((q.grad[None, r], k.grad[None, r], v.grad[None, r]), dout[None, r],
-                                      qd[None, r], kd[None, r], vd[None, r], 128 ** -0.5, True, dropout=seq_drop)
+        assert_matches_reference(out.detach()[None, r], lse.detach()[None, :, r], qd[None, r], kd[None, t],
+                                 vd[None, t], None, True, dropout=seq_drop)
+        assert_grads_match_or_control((q.grad[None, r], k.grad[None, t], v.grad[None, t]), dout[None, r],
+                                      qd[None, r], kd[None, t], vd[None, t], 128 ** -0.5, True, dropout=seq_drop)
 
-    plain = flash_attn_varlen_func(qd, kd, vd, cq, ck, max(lq), max(lq), causal=True, backend=backend)
-    assert torch.equal(plain, flash_attn_varlen_func(qd, kd, vd, cq, ck, max(lq), max(lq), causal=True,
+    plain = flash_attn_varlen_func(qd, kd, vd, cq, ck, max(lq), max(lk), causal=True, backend=backend)
+    assert torch.equal(plain, flash_attn_varlen_func(qd, kd, vd, cq, ck, max(lq), max(lk), causal=True,
                                                      backend=backend, dropout_p=0.0))

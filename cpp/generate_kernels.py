@@ -43,7 +43,7 @@ class Family(NamedTuple):
     workspace: str | None = None  # backward: the workspace-size function, instantiated alongside
     dtypes: tuple[str, ...] = ("fp16", "bf16")  # element types the family has kernels for
     score_mod_dtypes: tuple[str, ...] = ("fp16", "bf16")  # those with score mods (softcap) and dropout
-    varlen: bool = False  # has packed-batch (varlen) kernels (of its dtypes: e4m3 too), without dropout
+    varlen: bool = False  # has packed-batch (varlen) kernels (of its dtypes: e4m3 too; dropout as the padded ones)
     kvcache: bool = False  # has KV-cache kernels (16-bit, no score mod or dropout, at the varlen head dims)
 
 
@@ -171,7 +171,7 @@ def main() -> None:
             continue
         if (score_mod != "none" or dropout == "on") and (dtype not in fam.score_mod_dtypes or variant):
             continue
-        if varlen == "on" and (not fam.varlen or dropout == "on" or variant
+        if varlen == "on" and (not fam.varlen or variant
                                or hdim != hdim_v or hdim not in kk.VARLEN_HEADDIMS):
             continue
         if kvcache != "off" and (not fam.kvcache or dtype == "e4m3" or varlen == "on" or dropout == "on"

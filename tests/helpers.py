@@ -5,13 +5,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from types import SimpleNamespace
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 
 from flashhopper import _device, _ext, dispatch
-from flashhopper.dropout import Dropout
+from flashhopper.dropout import Dropout, from_rng_state, new_rng_state
 from flashhopper.kernel_key import KernelKey
 from flashhopper.reference import (attention_bwd_lowp, attention_bwd_ref, attention_lowp, attention_ref, sinks_grad_ref,
                                    visible)
@@ -346,3 +347,17 @@ def with_pointers(params: Any, q: int, k: int, v: int, o: int, lse: int, tile_co
     if "q_scale_ptr" in p:
         p.update(q_scale_ptr=q_scale, k_scale_ptr=k_scale, v_scale_ptr=v_scale)
     return SimpleNamespace(**p)
+
+
+def seeded_dropout_runs(run: Callable[[int], tuple[torch.Tensor, ...]], p: float,
+                        device: str = "cuda") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Dropout]:
+    """``run(seed)`` calls an entry point with dropout ``p``, a generator seeded with ``seed`` and return_lse and
+    return_dropout_mask: seed 7 twice repeats bitwise, seed 8 draws another mask. Returns seed 7's (out, lse, mask)
+    and the Dropout that call drew (rebuilt from the same generator state, for the reference)."""
+    out, lse, mask = run(7)
+    out2, lse2, mask2 = run(7)
+    out3, _, mask3 = run(8)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2) and torch.equal(mask, mask2)
+    assert not torch.equal(mask, mask3) and not torch.equal(out, out3)
+    return out, lse, mask, from_rng_state(p, new_rng_state(torch.device(device),
+                                                          torch.Generator(device).manual_seed(7)))

@@ -15,7 +15,8 @@ import math
 
 import pytest
 import torch
-from helpers import assert_grads_match_or_control, assert_matches_reference, randn_qkv, require_backend
+from helpers import (assert_grads_match_or_control, assert_matches_reference, randn_qkv, require_backend,
+                     seeded_dropout_runs)
 from test_fwd_gpu import BACKENDS
 
 from flashhopper import flash_attn_func
@@ -112,13 +113,7 @@ def test_flash_attn_func_dropout(backend: str) -> None:
         return flash_attn_func(q, k, v, causal=True, backend=backend, return_lse=True, dropout_p=p, generator=g,
                                return_dropout_mask=True)
 
-    out, lse, mask = run(7)
-    out2, lse2, mask2 = run(7)
-    out3, _, mask3 = run(8)
-    assert torch.equal(out, out2) and torch.equal(lse, lse2) and torch.equal(mask, mask2)
-    assert not torch.equal(mask, mask3) and not torch.equal(out, out3)
-    # The draw flash_attn_func made from this generator state, rebuilt for the reference.
-    drop = from_rng_state(p, new_rng_state(q.device, torch.Generator("cuda").manual_seed(7)))
+    out, lse, mask, drop = seeded_dropout_runs(run, p)
     assert torch.equal(keep_mask(drop, 2, 8, 1000, 1000, "cuda"), mask)
     keep = (256 - drop.threshold()) / 256
     visible = torch.ones(1000, 1000, device="cuda").tril().bool()

@@ -108,6 +108,13 @@ def test_configured(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _ext.configured("fwd", KernelKey(90, "float8_e4m3fn", 128, 128, "none", varlen=True))
     assert not _ext.configured("bwd", KernelKey(90, "float8_e4m3fn", 128, 128, "none", varlen=True))
     assert not _ext.configured("fwd", KernelKey(80, "float8_e4m3fn", 128, 128, "none", varlen=True))
+    # Packed batches with dropout: with FLASHHOPPER_DROPOUT "on", forward and backward, 16-bit only.
+    assert not _ext.configured("bwd", KernelKey(90, "bfloat16", 128, 128, "causal", dropout=True, varlen=True))
+    info["dropout"] = ["off", "on"]
+    for arch, mode in ((90, "fwd"), (90, "bwd"), (80, "bwd")):
+        assert _ext.configured(mode, KernelKey(arch, "bfloat16", 128, 128, "causal", dropout=True, varlen=True))
+    assert not _ext.configured("fwd", KernelKey(90, "float8_e4m3fn", 128, 128, "none", dropout=True, varlen=True))
+    info["dropout"] = ["off"]
     # KV caches: forwards with the build's masks and score mods (windows and softcap too), no dropout.
     info.update(varlen=["off", "on"], kvcache=["on", "e4m3"], masks=["none", "causal", "window"], score_mods=["none", "softcap"])
     for cache in ("on", "e4m3"):

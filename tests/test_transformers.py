@@ -595,22 +595,29 @@ def test_padded_and_packed_checks(family: str, kernel_calls: list, varlen_calls:
 
 # Fallbacks to sdpa: the same computation as attn_implementation="sdpa", with the warning.
 
-def test_dropout_with_padding_falls_back_to_sdpa(varlen_calls: list, kernel_calls: list) -> None:
-    """flash_attn_varlen_func has no dropout: a padded batch in training with attention dropout runs sdpa (the
-    mask rebuilt from the padding mask), repeatable under one seed like sdpa itself."""
+def test_dropout_with_padding_runs_the_varlen_kernel(varlen_calls: list, kernel_calls: list,
+                                                     no_fallback: None) -> None:
+    """A padded batch in training with attention dropout goes to flash_attn_varlen_func(dropout_p=): repeatable
+    under one seed, other draws under another, none in eval mode; gradients flow through the op's backward."""
     model = tiny_model("llama", attention_dropout=0.5).train()
     ids, mask = left_padded(torch.randint(1, 128, (2, 10)), [0, 4])
-    out = {}
-    for implementation in (NAME, "sdpa"):
-        with attn(model, implementation), warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.manual_seed(3)
-            out[implementation] = model(ids, attention_mask=mask).logits
-        fallbacks = [str(w.message) for w in caught if w.category is fht.SdpaFallbackWarning]
-        assert len(fallbacks) == (0 if implementation == "sdpa" else 2)  # each layer
-        assert all("dropout" in m for m in fallbacks)
-    assert torch.equal(out[NAME], out["sdpa"])
-    assert varlen_calls == kernel_calls == []
+    with attn(model, NAME):
+        torch.manual_seed(1)
+        first = model(ids, attention_mask=mask).logits
+        torch.manual_seed(1)
+        again = model(ids, attention_mask=mask).logits
+        torch.manual_seed(2)
+        other = model(ids, attention_mask=mask).logits
+        model.eval()
+        plain = model(ids, attention_mask=mask).logits
+        model.train()
+        torch.manual_seed(1)
+        model(ids, attention_mask=mask).logits.sum().backward()
+    real = mask.bool()
+    assert torch.equal(first, again) and not torch.equal(first[real], other[real])
+    assert not torch.equal(first[real], plain[real])
+    assert len(varlen_calls) == 10 and kernel_calls == []  # 2 layers x 5 forwards
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
 
 
 def test_all_ones_mask_runs_the_kernel(kernel_calls: list, no_fallback: None) -> None:
@@ -697,11 +704,12 @@ def test_options_sdpa_cannot_run_raise_on_fallback(option: str, kwargs: dict[str
 
 
 def test_cu_seq_lens_that_sdpa_would_ignore_raise() -> None:
-    """cu_seq_lens and a call that must fall back (dropout, a position bias): sdpa would ignore them."""
+    """cu_seq_lens and a call that must fall back (a position bias): sdpa would ignore them. (Dropout runs the
+    packed kernel.)"""
     q, k, v = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
     cu = {"cu_seq_lens_q": torch.tensor([0, 3, 5]), "cu_seq_lens_k": torch.tensor([0, 3, 5])}
-    with pytest.raises(NotImplementedError, match="cu_seq_lens_q"):
-        fht.attention_forward(torch.nn.Module(), q, k, v, None, dropout=0.1, **cu)
+    out, _ = fht.attention_forward(torch.nn.Module(), q, k, v, None, dropout=0.5, **cu)
+    assert out.shape == (1, 5, 4, 8) and torch.isfinite(out).all()
     with pytest.raises(NotImplementedError, match="cu_seq_lens_q"):
         fht.attention_forward(torch.nn.Module(), q, k, v, None, position_bias=torch.zeros(1, 4, 5, 5), **cu)
     with pytest.raises(ValueError, match="go together"):

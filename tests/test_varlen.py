@@ -127,5 +127,82 @@ def test_fake_op_shapes() -> None:
                                                     False, "sm90")
         dq, dk, dv, dsinks = torch.ops.flashhopper.varlen_bwd(out, q, k, v, out, lse, None, c, c, None, None, 5, 5,
                                                               0.1, True, -1, -1, 0.0, None, False, "sm90")
+        rng = torch.empty(2, dtype=torch.int64)
+        out2, _ = torch.ops.flashhopper.varlen_fwd(q, k, v, c, c, None, None, 5, 5, 0.1, True, -1, -1, 0.0, None,
+                                                   False, "sm90", 0.1, rng)
+        dq2 = torch.ops.flashhopper.varlen_bwd(out, q, k, v, out, lse, None, c, c, None, None, 5, 5, 0.1, True, -1,
+                                               -1, 0.0, None, False, "sm90", 0.1, rng)[0]
     assert out.shape == (10, 4, 32) and lse.shape == (4, 10) and lse.dtype == torch.float32
     assert (dq.shape, dk.shape, dv.shape, dsinks.shape) == (q.shape, k.shape, v.shape, (0,))
+    assert out2.shape == out.shape and dq2.shape == q.shape  # with dropout's arguments
+
+
+# --- dropout (flashhopper.dropout: sequence b draws as batch entry b) ---
+
+def test_dropout_reference_draws_sequence_b_as_batch_entry_b() -> None:
+    # Equal lengths: the packed batch with dropout is the padded batch with the same draw, entry for entry.
+    from flashhopper.dropout import Dropout
+    q, k, v, cq, ck = make([20, 20, 20], [33, 33, 33], hq=4, hkv=2, d=16)
+    drop = Dropout(0.3, 0x1234_5678_9ABC_DEF0, 77)
+    for causal in (False, True):
+        out, lse = attention_varlen_ref(q, k, v, cq, ck, None, causal, dropout=drop)
+        ref, ref_lse = attention_ref(q.view(3, 20, 4, 16), k.view(3, 33, 2, 16), v.view(3, 33, 2, 16), None, causal,
+                                     dropout=drop)
+        torch.testing.assert_close(out, ref.reshape(60, 4, 16))
+        torch.testing.assert_close(lse, ref_lse.permute(1, 0, 2).reshape(4, 60))
+    plain = attention_varlen_ref(q, k, v, cq, ck, None, False)[0]
+    assert not torch.allclose(out, plain)  # the draw did drop something
+
+
+def test_flash_attn_varlen_func_dropout_on_the_cpu() -> None:
+    from flashhopper.dropout import from_rng_state, keep_mask, new_rng_state
+    lq, lk = [5, 0, 9, 1], [7, 3, 40, 1]
+    q, k, v, cq, ck = make(lq, lk)
+
+    def run(seed: int) -> tuple[torch.Tensor, ...]:
+        g = torch.Generator().manual_seed(seed)
+        return flash_attn_varlen_func(q, k, v, cq, ck, max(lq), max(lk), causal=True, dropout_p=0.25, generator=g,
+                                      return_lse=True, return_dropout_mask=True)
+
+    out, lse, mask = run(3)
+    out2, _, mask2 = run(3)
+    out3, _, mask3 = run(4)
+    assert torch.equal(out, out2) and torch.equal(mask, mask2) and not torch.equal(mask, mask3)
+    assert mask.shape == (4, 4, max(lq), max(lk)) and mask.dtype == torch.bool
+    drop = from_rng_state(0.25, new_rng_state(q.device, torch.Generator().manual_seed(3)))
+    assert torch.equal(mask, keep_mask(drop, 4, 4, max(lq), max(lk)))
+    ref, ref_lse = attention_varlen_ref(q, k, v, cq, ck, None, True, dropout=drop)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(lse, ref_lse.float())
+    no_mask = flash_attn_varlen_func(q, k, v, cq, ck, max(lq), max(lk), return_dropout_mask=True)
+    assert no_mask[1].all() and no_mask[1].shape == (4, 4, max(lq), max(lk))
+
+
+def test_dropout_backward_op_matches_autograd_of_the_reference() -> None:
+    from flashhopper.dropout import from_rng_state, new_rng_state
+    q, k, v, cq, ck = make([5, 0, 4], [6, 2, 4], hq=4, hkv=2, d=8)
+    rng = new_rng_state(q.device, torch.Generator().manual_seed(5))
+    drop = from_rng_state(0.4, rng)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out, lse = attention_varlen_ref(*leaves, cq, ck, 0.3, True, dropout=drop)
+    dout = torch.randn_like(out)
+    want = torch.autograd.grad((out * dout).sum(), leaves)
+    got = torch.ops.flashhopper.varlen_bwd(dout, q, k, v, out.detach(), lse.detach().float(), None, cq, ck, None,
+                                           None, 5, 6, 0.3, True, -1, -1, 0.0, None, False, "reference", 0.4, rng)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    plain = torch.ops.flashhopper.varlen_bwd(dout, q, k, v, out.detach(), lse.detach().float(), None, cq, ck, None,
+                                             None, 5, 6, 0.3, True, -1, -1, 0.0, None, False, "reference")
+    assert not torch.allclose(got[2], plain[2])  # the op did apply the mask
+
+
+@pytest.mark.parametrize("bad, err, match", [
+    (dict(dropout_p=-0.1), ValueError, r"dropout_p must be in \[0, 1\]"),
+    (dict(dropout_p="0.1"), TypeError, "dropout_p must be a float"),
+    (dict(return_dropout_mask=1), TypeError, "return_dropout_mask"),
+    (dict(generator=object()), TypeError, "generator"),
+])
+def test_bad_dropout_inputs(bad: dict, err: type, match: str) -> None:
+    q, k, v, cq, ck = make([2, 3], [2, 3])
+    with pytest.raises(err, match=match):
+        flash_attn_varlen_func(q, k, v, cq, ck, 3, 3, **bad)

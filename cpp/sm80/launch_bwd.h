@@ -41,7 +41,6 @@ struct BwdConfig {
   using Mainloop = BwdMainloop<Element, Config::kHeadDim, Tile, Config::kMask,
                                typename ScoreModOf<Config::kScoreMod>::type, DropoutOf<Config::kDropout>>;
   static constexpr bool kVarlen = Config::kVarlen;
-  static_assert(!kVarlen || !Config::kDropout, "packed batches: kernels without dropout for now");
   using Seqlens = std::conditional_t<kVarlen, VarlenSeqlens, UniformSeqlens>;
   using Kernel = BwdKernel<Mainloop, Seqlens>;
   static_assert(Kernel::kSmemBytes <= kSmemKB * 1024, "the tiles must fit their shared-memory class");

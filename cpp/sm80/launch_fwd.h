@@ -33,7 +33,6 @@ struct FwdConfig {
   static_assert(Config::kHeadDimV == Config::kHeadDim, "a V head dim of its own is not built yet");
   using Element = typename ElementOf<Config::kDType>::type;
   using Tile = typename FwdTileSize<Config::kHeadDim, Config::kMask != MaskKind::kNone, kSmemKB>::type;
-  static_assert(!Config::kVarlen || !Config::kDropout, "packed batches: kernels without dropout for now");
   // KV caches (kv_blocks's sm80 counterpart: PagedRows in mainloop_fwd.h): pages, cache_seqlens, split-KV.
   static_assert(!Config::kKVCache || (!Config::kVarlen && !Config::kDropout), "KV-cache kernels: padded, no dropout");
   using Seqlens = std::conditional_t<Config::kVarlen, VarlenSeqlens,

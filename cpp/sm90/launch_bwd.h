@@ -46,7 +46,6 @@ struct BwdConfig {
       std::conditional_t<Config::kScoreMod == ScoreModKind::kSoftcap, BwdSoftcapTileSize<Config::kHeadDim, Config::kHeadDimV>,
                          typename BwdTileOf<typename Config::Variant, Config::kHeadDim, Config::kHeadDimV>::type>>;
   static constexpr bool kVarlen = Config::kVarlen;
-  static_assert(!kVarlen || !Config::kDropout, "packed batches: kernels without dropout for now");
   using Seqlens = std::conditional_t<kVarlen, VarlenSeqlens, UniformSeqlens>;
   template <bool kDeterministic>
   using Mainloop = BwdMainloop<Element, Config::kHeadDim, Config::kHeadDimV, Tile, Config::kMask, kDeterministic,

@@ -62,7 +62,6 @@ struct FwdConfig {
   // FP8 stages O in a buffer of its own; 16-bit O goes through the Q stage the tile used.
   using Epilogue = FwdEpilogue<ElementOut, Config::kHeadDimV, Mainloop::kNumMmaWG, typename Mainloop::SmemLayoutO,
                                Mainloop::kOSlotElems, typename Mainloop::TiledMmaPV, kFp8, typename Mainloop::Seqlens>;
-  static_assert(!kVarlen || !Config::kDropout, "packed batches: kernels without dropout for now");
   // Tiles whose cost varies (a mask with a right edge, packed entries of different lengths) are handed
   // out heaviest first, dynamically.
   // KV caches: a split's share of an entry's keys costs about the same as any other's (decode), so static.

@@ -128,7 +128,7 @@ def kvcache_configured(mode: str, key: KernelKey, info: dict[str, Any]) -> bool:
 
 def varlen_configured(mode: str, key: KernelKey, info: dict[str, Any]) -> bool:
     """Whether the build makes a packed-batch kernel for ``key`` (FLASHHOPPER_VARLEN on): the 16-bit forward
-    and backward of either family and the Hopper fp8 forward, at VARLEN_HEADDIMS, without dropout
-    (cpp/generate_kernels.py)."""
+    and backward of either family (with dropout too where FLASHHOPPER_DROPOUT has "on": configured() checks it) and
+    the Hopper fp8 forward, at VARLEN_HEADDIMS (cpp/generate_kernels.py)."""
     return ("on" in info.get("varlen", ["off"]) and mode in ("fwd", "bwd")
-            and not key.dropout and key.headdim == key.headdim_v and key.headdim in VARLEN_HEADDIMS)
+            and key.headdim == key.headdim_v and key.headdim in VARLEN_HEADDIMS)

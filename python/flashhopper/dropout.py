@@ -10,8 +10,9 @@ dropout 7, which the kernels' cost asks for: cpp/common/dropout.h), counter-base
   0..3). Such a group is what two threads hold in a 16 x 16 WGMMA / mma.sync accumulator tile, whether
   the kernel computes S or S^T (the backward's layout), so each thread draws for its own scores;
 - one Philox4x32-7 call per group: key (seed low 32 bits, seed high 32 bits), counter (block column * 4 + b,
-  block row * 4 + a, batch * nheads + head, offset), where rows are query rows and columns keys; its
-  four 32-bit outputs are 16 bytes, little-endian;
+  block row * 4 + a, batch * nheads + head, offset), where rows are query rows and columns keys (in a packed
+  batch, flash_attn_varlen_func's, the batch index is the sequence's and rows and columns count from the
+  sequence's first token); its four 32-bit outputs are 16 bytes, little-endian;
 - score (r, c) of the group (r, c in 0..3: r = 2 * (row in block >= 8) + row % 2, likewise c) takes byte
   4 r + c; it is kept iff that byte >= t, t = round(dropout_p * 256). The keep probability is then
   exactly (256 - t) / 256 and kept scores are scaled by 256 / (256 - t): dropout_p is rounded to a
@@ -40,6 +41,7 @@ class Dropout(NamedTuple):
     p: float
     seed: int    # 64 bits
     offset: int  # the Philox counter's last word (32 bits)
+    batch_start: int = 0  # the batch index of a tensor's first entry (a packed batch's sequence b alone: b)
 
     def threshold(self) -> int:
         return round(self.p * 256)
@@ -82,7 +84,8 @@ def keep_mask(dropout: Dropout, batch: int, nheads: int, seqlen_q: int, seqlen_k
     rows = torch.arange(start, max(start, stop), device=device, dtype=torch.int64)
     seqlen_q = rows.numel()
     cols = torch.arange(seqlen_k, device=device, dtype=torch.int64)
-    bh = torch.arange(batch * nheads, device=device, dtype=torch.int64).view(batch, nheads, 1, 1)
+    first = dropout.batch_start * nheads
+    bh = torch.arange(first, first + batch * nheads, device=device, dtype=torch.int64).view(batch, nheads, 1, 1)
 
     def split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # group coordinate (block * 4 + pair index) and the 2-bit position inside the group

@@ -43,19 +43,19 @@ def _window_of(window_left: int, window_right: int) -> tuple[int, int] | None:
     return None if (window_left, window_right) == (-1, -1) else (window_left, window_right)
 
 
-def _dropout_on(dropout_p: float, dropout_rng: torch.Tensor | None) -> bool:
+def dropout_on(dropout_p: float, dropout_rng: torch.Tensor | None) -> bool:
     """Whether a call drops scores: p > 0 with its (seed, offset) state (flash_attn_func draws one then)."""
     return dropout_p > 0 and dropout_rng is not None
 
 
-def _fill_dropout(p: Any, dropout_p: float, dropout_rng: torch.Tensor | None) -> None:
-    on = _dropout_on(dropout_p, dropout_rng)
+def fill_dropout(p: Any, dropout_p: float, dropout_rng: torch.Tensor | None) -> None:
+    on = dropout_on(dropout_p, dropout_rng)
     p.dropout_threshold = Dropout(dropout_p, 0, 0).threshold() if on else 0
     p.dropout_rng = dropout_rng.data_ptr() if on else 0  # type: ignore[union-attr]
 
 
-def _reference_dropout(dropout_p: float, dropout_rng: torch.Tensor | None) -> Dropout | None:
-    return from_rng_state(dropout_p, dropout_rng) if _dropout_on(dropout_p, dropout_rng) else None  # type: ignore[arg-type]
+def reference_dropout(dropout_p: float, dropout_rng: torch.Tensor | None) -> Dropout | None:
+    return from_rng_state(dropout_p, dropout_rng) if dropout_on(dropout_p, dropout_rng) else None  # type: ignore[arg-type]
 
 
 def fill_params(p: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
@@ -72,7 +72,7 @@ def fill_params(p: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
     p.softmax_scale = softmax_scale
     p.window_left, p.window_right = edges
     p.softcap, p.sinks_ptr = softcap, (0 if sinks is None else sinks.data_ptr())
-    _fill_dropout(p, dropout_p, dropout_rng)
+    fill_dropout(p, dropout_p, dropout_rng)
     return p
 
 
@@ -83,7 +83,7 @@ def fwd_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Ten
     """The Launch (_plans) of a forward like this one: its kernel, or ValueError saying what to rebuild with, and
     its params, filled from these tensors' metadata (the pointers are each launch's). Checks nothing else."""
     key = dispatch.kernel_key(_BACKEND_OF_ARCH[arch], q.dtype, q.shape[3], causal, window, variant, softcap,
-                              v.shape[3], _dropout_on(dropout_p, dropout_rng))
+                              v.shape[3], dropout_on(dropout_p, dropout_rng))
     entry = dispatch.require_kernel("fwd", key)
     p = fill_params(_ext.extension().FwdParams(), q, k, v, out, lse, softmax_scale,
                     window_edges(causal, window, q.shape[1], k.shape[1]), 0, softcap, sinks, dropout_p, dropout_rng)
@@ -103,7 +103,7 @@ def _launch_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Te
                         dropout_p, dropout_rng)
     for name, x in (("q", q), ("k", k), ("v", v), ("out", out)):
         validation.check_kernel_layout(name, x)
-    rng = dropout_rng.data_ptr() if _dropout_on(dropout_p, dropout_rng) else 0  # type: ignore[union-attr]
+    rng = dropout_rng.data_ptr() if dropout_on(dropout_p, dropout_rng) else 0  # type: ignore[union-attr]
     # _C.fwd_with switches to the launch's device and back.
     return launch.fwd(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
                       0 if sinks is None else sinks.data_ptr(), rng)
@@ -179,7 +179,7 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
     window = _window_of(window_left, window_right)
     if backend == "reference":
         _reference_into(q, k, v, out, lse, softmax_scale, causal, window, softcap, sinks,
-                        _reference_dropout(dropout_p, dropout_rng))
+                        reference_dropout(dropout_p, dropout_rng))
     elif backend in ARCH:
         _launch_fwd(q, k, v, out, lse, softmax_scale, causal, window, ARCH[backend], softcap=softcap, sinks=sinks,
                     dropout_p=dropout_p, dropout_rng=dropout_rng)
@@ -227,7 +227,7 @@ def fill_bwd_params(p: Any, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     p.softcap = softcap
     p.sinks_ptr = 0 if sinks is None else sinks.data_ptr()
     p.dsinks_rows_ptr = 0 if dsinks_rows is None else dsinks_rows.data_ptr()
-    _fill_dropout(p, dropout_p, dropout_rng)
+    fill_dropout(p, dropout_p, dropout_rng)
     return p
 
 
@@ -238,7 +238,7 @@ def _launch_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
                 sinks: torch.Tensor | None = None, dsinks_rows: torch.Tensor | None = None,
                 dropout_p: float = 0.0, dropout_rng: torch.Tensor | None = None) -> int:
     key = dispatch.kernel_key(_BACKEND_OF_ARCH[arch], q.dtype, q.shape[3], causal, window, variant, softcap,
-                              v.shape[3], _dropout_on(dropout_p, dropout_rng))
+                              v.shape[3], dropout_on(dropout_p, dropout_rng))
     entry = dispatch.require_kernel("bwd", key)
     for name, x in (("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout), ("dq", dq), ("dk", dk), ("dv", dv)):
         validation.check_kernel_layout(name, x)
@@ -350,7 +350,7 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o
     window = _window_of(window_left, window_right)
     if backend == "reference":
         _reference_bwd_into(dout, q, k, v, out, lse, dlse, dq, dk, dv, softmax_scale, causal, window, softcap,
-                            sinks, dsinks, _reference_dropout(dropout_p, dropout_rng))
+                            sinks, dsinks, reference_dropout(dropout_p, dropout_rng))
     elif backend in ARCH:
         # Each row's share of d(sinks) from the preprocess kernel, summed here in a fixed order.
         rows = None if sinks is None else torch.empty_like(lse)

@@ -338,8 +338,8 @@ def sinks_grad_ref(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sin
 
 
 def _varlen_sequences(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, seqused_q: torch.Tensor | None,
-                      seqused_k: torch.Tensor | None) -> Iterator[tuple[slice, slice]]:
-    """The query and key rows of each sequence of a packed batch that has queries (read on the host)."""
+                      seqused_k: torch.Tensor | None) -> Iterator[tuple[int, slice, slice]]:
+    """The index, query and key rows of each sequence of a packed batch that has queries (read on the host)."""
     starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     used_q = None if seqused_q is None else seqused_q.tolist()
     used_k = None if seqused_k is None else seqused_k.tolist()
@@ -348,30 +348,36 @@ def _varlen_sequences(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, se
         lq = starts_q[b + 1] - oq if used_q is None else used_q[b]
         lk = starts_k[b + 1] - ok if used_k is None else used_k[b]
         if lq > 0:
-            yield slice(oq, oq + lq), slice(ok, ok + lk)
+            yield b, slice(oq, oq + lq), slice(ok, ok + lk)
+
+
+def _of_sequence(dropout: Dropout | None, b: int) -> Dropout | None:
+    """A packed batch's dropout as sequence b alone sees it: batch entry b of the definition."""
+    return None if dropout is None else dropout._replace(batch_start=b)
 
 
 def attention_varlen_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                          cu_seqlens_k: torch.Tensor, softmax_scale: float | None = None, causal: bool = False, *,
                          seqused_q: torch.Tensor | None = None, seqused_k: torch.Tensor | None = None,
                          window: tuple[int, int] | None = None, softcap: float = 0.0,
-                         sinks: torch.Tensor | None = None,
+                         sinks: torch.Tensor | None = None, dropout: Dropout | None = None,
                          dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed batches (flash-attn's varlen layout): q (total_q, nheads_q, headdim), k and v (total_k,
     nheads_kv, headdim); sequence b has the rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of q (the first
     seqused_q[b] of them when given) and likewise of k and v, and attends within itself only, every
     convention as in attention_ref (causal bottom-right per sequence). Returns out (total_q, nheads_q,
     headdim_v) and lse (nheads_q, total_q) in ``dtype``; rows in no sequence's used range get out = 0 and
-    lse = -inf (the kernels leave them unwritten). Differentiable (torch autograd) w.r.t. q, k, v and sinks.
-    Reads cu_seqlens and seqused on the host."""
+    lse = -inf (the kernels leave them unwritten). ``dropout``: sequence b draws as batch entry b (flashhopper.dropout).
+    Differentiable (torch autograd) w.r.t. q, k, v and sinks. Reads cu_seqlens and seqused on the host."""
     _, softmax_scale = validation.check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, 0, 0, seqused_q, seqused_k,
                                                       softmax_scale, causal)
     total_q, hq = q.shape[0], q.shape[1]
     out = torch.zeros(total_q, hq, v.shape[-1], dtype=dtype, device=q.device)
     lse = torch.full((hq, total_q), -math.inf, dtype=dtype, device=q.device)
-    for rq, rk in _varlen_sequences(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
+    for b, rq, rk in _varlen_sequences(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
         o_b, lse_b = attention_ref(q[None, rq], k[None, rk], v[None, rk], softmax_scale, causal,
-                                   window=window, softcap=softcap, sinks=sinks, dtype=dtype)
+                                   window=window, softcap=softcap, sinks=sinks, dropout=_of_sequence(dropout, b),
+                                   dtype=dtype)
         out[rq] = o_b[0]
         lse[:, rq] = lse_b[0]
     return out, lse
@@ -383,18 +389,19 @@ def attention_varlen_bwd_ref(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
                              dlse: torch.Tensor | None = None, *, seqused_q: torch.Tensor | None = None,
                              seqused_k: torch.Tensor | None = None, window: tuple[int, int] | None = None,
                              softcap: float = 0.0, sinks: torch.Tensor | None = None,
-                             dtype: torch.dtype = torch.float64,
+                             dropout: Dropout | None = None, dtype: torch.dtype = torch.float64,
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """attention_bwd_ref (and sinks_grad_ref) per sequence of a packed batch (attention_varlen_ref's layout; out,
     lse (nheads_q, total_q) and dlse as it returns them): (dq, dk, dv, dsinks or None) in ``dtype``, rows of no
     sequence getting zero gradients. Reads cu_seqlens and seqused on the host."""
     dq, dk, dv = (torch.zeros(x.shape, dtype=dtype, device=x.device) for x in (q, k, v))
     dsinks = None if sinks is None else torch.zeros(sinks.shape, dtype=dtype, device=sinks.device)
-    for rq, rk in _varlen_sequences(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
+    for b, rq, rk in _varlen_sequences(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
         lse_b = lse[None, :, rq]
         dlse_b = None if dlse is None else dlse[None, :, rq]
         g = attention_bwd_ref(dout[None, rq], q[None, rq], k[None, rk], v[None, rk], out[None, rq], lse_b,
-                              softmax_scale, causal, dlse_b, window=window, softcap=softcap, dtype=dtype)
+                              softmax_scale, causal, dlse_b, window=window, softcap=softcap,
+                              dropout=_of_sequence(dropout, b), dtype=dtype)
         dq[rq], dk[rk], dv[rk] = g[0][0], g[1][0], g[2][0]
         if sinks is not None:
             dsinks += sinks_grad_ref(dout[None, rq], out[None, rq], lse_b, sinks, dlse_b, dtype=dtype)

@@ -16,8 +16,10 @@ import torch
 
 from . import _autocast, _ext, _launch, _op, dispatch, reference, validation
 from .dispatch import ARCH, score_mod_of
+from .dropout import from_rng_state, keep_mask, new_rng_state
 from .kernel_key import mask_of, normalize_window
-from .ops import fill_bwd_params, register_no_double_backward, window_edges
+from .ops import (dropout_on, fill_bwd_params, fill_dropout, reference_dropout, register_no_double_backward,
+                  window_edges)
 
 # Opt-in checks that read cu_seqlens / seqused on the host (a synchronization per call): for debugging.
 DEBUG_ENV = "FLASHHOPPER_DEBUG_VARLEN"
@@ -30,10 +32,10 @@ def _empty_outputs(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torc
 
 
 def _varlen_kernel(mode: str, q: torch.Tensor, v: torch.Tensor, causal: bool, window: tuple[int, int] | None,
-                   softcap: float, arch: int) -> Any:
+                   softcap: float, arch: int, dropout: bool = False) -> Any:
     backend = next(b for b, a in ARCH.items() if a == arch)
     key = dispatch._key(backend, q.dtype, q.shape[2], mask_of(causal, window), "", score_mod_of(softcap), v.shape[2],
-                        dropout=False, varlen=True)
+                        dropout=dropout, varlen=True)
     return dispatch.require_kernel(mode, key)
 
 
@@ -41,8 +43,9 @@ def _launch_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
                        cu_seqlens_k: torch.Tensor, seqused_q: torch.Tensor | None, seqused_k: torch.Tensor | None,
                        max_seqlen_q: int, max_seqlen_k: int, out: torch.Tensor, lse: torch.Tensor,
                        softmax_scale: float, causal: bool, window: tuple[int, int] | None, softcap: float,
-                       sinks: torch.Tensor | None, arch: int) -> int:
-    entry = _varlen_kernel("fwd", q, v, causal, window, softcap, arch)
+                       sinks: torch.Tensor | None, arch: int, dropout_p: float = 0.0,
+                       dropout_rng: torch.Tensor | None = None) -> int:
+    entry = _varlen_kernel("fwd", q, v, causal, window, softcap, arch, dropout_on(dropout_p, dropout_rng))
     q4, k4, v4, o4 = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0)
     for name, x in (("q", q4), ("k", k4), ("v", v4), ("out", o4)):
         validation.check_kernel_layout(name, x)
@@ -66,7 +69,7 @@ def _launch_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
     p.softmax_scale = softmax_scale
     p.window_left, p.window_right = window_edges(causal, window, max_seqlen_q, max_seqlen_k)
     p.softcap, p.sinks_ptr = softcap, (0 if sinks is None else sinks.data_ptr())
-    p.dropout_threshold, p.dropout_rng = 0, 0
+    fill_dropout(p, dropout_p, dropout_rng)
     p.cu_seqlens_q, p.cu_seqlens_k = cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr()
     p.seqused_q = 0 if seqused_q is None else seqused_q.data_ptr()
     p.seqused_k = 0 if seqused_k is None else seqused_k.data_ptr()
@@ -83,22 +86,28 @@ def varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: 
                seqused_k: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int,  # noqa: UP045
                softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
                sinks: Optional[torch.Tensor], deterministic: bool,  # noqa: UP045
-               backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+               backend: str, dropout_p: float = 0.0,
+               dropout_rng: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: UP045
     """Packed-batch attention forward: (out (total_q, nheads_q, headdim_v) like q, lse float32 (nheads_q,
     total_q)); rows in no sequence's used range are left unwritten. Arguments as flash_attn_varlen_func's,
-    validated; ``backend`` resolved ("sm90", "sm80" or "reference"); ``deterministic`` is the backward's."""
+    validated; ``backend`` resolved ("sm90", "sm80" or "reference"); ``deterministic`` is the backward's;
+    ``dropout_p`` > 0 with ``dropout_rng`` (int64 (seed, offset) on q's device) as ops.fwd's, sequence b drawing
+    as batch entry b (flashhopper.dropout)."""
     out, lse = _empty_outputs(q, v)
     window = None if (window_left, window_right) == (-1, -1) else (window_left, window_right)
     if backend == "reference":
         dtype = torch.float64 if (not q.is_cuda or q.dtype == torch.float64) else torch.float32
         ref_out, ref_lse = reference.attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal,
                                                           seqused_q=seqused_q, seqused_k=seqused_k, window=window,
-                                                          softcap=softcap, sinks=sinks, dtype=dtype)
+                                                          softcap=softcap, sinks=sinks,
+                                                          dropout=reference_dropout(dropout_p, dropout_rng),
+                                                          dtype=dtype)
         out.copy_(ref_out)
         lse.copy_(ref_lse)
     elif backend in ARCH:
         _launch_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
-                           out, lse, softmax_scale, causal, window, softcap, sinks, ARCH[backend])
+                           out, lse, softmax_scale, causal, window, softcap, sinks, ARCH[backend], dropout_p,
+                           dropout_rng)
     else:
         raise ValueError(f"backend must be one of {', '.join(map(repr, dispatch.BACKENDS))}, got {backend!r}")
     return out, lse
@@ -111,7 +120,8 @@ varlen_fwd_op = _op.define("varlen_fwd", varlen_fwd, autocast=("q", "k", "v"))
 def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
       seqused_q: Optional[torch.Tensor], seqused_k: Optional[torch.Tensor], max_seqlen_q: int,  # noqa: UP045
       max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
-      sinks: Optional[torch.Tensor], deterministic: bool, backend: str) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: UP045
+      sinks: Optional[torch.Tensor], deterministic: bool, backend: str, dropout_p: float = 0.0,  # noqa: UP045
+      dropout_rng: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: UP045
     return _empty_outputs(q, v)
 
 
@@ -123,10 +133,10 @@ def _launch_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                        max_seqlen_q: int, max_seqlen_k: int, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
                        softmax_scale: float, causal: bool, window: tuple[int, int] | None, softcap: float,
                        sinks: torch.Tensor | None, dsinks_rows: torch.Tensor | None, deterministic: bool,
-                       arch: int) -> int:
+                       arch: int, dropout_p: float = 0.0, dropout_rng: torch.Tensor | None = None) -> int:
     """The arch-``arch`` packed-batch backward into dq, dk, dv (each like its input, kernel strides); lse, dlse and
     dsinks_rows (with sinks: each row's share of d(sinks)) float32 (nheads_q, total_q) contiguous."""
-    entry = _varlen_kernel("bwd", q, v, causal, window, softcap, arch)
+    entry = _varlen_kernel("bwd", q, v, causal, window, softcap, arch, dropout_on(dropout_p, dropout_rng))
     views = {name: x.unsqueeze(0) for name, x in (("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout),
                                                   ("dq", dq), ("dk", dk), ("dv", dv))}
     for name, x in views.items():
@@ -143,7 +153,8 @@ def _launch_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     C = _ext.extension()
     p = fill_bwd_params(_launch.params("BwdParams"), views["dout"], views["q"], views["k"], views["v"], views["out"],
                         lse, dlse, views["dq"], views["dk"], views["dv"], softmax_scale, deterministic,
-                        window_edges(causal, window, max_seqlen_q, max_seqlen_k), 0, softcap, sinks, dsinks_rows)
+                        window_edges(causal, window, max_seqlen_q, max_seqlen_k), 0, softcap, sinks, dsinks_rows,
+                        dropout_p, dropout_rng)
     p.batch, p.seqlen_q, p.seqlen_k = cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k
     p.total_q, p.total_k = q.shape[0], k.shape[0]
     p.cu_seqlens_q, p.cu_seqlens_k = cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr()
@@ -175,11 +186,13 @@ def varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                seqused_k: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int,  # noqa: UP045
                softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
                sinks: Optional[torch.Tensor], deterministic: bool,  # noqa: UP045
-               backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+               backend: str, dropout_p: float = 0.0, dropout_rng: Optional[torch.Tensor] = None,  # noqa: UP045
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Packed-batch attention backward: (dq, dk, dv, dsinks), each gradient like its input (contiguous), dsinks
     float32 (nheads_q,) (empty without sinks). ``out`` and ``lse`` are varlen_fwd's, ``dout`` the gradient w.r.t.
-    out, ``dlse`` w.r.t. lse or None; the rest as varlen_fwd's. Rows of no sequence: zero gradients past a slot's
-    seqused; past cu_seqlens[-1], as in flash-attn, unwritten (the kernels; the reference writes zeros)."""
+    out, ``dlse`` w.r.t. lse or None; the rest (dropout: the forward's p and state) as varlen_fwd's. Rows of no
+    sequence: zero gradients past a slot's seqused; past cu_seqlens[-1], as in flash-attn, unwritten (the kernels;
+    the reference writes zeros)."""
     dq, dk, dv = _empty_grads(q, k, v, seqused_q, seqused_k)
     dsinks = _empty_dsinks(q, sinks)
     window = None if (window_left, window_right) == (-1, -1) else (window_left, window_right)
@@ -188,7 +201,8 @@ def varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         dtype = torch.float64 if (not q.is_cuda or q.dtype == torch.float64) else torch.float32
         ref = reference.attention_varlen_bwd_ref(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale,
                                                  causal, dlse, seqused_q=seqused_q, seqused_k=seqused_k,
-                                                 window=window, softcap=softcap, sinks=sinks, dtype=dtype)
+                                                 window=window, softcap=softcap, sinks=sinks,
+                                                 dropout=reference_dropout(dropout_p, dropout_rng), dtype=dtype)
         for g, r in zip((dq, dk, dv), ref):
             g.copy_(r)
         if sinks is not None:
@@ -198,7 +212,7 @@ def varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         rows = None if sinks is None else torch.zeros_like(lse)
         _launch_varlen_bwd(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
                            max_seqlen_q, max_seqlen_k, dq, dk, dv, softmax_scale, causal, window, softcap, sinks,
-                           rows, deterministic, ARCH[backend])
+                           rows, deterministic, ARCH[backend], dropout_p, dropout_rng)
         if rows is not None:
             torch.sum(rows, dim=1, out=dsinks)
     else:
@@ -215,34 +229,37 @@ def _(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out
       dlse: Optional[torch.Tensor], cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,  # noqa: UP045
       seqused_q: Optional[torch.Tensor], seqused_k: Optional[torch.Tensor], max_seqlen_q: int,  # noqa: UP045
       max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
-      sinks: Optional[torch.Tensor], deterministic: bool,  # noqa: UP045
-      backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+      sinks: Optional[torch.Tensor], deterministic: bool, backend: str, dropout_p: float = 0.0,  # noqa: UP045
+      dropout_rng: Optional[torch.Tensor] = None,  # noqa: UP045
+      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return (*_empty_grads(q, k, v, seqused_q, seqused_k), _empty_dsinks(q, sinks))
 
 
 # --- autograd: varlen_fwd's derivative is varlen_bwd ---
 
-_FWD_INPUTS = 17  # q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
-#                   softmax_scale, causal, window_left, window_right, softcap, sinks, deterministic, backend
+_FWD_INPUTS = 19  # q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
+#                   softmax_scale, causal, window_left, window_right, softcap, sinks, deterministic, backend,
+#                   dropout_p, dropout_rng
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
     (q, k, v, cu_q, cu_k, used_q, used_k, max_q, max_k, scale, causal, left, right, softcap, sinks, deterministic,
-     backend) = inputs
+     backend, dropout_p, dropout_rng) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, used_q, used_k, sinks)
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, used_q, used_k, sinks, dropout_rng)
     ctx.args = (max_q, max_k, scale, causal, left, right, softcap)
+    ctx.dropout_p = dropout_p
     ctx.deterministic, ctx.backend = deterministic, backend
     ctx.set_materialize_grads(False)  # an unused lse costs nothing (as ops._setup_context)
 
 
 def _backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> tuple[Any, ...]:
     def grads(dq: Any, dk: Any, dv: Any, dsinks: Any) -> tuple[Any, ...]:
-        return (dq, dk, dv, *([None] * 11), dsinks, None, None)
+        return (dq, dk, dv, *([None] * 11), dsinks, None, None, None, None)
 
     if dout is None and dlse is None:
         return grads(None, None, None, None)
-    q, k, v, out, lse, cu_q, cu_k, used_q, used_k, sinks = ctx.saved_tensors
+    q, k, v, out, lse, cu_q, cu_k, used_q, used_k, sinks, dropout_rng = ctx.saved_tensors
     if dout is None:  # only lse was used
         dout = torch.zeros_like(out)
     elif ctx.backend != "reference" and not validation.kernel_layout_ok(dout.unsqueeze(0)):
@@ -252,7 +269,7 @@ def _backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) ->
     sinks = sinks if ctx.needs_input_grad[14] else None  # lse holds them: only their own gradient needs them
     dq, dk, dv, dsinks = torch.ops.flashhopper.varlen_bwd.default(dout, q, k, v, out, lse, dlse, cu_q, cu_k, used_q,
                                                                   used_k, *ctx.args, sinks, ctx.deterministic,
-                                                                  ctx.backend)
+                                                                  ctx.backend, ctx.dropout_p, dropout_rng)
     return grads(dq, dk, dv, dsinks if sinks is not None else None)
 
 
@@ -269,7 +286,9 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
                            seqused_q: torch.Tensor | None = ..., seqused_k: torch.Tensor | None = ...,
                            return_lse: Literal[False] = ..., deterministic: bool = ..., backend: str | None = ...,
                            window_size: tuple[int, int] = ..., softcap: float = ...,
-                           sinks: torch.Tensor | None = ...) -> torch.Tensor: ...
+                           sinks: torch.Tensor | None = ..., dropout_p: float = ...,
+                           generator: torch.Generator | None = ...,
+                           return_dropout_mask: Literal[False] = ...) -> torch.Tensor: ...
 
 
 @overload
@@ -279,7 +298,21 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
                            seqused_q: torch.Tensor | None = ..., seqused_k: torch.Tensor | None = ..., *,
                            return_lse: Literal[True], deterministic: bool = ..., backend: str | None = ...,
                            window_size: tuple[int, int] = ..., softcap: float = ...,
-                           sinks: torch.Tensor | None = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
+                           sinks: torch.Tensor | None = ..., dropout_p: float = ...,
+                           generator: torch.Generator | None = ...,
+                           return_dropout_mask: Literal[False] = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                           cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                           softmax_scale: float | None = ..., causal: bool = ...,
+                           seqused_q: torch.Tensor | None = ..., seqused_k: torch.Tensor | None = ...,
+                           return_lse: bool = ..., deterministic: bool = ..., backend: str | None = ...,
+                           window_size: tuple[int, int] = ..., softcap: float = ...,
+                           sinks: torch.Tensor | None = ..., dropout_p: float = ...,
+                           generator: torch.Generator | None = ..., *,
+                           return_dropout_mask: Literal[True]) -> tuple[torch.Tensor, ...]: ...
 
 
 def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -288,7 +321,9 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
                            seqused_q: torch.Tensor | None = None, seqused_k: torch.Tensor | None = None,
                            return_lse: bool = False, deterministic: bool = False, backend: str | None = None,
                            window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                           sinks: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                           sinks: torch.Tensor | None = None, dropout_p: float = 0.0,
+                           generator: torch.Generator | None = None,
+                           return_dropout_mask: bool = False) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Exact attention over a packed batch of sequences of different lengths (flash-attn's varlen call).
 
     q: (total_q, nheads_q, headdim); k, v: (total_k, nheads_kv, headdim) (grouped-query attention as in
@@ -296,11 +331,14 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     [cu_seqlens[b], cu_seqlens[b + 1]); seqused_q / seqused_k: optional int32 (batch,), the tokens of each
     slot in use (the rest of the slot is ignored); max_seqlen_q / max_seqlen_k: Python ints, the longest
     sequence (flash-attn's arguments; the kernels bound their work by cu_seqlens on the device). Each
-    sequence attends within itself only, causal bottom-right aligned per sequence; window_size, softcap and
-    sinks as in flash_attn_func.
+    sequence attends within itself only, causal bottom-right aligned per sequence; window_size, softcap,
+    sinks, dropout_p and generator as in flash_attn_func (dropout: sequence b draws as batch entry b of
+    flashhopper.dropout's definition, its rows and keys counted from its own first token).
 
     Returns out (total_q, nheads_q, headdim_v) like q, or (out, lse) with lse float32 (nheads_q, total_q);
     rows in no sequence's used range (past seqused, or past cu_seqlens_q[-1]) are left unwritten.
+    return_dropout_mask=True appends the bool keep mask (batch, nheads_q, max_seqlen_q, max_seqlen_k),
+    sequence b's in [b, :, :its queries, :its keys] (all True with dropout_p = 0), for tests.
 
     No host synchronization: cu_seqlens and seqused stay on the device, and checks that would need their
     values (non-decreasing, within the tensors, within max_seqlen) run only with the environment variable
@@ -320,22 +358,37 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     window = validation.check_window_size(window_size)
     softcap = validation.check_softcap(softcap)
     validation.check_sinks(sinks, q.unsqueeze(0))
+    dropout_p = validation.check_dropout_p(dropout_p)
+    validation.check_generator(generator, q)
+    validation.check_flag("return_dropout_mask", return_dropout_mask)
     causal, window = normalize_window(causal, window)
+    dropout = dropout_p > 0
     if os.environ.get(DEBUG_ENV) == "1":
         validation.check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
                                        seqused_k)
     name = dispatch.resolve_backend(q, shapes.headdim, q.dtype, causal, backend, window=window, softcap=softcap,
-                                    headdim_v=shapes.headdim_v, varlen=True)
+                                    headdim_v=shapes.headdim_v, dropout=dropout, varlen=True)
+    rng = new_rng_state(q.device, generator) if dropout else None
     if name == "reference":  # differentiable through torch's own ops
         dtype = torch.float64 if (not q.is_cuda or q.dtype == torch.float64) else torch.float32
         out, lse = reference.attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal,
                                                   seqused_q=seqused_q, seqused_k=seqused_k, window=window,
-                                                  softcap=softcap, sinks=sinks, dtype=dtype)
+                                                  softcap=softcap, sinks=sinks,
+                                                  dropout=None if rng is None else from_rng_state(dropout_p, rng),
+                                                  dtype=dtype)
         out, lse = out.to(q.dtype), lse.float()
     else:
         dispatch.require_bwd_kernel(name, q, k, v, shapes.headdim, causal, window=window, sinks=sinks, softcap=softcap,
-                                    varlen=True)
+                                    dropout=dropout, varlen=True)
         left, right = (-1, -1) if window is None else window
+        extra = () if rng is None else (dropout_p, rng)  # the op's schema defaults: none on the common path
         out, lse = varlen_fwd_op(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
-                                 max_seqlen_k, scale, causal, left, right, softcap, sinks, deterministic, name)
-    return (out, lse) if return_lse else out
+                                 max_seqlen_k, scale, causal, left, right, softcap, sinks, deterministic, name, *extra)
+    result = (out, lse) if return_lse else (out,)
+    if return_dropout_mask:
+        batch, hq = cu_seqlens_q.shape[0] - 1, q.shape[1]
+        mask = (keep_mask(from_rng_state(dropout_p, rng), batch, hq, max_seqlen_q, max_seqlen_k, q.device)
+                if rng is not None else
+                torch.ones((batch, hq, max_seqlen_q, max_seqlen_k), dtype=torch.bool, device=q.device))
+        result = (*result, mask)
+    return result if len(result) > 1 else result[0]

@@ -22,7 +22,7 @@ boolean mask (the sdpa fallback):
   against the cache). GQA runs natively (no repeat_kv); ``scaling`` is the softmax scale. Sliding windows,
   softcap and dropout need their kernels in the build (FLASHHOPPER_MASKS / FLASHHOPPER_SCORE_MODS /
   FLASHHOPPER_DROPOUT), or flash_attn_func says what to rebuild with.
-- ``flash_attn_varlen_func`` (the packed-batch kernel; same patterns, softcap and sinks, no dropout) for
+- ``flash_attn_varlen_func`` (the packed-batch kernel; same patterns, softcap, sinks and dropout) for
   - padded batches: a 2D attention_mask with zeros, left or right padding, in training, prefill and
     generate() with a DynamicCache (one or several tokens against it). ``build_mask`` returns the keys'
     (batch, kv_length) boolean padding mask; ``attention_forward`` gathers the real keys and the real
@@ -47,13 +47,12 @@ boolean mask (the sdpa fallback):
   per mask and forward (the layers that share a mask share what was derived from it), not per layer.
 - transformers' sdpa attention, with a ``SdpaFallbackWarning`` naming the reason, where sdpa can compute
   what the kernels cannot: other mask patterns (static caches' empty slots, custom masks, chunked
-  attention, a sliding window over padding with holes), a position bias, and attention dropout (training)
-  with padding or packed sequences (flash_attn_varlen_func has no dropout). The result is what
+  attention, a sliding window over padding with holes) and a position bias. The result is what
   attn_implementation="sdpa" gives. Python's default filter shows each reason once per model class;
   ``warnings.simplefilter("error", SdpaFallbackWarning)`` turns every fallback into an error.
 - NotImplementedError where neither can: such a fallback with ``softcap`` or ``s_aux`` (sdpa would ignore
-  them), or with ``cu_seq_lens_q``/``_k`` and no mask that carries them (sdpa would ignore them: dropout or
-  a position bias with packed sequences given that way; pass position_ids instead).
+  them), or with ``cu_seq_lens_q``/``_k`` and no mask that carries them (sdpa would ignore them: a position
+  bias with packed sequences given that way; pass position_ids instead).
 - Everything else is flash_attn_func's / flash_attn_varlen_func's: e.g. CUDA tensors must be fp16/bf16 with
   a head dim the build has, or they raise their TypeError/ValueError; CPU tensors run the float64 reference.
 """
@@ -341,7 +340,7 @@ def _mask_packing(mask: torch.Tensor, q_length: int, causal: bool) -> _Packing:
 
 def _run_varlen(packing: _Packing, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool,
                 scaling: float | None, sliding_window: int | None, softcap: float | None,
-                sinks: torch.Tensor | None) -> torch.Tensor:
+                sinks: torch.Tensor | None, dropout: float) -> torch.Tensor:
     """flash_attn_varlen_func on the tokens ``packing`` selects; (batch, seqlen_q, nheads_q, headdim_v) back."""
     batch, nheads_q, seqlen_q, _ = query.shape
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # (batch, seqlen, heads, dim)
@@ -353,7 +352,8 @@ def _run_varlen(packing: _Packing, query: torch.Tensor, key: torch.Tensor, value
                                  packing.cu_seqlens_q, packing.cu_seqlens_k, packing.max_seqlen_q,
                                  packing.max_seqlen_k, softmax_scale=scaling, causal=causal,
                                  window_size=(sliding_window - 1, 0) if sliding_window else (-1, -1),
-                                 softcap=softcap or 0.0, sinks=None if sinks is None else sinks.float())
+                                 softcap=softcap or 0.0, sinks=None if sinks is None else sinks.float(),
+                                 dropout_p=float(dropout))
     if packing.rows_q is not None:
         return out.new_zeros(batch, seqlen_q, nheads_q, out.shape[-1]).index_put(packing.rows_q, out)
     if packing.zero_tail:
@@ -391,17 +391,13 @@ def _check_fallback(reason: str, softcap: float | None, kwargs: dict[str, Any]) 
                 "; use attn_implementation='eager' for this model, or inputs that the kernels run")
 
 
-def _fallback_reason(attention_mask: torch.Tensor | None, packed: bool, dropout: float,
-                     kwargs: dict[str, Any]) -> str | None:
-    """Why this call goes to sdpa (``packed``: padding or packed sequences, for the varlen kernel); constant
-    strings, so that the default filter warns once per reason."""
+def _fallback_reason(attention_mask: torch.Tensor | None, kwargs: dict[str, Any]) -> str | None:
+    """Why this call goes to sdpa; constant strings, so that the default filter warns once per reason."""
     if attention_mask is not None and attention_mask.dim() != 2:
         return ("an attention mask that the kernels cannot compute (a static cache's empty slots, a custom "
                 "pattern, a sliding window over padding with holes)")
     if kwargs.get("position_bias") is not None:
         return "position_bias (no additive bias in flashhopper)"
-    if packed and dropout:
-        return "attention dropout with padding or packed sequences (flash_attn_varlen_func has no dropout)"
     return None
 
 
@@ -430,11 +426,12 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         if attention_mask.dtype == DOCUMENTS_DTYPE and q_length != kv_length:
             raise ValueError("packed sequences' document indices need as many queries as keys, got "
                              f"{q_length} and {kv_length}")
-    reason = _fallback_reason(attention_mask, mask_2d or from_kwargs is not None, dropout, kwargs)
+    reason = _fallback_reason(attention_mask, kwargs)
     sinks = kwargs.get("s_aux")
     if reason is None and (mask_2d or from_kwargs is not None):
         packing = from_kwargs if from_kwargs is not None else _mask_packing(attention_mask, q_length, causal)
-        return _run_varlen(packing, query, key, value, causal, scaling, sliding_window, softcap, sinks), None
+        return _run_varlen(packing, query, key, value, causal, scaling, sliding_window, softcap, sinks,
+                           dropout), None
     if reason is None:
         # (b, h, s, d) -> (b, s, h, d) as strided views: the last dim stays contiguous, which is all the
         # kernel needs (with 16-byte aligned strides, true for any head dim that it has). transformers'

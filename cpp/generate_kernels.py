@@ -44,7 +44,7 @@ class Family(NamedTuple):
     dtypes: tuple[str, ...] = ("fp16", "bf16")  # element types the family has kernels for
     score_mod_dtypes: tuple[str, ...] = ("fp16", "bf16")  # those with score mods (softcap) and dropout
     varlen: bool = False  # has packed-batch (varlen) kernels (of its dtypes: e4m3 too; dropout as the padded ones)
-    kvcache: bool = False  # has KV-cache kernels (16-bit, no score mod or dropout, at the varlen head dims)
+    kvcache: bool = False  # has KV-cache kernels (16-bit queries, any mask and score mod, no dropout, varlen hdims)
 
 
 FAMILIES = {

@@ -105,6 +105,11 @@ def mask_of(causal: bool, window: tuple[int, int] | None = None) -> str:
     return "causal" if causal else "none"
 
 
+def window_of(window_left: int, window_right: int) -> tuple[int, int] | None:
+    """The ops' (window_left, window_right) arguments as a window: None for (-1, -1), no window."""
+    return None if (window_left, window_right) == (-1, -1) else (window_left, window_right)
+
+
 def normalize_window(causal: bool, window: tuple[int, int] | None) -> tuple[bool, tuple[int, int] | None]:
     """(causal, window) as the kernels run a call: a window that is plain causal attention ((-1, 0), or
     (-1, right) with causal) becomes causal without a window, so that it runs the causal kernels."""

@@ -27,7 +27,7 @@ import torch
 
 from . import _autocast, _device, _ext, _launch, _op, _plans, dispatch, kvcache_fp8, reference, validation
 from .fp8.format import seed_int64
-from .kernel_key import VARLEN_HEADDIMS, normalize_window
+from .kernel_key import VARLEN_HEADDIMS, normalize_window, window_of
 from .ops import window_edges
 
 # Opt-in checks that read cache_seqlens, page_table and cache_batch_idx on the host (a synchronization per call
@@ -253,14 +253,6 @@ def _kvcache_mask(seqlen_q: int, causal: bool, window: tuple[int, int] | None = 
     return "causal" if causal and seqlen_q > 1 else "none"
 
 
-def _score_mod(softcap: float) -> str:
-    return "softcap" if softcap > 0 else "none"
-
-
-def _window_of(window_left: int, window_right: int) -> tuple[int, int] | None:
-    return None if (window_left, window_right) == (-1, -1) else (window_left, window_right)
-
-
 def window_keys(seqlen_q: int, seqlen_k: int, causal: bool, window: tuple[int, int] | None) -> int:
     """At most how many keys of an entry of ``seqlen_k`` one query block of ``seqlen_q`` rows sees: seqlen_k, or a
     window's span (left + right + the rows) when both its edges are bounded (causal: right 0)."""
@@ -331,7 +323,7 @@ def resolve_backend(q: torch.Tensor, shapes: CacheShapes, causal: bool, backend:
                          f"{', '.join(map(str, VARLEN_HEADDIMS))} (q, K and V alike); backend='reference' takes any")
     name = _kvcache_backend(q.device.index, q.dtype, shapes.headdim, shapes.headdim_v,
                             _kvcache_mask(shapes.seqlen_q, causal, window), backend or "", cache,
-                            _score_mod(softcap))
+                            dispatch.score_mod_of(softcap))
     if name.startswith("!"):
         raise ValueError(name[1:])
     return name
@@ -505,7 +497,7 @@ def _prepare_kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     page_size, hkv, dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
     cache = "on" if scales is None else "e4m3"
     entry = dispatch.require_kernel("fwd", _kvcache_key(q.dtype, d, dv, _kvcache_mask(sq, causal, window), backend,
-                                                        cache, _score_mod(softcap)))
+                                                        cache, dispatch.score_mod_of(softcap)))
     pack = 0
     if _packs_gqa(sq, hq, hkv) and sq == 1:
         # GQA packing: the g query heads of a kv head are g rows of one head (K/V read once per kv head). Query
@@ -598,7 +590,7 @@ def kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     ``backend`` resolved ("sm90", "sm80" or "reference"); ``num_splits`` 0: the heuristic; the window normalized
     (kernel_key.normalize_window), (-1, -1) for none; ``softcap`` 0 for none."""
     return _kvcache_fwd(q, k_cache, v_cache, cache_seqlens, seqlen_k, page_table, cache_batch_idx, softmax_scale,
-                        causal, num_splits, backend, sinks=sinks, window=_window_of(window_left, window_right),
+                        causal, num_splits, backend, sinks=sinks, window=window_of(window_left, window_right),
                         softcap=softcap)
 
 
@@ -662,7 +654,7 @@ def kvcache_fwd_fp8(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     are (kvcache_fp8.transform_q). Backends "sm90" and "reference"."""
     return _kvcache_fwd(q, k_cache, v_cache, cache_seqlens, seqlen_k, page_table, cache_batch_idx, softmax_scale,
                         causal, num_splits, backend, (k_cache_scale, v_cache_scale), sinks,
-                        _window_of(window_left, window_right), softcap)
+                        window_of(window_left, window_right), softcap)
 
 
 kvcache_fwd_fp8_op = _op.define("kvcache_fwd_fp8", kvcache_fwd_fp8, autocast=())

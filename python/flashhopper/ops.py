@@ -20,7 +20,7 @@ from . import _ext, _launch, _op, dispatch, reference, validation
 from ._plans import Launch
 from .dropout import Dropout, from_rng_state
 from .dispatch import ARCH
-from .kernel_key import mask_of
+from .kernel_key import mask_of, window_of
 
 _BACKEND_OF_ARCH: dict[int, str] = {a: b for b, a in ARCH.items()}
 
@@ -37,10 +37,6 @@ def window_edges(causal: bool, window: tuple[int, int] | None, seqlen_q: int, se
         right = 0
     cap = seqlen_q + seqlen_k
     return (left if left < 0 else min(left, cap)), (right if right < 0 else min(right, cap))
-
-
-def _window_of(window_left: int, window_right: int) -> tuple[int, int] | None:
-    return None if (window_left, window_right) == (-1, -1) else (window_left, window_right)
 
 
 def dropout_on(dropout_p: float, dropout_rng: torch.Tensor | None) -> bool:
@@ -176,7 +172,7 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
     ``dropout_p`` > 0 with ``dropout_rng`` (int64 (seed, offset) on q's device) drops scores of P
     (flashhopper.dropout); the backward takes the same two."""
     out, lse = empty_outputs(q, v)
-    window = _window_of(window_left, window_right)
+    window = window_of(window_left, window_right)
     if backend == "reference":
         _reference_into(q, k, v, out, lse, softmax_scale, causal, window, softcap, sinks,
                         reference_dropout(dropout_p, dropout_rng))
@@ -347,7 +343,7 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o
     (kernels; the reference always is; dsinks is a fixed-order sum either way)."""
     dq, dk, dv = _empty_grads(q, k, v)
     dsinks = _empty_dsinks(q, sinks)
-    window = _window_of(window_left, window_right)
+    window = window_of(window_left, window_right)
     if backend == "reference":
         _reference_bwd_into(dout, q, k, v, out, lse, dlse, dq, dk, dv, softmax_scale, causal, window, softcap,
                             sinks, dsinks, reference_dropout(dropout_p, dropout_rng))

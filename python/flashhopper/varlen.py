@@ -17,7 +17,7 @@ import torch
 from . import _autocast, _ext, _launch, _op, dispatch, reference, validation
 from .dispatch import ARCH, score_mod_of
 from .dropout import from_rng_state, keep_mask, new_rng_state
-from .kernel_key import mask_of, normalize_window
+from .kernel_key import mask_of, normalize_window, window_of
 from .ops import (dropout_on, fill_bwd_params, fill_dropout, reference_dropout, register_no_double_backward,
                   window_edges)
 
@@ -94,7 +94,7 @@ def varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: 
     ``dropout_p`` > 0 with ``dropout_rng`` (int64 (seed, offset) on q's device) as ops.fwd's, sequence b drawing
     as batch entry b (flashhopper.dropout)."""
     out, lse = _empty_outputs(q, v)
-    window = None if (window_left, window_right) == (-1, -1) else (window_left, window_right)
+    window = window_of(window_left, window_right)
     if backend == "reference":
         dtype = torch.float64 if (not q.is_cuda or q.dtype == torch.float64) else torch.float32
         ref_out, ref_lse = reference.attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal,
@@ -195,7 +195,7 @@ def varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     the reference writes zeros)."""
     dq, dk, dv = _empty_grads(q, k, v, seqused_q, seqused_k)
     dsinks = _empty_dsinks(q, sinks)
-    window = None if (window_left, window_right) == (-1, -1) else (window_left, window_right)
+    window = window_of(window_left, window_right)
     if backend == "reference":
         # The explicit formula per sequence, in float64 on the CPU (float32 on the GPU).
         dtype = torch.float64 if (not q.is_cuda or q.dtype == torch.float64) else torch.float32

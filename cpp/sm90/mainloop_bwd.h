@@ -543,6 +543,8 @@ struct BwdMainloop {
                               TensorStorage& ts, Accum& acc, int thread_idx, SeqlenInfo const& seq,
                               BlockInfoT const& bi, int n_block, int head, int batch) {
     static_assert(std::is_same_v<Accum, Accumulators>);
+    // dO is released once slots 0 and 1 are done: slot 2 must not read it on either warpgroup.
+    static_assert(!kdKVMirror || (!dkv_slot(0, 2).is_v && !dkv_slot(1, 2).is_v), "dO's readers are slots 0 and 1");
     int const m_begin = bi.m_block_min(n_block), m_end = bi.m_block_max(n_block);
     if (m_end <= m_begin) return false;
     // The dK and dV fragments; under kdKVMirror the slots (named below only in branches it discards).

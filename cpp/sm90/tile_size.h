@@ -117,7 +117,8 @@ struct FwdFp8CacheTileSize : FwdTileDefaults {
 //  - otherwise (head dim 256, where one warpgroup cannot hold 64 keys x 256 of both dK and dV):
 //    S = Q K^T split over keys, P and dS go through shared memory, and dV^T = dO^T P,
 //    dK^T = Q^T dS (kdKVSwapAB), split over the head dim where each warpgroup gets whole 64-row
-//    WGMMA atoms (256: 128 rows each), over the keys otherwise (192: all rows, half the keys each).
+//    WGMMA atoms (256: 128 rows each; 192: 128 + 64 rows mirrored, kdKVMirror), over the keys
+//    otherwise (192x128's dK^T: all rows, half the keys each).
 // dQ = dS K (kBlockM x headdim), in kdQSlices column slices, is split over the warpgroups by columns at 64 rows
 // and by rows at 128, or computed as dQ^T = K^T dS^T in 64-row head-dim atoms (kdQSwapAB), and summed over the
 // key blocks in a float32 buffer (mainloop_bwd.h: DqPath).

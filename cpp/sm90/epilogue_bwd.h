@@ -78,8 +78,6 @@ struct BwdEpilogue {
 
   using Accumulators = typename Mainloop::Accumulators;
   static constexpr bool kdKVMirror = Mainloop::kdKVMirror;
-  // Mirrored slots land in K's or V's buffer by their warpgroup (Mainloop::dkv_slot): one layout for both.
-  static_assert(!kdKVMirror || std::is_same_v<SmemLayoutK, SmemLayoutV>);
 
   template <class TensorStorage>
   CUTE_DEVICE static void store(Params const& p, Accumulators const& acc, TensorStorage& ts, int thread_idx,
@@ -112,13 +110,14 @@ struct BwdEpilogue {
   }
 
   // kdKVMirror: one slot (64 head-dim rows of dK^T or dV^T, all keys) into rows 64 atom.. of its buffer.
-  template <class Frag>
+  template <class SmemLayout, class Frag>
   CUTE_DEVICE static void stage_slot(Frag const& acc, typename Mainloop::Element* smem, int atom, int wg_thread) {
     Tensor r = convert_type<Element>(acc);
     auto smem_copy = make_tiled_copy_C(Copy_Atom<SM90_U16x8_STSM_T, Element>{}, typename Mainloop::TiledMmadKVSlot{});
     auto thr_copy = smem_copy.get_thread_slice(wg_thread);
-    Tensor s = make_tensor(make_smem_ptr(smem),
-                           composition(SmemLayoutK{}, make_ordered_layout(Shape<D, BN>{}, Step<_2, _1>{})));
+    Tensor s = make_tensor(make_smem_ptr(smem), composition(SmemLayout{}, make_ordered_layout(
+                                                                              Shape<decltype(size<1>(SmemLayout{})), BN>{},
+                                                                              Step<_2, _1>{})));
     copy(smem_copy, thr_copy.retile_S(r),
          thr_copy.partition_D(local_tile(s, typename Mainloop::ShapedKVSlot{}, make_coord(atom, _0{}))));
   }
@@ -133,8 +132,14 @@ struct BwdEpilogue {
       CUTE_UNROLL
       for (int s = 0; s < Mainloop::kdKVSlots; ++s) {
         auto const slot = Mainloop::dkv_slot(wg, s);
-        stage_slot(acc.slot[s], slot.is_v ? ts.smem_v.data() : ts.smem_k.data(), slot.atom,
-                   thread_idx % cutlass::NumThreadsPerWarpGroup);
+        int const t = thread_idx % cutlass::NumThreadsPerWarpGroup;
+        if constexpr (std::is_same_v<SmemLayoutK, SmemLayoutV>) {  // one instance for both buffers
+          if (slot.live) stage_slot<SmemLayoutK>(acc.slot[s], slot.is_v ? ts.smem_v.data() : ts.smem_k.data(), slot.atom, t);
+        } else if (slot.is_v) {
+          stage_slot<SmemLayoutV>(acc.slot[s], ts.smem_v.data(), slot.atom, t);
+        } else if (slot.live) {
+          stage_slot<SmemLayoutK>(acc.slot[s], ts.smem_k.data(), slot.atom, t);
+        }
       }
     } else {
       stage<typename Mainloop::TiledMmadK, SmemLayoutK>(acc.dk, ts.smem_k.data(), thread_idx);
@@ -199,18 +204,20 @@ struct BwdEpilogue {
     }
     int const keys = seq.seqlen_k - n_block * kBlockN;  // valid rows of this key block
     if constexpr (kdKVMirror) {
-      // A slot's rows are head-dim columns 64 atom.. of dK or dV (kHeadDimV == kHeadDim).
+      // A slot's rows are head-dim columns 64 atom.. of dK or dV.
       Tensor c = typename Mainloop::TiledMmadKVSlot{}
                      .get_thread_slice(thread_idx % cutlass::NumThreadsPerWarpGroup)
                      .partition_C(make_identity_tensor(typename Mainloop::ShapedKVSlot{}));
       CUTE_UNROLL
       for (int s = 0; s < Mainloop::kdKVSlots; ++s) {
         auto const slot = Mainloop::dkv_slot(wg, s);
-        float* const dst = (slot.is_v ? dv_bh : dk_bh) + int64_t(n_block) * kBlockN * kHeadDim + 64 * slot.atom;
+        if (!slot.live) continue;
+        int const dim = slot.is_v ? kHeadDimV : kHeadDim;
+        float* const dst = (slot.is_v ? dv_bh : dk_bh) + int64_t(n_block) * kBlockN * dim + 64 * slot.atom;
         CUTE_UNROLL
         for (int i = 0; i < size(acc.slot[s]); ++i) {
           int const key = int(get<1>(c(i))), col = int(get<0>(c(i)));
-          if (key < keys) red_add(dst + key * kHeadDim + col, acc.slot[s](i));
+          if (key < keys) red_add(dst + key * dim + col, acc.slot[s](i));
         }
       }
     } else {

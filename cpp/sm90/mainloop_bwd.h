@@ -157,13 +157,14 @@ struct BwdMainloop {
   using ShapedV = ShapedKVOf<DV>;
   using TiledMmadK = TiledMmadKVOf<D>;
   using TiledMmadV = TiledMmadKVOf<DV>;
-  // kdKVMirror (head dim 192, tile_size.h): dK^T and dV^T split over the head dim unevenly, mirrored, in three
+  // kdKVMirror (Q/K head dim 192, tile_size.h): dK^T and dV^T split over the head dim unevenly, mirrored, in three
   // 64-row slots per warpgroup of one warpgroup's N = kBlockN WGMMAs, each slot's operands chosen at run time
-  // (dkv_slot): slot 0 is dV^T (both warpgroups), slot 1 dK^T on warpgroup 0 and dV^T on 1, slot 2 dK^T. So the
-  // dV^T slots, which read dO, go out first and dO is released after slot 1 on both, as with one dV^T GEMM.
+  // (dkv_slot). V 192: slot 0 is dV^T (both warpgroups), slot 1 dK^T on warpgroup 0 and dV^T on 1, slot 2 dK^T.
+  // V 128 (five atoms): slot 0 is dV^T, slot 1 dK^T, slot 2 dK^T on warpgroup 0 and nothing on 1. So the dV^T
+  // slots, which read dO, go out first and dO is released after slot 1 on both, as with one dV^T GEMM.
   static constexpr bool kdKVMirror = Tile::kdKVMirror;
-  static_assert(!kdKVMirror || (kdKVSwapAB && kHeadDim == 192 && kHeadDimV == kHeadDim && !kdQSwapAB),
-                "mirrored slots: three 64-row atoms of dK^T and of dV^T over two warpgroups");
+  static_assert(!kdKVMirror || (kdKVSwapAB && kHeadDim == 192 && (kHeadDimV == 192 || kHeadDimV == 128) && !kdQSwapAB),
+                "mirrored slots: the 64-row atoms of dK^T (three) and dV^T (three or two) over two warpgroups");
   static constexpr int kdKVSlots = 3;
   using TiledMmadKVSlot = decltype(make_tiled_mma(
       ss_atom<Element, Element, float, Shape<_64, BN, BM>, GMMA::Major::MN, GMMA::Major::MN>(), Layout<Shape<_1, _1, _1>>{}));
@@ -171,9 +172,14 @@ struct BwdMainloop {
   struct DkvSlot {
     bool is_v;  // dV^T (A = dO^T, B = P) or dK^T (A = Q^T, B = dS)
     int atom;   // its rows: head-dim columns 64 atom .. 64 atom + 63
+    bool live;  // false: an empty slot (V 128, warpgroup 1's third)
   };
   CUTE_HOST_DEVICE static constexpr DkvSlot dkv_slot(int wg, int slot) {
-    return wg == 0 ? DkvSlot{slot == 0, slot == 0 ? 2 : slot - 1} : DkvSlot{slot < 2, slot};
+    if constexpr (kHeadDimV == kHeadDim) {
+      return wg == 0 ? DkvSlot{slot == 0, slot == 0 ? 2 : slot - 1, true} : DkvSlot{slot < 2, slot, true};
+    } else {
+      return slot == 0 ? DkvSlot{true, wg, true} : wg == 0 ? DkvSlot{false, slot - 1, true} : DkvSlot{false, 2, slot == 1};
+    }
   }
 
   // What a consumer thread sums over the walk, cleared by the kernel and stored by the epilogue: dK and dV (or
@@ -823,10 +829,12 @@ struct BwdMainloop {
           for (int s = first; s < last; ++s) {
             DkvSlot const slot = dkv_slot(wg_uniform, s);
             Tensor acc_s = acc.slot[s](_, _0{}, _0{});
-            CUTE_UNROLL
-            for (int k = 0; k < size<2>(tQt); ++k) {
-              cute::gemm(mma_slot, slot.is_v ? tdOt(_, slot.atom, k, stage_do) : tQt(_, slot.atom, k, stage_q),
-                         slot.is_v ? tPt(_, _0{}, k, stage_ds) : tdSt(_, _0{}, k, stage_ds), acc_s);
+            if (slot.live) {
+              CUTE_UNROLL
+              for (int k = 0; k < size<2>(tQt); ++k) {
+                cute::gemm(mma_slot, slot.is_v ? tdOt(_, slot.atom, k, stage_do) : tQt(_, slot.atom, k, stage_q),
+                           slot.is_v ? tPt(_, _0{}, k, stage_ds) : tdSt(_, _0{}, k, stage_ds), acc_s);
+              }
             }
           }
           warpgroup_commit_batch();

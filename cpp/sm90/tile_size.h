@@ -117,8 +117,7 @@ struct FwdFp8CacheTileSize : FwdTileDefaults {
 //  - otherwise (head dim 256, where one warpgroup cannot hold 64 keys x 256 of both dK and dV):
 //    S = Q K^T split over keys, P and dS go through shared memory, and dV^T = dO^T P,
 //    dK^T = Q^T dS (kdKVSwapAB), split over the head dim where each warpgroup gets whole 64-row
-//    WGMMA atoms (256: 128 rows each; 192: 128 + 64 rows mirrored, kdKVMirror), over the keys
-//    otherwise (192x128's dK^T: all rows, half the keys each).
+//    WGMMA atoms (256: 128 rows each), mirrored over uneven shares at Q/K 192 (kdKVMirror).
 // dQ = dS K (kBlockM x headdim), in kdQSlices column slices, is split over the warpgroups by columns at 64 rows
 // and by rows at 128, or computed as dQ^T = K^T dS^T in 64-row head-dim atoms (kdQSwapAB), and summed over the
 // key blocks in a float32 buffer (mainloop_bwd.h: DqPath).
@@ -170,12 +169,13 @@ struct BwdTileSize<192> {
   static constexpr bool kSdPSwapAB = false, kdKVSwapAB = true, kdQSwapAB = false, kdKVMirror = true;
 };
 
-// Q/K 192, V 128: head dim 192's layout, dK^T split over the keys (48 per warpgroup, 72 registers) and dV^T over
-// the head dim (one 64-row atom each, 48 registers): five atoms do not mirror evenly. Q/K 128, V 64: head dim 128's.
+// Q/K 192, V 128: head dim 192's layout, its five atoms of dK^T / dV^T mirrored unevenly: warpgroup 0 holds dV^T
+// rows 0..63 and dK^T rows 0..127, warpgroup 1 dV^T rows 64..127 and dK^T rows 128..191 (three 48-register slots
+// each, warpgroup 1's third empty). Five N = 96 atoms read 100 KB of shared memory a step where dK^T split over the
+// keys and dV^T over the head dim read 124.
+// Q/K 128, V 64: head dim 128's.
 template <>
-struct BwdTileSize<192, 128> : BwdTileSize<192> {
-  static constexpr bool kdKVMirror = false;
-};
+struct BwdTileSize<192, 128> : BwdTileSize<192> {};
 template <>
 struct BwdTileSize<128, 64> : BwdTileSize<128> {};
 

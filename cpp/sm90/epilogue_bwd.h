@@ -132,13 +132,15 @@ struct BwdEpilogue {
       CUTE_UNROLL
       for (int s = 0; s < Mainloop::kdKVSlots; ++s) {
         auto const slot = Mainloop::dkv_slot(wg, s);
+        if (!slot.live) continue;
         int const t = thread_idx % cutlass::NumThreadsPerWarpGroup;
+        auto* const smem = slot.is_v ? ts.smem_v.data() : ts.smem_k.data();
         if constexpr (std::is_same_v<SmemLayoutK, SmemLayoutV>) {  // one instance for both buffers
-          if (slot.live) stage_slot<SmemLayoutK>(acc.slot[s], slot.is_v ? ts.smem_v.data() : ts.smem_k.data(), slot.atom, t);
+          stage_slot<SmemLayoutK>(acc.slot[s], smem, slot.atom, t);
         } else if (slot.is_v) {
-          stage_slot<SmemLayoutV>(acc.slot[s], ts.smem_v.data(), slot.atom, t);
-        } else if (slot.live) {
-          stage_slot<SmemLayoutK>(acc.slot[s], ts.smem_k.data(), slot.atom, t);
+          stage_slot<SmemLayoutV>(acc.slot[s], smem, slot.atom, t);
+        } else {
+          stage_slot<SmemLayoutK>(acc.slot[s], smem, slot.atom, t);
         }
       }
     } else {

@@ -129,22 +129,15 @@ struct BwdMainloop {
   using AtomLayoutSdP = std::conditional_t<kSdPSwapAB, Layout<Shape<_2, _1, _1>>, Layout<Shape<_1, _2, _1>>>;
   using TiledMmaSdP = decltype(make_tiled_mma(ss_atom<Element, Element, float, AtomShapeSdP>(), AtomLayoutSdP{}));
   // dV, dK (kBlockN x headdim, split over keys) or dV^T, dK^T (headdim x kBlockN, split over the
-  // head dim), K = kBlockM.
-  // dK^T's and dV^T's warpgroups each split their GEMM's head dim (Dim rows) when each gets whole 64-row atoms,
-  // else the keys (tile_size.h). Both read all of P / dS from shared memory, so the two may split differently:
-  // at Q/K 192, V 128, dK^T splits the keys and dV^T the head dim (one N = kBlockN atom per warpgroup, which
-  // reads less shared memory per FLOP than two N = kBlockN / 2 ones).
-  template <class Dim>
-  static constexpr bool kdKVSplitKeysOf = kdKVSwapAB && Dim::value % 128 != 0;
-  static_assert(!kdKVSplitKeysOf<Int<kHeadDim>> || (kHeadDim % 64 == 0 && kBlockN % 16 == 0),
-                "whole atoms, 8-key columns per WG");
-  static_assert(!kdKVSplitKeysOf<Int<kHeadDimV>> || (kHeadDimV % 64 == 0 && kBlockN % 16 == 0),
-                "whole atoms, 8-key columns per WG");
+  // head dim), K = kBlockM. dK^T's and dV^T's warpgroups each take whole 64-row atoms of their GEMM's head dim (256:
+  // 128 rows each); Q/K 192 mirrors uneven shares instead (kdKVMirror, below). (192 split the keys until session 28:
+  // N = 48 atoms, which read 84 KB of shared memory a step per GEMM; the mirror measured 1-4% faster.)
+  static_assert(!kdKVSwapAB || Tile::kdKVMirror || (kHeadDim % 128 == 0 && kHeadDimV % 128 == 0),
+                "dK^T / dV^T: whole 64-row atoms per warpgroup, or the mirrored slots");
   template <class Dim>
   using ShapedKVOf = std::conditional_t<kdKVSwapAB, Shape<Dim, BN>, Shape<BN, Dim>>;
   template <class Dim>
-  using AtomShapedKVOf = std::conditional_t<kdKVSwapAB, Shape<_64, Int<kdKVSplitKeysOf<Dim> ? kBlockN / 2 : kBlockN>, BM>,
-                                            Shape<Int<kBlockN / 2>, Dim, BM>>;
+  using AtomShapedKVOf = std::conditional_t<kdKVSwapAB, Shape<_64, BN, BM>, Shape<Int<kBlockN / 2>, Dim, BM>>;
   template <class Dim>
   using TiledMmadKVOf = decltype(make_tiled_mma(
       std::conditional_t<kdKVRegsA,
@@ -152,7 +145,7 @@ struct BwdMainloop {
                                           GMMA::Major::MN>()),
                          decltype(ss_atom<Element, Element, float, AtomShapedKVOf<Dim>, GMMA::Major::MN,
                                           GMMA::Major::MN>())>{},
-      std::conditional_t<kdKVSplitKeysOf<Dim>, Layout<Shape<_1, _2, _1>>, Layout<Shape<_2, _1, _1>>>{}));
+      Layout<Shape<_2, _1, _1>>{}));
   using ShapedK = ShapedKVOf<D>;
   using ShapedV = ShapedKVOf<DV>;
   using TiledMmadK = TiledMmadKVOf<D>;

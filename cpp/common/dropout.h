@@ -43,9 +43,10 @@ CUTE_DEVICE uint4 philox4x32(uint4 c, uint32_t k0, uint32_t k1) {
       k0 += 0x9E3779B9u;
       k1 += 0xBB67AE85u;
     }
-    // One IMAD.WIDE.U32 each: both halves of the 64-bit product.
-    uint64_t const m0 = uint64_t(0xD2511F53u) * c.x, m1 = uint64_t(0xCD9E8D57u) * c.z;
-    c = make_uint4(uint32_t(m1 >> 32) ^ c.y ^ k0, uint32_t(m1), uint32_t(m0 >> 32) ^ c.w ^ k1, uint32_t(m0));
+    // The halves of each product apart (IMAD.HI + IMAD): no register pairs to keep aligned.
+    uint32_t const h0 = __umulhi(0xD2511F53u, c.x), l0 = 0xD2511F53u * c.x;
+    uint32_t const h1 = __umulhi(0xCD9E8D57u, c.z), l1 = 0xCD9E8D57u * c.z;
+    c = make_uint4(h1 ^ c.y ^ k0, l1, h0 ^ c.w ^ k1, l0);
   }
   return c;
 }
@@ -71,13 +72,24 @@ struct DropoutPhilox {
   // The draws of one (batch, head): key, the counter's last two words, and the keep test's addend:
   // a random byte b zero-extended in a 16-bit half, plus 0x8000 - threshold, has bit 15 set iff
   // b >= threshold (no carry leaves the half), in both halves at once.
+  // keep_add / keep_or: keep_bits' constants (four bytes at a time, below).
   struct Stream {
-    uint32_t k0, k1, bh, offset, addend;
+    uint32_t k0, k1, bh, offset, addend, keep_add, keep_or;
   };
   CUTE_DEVICE Stream stream(int bh) const {
     uint64_t const seed = uint64_t(rng[0]);
+    bool const low = threshold <= 128u;
     return {uint32_t(seed), uint32_t(seed >> 32), uint32_t(bh), uint32_t(uint64_t(rng[1])),
-            (0x8000u - threshold) * 0x00010001u};
+            (0x8000u - threshold) * 0x00010001u, ((low ? 128u : 256u) - threshold) * 0x01010101u, low ? ~0u : 0u};
+  }
+
+  // The keep test of a word's four random bytes b at once: bit 7 of each byte of the result is set iff b >=
+  // threshold (the other bits are not defined). With y = (b & 0x7F) + c, no carry leaves a byte: for threshold t
+  // <= 128, c = 128 - t and b >= t iff b's bit 7 or y's is set; above, c = 256 - t and iff both are. The
+  // majority of (b, y, keep_or) is the one or the other (one LOP3): three instructions per four scores.
+  CUTE_DEVICE static uint32_t keep_bits(Stream const& st, uint32_t b) {
+    uint32_t const y = (b & 0x7F7F7F7Fu) + st.keep_add;
+    return (b & y) | (b & st.keep_or) | (y & st.keep_or);
   }
 
   // The layout of a (row, col)-view tile's draws (see the file's comment): units of 2 rows x kUnitCols columns.
@@ -116,7 +128,10 @@ struct DropoutPhilox {
       auto const c = coords(U::row(u), U::col(u));
       int const q = kTransposed ? q0 + int(get<1>(c)) : q0 + int(get<0>(c));
       int const k = kTransposed ? k0 + int(get<0>(c)) : k0 + int(get<1>(c));
-      auto group = [](int x) { return uint32_t((x / 16) * 4 + (x % 8) / 2); };
+      auto group = [](int x) {  // x >= 0: unsigned, so no sign fix-ups around the shifts
+        uint32_t const u = uint32_t(x);
+        return (u / 16) * 4 + (u % 8) / 2;
+      };
       return make_uint4(group(k), group(q), st.bh, st.offset);
     };
     CUTE_UNROLL
@@ -142,7 +157,10 @@ struct DropoutPhilox {
 
   // Zeroes the dropped scores of a 16-bit tile in (row, col) view, whose scores (mi, ni) and (mi, ni + 1),
   // ni even, share a 32-bit register (an m16n8 accumulator's column pair, converted), given its draws.
-  // Per pair of scores: a byte spread (PRMT), the test (IADD), its mask (PRMT, sign replicated) and an AND.
+  // Whole groups use every byte of a word: keep_bits tests its four at once, then per pair of scores a PRMT
+  // spreads the two tests' bits over the halves (sign mode) and an AND applies them (7 instructions per four
+  // scores). Half groups use half of each word: per pair a byte spread (PRMT), the test (IADD), its mask (PRMT,
+  // sign replicated) and an AND.
   template <bool kTransposed, bool kGroupsWhole, class TensorP, class TensorC, class Words>
   CUTE_DEVICE static void apply_draws(Stream const& st, TensorP&& p, TensorC const& coords, Words const& words) {
     static_assert(sizeof(typename std::remove_reference_t<TensorP>::value_type) == 2, "16-bit P");
@@ -151,17 +169,27 @@ struct DropoutPhilox {
     for (int u = 0; u < U::kCount; ++u) {
       // Half groups: which 8-column chunk of its 16-column block the unit is (a thread's coordinate).
       int const half = kGroupsWhole ? 0 : (int(get<1>(coords(U::row(u), U::col(u)))) % 16) / 8;
+      uint32_t keep[2];
+      if constexpr (kGroupsWhole) {
+        keep[0] = keep_bits(st, words[2 * u]);
+        keep[1] = keep_bits(st, words[2 * u + 1]);
+      }
       CUTE_UNROLL
       for (int r2 = 0; r2 < 2; ++r2) {
         CUTE_UNROLL
         for (int jj = 0; jj < U::kUnitCols / 2; ++jj) {
           int const j = kGroupsWhole ? jj : half;
-          // The pair's two bytes (c2 = 0, 1) into the low bytes of the two halves, zeros above.
-          uint32_t const word = kTransposed ? words[2 * u + j] : words[2 * u + r2];
+          int const w = kTransposed ? j : r2;  // the pair's word of the unit's two
           uint32_t const b0 = kTransposed ? uint32_t(r2) : uint32_t(2 * j), b1 = kTransposed ? b0 + 2 : b0 + 1;
-          uint32_t const spread = __byte_perm(word, 0u, 0x4040u | b0 | (b1 << 8));
           uint32_t& pair = reinterpret_cast<uint32_t&>(p(U::row(u) + r2, U::col(u) + 2 * jj));
-          pair &= sign_bytes(spread + st.addend);
+          if constexpr (kGroupsWhole) {
+            // Halves b0, b1 of the mask: their bytes' bit 7 replicated (selector nibbles 8 | byte).
+            pair &= sign_select(keep[w], (8u | b0) * 0x11u | (8u | b1) * 0x1100u);
+          } else {
+            // The pair's two bytes (c2 = 0, 1) into the low bytes of the two halves, zeros above.
+            uint32_t const spread = __byte_perm(words[2 * u + w], 0u, 0x4040u | b0 | (b1 << 8));
+            pair &= sign_bytes(spread + st.addend);
+          }
         }
       }
     }
@@ -177,6 +205,12 @@ struct DropoutPhilox {
   CUTE_DEVICE static uint32_t sign_bytes(uint32_t x) {
     uint32_t r;
     asm("prmt.b32 %0, %1, 0, 0xBB99;" : "=r"(r) : "r"(x));
+    return r;
+  }
+  // PRMT with a selector whose nibbles may ask for sign mode (8 | byte); a constant selector after unrolling.
+  CUTE_DEVICE static uint32_t sign_select(uint32_t x, uint32_t selector) {
+    uint32_t r;
+    asm("prmt.b32 %0, %1, 0, %2;" : "=r"(r) : "r"(x), "r"(selector));
     return r;
   }
 

@@ -188,7 +188,7 @@ struct DropoutPhilox {
           } else {
             // The pair's two bytes (c2 = 0, 1) into the low bytes of the two halves, zeros above.
             uint32_t const spread = __byte_perm(words[2 * u + w], 0u, 0x4040u | b0 | (b1 << 8));
-            pair &= sign_bytes(spread + st.addend);
+            pair &= sign_select(spread + st.addend, 0xBB99u);  // bits 15 and 31 over their halves
           }
         }
       }
@@ -200,14 +200,8 @@ struct DropoutPhilox {
     apply_draws<kTransposed, kGroupsWhole>(st, p, coords, draw<kTransposed, kGroupsWhole>(st, coords, q0, k0));
   }
 
-  // Bits 15 and 31 replicated over their halves: PRMT's sign mode (selector nibbles 9, B), which
-  // __byte_perm does not expose.
-  CUTE_DEVICE static uint32_t sign_bytes(uint32_t x) {
-    uint32_t r;
-    asm("prmt.b32 %0, %1, 0, 0xBB99;" : "=r"(r) : "r"(x));
-    return r;
-  }
-  // PRMT with a selector whose nibbles may ask for sign mode (8 | byte); a constant selector after unrolling.
+  // PRMT with a selector whose nibbles may ask for sign mode (8 | byte: that byte's bit 7 replicated), which
+  // __byte_perm does not expose; a constant selector after unrolling.
   CUTE_DEVICE static uint32_t sign_select(uint32_t x, uint32_t selector) {
     uint32_t r;
     asm("prmt.b32 %0, %1, 0, %2;" : "=r"(r) : "r"(x), "r"(selector));

@@ -69,10 +69,10 @@ struct DropoutPhilox {
   }
   CUTE_HOST_DEVICE float scale() const { return scale_; }
 
-  // The draws of one (batch, head): key, the counter's last two words, and the keep test's addend:
-  // a random byte b zero-extended in a 16-bit half, plus 0x8000 - threshold, has bit 15 set iff
-  // b >= threshold (no carry leaves the half), in both halves at once.
-  // keep_add / keep_or: keep_bits' constants (four bytes at a time, below).
+  // The draws of one (batch, head): key, the counter's last two words, and the keep tests' constants:
+  // half groups (addend): a random byte b zero-extended in a 16-bit half, plus 0x8000 - threshold, has bit 15
+  // set iff b >= threshold (no carry leaves the half), in both halves at once; whole groups (keep_add, keep_or):
+  // keep_bits, four bytes at a time (below).
   struct Stream {
     uint32_t k0, k1, bh, offset, addend, keep_add, keep_or;
   };
@@ -169,7 +169,7 @@ struct DropoutPhilox {
     for (int u = 0; u < U::kCount; ++u) {
       // Half groups: which 8-column chunk of its 16-column block the unit is (a thread's coordinate).
       int const half = kGroupsWhole ? 0 : (int(get<1>(coords(U::row(u), U::col(u)))) % 16) / 8;
-      uint32_t keep[2];
+      [[maybe_unused]] uint32_t keep[2];  // whole groups only
       if constexpr (kGroupsWhole) {
         keep[0] = keep_bits(st, words[2 * u]);
         keep[1] = keep_bits(st, words[2 * u + 1]);

@@ -1,14 +1,15 @@
 // Attention dropout inside the kernels: the keep mask that python/flashhopper/dropout.py defines, drawn
-// per score from (seed, offset) so that the backward regenerates it instead of storing it. Shared by
-// the forward and the backward of both kernel families, on S tiles (rows = queries) and S^T tiles
-// (rows = keys) in the (row, col) view of an m16n8 accumulator (utils.h: rowcol).
+// per score from (seed, offset) so that the backward regenerates it instead of storing it. The definition
+// (philox4x32, group, keep_bits) is every kernel's; the Hopper kernels draw it in spare producer warps into shared
+// memory (sm90/dropout_feed.h), the Ampere kernels in the consumer threads themselves (draw / apply below), on S
+// tiles (rows = queries) in the (row, col) view of an m16n8 accumulator (utils.h: rowcol).
 //
 // The definition: the scores of one (batch, head) form groups of 16, rows {2a, 2a+1, 2a+8, 2a+9} x
 // columns {2b, 2b+1, 2b+8, 2b+9} of a 16 x 16 block; one Philox4x32-7 call per group, counter (key
 // group, query group, batch * heads + head, offset), key (seed); score (r, c) of the group takes byte
 // 4r + c of the output and is kept iff that byte >= threshold.
 //
-// How a thread draws: in an m16n8 accumulator a thread holds rows g and g + 8 (g = lane / 4) and
+// How an Ampere thread draws: in an m16n8 accumulator a thread holds rows g and g + 8 (g = lane / 4) and
 // columns 2q, 2q + 1 (q = lane % 4) of each 8-column chunk, so lanes L and L ^ 4 hold the same groups,
 // half of each. A "unit" is a thread's part of one group: its 8 scores when the thread's two 8-column
 // chunks of a 16-column block are adjacent in the view (kGroupsWhole: rowcol columns 4u..4u+3), else
@@ -83,6 +84,13 @@ struct DropoutPhilox {
             (0x8000u - threshold) * 0x00010001u, ((low ? 128u : 256u) - threshold) * 0x01010101u, low ? ~0u : 0u};
   }
 
+  // The group of a query or key index x >= 0 (the counter's first two words): its 16-block, and which of the
+  // block's row (column) pairs {2a, 2a + 1, 2a + 8, 2a + 9} it is in. Unsigned: no sign fix-ups around the shifts.
+  CUTE_HOST_DEVICE static uint32_t group(int x) {
+    uint32_t const u = uint32_t(x);
+    return (u / 16) * 4 + (u % 8) / 2;
+  }
+
   // The keep test of a word's four random bytes b at once: bit 7 of each byte of the result is set iff b >=
   // threshold (the other bits are not defined). With y = (b & 0x7F) + c, no carry leaves a byte: for threshold t
   // <= 128, c = 128 - t and b >= t iff b's bit 7 or y's is set; above, c = 256 - t and iff both are. The
@@ -104,34 +112,24 @@ struct DropoutPhilox {
     CUTE_DEVICE static int col(int u) { return kUnitCols * (u % kPerRow); }
   };
 
-  // This lane's random bytes for every score of a (row, col)-view tile: two words per unit (X0, X1 of the
-  // file's comment), words 2u and 2u + 1. coords: the tile's (row, col) coordinates; kTransposed: rows are
-  // keys (S^T); q0 / k0: the global query / key index of coordinate 0. kGroupsWhole: a thread's two
-  // 8-column chunks of each 16-column block are adjacent columns of the view (rowcol columns 4u .. 4u + 3),
-  // else each chunk is drawn alone.
-  template <bool kTransposed, bool kGroupsWhole, class TensorC>
+  // This lane's random bytes for every score of a (row, col)-view S tile (rows = queries): two words per unit (X0,
+  // X1 of the file's comment), words 2u and 2u + 1. coords: the tile's (row, col) coordinates; q0 / k0: the global
+  // query / key index of coordinate 0. kGroupsWhole: a thread's two 8-column chunks of each 16-column block are
+  // adjacent columns of the view (rowcol columns 4u .. 4u + 3), else each chunk is drawn alone.
+  template <bool kGroupsWhole, class TensorC>
   CUTE_DEVICE static auto draw(Stream const& st, TensorC const& coords, int q0, int k0) {
     using U = Units<TensorC, kGroupsWhole>;
     cute::array<uint32_t, 2 * U::kCount> words;
     bool const odd = (threadIdx.x & 4) != 0;  // this lane's row parity (g % 2); its partner is lane ^ 4
     // Byte selectors that gather a lane's 8 bytes of a group's 16 into two words X0 (from words 0, 1)
-    // and X1 (from words 2, 3). S: a lane takes the words of its row parity, X_r2 byte 2j + c2 is its
-    // score (row g + 8 r2, column 2q + c2 + 8j). S^T: a lane takes bytes of its key parity from each
-    // word, X_j byte 2 c2 + r2 is its score (key g + 8 r2, query 2q + c2 + 8j).
-    auto selector = [](bool parity) -> uint32_t {
-      if constexpr (kTransposed) return parity ? 0x7531u : 0x6420u;
-      else return parity ? 0x7654u : 0x3210u;
-    };
+    // and X1 (from words 2, 3): a lane takes the words of its row parity, X_r2 byte 2j + c2 is its
+    // score (row g + 8 r2, column 2q + c2 + 8j).
+    auto selector = [](bool parity) -> uint32_t { return parity ? 0x7654u : 0x3210u; };
     uint32_t const sel_mine = selector(odd), sel_other = selector(!odd);
     // The Philox counter of a unit, from its first score's coordinates.
     auto counter = [&](int u) {
       auto const c = coords(U::row(u), U::col(u));
-      int const q = kTransposed ? q0 + int(get<1>(c)) : q0 + int(get<0>(c));
-      int const k = kTransposed ? k0 + int(get<0>(c)) : k0 + int(get<1>(c));
-      auto group = [](int x) {  // x >= 0: unsigned, so no sign fix-ups around the shifts
-        uint32_t const u = uint32_t(x);
-        return (u / 16) * 4 + (u % 8) / 2;
-      };
+      int const q = q0 + int(get<0>(c)), k = k0 + int(get<1>(c));
       return make_uint4(group(k), group(q), st.bh, st.offset);
     };
     CUTE_UNROLL
@@ -161,7 +159,7 @@ struct DropoutPhilox {
   // spreads the two tests' bits over the halves (sign mode) and an AND applies them (7 instructions per four
   // scores). Half groups use half of each word: per pair a byte spread (PRMT), the test (IADD), its mask (PRMT,
   // sign replicated) and an AND.
-  template <bool kTransposed, bool kGroupsWhole, class TensorP, class TensorC, class Words>
+  template <bool kGroupsWhole, class TensorP, class TensorC, class Words>
   CUTE_DEVICE static void apply_draws(Stream const& st, TensorP&& p, TensorC const& coords, Words const& words) {
     static_assert(sizeof(typename std::remove_reference_t<TensorP>::value_type) == 2, "16-bit P");
     using U = Units<TensorC, kGroupsWhole>;
@@ -179,8 +177,8 @@ struct DropoutPhilox {
         CUTE_UNROLL
         for (int jj = 0; jj < U::kUnitCols / 2; ++jj) {
           int const j = kGroupsWhole ? jj : half;
-          int const w = kTransposed ? j : r2;  // the pair's word of the unit's two
-          uint32_t const b0 = kTransposed ? uint32_t(r2) : uint32_t(2 * j), b1 = kTransposed ? b0 + 2 : b0 + 1;
+          int const w = r2;  // the pair's word of the unit's two
+          uint32_t const b0 = uint32_t(2 * j), b1 = b0 + 1;
           uint32_t& pair = reinterpret_cast<uint32_t&>(p(U::row(u) + r2, U::col(u) + 2 * jj));
           if constexpr (kGroupsWhole) {
             // Halves b0, b1 of the mask: their bytes' bit 7 replicated (selector nibbles 8 | byte).
@@ -195,9 +193,9 @@ struct DropoutPhilox {
     }
   }
 
-  template <bool kTransposed, bool kGroupsWhole, class TensorP, class TensorC>
+  template <bool kGroupsWhole, class TensorP, class TensorC>
   CUTE_DEVICE static void apply(Stream const& st, TensorP&& p, TensorC const& coords, int q0, int k0) {
-    apply_draws<kTransposed, kGroupsWhole>(st, p, coords, draw<kTransposed, kGroupsWhole>(st, coords, q0, k0));
+    apply_draws<kGroupsWhole>(st, p, coords, draw<kGroupsWhole>(st, coords, q0, k0));
   }
 
   // PRMT with a selector whose nibbles may ask for sign mode (8 | byte: that byte's bit 7 replicated), which

@@ -43,6 +43,7 @@
 #include "../common/softmax.h"
 #include "../common/utils.h"
 #include "../common/workspace_bwd.h"
+#include "dropout_feed.h"
 #include "gemm.h"
 #include "global_reduce.h"
 #include "kv_blocks.h"
@@ -71,7 +72,7 @@ template <class Element_, int kHeadDim_, int kHeadDimV_, class Tile, MaskKind kM
 struct BwdMainloop {
   using Element = Element_;
   using ScoreMod = ScoreMod_;
-  using Dropout = Dropout_;  // common/dropout.h: the forward's keep mask, drawn again per tile
+  using Dropout = Dropout_;  // common/dropout.h: the forward's keep mask, drawn again per step (DropFeed below)
   using KVBlocks = KVBlocks_;
   using Seqlens = Seqlens_;
   static constexpr int kHeadDim = kHeadDim_, kBlockM = Tile::kBlockM, kBlockN = Tile::kBlockN;
@@ -245,7 +246,23 @@ struct BwdMainloop {
   using PipelineState = typename Pipeline::PipelineState;
   using PipelineStatedO = typename PipelinedO::PipelineState;
 
-  struct BarrierStorage {
+  // Dropout: each step's keep mask, drawn by the producer warpgroup's warps 2-3 (dropout_feed.h) in the layout of the
+  // S^T tile or of S split over the keys, as many stages as Q's (the consumers read a stage with Q's state: both
+  // advance once a step). The drawers' registers: 16 more than the producer's 24, 8 fewer per consumer thread (232).
+  using DropLayout =
+      std::conditional_t<kSdPSwapAB, DropRowsKeys<kBlockM, kBlockN>, DropRowsQueriesHalfKeys<kBlockM, kBlockN>>;
+  using DropFeed = DropoutFeed<Dropout, DropLayout, kStages, 2 * cutlass::NumThreadsPerWarp, 16>;
+  // (Empty bases where there is no dropout: the other kernels' layouts stay as they were.)
+  struct DropBarriers {
+    typename DropFeed::BarrierStorage drop;
+  };
+  struct DropWords {
+    typename DropFeed::SharedStorage drop;
+  };
+  struct NoDrop {};
+  struct NoDropWords {};
+
+  struct BarrierStorage : std::conditional_t<DropFeed::kEnabled, DropBarriers, NoDrop> {
     typename PipelineKV::SharedStorage pipeline_kv;
     typename Pipeline::SharedStorage pipeline_q;
     typename PipelinedO::SharedStorage pipeline_do;
@@ -259,7 +276,8 @@ struct BwdMainloop {
     Tile1K<Element, cosize_v<SmemLayoutPdS>> smem_p;
   };
   struct NoPStorage {};
-  struct TensorStorage : std::conditional_t<kdKVRegsA, NoPStorage, PStorage> {
+  struct TensorStorage : std::conditional_t<kdKVRegsA, NoPStorage, PStorage>,
+                         std::conditional_t<DropFeed::kEnabled, DropWords, NoDropWords> {
     BarrierStorage barriers;
     cute::array_aligned<float, kBlockM * kStages, 16> smem_lse;      // bulk copies need 16 bytes
     cute::array_aligned<float, kBlockM * kStagesdO, 16> smem_dpsum;
@@ -498,13 +516,27 @@ struct BwdMainloop {
     }
   }
 
+  // Dropout (the producer warpgroup's warps 2-3, tid in [0, DropFeed::kThreads)): the key block's keep masks, step by
+  // step in the consumers' order (from the last query block), for the (batch, head) stream the forward drew.
+  CUTE_DEVICE static void draw_dropout(Params const& p, typename DropFeed::Pipeline& pipeline, TensorStorage& ts,
+                                       BlockInfoT const& bi, int n_block, int head, int batch, int tid) {
+    if constexpr (DropFeed::kEnabled) {
+      auto write = cutlass::make_producer_start_state<typename DropFeed::Pipeline>();
+      auto const st = p.dropout.stream(batch * get<2>(p.shape_q) + head);
+      for (int m_block = bi.m_block_max(n_block) - 1; m_block >= bi.m_block_min(n_block); --m_block) {
+        DropFeed::produce(pipeline, write, ts.drop, st, m_block * kBlockM, n_block * kBlockN, tid);
+      }
+    }
+  }
+
   // ---------------------------------------------------------------------------------------------
   // Consumers: both warpgroups, thread_idx 0..255. Accumulates dK (unscaled until the end) and dV
   // into the caller's zeroed fragments. Returns false if no query block sees this key block.
   template <class FragdK, class FragdV>
   CUTE_DEVICE static bool mma(Params const& p, PipelineKV& pipeline_kv, Pipeline& pipeline_q, PipelinedO& pipeline_do,
                               TensorStorage& ts, FragdK& tdKrdK, FragdV& tdVrdV, int thread_idx,
-                              SeqlenInfo const& seq, BlockInfoT const& bi, int n_block, int head, int batch) {
+                              SeqlenInfo const& seq, BlockInfoT const& bi, int n_block, int head, int batch,
+                              typename DropFeed::Pipeline& pipeline_drop) {
     int const m_begin = bi.m_block_min(n_block), m_end = bi.m_block_max(n_block);
     if (m_end <= m_begin) return false;
     int const wg = thread_idx / cutlass::NumThreadsPerWarpGroup;
@@ -595,13 +627,11 @@ struct BwdMainloop {
         dq_share_offset(0, wg) + FragLayout::offset(0, thread_idx % cutlass::NumThreadsPerWarpGroup, 0);
     MaskT const mask{seq, p.window_left, p.window_right};
     bool const seqlen_mask = (n_block + 1) * kBlockN > seq.seqlen_k;  // the last key block has padding
-    // Dropout: the S^T tile's columns (queries) are whole per warpgroup; an S tile's keys are split over
-    // the warpgroups, whose halves hold whole 16-key blocks unless kBlockN / 2 is not a multiple of 16.
-    constexpr bool kDropGroupsWhole = kSdPSwapAB || (kBlockN / 2) % 16 == 0;
-    auto const drop = [&] {
-      if constexpr (Dropout::kEnabled) return p.dropout.stream(batch * get<2>(p.shape_q) + head);
+    // Dropout: the step's keep mask (DropFeed), in the stage of Q's state; read as the S and dP GEMMs go out.
+    auto fetch_keep = [&](PipelineState const& q_state) {
+      if constexpr (DropFeed::kEnabled) return DropFeed::fetch(pipeline_drop, q_state, ts, thread_idx);
       else return 0;
-    }();
+    };
 
     PipelineState read_q;
     PipelineStatedO read_do;
@@ -651,6 +681,7 @@ struct BwdMainloop {
       } else {
         wgmma<true, -1>(mma_sdp, tdPrdO(_, _, _, stage_do), tdPrV, tdPrdP);
       }
+      [[maybe_unused]] auto const keep = fetch_keep(read_q);
       // P from S while dP is on the tensor cores.
       auto const lse = stat(ts.smem_lse.data() + stage_q * kBlockM);
       warpgroup_wait<1>();
@@ -705,10 +736,7 @@ struct BwdMainloop {
             Tensor d = make_tensor<Element>(src.layout());
             CUTE_UNROLL
             for (int i = 0; i < size(d); ++i) d(i) = Element(float(src(i)) * p.dropout.scale());
-            if constexpr (Dropout::kEnabled) {  // (DropoutNone has no apply: the generic lambda still names it)
-              Dropout::template apply<kSdPSwapAB, kDropGroupsWhole>(drop, rowcol(d), tScS_rc, m_block * kBlockM,
-                                                                    n_block * kBlockN);
-            }
+            if constexpr (DropFeed::kEnabled) DropFeed::apply(rowcol(d), keep);
             return d;
           };
           auto rPd = [&] {

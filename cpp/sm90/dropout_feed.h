@@ -176,6 +176,28 @@ struct DropoutFeed<DropoutPhilox, Layout, kStages_, kDrawThreads, kRegsBoost> {
       }
     }
   }
+
+  // The backward's dS with dropout, in place of dP (float, (row, col) view as apply's): dS = P (s Z dP - D), Z the
+  // keep bit, s the 1 / keep probability; p: the 16-bit P (whole), d(mi, ni): the row statistic D. Per score a
+  // sign-mode PRMT (Z over 32 bits), an AND, an FFMA and an FMUL, beside P's unpacking.
+  template <class TensorP, class TensorDP, class Stat>
+  CUTE_DEVICE static void grad_scores(TensorP const& p, TensorDP& dp, Stat&& d, Keep const& keep, float scale) {
+    static_assert(decltype(size<1>(dp))::value == kCols / 4);
+    CUTE_UNROLL
+    for (int r2 = 0; r2 < 2; ++r2) {
+      CUTE_UNROLL
+      for (int j = 0; j < kGroups; ++j) {
+        uint32_t const bits = keep[r2] << (7 - j);
+        CUTE_UNROLL
+        for (int c = 0; c < 4; ++c) {  // column 4j + c: byte c
+          int const ni = 4 * j + c;
+          uint32_t const z = DropoutPhilox::sign_select(bits, (8u | c) * 0x1111u);
+          float const dp_kept = __uint_as_float(__float_as_uint(dp(r2, ni)) & z);
+          dp(r2, ni) = float(p(r2, ni)) * (dp_kept * scale - d(r2, ni));
+        }
+      }
+    }
+  }
 };
 
 }  // namespace flashhopper::sm90

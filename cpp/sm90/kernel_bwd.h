@@ -32,6 +32,8 @@ struct BwdKernel {
   using DropFeed = typename Mainloop::DropFeed;
   static constexpr int kProducerRegs = 24 + DropFeed::kProducerRegsBoost;
   static constexpr int kConsumerRegs = 240 - DropFeed::kProducerRegsBoost / 2;
+  static_assert(cutlass::NumThreadsPerWarpGroup * (kProducerRegs + Mainloop::kNumMmaWG * kConsumerRegs) <= 64 * 1024 &&
+                kConsumerRegs % 8 == 0);
 
   using SharedStorage = typename Mainloop::TensorStorage;  // tiles, row statistics and barriers
   static constexpr int kSmemLimit = 227 * 1024;

@@ -283,6 +283,9 @@ struct FwdMainloop {
   static constexpr int kFeedRegs = kNumMmaWG == 3 ? 0 : kHeadDimV >= 256 ? 16 : 32;
   using DropFeed = DropoutFeed<Dropout, DropRowsQueries<kBlockM, kBlockN>, kFeedStages, 3 * cutlass::NumThreadsPerWarp,
                                kFeedRegs>;
+  // The drawers are the producer warpgroup's warps 1-3 and every consumer warpgroup fetches: not with the paged
+  // walk's register boost, the e4m3 caches' converter warps, or one-consumer tiles (KV caches, which have no dropout).
+  static_assert(!DropFeed::kEnabled || (!KVBlocks::kPaged && !kFp8Cache && !kSplits), "dropout: padded or packed batches");
   struct TensorStorageDropout : TensorStorage16 {
     typename DropFeed::SharedStorage drop;
   };

@@ -83,8 +83,8 @@ struct BwdMainloop {
   // P^T and dS^T as register A operands of the dV/dK GEMMs: their accumulator rows are keys.
   static constexpr bool kdKVRegsA = kSdPSwapAB && !kdKVSwapAB;
   // dS from the float32 P, with P^T made 16-bit (and dV issued) after the dS math (W8: 1-6% faster
-  // at head dims 64 and 128). Dropout keeps dS from the 16-bit P: its Pd is one more tile.
-  static constexpr bool kLateP = kdKVRegsA && !Dropout::kEnabled;
+  // at head dims 64 and 128). With dropout too, since its keep bits come from the feed (no Pd tile beside P).
+  static constexpr bool kLateP = kdKVRegsA;
   static_assert(kSdPSwapAB != kdKVSwapAB, "supported layouts: S^T with dK/dV, or S with dK^T/dV^T");
   static constexpr int kNumMmaWG = 2;
   static constexpr int kNumMmaThreads = kNumMmaWG * cutlass::NumThreadsPerWarpGroup;
@@ -701,9 +701,14 @@ struct BwdMainloop {
           warpgroup_wait<0>();  // dP done
           warpgroup_fence_operand(tdPrdP);
           Tensor dscores = rowcol(tdPrdP);
-          grad_scores(scores, dscores, dpsum);
+          if constexpr (DropFeed::kEnabled) {
+            DropFeed::grad_scores(scores, dscores, dpsum, keep, p.dropout.scale());  // dS = P (s Z dP - D)
+          } else {
+            grad_scores(scores, dscores, dpsum);
+          }
           p.score_mod.chain_kept(tdPrdP, dmod);
           Tensor rP = convert_type<Element>(tSrS);
+          if constexpr (DropFeed::kEnabled) DropFeed::apply(rowcol(rP), keep);  // dV takes P Z
           Tensor rdS = convert_type<Element>(tdPrdP);
           if constexpr (kStagesdS == 1) cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBwdPdS);
           copy(smem_copy_pds, thr_copy_pds.retile_S(rdS), tdSsdS(_, _, _, stage_ds));
@@ -728,35 +733,24 @@ struct BwdMainloop {
           copy(smem_copy_pds, thr_copy_pds.retile_S(rdS), tdSsdS(_, _, _, stage_ds));
           return rdS;
         } else {
+          // Dropout with P and dS through shared memory (head dims 192, 256; head dims 64 and 128 take kLateP): dS from
+          // the 16-bit P (as PyTorch's own 16-bit backward has it; the float32 P is dead by now, which keeps the
+          // register budget), dS = P (s Z dP - D) with Z the step's keep bits (DropFeed::grad_scores); then P Z in
+          // place for dV (1 / keep probability applied to dV once, after the loop). (Before the feed, Pd = s P Z was
+          // its own tile and dS read Z off Pd != 0: ~3.5 more instructions a score.)
           Tensor rP = convert_type<Element>(tSrS);
-          // Dropout: dV takes P Z (Z the step's keep bits; the 1 / keep probability s scales dV once, at the end),
-          // dS = P (s Z dP - D) from the bits too (DropFeed::grad_scores). (Before the feed, Pd = s P Z was made from
-          // the float P and dS read Z off Pd != 0: ~3.5 more instructions a score.)
-          Tensor rPd = make_tensor<Element>(rP.layout());
-          CUTE_UNROLL
-          for (int i = 0; i < size(rPd); ++i) rPd(i) = rP(i);
-          DropFeed::apply(rowcol(rPd), keep);
-          // dV += P^T dO needs only P: with P^T in registers it goes out now and runs under the dS math.
-          if constexpr (kdKVRegsA) {
-            Tensor tdVrP = make_tensor(rPd.data(), acc_layout_as_a_operand(rPd.layout()));
-            wgmma<false, -1>(mma_dv, tdVrP, tdVrdO(_, _, _, stage_do), tdVrdV);
-          }
-
           auto const dpsum = stat(ts.smem_dpsum.data() + stage_do * kBlockM);
-          warpgroup_wait<kdKVRegsA ? 1 : 0>();  // dP done
+          warpgroup_wait<0>();  // dP done
           warpgroup_fence_operand(tdPrdP);
           Tensor dscores = rowcol(tdPrdP);
-          // dS from the 16-bit P (the dV operand, as PyTorch's own 16-bit backward has it): the float32
-          // P is dead by now, which keeps the register budget.
           DropFeed::grad_scores(rowcol(rP), dscores, dpsum, keep, p.dropout.scale());
           p.score_mod.chain(dscores, rowcol(rP), lse);
+          DropFeed::apply(rowcol(rP), keep);
           Tensor rdS = convert_type<Element>(tdPrdP);
           // With one dS (and P) buffer, both warpgroups must be done with the previous block's GEMMs.
           if constexpr (kStagesdS == 1) cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBwdPdS);
-          if constexpr (!kdKVRegsA) {
-            Tensor sP = make_tensor(make_smem_ptr(ts.smem_p.data()), SmemLayoutPdS{});
-            copy(smem_copy_pds, thr_copy_pds.retile_S(rPd), thr_copy_pds.partition_D(sP)(_, _, _, stage_ds));
-          }
+          Tensor sP = make_tensor(make_smem_ptr(ts.smem_p.data()), SmemLayoutPdS{});
+          copy(smem_copy_pds, thr_copy_pds.retile_S(rP), thr_copy_pds.partition_D(sP)(_, _, _, stage_ds));
           copy(smem_copy_pds, thr_copy_pds.retile_S(rdS), tdSsdS(_, _, _, stage_ds));
           return rdS;
         }

@@ -1,15 +1,15 @@
 // Attention dropout inside the kernels: the keep mask that python/flashhopper/dropout.py defines, drawn
 // per score from (seed, offset) so that the backward regenerates it instead of storing it. The definition
-// (philox4x32, group, keep_bits) is every kernel's; the Hopper kernels draw it in spare producer warps into shared
-// memory (sm90/dropout_feed.h), the Ampere kernels in the consumer threads themselves (draw / apply below), on S
-// tiles (rows = queries) in the (row, col) view of an m16n8 accumulator (utils.h: rowcol).
+// (philox4x32, group, keep_bits) is every kernel's; the Hopper backward draws it in spare producer warps into shared
+// memory (sm90/dropout_feed.h), the Hopper forward and the Ampere kernels in the consumer threads themselves (draw /
+// apply below), on S tiles (rows = queries) in the (row, col) view of an m16n8 accumulator (utils.h: rowcol).
 //
 // The definition: the scores of one (batch, head) form groups of 16, rows {2a, 2a+1, 2a+8, 2a+9} x
 // columns {2b, 2b+1, 2b+8, 2b+9} of a 16 x 16 block; one Philox4x32-7 call per group, counter (key
 // group, query group, batch * heads + head, offset), key (seed); score (r, c) of the group takes byte
 // 4r + c of the output and is kept iff that byte >= threshold.
 //
-// How an Ampere thread draws: in an m16n8 accumulator a thread holds rows g and g + 8 (g = lane / 4) and
+// How a consumer thread draws: in an m16n8 accumulator a thread holds rows g and g + 8 (g = lane / 4) and
 // columns 2q, 2q + 1 (q = lane % 4) of each 8-column chunk, so lanes L and L ^ 4 hold the same groups,
 // half of each. A "unit" is a thread's part of one group: its 8 scores when the thread's two 8-column
 // chunks of a 16-column block are adjacent in the view (kGroupsWhole: rowcol columns 4u..4u+3), else

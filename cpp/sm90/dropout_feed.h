@@ -1,9 +1,10 @@
-// Dropout's keep mask for the Hopper kernels, drawn by spare producer warps into shared memory a step ahead of the
-// consumers, who only apply it. Drawn in the consumers (common/dropout.h: draw), the Philox rounds, the lane pairs'
-// exchange and the keep tests sat between a warpgroup's S GEMM and its next issue: the forward's softmax, which
-// ping-pong runs against the other warpgroup's GEMMs, grew from ~470 to ~800-900 instructions a block at head dim 128,
-// and the forward ran 1.5-1.7x the time without dropout, the backward 1.2x (perf-notes, sessions 24-26). Here a
-// consumer reads two words a step and spends five instructions per four scores.
+// Dropout's keep mask for the Hopper backward, drawn by spare producer warps (2-3, beside the dQ writer) into shared
+// memory a step ahead of the consumers, who only apply it. Drawn in the consumers (common/dropout.h: draw), the
+// Philox rounds, the lane pairs' exchange and the keep tests sat between a warpgroup's GEMMs: the backward ran
+// 1.09-1.24x its time without dropout at head dim 128 and 1.33-1.57x at 64; with the feed 1.00-1.16x and 1.23-1.39x
+// (H100, docs/perf-notes.md session 28). Here a consumer reads two words a step and spends five instructions per
+// four scores. The forward draws in its consumers: its steps are ~2.5x shorter than the backward's, and three drawing
+// warps (Philox rounds at 56 registers) fell behind them: 1.7-2.1x its time without dropout against 1.35-1.65x.
 //
 // The mask is common/dropout.h's, bit for bit (the same Philox counters, bytes and keep test). A step's tile is the
 // consumer warps' accumulators (Layout below: where warp w's 16 rows x kCols columns lie); lane 4g + q of a warp
@@ -26,14 +27,6 @@
 namespace flashhopper::sm90 {
 
 // Layouts of a step's tile over the consumer warps (offsets from the step's first query and key).
-// The forward's S: warp w has queries 16w.., every key of the block.
-template <int kBlockM, int kBlockN>
-struct DropRowsQueries {
-  static constexpr int kWarps = kBlockM / 16, kCols = kBlockN;
-  static constexpr bool kTransposed = false;
-  CUTE_HOST_DEVICE static constexpr int row0(int w) { return 16 * w; }
-  CUTE_HOST_DEVICE static constexpr int col0(int) { return 0; }
-};
 // The backward's S^T (kSdPSwapAB): warp w has keys 16w.., every query of the step.
 template <int kBlockM, int kBlockN>
 struct DropRowsKeys {
@@ -63,10 +56,7 @@ struct DropoutFeed {
   struct BarrierStorage {};
   using Pipeline = int;
   using PipelineState = int;
-  struct Reader {};
   using Keep = int;
-  template <class TensorStorage>
-  CUTE_DEVICE static Keep fetch(Reader&, TensorStorage const&, int) { return 0; }
 };
 
 template <class Layout, int kStages_, int kDrawThreads, int kRegsBoost>
@@ -140,12 +130,8 @@ struct DropoutFeed<DropoutPhilox, Layout, kStages_, kDrawThreads, kRegsBoost> {
     ++write;
   }
 
-  // A consumer's side: the stages in order, one per step. state: the step's, which a mainloop may take from a
-  // pipeline of as many stages that advances once a step too (no registers of its own).
-  struct Reader {
-    Pipeline* pipeline;
-    PipelineState state;  // where the mainloop keeps none
-  };
+  // A consumer's side: the stages in order, one per step; state: the step's, taken from a pipeline of as many
+  // stages that advances once a step too (the backward's Q), so the feed keeps no registers of its own.
   using Keep = cute::array<uint32_t, 2>;  // rows g, g + 8
   // ts: the mainloop's storage (its `drop`); consumer: the thread's index among the consumer threads (warp w =
   // consumer / 32 of the Layout).

@@ -2,8 +2,7 @@
 // the epilogue and the persistent tile scheduler into one warp-specialized, persistent CTA.
 //   warpgroup 0      producer: lowers its registers (setmaxnreg) and one thread issues all TMA; with an e4m3 KV
 //                    cache its warps 1-3 transpose the e4m3 V stages into V^T ones (Mainloop::convert), or where
-//                    blocks are gathered warp 0 gathers K, warp 1 V (Mainloop::gather_v), warps 2-3 transpose;
-//                    with dropout its warps 1-3 draw the keep masks (Mainloop::draw_dropout, dropout_feed.h)
+//                    blocks are gathered warp 0 gathers K, warp 1 V (Mainloop::gather_v), warps 2-3 transpose
 //   warpgroups 1..W  consumers: raise their registers; each owns 64 query rows of the tile
 // One-consumer mode (KV caches whose tiles hold at most 64 rows, Mainloop::Params::one_consumer): warpgroup 1
 // leaves the K/V stages to warpgroup 0 (half the GEMM work of a decode step's tile, whose rows beyond 64 are
@@ -38,12 +37,7 @@ struct FwdKernel {
   // Paged K/V (Mainloop::kProducerRegsBoost): the producer thread reads the page table for each 16-key chunk of a
   // block before issuing its copies, so it gets 16 more registers, the consumers 8 fewer (where they do not spill).
   // e4m3 caches: 48 more for the converter warps (ptxas: 32 more spilled 72 bytes, 48 spill 56, 64 spill 52).
-  // Dropout: the drawing warps' registers (DropFeed::kProducerRegsBoost).
-  using DropFeed = typename Mainloop::DropFeed;
-  static constexpr int kBoost = Mainloop::kFp8Cache            ? 48
-                                : Mainloop::kProducerRegsBoost ? 16
-                                                               : DropFeed::kProducerRegsBoost;
-  static_assert(kBoost % 16 == 0, "consumer registers in steps of 8");
+  static constexpr int kBoost = Mainloop::kFp8Cache ? 48 : Mainloop::kProducerRegsBoost ? 16 : 0;
   static constexpr int kProducerRegs = (kNumMmaWG == 2 ? 24 : 32) + kBoost;
   static constexpr int kConsumerRegs = (kNumMmaWG == 2 ? 240 : 160) - kBoost / 2;
   static_assert(kNumMmaWG == 2 || kNumMmaWG == 3);
@@ -140,7 +134,6 @@ struct FwdKernel {
     constexpr int kFirstConverter = Mainloop::kGatherKV ? 2 : 1;
     bool const is_v_gatherer = Mainloop::kGatherKV && is_producer && warp_idx_in_wg == 1;
     bool const is_converter = Mainloop::kFp8Cache && is_producer && warp_idx_in_wg >= kFirstConverter;
-    bool const is_drawer = DropFeed::kEnabled && is_producer && warp_idx_in_wg >= 1;
     bool const one_consumer = params.mainloop.one_consumer;
     bool const wg1_converts = Mainloop::kFp8Cache && one_consumer && warp_group_idx == 2;
     int const num_convert = Mainloop::kNumConvertThreads + (one_consumer ? cutlass::NumThreadsPerWarpGroup : 0);
@@ -204,27 +197,10 @@ struct FwdKernel {
     PipelineQ pipeline_q(ss.barriers.pipeline_q, q_params, Shape<_1, _1, _1>{});
 
     typename TilePipeline::Params tile_params;
-    tile_params.role = is_producer && !is_drawer ? TilePipeline::ThreadCategory::Producer
-                                                 : TilePipeline::ThreadCategory::Consumer;
+    tile_params.role = is_producer ? TilePipeline::ThreadCategory::Producer : TilePipeline::ThreadCategory::Consumer;
     tile_params.producer_arv_count = 1;
-    tile_params.consumer_arv_count = Mainloop::kNumMmaThreads + DropFeed::kThreads;  // (the drawers read tiles too)
+    tile_params.consumer_arv_count = Mainloop::kNumMmaThreads;
     TilePipeline tile_pipeline(ss.tile_pipeline, tile_params);
-
-    // Dropout's keep masks: the drawing warps -> the consumers.
-    auto pipeline_drop = [&] {
-      if constexpr (DropFeed::kEnabled) {
-        using DropPipeline = typename DropFeed::Pipeline;
-        typename DropPipeline::Params d_params;
-        d_params.role = is_drawer     ? DropPipeline::ThreadCategory::Producer
-                        : is_producer ? DropPipeline::ThreadCategory::NonParticipant
-                                      : DropPipeline::ThreadCategory::Consumer;
-        d_params.producer_arv_count = DropFeed::kThreads;
-        d_params.consumer_arv_count = Mainloop::kNumMmaThreads;
-        return DropPipeline(ss.barriers.drop.pipeline, d_params);
-      } else {
-        return 0;
-      }
-    }();
     __syncthreads();  // barrier initialization is visible to every thread
     if constexpr (Scheduler::kAfterPrepare) {
       cutlass::arch::wait_on_dependent_grids();  // the prepare kernel's schedule and tensor maps are written
@@ -295,24 +271,6 @@ struct FwdKernel {
             }
           }
         }
-      } else if (is_drawer) {
-        if constexpr (DropFeed::kEnabled) {
-          // The producer's tiles as the consumers read them (the schedule may be dynamic), with their key blocks.
-          auto write_drop = cutlass::make_producer_start_state<typename DropFeed::Pipeline>();
-          typename TilePipeline::PipelineState read_tile;
-          while (true) {
-            PublishedTile const pub = next_tile(read_tile);
-            if (pub.tile < 0) break;
-            TileWork const t = kPublishWork ? tile_work(params, pub.work,
-                                                        Mainloop::seqlen_info(params.mainloop, pub.work.batch))
-                                            : tile_work(params, pub.tile);
-            if (t.has_rows && t.has_keys) {  // the tiles whose blocks the consumers walk
-              Mainloop::draw_dropout(params.mainloop, pipeline_drop, write_drop, ss.tensors, t.block_info,
-                                     t.tile.m_block, t.tile.head, t.tile.batch,
-                                     thread_idx - cutlass::NumThreadsPerWarp);
-            }
-          }
-        }
       } else if (is_converter) {
         if constexpr (Mainloop::kFp8Cache) {
         // The producer's tiles, walked the same way (the schedule is static: a function of the tile index).
@@ -342,10 +300,6 @@ struct FwdKernel {
       typename Mainloop::PipelineState read_v;
       typename Mainloop::PipelineStateQ read_q;
       typename TilePipeline::PipelineState read_tile;
-      typename DropFeed::Reader drop_reader = [&] {
-        if constexpr (DropFeed::kEnabled) return typename DropFeed::Reader{&pipeline_drop, {}};
-        else return typename DropFeed::Reader{};
-      }();
       // Q-stage release: O is staged for its TMA store in the Q stage the tile used, so that stage
       // is free once TMA has read O. With two Q stages that is checked during the next tile, after
       // its first GEMM is issued (long done by then); with one, right after the store, since the
@@ -410,7 +364,7 @@ struct FwdKernel {
         pipeline_q.consumer_wait(read_q);
         float const o_descale = Mainloop::mma(params.mainloop, pipeline_k, pipeline_v, read_k, read_v, ss.tensors,
                                               read_q.index(), tOrO, softmax, t.seq, t.block_info, w.m_block, w.head,
-                                              w.batch, wg, thread_idx, drop_reader, on_first_issue);
+                                              w.batch, wg, thread_idx, on_first_issue);
         if constexpr (!kOInQ) {
           if (thread_idx == 0) pipeline_q.consumer_release(read_q);  // every S GEMM has completed
         }

@@ -49,7 +49,6 @@
 #include "../common/seqlen.h"
 #include "../common/softmax.h"
 #include "../common/utils.h"
-#include "dropout_feed.h"
 #include "gemm.h"
 #include "kv_blocks.h"
 #include "named_barriers.h"
@@ -272,27 +271,8 @@ struct FwdMainloop {
     cute::array_aligned<float, kStages, 16> smem_vmax;
     cute::array_aligned<float, 64 * kNumMmaWG, 16> smem_qrow;  // per query row: 1 / its q scale (prepare_q8)
   };
-  // Dropout: the keep masks the producer's spare warps draw (dropout_feed.h), as many stages as K's where they fit
-  // (head dim 256: one). The drawers' registers (Philox state, four words being packed, the walk) come from the
-  // consumers: with two consumer warpgroups 32 more than the producer's 24 (ptxas: 16 more spilled 40 bytes in their
-  // loop), each consumer 16 fewer (224), but at head dim 256, whose O takes 128 registers a thread, 16 more (the
-  // consumers keep 232: at 224 they spilled up to 88 bytes). Three consumer warpgroups keep their 160 (at 152 the head
-  // dim 64 step spilled) and the drawers their 32, where they spill (~23 local accesses per 8 Philox calls).
-  static constexpr int kFeedStages =
-      sizeof(TensorStorage16) + kStages * kBlockM * 16 + 1024 <= 227 * 1024 ? kStages : 1;
-  static constexpr int kFeedRegs = kNumMmaWG == 3 ? 0 : kHeadDimV >= 256 ? 16 : 32;
-  using DropFeed = DropoutFeed<Dropout, DropRowsQueries<kBlockM, kBlockN>, kFeedStages, 3 * cutlass::NumThreadsPerWarp,
-                               kFeedRegs>;
-  // The drawers are the producer warpgroup's warps 1-3 and every consumer warpgroup fetches: not with the paged
-  // walk's register boost, the e4m3 caches' converter warps, or one-consumer tiles (KV caches, which have no dropout).
-  static_assert(!DropFeed::kEnabled || (!KVBlocks::kPaged && !kFp8Cache && !kSplits), "dropout: padded or packed batches");
-  struct TensorStorageDropout : TensorStorage16 {
-    typename DropFeed::SharedStorage drop;
-  };
-  using TensorStorage = std::conditional_t<
-      kFp8, TensorStorageFp8,
-      std::conditional_t<kFp8Cache, TensorStorageFp8Cache,
-                         std::conditional_t<DropFeed::kEnabled, TensorStorageDropout, TensorStorage16>>>;
+  using TensorStorage = std::conditional_t<kFp8, TensorStorageFp8,
+                                           std::conditional_t<kFp8Cache, TensorStorageFp8Cache, TensorStorage16>>;
   struct BarrierStorage16 {
     typename PipelineQ::SharedStorage pipeline_q;
     typename Pipeline::SharedStorage pipeline_k;
@@ -302,11 +282,7 @@ struct FwdMainloop {
     typename PipelineCache::SharedStorage pipeline_k8;
     typename PipelineCache::SharedStorage pipeline_v8;
   };
-  struct BarrierStorageDropout : BarrierStorage16 {
-    typename DropFeed::BarrierStorage drop;
-  };
-  using BarrierStorage = std::conditional_t<kFp8Cache, BarrierStorageCache,
-                                            std::conditional_t<DropFeed::kEnabled, BarrierStorageDropout, BarrierStorage16>>;
+  using BarrierStorage = std::conditional_t<kFp8Cache, BarrierStorageCache, BarrierStorage16>;
   // Where TMA writes K/V: the 16-bit stages, or the e4m3 ones.
   CUTE_DEVICE static ElementKV* load_smem_k(TensorStorage& ts) {
     if constexpr (kFp8Cache) return ts.smem_k8.data();
@@ -736,19 +712,6 @@ struct FwdMainloop {
     }
   }
 
-  // Dropout (the producer warpgroup's warps 1-3, tid in [0, DropFeed::kThreads)): a tile's keep masks, block by block
-  // in the consumers' order (from the highest), for the (batch, head) stream the backward draws again.
-  CUTE_DEVICE static void draw_dropout(Params const& p, typename DropFeed::Pipeline& pipeline,
-                                       typename DropFeed::PipelineState& write, TensorStorage& ts, BlockInfoT const& bi,
-                                       int m_block, int head, int batch, int tid) {
-    if constexpr (DropFeed::kEnabled) {
-      auto const st = p.dropout.stream(batch * get<2>(p.shape_q) + head);
-      for (int n = bi.n_block_max(m_block) - 1; n >= bi.n_block_min(m_block); --n) {
-        DropFeed::produce(pipeline, write, ts.drop, st, m_block * kBlockM, n * kBlockN, tid);
-      }
-    }
-  }
-
   // e4m3 cache: q as two e4m3 terms per element (SmemLayoutQ8) in warpgroup wg's slice of Q stage q_stage, and
   // 1 / each row's scale in smem_qrow, for the S GEMMs on K's e4m3 stages. 16-element vectors: thread t takes
   // vector t + 128 i of each pass's (64 x 128 columns), so a row's vectors are kVecs adjacent lanes (its largest
@@ -842,8 +805,7 @@ struct FwdMainloop {
                                typename PipelineK::PipelineState& read_k, PipelineState& read_v, TensorStorage& ts,
                                int q_stage, FragO& tOrO, Softmax& softmax, SeqlenInfo const& seq,
                                BlockInfoT const& bi, int m_block, int head, int batch,
-                               int wg, int thread_idx, typename DropFeed::Reader& drop_reader,
-                               OnFirstIssue&& on_first_issue) {
+                               int wg, int thread_idx, OnFirstIssue&& on_first_issue) {
     int const n_block_max = bi.n_block_max(m_block);
     int const n_block_min = bi.n_block_min(m_block);
     int const row_offset = m_block * kBlockM + wg * 64;
@@ -979,21 +941,13 @@ struct FwdMainloop {
       }
     }();
 
-    // Dropout: each block's keep mask, drawn by the producer's spare warps (dropout_feed.h), is read right after the
-    // block's S GEMM is issued and applied to P after the softmax, whose sums saw every score.
-    // Where the feed has K's stages, its state is K's (read_k is the block's until release_k).
-    auto fetch_keep = [&] {
-      if constexpr (!DropFeed::kEnabled) {
-        return 0;
-      } else if constexpr (DropFeed::kStages == kStages) {
-        return DropFeed::fetch(*drop_reader.pipeline, read_k, ts, wg * 128 + thread_idx);
-      } else {
-        auto const keep = DropFeed::fetch(*drop_reader.pipeline, drop_reader.state, ts, wg * 128 + thread_idx);
-        ++drop_reader.state;
-        return keep;
-      }
-    };
-
+    // Dropout for the (batch, head) of the tile, applied to P after the softmax, whose sums saw every score.
+    // (Drawing a block's random bytes while its S GEMM runs instead measured no faster at head dims 64 and
+    // 128 and 0.1x slower at 256: docs/perf-notes.md.)
+    auto const drop = [&] {
+      if constexpr (Dropout::kEnabled) return p.dropout.stream(batch * get<2>(p.shape_q) + head);
+      else return 0;
+    }();
     // FP8's regrouping: emit(four, r, h, kb) gets the 4 accumulator values that go to A-operand register
     // (make_coord(_, r, h), 0, kb).
     auto regroup = [&](auto&& emit) {
@@ -1012,7 +966,7 @@ struct FwdMainloop {
         }
       }
     };
-    auto to_p = [&]([[maybe_unused]] auto const& keep) {
+    auto to_p = [&](int n) {
       if constexpr (kFp8 || kFp8Cache) {
         regroup([&](cutlass::Array<float, 4> const& four, int r, int h, int kb) {
           auto const packed = cutlass::NumericArrayConverter<ElementP, float, 4>{}(four);
@@ -1021,7 +975,9 @@ struct FwdMainloop {
         });
       } else {
         Tensor p16 = convert_type<Element>(tSrS);
-        if constexpr (DropFeed::kEnabled) DropFeed::apply(rowcol(p16), keep);
+        if constexpr (Dropout::kEnabled) {
+          Dropout::template apply<true>(drop, rowcol(p16), tScS, row_offset, n * kBlockN);
+        }
         CUTE_UNROLL
         for (int i = 0; i < size(tOrP); ++i) tOrP(i) = p16(i);
       }
@@ -1169,7 +1125,6 @@ struct FwdMainloop {
     issue_s();
     sched_arrive();
     on_first_issue();
-    auto const keep_first = fetch_keep();  // (read as the block's GEMMs go out, under them)
     warpgroup_wait<0>();
     if (warp_live) scale_s(read_k.index());
     release_k();
@@ -1179,7 +1134,7 @@ struct FwdMainloop {
       softmax.template update<true, true>(scores, qk_scale(n_block));
     }
     if constexpr (kFp8Cache) to_p_cache(cute::false_type{}, {});
-    else to_p(keep_first);
+    else to_p(n_block);
 
     // S_n is issued together with O += P_{n+1} V_{n+1}; the softmax of S_n runs while the PV GEMM
     // is still on the tensor cores, and O is rescaled once it has finished.
@@ -1221,7 +1176,6 @@ struct FwdMainloop {
           s_scale = scales[0], vd = scales[1];
         }
       }
-      auto const keep = fetch_keep();
       warpgroup_wait<1>();
       if (warp_live) scale_s(read_k.index());
       release_k();
@@ -1237,7 +1191,7 @@ struct FwdMainloop {
         to_p_cache(cute::true_type{}, o_scale);
       } else {
         if (warp_live) rescale_o(o_scale, vd);
-        to_p(keep);
+        to_p(n);
       }
     };
     constexpr bool kLeftEdge = BlockInfoT::kHasLeft;

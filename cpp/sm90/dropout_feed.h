@@ -164,8 +164,8 @@ struct DropoutFeed<DropoutPhilox, Layout, kStages_, kDrawThreads, kRegsBoost> {
   }
 
   // The backward's dS with dropout, in place of dP (float, (row, col) view as apply's): dS = P (s Z dP - D), Z the
-  // keep bit, s the 1 / keep probability; p: the 16-bit P (whole), d(mi, ni): the row statistic D. Per score a
-  // sign-mode PRMT (Z over 32 bits), an AND, an FFMA and an FMUL, beside P's unpacking.
+  // keep bit, s the 1 / keep probability; p: the float P (whole), d(mi, ni): the row statistic D. Per score a
+  // sign-mode PRMT (Z over 32 bits), an AND, an FFMA and an FMUL.
   template <class TensorP, class TensorDP, class Stat>
   CUTE_DEVICE static void grad_scores(TensorP const& p, TensorDP& dp, Stat&& d, Keep const& keep, float scale) {
     static_assert(decltype(size<1>(dp))::value == kCols / 4);

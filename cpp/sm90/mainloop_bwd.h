@@ -716,36 +716,24 @@ struct BwdMainloop {
           Tensor tdVrP = make_tensor(rP.data(), acc_layout_as_a_operand(rP.layout()));
           wgmma<false, -1>(mma_dv, tdVrP, tdVrdO(_, _, _, stage_do), tdVrdV);
           return rdS;
-        } else if constexpr (!Dropout::kEnabled) {
+        } else {
           // P and dS through shared memory (head dims 192, 256): dS from the float P too, both made 16-bit after
-          // the dS math; from the 16-bit P each score paid its unpacking (PRMT / IMAD.U32) twice.
+          // the dS math; from the 16-bit P each score paid its unpacking (PRMT / IMAD.U32) twice. With dropout,
+          // dS = P (s Z dP - D) with Z the step's keep bits (DropFeed::grad_scores), then P Z in place for dV
+          // (1 / keep probability applied to dV once, after the loop). (Until session 28 dropout took dS from the
+          // 16-bit P, whose float32 copy had to die early while a Pd = s P Z tile was live beside it.)
           auto const dpsum = stat(ts.smem_dpsum.data() + stage_do * kBlockM);
           warpgroup_wait<0>();  // dP done
           warpgroup_fence_operand(tdPrdP);
           Tensor dscores = rowcol(tdPrdP);
-          grad_scores(scores, dscores, dpsum);
+          if constexpr (DropFeed::kEnabled) {
+            DropFeed::grad_scores(scores, dscores, dpsum, keep, p.dropout.scale());
+          } else {
+            grad_scores(scores, dscores, dpsum);
+          }
           p.score_mod.chain(dscores, scores, lse);
           Tensor rP = convert_type<Element>(tSrS);
-          Tensor rdS = convert_type<Element>(tdPrdP);
-          if constexpr (kStagesdS == 1) cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBwdPdS);
-          Tensor sP = make_tensor(make_smem_ptr(ts.smem_p.data()), SmemLayoutPdS{});
-          copy(smem_copy_pds, thr_copy_pds.retile_S(rP), thr_copy_pds.partition_D(sP)(_, _, _, stage_ds));
-          copy(smem_copy_pds, thr_copy_pds.retile_S(rdS), tdSsdS(_, _, _, stage_ds));
-          return rdS;
-        } else {
-          // Dropout with P and dS through shared memory (head dims 192, 256; head dims 64 and 128 take kLateP): dS from
-          // the 16-bit P (as PyTorch's own 16-bit backward has it; the float32 P is dead by now, which keeps the
-          // register budget), dS = P (s Z dP - D) with Z the step's keep bits (DropFeed::grad_scores); then P Z in
-          // place for dV (1 / keep probability applied to dV once, after the loop). (Before the feed, Pd = s P Z was
-          // its own tile and dS read Z off Pd != 0: ~3.5 more instructions a score.)
-          Tensor rP = convert_type<Element>(tSrS);
-          auto const dpsum = stat(ts.smem_dpsum.data() + stage_do * kBlockM);
-          warpgroup_wait<0>();  // dP done
-          warpgroup_fence_operand(tdPrdP);
-          Tensor dscores = rowcol(tdPrdP);
-          DropFeed::grad_scores(rowcol(rP), dscores, dpsum, keep, p.dropout.scale());
-          p.score_mod.chain(dscores, rowcol(rP), lse);
-          DropFeed::apply(rowcol(rP), keep);
+          if constexpr (DropFeed::kEnabled) DropFeed::apply(rowcol(rP), keep);
           Tensor rdS = convert_type<Element>(tdPrdP);
           // With one dS (and P) buffer, both warpgroups must be done with the previous block's GEMMs.
           if constexpr (kStagesdS == 1) cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBwdPdS);

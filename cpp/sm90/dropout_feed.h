@@ -4,7 +4,8 @@
 // 1.09-1.24x its time without dropout at head dim 128 and 1.33-1.57x at 64; with the feed 1.00-1.16x and 1.23-1.39x
 // (H100, docs/perf-notes.md session 28). Here a consumer reads two words a step and spends five instructions per
 // four scores. The forward draws in its consumers: its steps are ~2.5x shorter than the backward's, and three drawing
-// warps (Philox rounds at 56 registers) fell behind them: 1.7-2.1x its time without dropout against 1.35-1.65x.
+// warps (Philox rounds at 56 registers) fell behind them: 1.36-2.14x its time without dropout, against 1.23-1.65x
+// drawn in its consumers (H100, the same run).
 //
 // The mask is common/dropout.h's, bit for bit (the same Philox counters, bytes and keep test). A step's tile is the
 // consumer warps' accumulators (Layout below: where warp w's 16 rows x kCols columns lie); lane 4g + q of a warp

@@ -78,15 +78,15 @@ def main() -> None:
         for b, sq, sk, hq, hk in shapes(args.small):
             q = torch.randn(b, sq, hq, d, device="cuda", dtype=dtype)
             k = torch.randn(b, sk, hk, d, device="cuda", dtype=dtype)
-            v = torch.randn(b, sk, hk, d, device="cuda", dtype=dtype)
-            out = torch.full_like(q, math.nan)
+            v = torch.randn(b, sk, hk, key.headdim_v, device="cuda", dtype=dtype)  # a (Q/K, V) pair's own
+            out = torch.full((b, sq, hq, key.headdim_v), math.nan, device="cuda", dtype=dtype)
             lse = torch.full((b, hq, sq), math.nan, device="cuda")
             sinks = torch.randn(hq, device="cuda") * 2 if args.sinks else None
             rng = new_rng_state(q.device) if args.dropout > 0 else None
             drop = from_rng_state(args.dropout, rng) if rng is not None else None
             fwd_into(q, k, v, out, lse, scale, causal, key.arch, window=window, softcap=args.softcap, sinks=sinks,
                      dropout_p=args.dropout, dropout_rng=rng)
-            dout = torch.randn_like(q)
+            dout = torch.randn_like(out)
 
             def run() -> tuple[torch.Tensor, ...]:
                 dq, dk, dv = (torch.full_like(x, math.nan) for x in (q, k, v))

@@ -45,7 +45,7 @@ def run(key: KernelKey, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     b, sq, hq, _ = q.shape
     lse = torch.full((b, hq, sq), math.nan, device=q.device)
     if key.dtype != "float8_e4m3fn":
-        out = torch.full_like(q, math.nan)
+        out = q.new_full((*q.shape[:3], v.shape[-1]), math.nan)  # V's head dim (a (Q/K, V) pair's own)
         fwd_into(q, k, v, out, lse, scale, causal, key.arch, window=window, variant=key.variant, softcap=softcap,
                  sinks=sinks, dropout_p=dropout_p, dropout_rng=dropout_rng)
         return out, lse
@@ -93,7 +93,7 @@ def main() -> None:
             d = key.headdim
             q = torch.randn(b, sq, hq, d, device="cuda", dtype=dtype)
             k = torch.randn(b, sk, hk, d, device="cuda", dtype=dtype)
-            v = torch.randn(b, sk, hk, d, device="cuda", dtype=dtype)
+            v = torch.randn(b, sk, hk, key.headdim_v, device="cuda", dtype=dtype)
             softcap = 0.0 if is_fp8 else args.softcap
             sinks = torch.randn(hq, device="cuda") * 2 if args.sinks and not is_fp8 else None
             rng = new_rng_state(q.device) if args.dropout > 0 else None

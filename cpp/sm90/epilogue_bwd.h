@@ -10,6 +10,8 @@
 #include <cutlass/arch/barrier.h>
 #include <cutlass/cutlass.h>
 
+#include <type_traits>
+
 #include "../common/utils.h"
 #include "../common/workspace_bwd.h"
 #include "global_reduce.h"
@@ -74,13 +76,16 @@ struct BwdEpilogue {
     cute::prefetch_tma_descriptor(p.tma_dv.get_tma_descriptor());
   }
 
-  template <class FragdK, class FragdV, class TensorStorage>
-  CUTE_DEVICE static void store(Params const& p, FragdK const& tdKrdK, FragdV const& tdVrdV, TensorStorage& ts,
-                                int thread_idx, SeqlenInfo const& seq, int n_block, int head, int batch) {
+  using Accumulators = typename Mainloop::Accumulators;
+  static constexpr bool kdKVMirror = Mainloop::kdKVMirror;
+
+  template <class TensorStorage>
+  CUTE_DEVICE static void store(Params const& p, Accumulators const& acc, TensorStorage& ts, int thread_idx,
+                                SeqlenInfo const& seq, int n_block, int head, int batch) {
     if (p.heads_ratio == 1) {
-      store_tma(p, tdKrdK, tdVrdV, ts, thread_idx, seq, n_block, head, batch);
+      store_tma(p, acc, ts, thread_idx, seq, n_block, head, batch);
     } else {
-      store_atomic(p, tdKrdK, tdVrdV, thread_idx, seq, n_block, head, batch);
+      store_atomic(p, acc, thread_idx, seq, n_block, head, batch);
     }
   }
 
@@ -104,13 +109,44 @@ struct BwdEpilogue {
     copy(smem_copy, thr_copy.retile_S(r), thr_copy.partition_D(s));
   }
 
-  template <class FragdK, class FragdV, class TensorStorage>
-  CUTE_DEVICE static void store_tma(Params const& p, FragdK const& tdKrdK, FragdV const& tdVrdV, TensorStorage& ts,
-                                    int thread_idx, SeqlenInfo const& seq, int n_block, int head, int batch) {
+  // kdKVMirror: one slot (64 head-dim rows of dK^T or dV^T, all keys) into rows 64 atom.. of its buffer.
+  template <class SmemLayout, class Frag>
+  CUTE_DEVICE static void stage_slot(Frag const& acc, typename Mainloop::Element* smem, int atom, int wg_thread) {
+    Tensor r = convert_type<Element>(acc);
+    auto smem_copy = make_tiled_copy_C(Copy_Atom<SM90_U16x8_STSM_T, Element>{}, typename Mainloop::TiledMmadKVSlot{});
+    auto thr_copy = smem_copy.get_thread_slice(wg_thread);
+    Tensor s = make_tensor(make_smem_ptr(smem), composition(SmemLayout{}, make_ordered_layout(
+                                                                              Shape<decltype(size<1>(SmemLayout{})), BN>{},
+                                                                              Step<_2, _1>{})));
+    copy(smem_copy, thr_copy.retile_S(r),
+         thr_copy.partition_D(local_tile(s, typename Mainloop::ShapedKVSlot{}, make_coord(atom, _0{}))));
+  }
+
+  template <class TensorStorage>
+  CUTE_DEVICE static void store_tma(Params const& p, Accumulators const& acc, TensorStorage& ts, int thread_idx,
+                                    SeqlenInfo const& seq, int n_block, int head, int batch) {
     // Both warpgroups' last GEMMs (which read K and V) have completed before anyone overwrites them.
     cutlass::arch::NamedBarrier::sync(Mainloop::kNumMmaThreads, kBwdEpilogue);
-    stage<typename Mainloop::TiledMmadK, SmemLayoutK>(tdKrdK, ts.smem_k.data(), thread_idx);
-    stage<typename Mainloop::TiledMmadV, SmemLayoutV>(tdVrdV, ts.smem_v.data(), thread_idx);
+    if constexpr (kdKVMirror) {
+      int const wg = thread_idx / cutlass::NumThreadsPerWarpGroup;
+      CUTE_UNROLL
+      for (int s = 0; s < Mainloop::kdKVSlots; ++s) {
+        auto const slot = Mainloop::dkv_slot(wg, s);
+        if (!slot.live) continue;
+        int const t = thread_idx % cutlass::NumThreadsPerWarpGroup;
+        auto* const smem = slot.is_v ? ts.smem_v.data() : ts.smem_k.data();
+        if constexpr (std::is_same_v<SmemLayoutK, SmemLayoutV>) {  // one instance for both buffers
+          stage_slot<SmemLayoutK>(acc.slot[s], smem, slot.atom, t);
+        } else if (slot.is_v) {
+          stage_slot<SmemLayoutV>(acc.slot[s], smem, slot.atom, t);
+        } else {
+          stage_slot<SmemLayoutK>(acc.slot[s], smem, slot.atom, t);
+        }
+      }
+    } else {
+      stage<typename Mainloop::TiledMmadK, SmemLayoutK>(acc.dk, ts.smem_k.data(), thread_idx);
+      stage<typename Mainloop::TiledMmadV, SmemLayoutV>(acc.dv, ts.smem_v.data(), thread_idx);
+    }
     cutlass::arch::fence_view_async_shared();  // generic-proxy writes, read next by TMA
     cutlass::arch::NamedBarrier::sync(Mainloop::kNumMmaThreads, kBwdEpilogue);
     if (thread_idx == 0) {
@@ -150,9 +186,8 @@ struct BwdEpilogue {
     }
   }
 
-  template <class FragdK, class FragdV>
-  CUTE_DEVICE static void store_atomic(Params const& p, FragdK const& tdKrdK, FragdV const& tdVrdV, int thread_idx,
-                                       SeqlenInfo const& seq, int n_block, int head, int batch) {
+  CUTE_DEVICE static void store_atomic(Params const& p, Accumulators const& acc, int thread_idx, SeqlenInfo const& seq,
+                                       int n_block, int head, int batch) {
     int const kv_head = head / p.heads_ratio;
     int const wg = thread_idx / cutlass::NumThreadsPerWarpGroup;
     int64_t const bh_rows = (int64_t(seq.batch_coord) * p.nheads_kv + kv_head) * int64_t(p.rows_k) + seq.offset_k;
@@ -170,10 +205,29 @@ struct BwdEpilogue {
       cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup, barrier);
     }
     int const keys = seq.seqlen_k - n_block * kBlockN;  // valid rows of this key block
-    add_rows<typename Mainloop::TiledMmadK, kHeadDim>(tdKrdK, dk_bh + int64_t(n_block) * kBlockN * kHeadDim, keys,
-                                                      thread_idx);
-    add_rows<typename Mainloop::TiledMmadV, kHeadDimV>(tdVrdV, dv_bh + int64_t(n_block) * kBlockN * kHeadDimV, keys,
-                                                       thread_idx);
+    if constexpr (kdKVMirror) {
+      // A slot's rows are head-dim columns 64 atom.. of dK or dV.
+      Tensor c = typename Mainloop::TiledMmadKVSlot{}
+                     .get_thread_slice(thread_idx % cutlass::NumThreadsPerWarpGroup)
+                     .partition_C(make_identity_tensor(typename Mainloop::ShapedKVSlot{}));
+      CUTE_UNROLL
+      for (int s = 0; s < Mainloop::kdKVSlots; ++s) {
+        auto const slot = Mainloop::dkv_slot(wg, s);
+        if (!slot.live) continue;
+        int const dim = slot.is_v ? kHeadDimV : kHeadDim;
+        float* const dst = (slot.is_v ? dv_bh : dk_bh) + int64_t(n_block) * kBlockN * dim + 64 * slot.atom;
+        CUTE_UNROLL
+        for (int i = 0; i < size(acc.slot[s]); ++i) {
+          int const key = int(get<1>(c(i))), col = int(get<0>(c(i)));
+          if (key < keys) red_add(dst + key * dim + col, acc.slot[s](i));
+        }
+      }
+    } else {
+      add_rows<typename Mainloop::TiledMmadK, kHeadDim>(acc.dk, dk_bh + int64_t(n_block) * kBlockN * kHeadDim, keys,
+                                                        thread_idx);
+      add_rows<typename Mainloop::TiledMmadV, kHeadDimV>(acc.dv, dv_bh + int64_t(n_block) * kBlockN * kHeadDimV, keys,
+                                                         thread_idx);
+    }
     if (sem != nullptr) {
       __threadfence();
       cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup, barrier);

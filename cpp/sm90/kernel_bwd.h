@@ -123,13 +123,11 @@ struct BwdKernel {
     } else {
       cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
       int const thread_idx = threadIdx.x - cutlass::NumThreadsPerWarpGroup;  // 0..255 over both warpgroups
-      Tensor tdKrdK = partition_fragment_C(typename Mainloop::TiledMmadK{}, typename Mainloop::ShapedK{});
-      Tensor tdVrdV = partition_fragment_C(typename Mainloop::TiledMmadV{}, typename Mainloop::ShapedV{});
-      clear(tdKrdK);
-      clear(tdVrdV);
-      Mainloop::mma(params.mainloop, pipeline_kv, pipeline_q, pipeline_do, ss, tdKrdK, tdVrdV, thread_idx, seq, bi,
-                    n_block, head, batch, pipeline_drop);
-      Epilogue::store(params.epilogue, tdKrdK, tdVrdV, ss, thread_idx, seq, n_block, head, batch);
+      typename Mainloop::Accumulators acc;  // dK and dV
+      acc.clear();
+      Mainloop::mma(params.mainloop, pipeline_kv, pipeline_q, pipeline_do, ss, acc, thread_idx, seq, bi, n_block, head,
+                    batch, pipeline_drop);
+      Epilogue::store(params.epilogue, acc, ss, thread_idx, seq, n_block, head, batch);
     }
   }
 };

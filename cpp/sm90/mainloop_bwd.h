@@ -130,22 +130,15 @@ struct BwdMainloop {
   using AtomLayoutSdP = std::conditional_t<kSdPSwapAB, Layout<Shape<_2, _1, _1>>, Layout<Shape<_1, _2, _1>>>;
   using TiledMmaSdP = decltype(make_tiled_mma(ss_atom<Element, Element, float, AtomShapeSdP>(), AtomLayoutSdP{}));
   // dV, dK (kBlockN x headdim, split over keys) or dV^T, dK^T (headdim x kBlockN, split over the
-  // head dim), K = kBlockM.
-  // dK^T's and dV^T's warpgroups each split their GEMM's head dim (Dim rows) when each gets whole 64-row atoms,
-  // else the keys (tile_size.h). Both read all of P / dS from shared memory, so the two may split differently:
-  // at Q/K 192, V 128, dK^T splits the keys and dV^T the head dim (one N = kBlockN atom per warpgroup, which
-  // reads less shared memory per FLOP than two N = kBlockN / 2 ones).
-  template <class Dim>
-  static constexpr bool kdKVSplitKeysOf = kdKVSwapAB && Dim::value % 128 != 0;
-  static_assert(!kdKVSplitKeysOf<Int<kHeadDim>> || (kHeadDim % 64 == 0 && kBlockN % 16 == 0),
-                "whole atoms, 8-key columns per WG");
-  static_assert(!kdKVSplitKeysOf<Int<kHeadDimV>> || (kHeadDimV % 64 == 0 && kBlockN % 16 == 0),
-                "whole atoms, 8-key columns per WG");
+  // head dim), K = kBlockM. dK^T's and dV^T's warpgroups each take whole 64-row atoms of their GEMM's head dim (256:
+  // 128 rows each); Q/K 192 mirrors uneven shares instead (kdKVMirror, below). (192 split the keys until session 28:
+  // N = 48 atoms, which read 84 KB of shared memory a step per GEMM; the mirror measured 1-4% faster.)
+  static_assert(!kdKVSwapAB || Tile::kdKVMirror || (kHeadDim % 128 == 0 && kHeadDimV % 128 == 0),
+                "dK^T / dV^T: whole 64-row atoms per warpgroup, or the mirrored slots");
   template <class Dim>
   using ShapedKVOf = std::conditional_t<kdKVSwapAB, Shape<Dim, BN>, Shape<BN, Dim>>;
   template <class Dim>
-  using AtomShapedKVOf = std::conditional_t<kdKVSwapAB, Shape<_64, Int<kdKVSplitKeysOf<Dim> ? kBlockN / 2 : kBlockN>, BM>,
-                                            Shape<Int<kBlockN / 2>, Dim, BM>>;
+  using AtomShapedKVOf = std::conditional_t<kdKVSwapAB, Shape<_64, BN, BM>, Shape<Int<kBlockN / 2>, Dim, BM>>;
   template <class Dim>
   using TiledMmadKVOf = decltype(make_tiled_mma(
       std::conditional_t<kdKVRegsA,
@@ -153,11 +146,54 @@ struct BwdMainloop {
                                           GMMA::Major::MN>()),
                          decltype(ss_atom<Element, Element, float, AtomShapedKVOf<Dim>, GMMA::Major::MN,
                                           GMMA::Major::MN>())>{},
-      std::conditional_t<kdKVSplitKeysOf<Dim>, Layout<Shape<_1, _2, _1>>, Layout<Shape<_2, _1, _1>>>{}));
+      Layout<Shape<_2, _1, _1>>{}));
   using ShapedK = ShapedKVOf<D>;
   using ShapedV = ShapedKVOf<DV>;
   using TiledMmadK = TiledMmadKVOf<D>;
   using TiledMmadV = TiledMmadKVOf<DV>;
+  // kdKVMirror (Q/K head dim 192, tile_size.h): dK^T and dV^T split over the head dim unevenly, mirrored, in three
+  // 64-row slots per warpgroup of one warpgroup's N = kBlockN WGMMAs, each slot's operands chosen at run time
+  // (dkv_slot). V 192: slot 0 is dV^T (both warpgroups), slot 1 dK^T on warpgroup 0 and dV^T on 1, slot 2 dK^T.
+  // V 128 (five atoms): slot 0 is dV^T, slot 1 dK^T, slot 2 dK^T on warpgroup 0 and nothing on 1. So the dV^T
+  // slots, which read dO, go out first and dO is released after slot 1 on both, as with one dV^T GEMM.
+  static constexpr bool kdKVMirror = Tile::kdKVMirror;
+  static_assert(!kdKVMirror || (kdKVSwapAB && kHeadDim == 192 && (kHeadDimV == 192 || kHeadDimV == 128) && !kdQSwapAB),
+                "mirrored slots: the 64-row atoms of dK^T (three) and dV^T (three or two) over two warpgroups");
+  static constexpr int kdKVSlots = 3;
+  using TiledMmadKVSlot = decltype(make_tiled_mma(
+      ss_atom<Element, Element, float, Shape<_64, BN, BM>, GMMA::Major::MN, GMMA::Major::MN>(), Layout<Shape<_1, _1, _1>>{}));
+  using ShapedKVSlot = Shape<_64, BN>;
+  struct DkvSlot {
+    bool is_v;  // dV^T (A = dO^T, B = P) or dK^T (A = Q^T, B = dS)
+    int atom;   // its rows: head-dim columns 64 atom .. 64 atom + 63
+    bool live;  // false: an empty slot (V 128, warpgroup 1's third)
+  };
+  CUTE_HOST_DEVICE static constexpr DkvSlot dkv_slot(int wg, int slot) {
+    if constexpr (kHeadDimV == kHeadDim) {
+      return wg == 0 ? DkvSlot{slot == 0, slot == 0 ? 2 : slot - 1, true} : DkvSlot{slot < 2, slot, true};
+    } else {
+      return slot == 0 ? DkvSlot{true, wg, true} : wg == 0 ? DkvSlot{false, slot - 1, true} : DkvSlot{false, 2, slot == 1};
+    }
+  }
+
+  // What a consumer thread sums over the walk, cleared by the kernel and stored by the epilogue: dK and dV (or
+  // dK^T and dV^T) fragments of TiledMmadK / TiledMmadV, or the kdKVMirror slots of TiledMmadKVSlot.
+  struct AccumdKdV {
+    decltype(partition_fragment_C(TiledMmadK{}, ShapedK{})) dk;
+    decltype(partition_fragment_C(TiledMmadV{}, ShapedV{})) dv;
+    CUTE_DEVICE void clear() {
+      cute::clear(dk);
+      cute::clear(dv);
+    }
+  };
+  struct AccumSlots {
+    cute::array<decltype(partition_fragment_C(TiledMmadKVSlot{}, ShapedKVSlot{})), kdKVSlots> slot;
+    CUTE_DEVICE void clear() {
+      CUTE_UNROLL
+      for (int s = 0; s < kdKVSlots; ++s) cute::clear(slot[s]);
+    }
+  };
+  using Accumulators = std::conditional_t<kdKVMirror, AccumSlots, AccumdKdV>;
   // dQ = dS K (kBlockM x headdim), one slice of DSlice columns at a time, split over the head dim.
   // dS is stored the way the S accumulator holds it (adjacent pairs contiguous), so as dQ's A
   // operand it is MN-major when S was S^T.
@@ -531,14 +567,26 @@ struct BwdMainloop {
 
   // ---------------------------------------------------------------------------------------------
   // Consumers: both warpgroups, thread_idx 0..255. Accumulates dK (unscaled until the end) and dV
-  // into the caller's zeroed fragments. Returns false if no query block sees this key block.
-  template <class FragdK, class FragdV>
+  // into the caller's zeroed Accumulators. Returns false if no query block sees this key block.
+  template <class Accum>
   CUTE_DEVICE static bool mma(Params const& p, PipelineKV& pipeline_kv, Pipeline& pipeline_q, PipelinedO& pipeline_do,
-                              TensorStorage& ts, FragdK& tdKrdK, FragdV& tdVrdV, int thread_idx,
-                              SeqlenInfo const& seq, BlockInfoT const& bi, int n_block, int head, int batch,
+                              TensorStorage& ts, Accum& acc, int thread_idx, SeqlenInfo const& seq,
+                              BlockInfoT const& bi, int n_block, int head, int batch,
                               typename DropFeed::Pipeline& pipeline_drop) {
+    static_assert(std::is_same_v<Accum, Accumulators>);
+    // dO is released once slots 0 and 1 are done: slot 2 must not read it on either warpgroup.
+    static_assert(!kdKVMirror || (!dkv_slot(0, 2).is_v && !dkv_slot(1, 2).is_v), "dO's readers are slots 0 and 1");
     int const m_begin = bi.m_block_min(n_block), m_end = bi.m_block_max(n_block);
     if (m_end <= m_begin) return false;
+    // The dK and dV fragments; under kdKVMirror the slots (named below only in branches it discards).
+    auto& tdKrdK = [&]() -> auto& {
+      if constexpr (kdKVMirror) return acc.slot;
+      else return acc.dk;
+    }();
+    auto& tdVrdV = [&]() -> auto& {
+      if constexpr (kdKVMirror) return acc.slot;
+      else return acc.dv;
+    }();
     int const wg = thread_idx / cutlass::NumThreadsPerWarpGroup;
     int64_t const m_block0 = first_m_block(p, seq, head, batch);
     int* const sem_bh = p.dq_semaphore + m_block0;
@@ -585,6 +633,19 @@ struct BwdMainloop {
     Tensor tdQrdS = [&] {
       if constexpr (kdQSwapAB) return wg_dq.partition_fragment_B(sdS);
       else return wg_dq.partition_fragment_A(sdSq);
+    }();
+    // kdKVMirror: the slots' operands for every head-dim atom and stage (Q^T, dO^T: (MMA, atom, k, stage); P^T,
+    // dS^T: (MMA, 1, k, stage)), one warpgroup's (the slot MMA is one warpgroup's).
+    int const wg_uniform = wg_thread0 / cutlass::NumThreadsPerWarpGroup;
+    auto const slot_operands = [&] {
+      if constexpr (kdKVMirror) {
+        auto wg_slot = TiledMmadKVSlot{}.get_thread_slice(0);
+        Tensor sPt = make_tensor(make_smem_ptr(ts.smem_p.data()), SmemLayoutPdSt{});
+        return cute::make_tuple(wg_slot.partition_fragment_A(sQt), wg_slot.partition_fragment_A(sdOt),
+                                wg_slot.partition_fragment_B(sPt), wg_slot.partition_fragment_B(sdSt));
+      } else {
+        return 0;
+      }
     }();
 
     auto smem_copy_pds = make_tiled_copy_C(SmemCopyAtomPdS{}, mma_sdp);
@@ -746,7 +807,35 @@ struct BwdMainloop {
       // dS (and P) written by both warpgroups, visible to the tensor cores.
       cutlass::arch::fence_view_async_shared();
       cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBwdPdS);
-      if constexpr (!kdKVRegsA) {
+      // kdKVMirror: slots [first, last) in one batch, each its A and B picked by dkv_slot (uniform per warpgroup).
+      auto issue_slots = [&](auto first, auto last) {
+        if constexpr (kdKVMirror) {
+          TiledMmadKVSlot mma_slot;
+          mma_slot.accumulate_ = GMMA::ScaleOut::One;
+          auto const& [tQt, tdOt, tPt, tdSt] = slot_operands;
+          CUTE_UNROLL
+          for (int s = first; s < last; ++s) warpgroup_fence_operand(acc.slot[s]);
+          warpgroup_arrive();
+          CUTE_UNROLL
+          for (int s = first; s < last; ++s) {
+            DkvSlot const slot = dkv_slot(wg_uniform, s);
+            Tensor acc_s = acc.slot[s](_, _0{}, _0{});
+            if (slot.live) {
+              CUTE_UNROLL
+              for (int k = 0; k < size<2>(tQt); ++k) {
+                cute::gemm(mma_slot, slot.is_v ? tdOt(_, slot.atom, k, stage_do) : tQt(_, slot.atom, k, stage_q),
+                           slot.is_v ? tPt(_, _0{}, k, stage_ds) : tdSt(_, _0{}, k, stage_ds), acc_s);
+              }
+            }
+          }
+          warpgroup_commit_batch();
+          CUTE_UNROLL
+          for (int s = first; s < last; ++s) warpgroup_fence_operand(acc.slot[s]);
+        }
+      };
+      if constexpr (kdKVMirror) {
+        issue_slots(_0{}, _2{});  // the dV^T slots (and warpgroup 0's first dK^T one): dO's readers
+      } else if constexpr (!kdKVRegsA) {
         Tensor sPt = make_tensor(make_smem_ptr(ts.smem_p.data()), SmemLayoutPdSt{});
         Tensor tdVrP = wg_dv.partition_fragment_B(sPt);
         wgmma<false, -1>(mma_dv, tdVrdO(_, _, _, stage_do), tdVrP(_, _, _, stage_ds), tdVrdV);
@@ -761,7 +850,9 @@ struct BwdMainloop {
         }
       };
       auto issue_dk = [&]() {
-        if constexpr (kdKVRegsA) {
+        if constexpr (kdKVMirror) {
+          issue_slots(_2{}, Int<kdKVSlots>{});
+        } else if constexpr (kdKVRegsA) {
           Tensor tdKrdS = make_tensor(rdS.data(), acc_layout_as_a_operand(rdS.layout()));
           wgmma<false, -1>(mma_dk, tdKrdS, tdKrQ(_, _, _, stage_q), tdKrdK);
         } else {
@@ -848,7 +939,12 @@ struct BwdMainloop {
         warpgroup_wait<0>();
         stage_dq(tdQrdQ[(kdQSlices - 1) % 2], kdQSlices - 1);
       }
-      warpgroup_fence_operand(tdKrdK);
+      if constexpr (kdKVMirror) {
+        CUTE_UNROLL
+        for (int s = 0; s < kdKVSlots; ++s) warpgroup_fence_operand(acc.slot[s]);
+      } else {
+        warpgroup_fence_operand(tdKrdK);
+      }
       pipeline_q.consumer_release(read_q);
       ++read_q;
     };
@@ -860,11 +956,22 @@ struct BwdMainloop {
     // block it walked are counted at once (one fence per thread, not one per step).
     if constexpr (kdQAtomic) count_dq_atomics(m_begin, m_end);
 
-    CUTE_UNROLL
-    for (int i = 0; i < size(tdKrdK); ++i) tdKrdK(i) *= p.softmax_scale;
-    if constexpr (Dropout::kEnabled) {  // dV summed P Z dO: the kept scores' 1 / keep probability
+    // dK's softmax scale; with dropout, dV's 1 / keep probability (the steps added P Z dO).
+    float const dv_scale = Dropout::kEnabled ? p.dropout.scale() : 1.f;
+    if constexpr (kdKVMirror) {
       CUTE_UNROLL
-      for (int i = 0; i < size(tdVrdV); ++i) tdVrdV(i) *= p.dropout.scale();
+      for (int s = 0; s < kdKVSlots; ++s) {
+        float const scale = dkv_slot(wg_uniform, s).is_v ? dv_scale : p.softmax_scale;
+        CUTE_UNROLL
+        for (int i = 0; i < size(acc.slot[s]); ++i) acc.slot[s](i) *= scale;
+      }
+    } else {
+      CUTE_UNROLL
+      for (int i = 0; i < size(tdKrdK); ++i) tdKrdK(i) *= p.softmax_scale;
+      if constexpr (Dropout::kEnabled) {
+        CUTE_UNROLL
+        for (int i = 0; i < size(tdVrdV); ++i) tdVrdV(i) *= dv_scale;
+      }
     }
     return true;
   }

@@ -117,7 +117,7 @@ struct FwdFp8CacheTileSize : FwdTileDefaults {
 //  - otherwise (head dim 256, where one warpgroup cannot hold 64 keys x 256 of both dK and dV):
 //    S = Q K^T split over keys, P and dS go through shared memory, and dV^T = dO^T P,
 //    dK^T = Q^T dS (kdKVSwapAB), split over the head dim where each warpgroup gets whole 64-row
-//    WGMMA atoms (256: 128 rows each), over the keys otherwise (192: all rows, half the keys each).
+//    WGMMA atoms (256: 128 rows each), mirrored over uneven shares at Q/K 192 (kdKVMirror).
 // dQ = dS K (kBlockM x headdim), in kdQSlices column slices, is split over the warpgroups by columns at 64 rows
 // and by rows at 128, or computed as dQ^T = K^T dS^T in 64-row head-dim atoms (kdQSwapAB), and summed over the
 // key blocks in a float32 buffer (mainloop_bwd.h: DqPath).
@@ -130,14 +130,14 @@ struct BwdTileSize;
 template <>
 struct BwdTileSize<64> {
   static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2, kStagesdO = 2, kStagesdS = 2, kdQSlices = 1;
-  static constexpr bool kSdPSwapAB = true, kdKVSwapAB = false, kdQSwapAB = false;
+  static constexpr bool kSdPSwapAB = true, kdKVSwapAB = false, kdQSwapAB = false, kdKVMirror = false;
 };
 
 // Head dim 64 in 64-row steps, for the kernels whose element work does not fit beside 128-row S^T/dP^T tiles:
 // there dropout spilled 192 bytes and softcap 46, and their training steps ran 5-10% slower (perf-notes, W5).
 struct BwdTileHeadDim64Rows64 {
   static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2, kStagesdO = 2, kStagesdS = 2, kdQSlices = 1;
-  static constexpr bool kSdPSwapAB = true, kdKVSwapAB = false, kdQSwapAB = false;
+  static constexpr bool kSdPSwapAB = true, kdKVSwapAB = false, kdQSwapAB = false, kdKVMirror = false;
 };
 
 // 64 query rows per step; 80 (dQ^T as the GEMM) asked less of shared memory per FLOP but ran 10%
@@ -145,29 +145,35 @@ struct BwdTileHeadDim64Rows64 {
 template <>
 struct BwdTileSize<128> {
   static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2, kStagesdO = 2, kStagesdS = 2, kdQSlices = 1;
-  static constexpr bool kSdPSwapAB = true, kdKVSwapAB = false, kdQSwapAB = false;
+  static constexpr bool kSdPSwapAB = true, kdKVSwapAB = false, kdQSwapAB = false, kdKVMirror = false;
 };
 
 // Head dim 96: head dim 128's layout (dK and dV take 48 registers each per thread).
 template <>
 struct BwdTileSize<96> {
   static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2, kStagesdO = 2, kStagesdS = 2, kdQSlices = 1;
-  static constexpr bool kSdPSwapAB = true, kdKVSwapAB = false, kdQSwapAB = false;
+  static constexpr bool kSdPSwapAB = true, kdKVSwapAB = false, kdQSwapAB = false, kdKVMirror = false;
 };
 
 // Head dim 192: with S^T, one warpgroup would hold 64 keys x 192 of both dK and dV (192 registers).
-// Head dim 256's layout instead, the keys split: dK^T/dV^T of 48 keys per warpgroup take 144
-// registers. dQ in one slice, 96 columns per warpgroup (48 registers beside dK^T/dV^T, no spill): its N = 96
-// WGMMAs read dS once a step where three 64-column slices (N = 32 per warpgroup) read it three times, 60 KB of
-// shared memory a step instead of 108 (perf-notes, session 24). FA3 uses 64 x 96 too.
+// Head dim 256's layout instead (S, P and dS through shared memory, dK^T / dV^T), the two 192-row accumulators
+// split over the head dim unevenly and mirrored (kdKVMirror): warpgroup 0 holds dK^T rows 0..127 and dV^T rows
+// 128..191, warpgroup 1 dV^T rows 0..127 and dK^T rows 128..191, 144 registers each, all 96 keys, so every
+// dK^T / dV^T WGMMA is N = 96 (the key split's N = 48 ones read 84 KB of shared memory a step per GEMM, these 60).
+// dQ in one slice, 96 columns per warpgroup (48 registers beside them, no spill): its N = 96 WGMMAs read dS once
+// a step where three 64-column slices (N = 32 per warpgroup) read it three times, 60 KB of shared memory a step
+// instead of 108 (perf-notes, session 24). FA3 uses 64 x 96 too (its dK^T / dV^T split over the keys).
 template <>
 struct BwdTileSize<192> {
   static constexpr int kBlockM = 64, kBlockN = 96, kStages = 2, kStagesdO = 1, kStagesdS = 1, kdQSlices = 1;
-  static constexpr bool kSdPSwapAB = false, kdKVSwapAB = true, kdQSwapAB = false;
+  static constexpr bool kSdPSwapAB = false, kdKVSwapAB = true, kdQSwapAB = false, kdKVMirror = true;
 };
 
-// Q/K 192, V 128: head dim 192's layout (dV^T of 48 keys per warpgroup takes 48 registers, where dK^T
-// takes 72). Q/K 128, V 64: head dim 128's.
+// Q/K 192, V 128: head dim 192's layout, its five atoms of dK^T / dV^T mirrored unevenly: warpgroup 0 holds dV^T
+// rows 0..63 and dK^T rows 0..127, warpgroup 1 dV^T rows 64..127 and dK^T rows 128..191 (three 48-register slots
+// each, warpgroup 1's third empty). Five N = 96 atoms read 100 KB of shared memory a step where dK^T split over the
+// keys and dV^T over the head dim read 124.
+// Q/K 128, V 64: head dim 128's.
 template <>
 struct BwdTileSize<192, 128> : BwdTileSize<192> {};
 template <>
@@ -182,7 +188,7 @@ struct BwdTileSize<128, 64> : BwdTileSize<128> {};
 template <>
 struct BwdTileSize<256> {
   static constexpr int kBlockM = 64, kBlockN = 80, kStages = 2, kStagesdO = 1, kStagesdS = 1, kdQSlices = 4;
-  static constexpr bool kSdPSwapAB = false, kdKVSwapAB = true, kdQSwapAB = true;
+  static constexpr bool kSdPSwapAB = false, kdKVSwapAB = true, kdQSwapAB = true, kdKVMirror = false;
 };
 
 // Kernels with dropout (common/dropout.h): the plain tiles, except head dim 256's 80 keys, split 40 / 40 between

@@ -1,14 +1,15 @@
 // Attention dropout inside the kernels: the keep mask that python/flashhopper/dropout.py defines, drawn
-// per score from (seed, offset) so that the backward regenerates it instead of storing it. Shared by
-// the forward and the backward of both kernel families, on S tiles (rows = queries) and S^T tiles
-// (rows = keys) in the (row, col) view of an m16n8 accumulator (utils.h: rowcol).
+// per score from (seed, offset) so that the backward regenerates it instead of storing it. The definition
+// (philox4x32, group, keep_bits) is every kernel's; the Hopper backward draws it in spare producer warps into shared
+// memory (sm90/dropout_feed.h), the Hopper forward and the Ampere kernels in the consumer threads themselves (draw /
+// apply below), on S tiles (rows = queries) in the (row, col) view of an m16n8 accumulator (utils.h: rowcol).
 //
 // The definition: the scores of one (batch, head) form groups of 16, rows {2a, 2a+1, 2a+8, 2a+9} x
 // columns {2b, 2b+1, 2b+8, 2b+9} of a 16 x 16 block; one Philox4x32-7 call per group, counter (key
 // group, query group, batch * heads + head, offset), key (seed); score (r, c) of the group takes byte
 // 4r + c of the output and is kept iff that byte >= threshold.
 //
-// How a thread draws: in an m16n8 accumulator a thread holds rows g and g + 8 (g = lane / 4) and
+// How a consumer thread draws: in an m16n8 accumulator a thread holds rows g and g + 8 (g = lane / 4) and
 // columns 2q, 2q + 1 (q = lane % 4) of each 8-column chunk, so lanes L and L ^ 4 hold the same groups,
 // half of each. A "unit" is a thread's part of one group: its 8 scores when the thread's two 8-column
 // chunks of a 16-column block are adjacent in the view (kGroupsWhole: rowcol columns 4u..4u+3), else
@@ -43,9 +44,10 @@ CUTE_DEVICE uint4 philox4x32(uint4 c, uint32_t k0, uint32_t k1) {
       k0 += 0x9E3779B9u;
       k1 += 0xBB67AE85u;
     }
-    // One IMAD.WIDE.U32 each: both halves of the 64-bit product.
-    uint64_t const m0 = uint64_t(0xD2511F53u) * c.x, m1 = uint64_t(0xCD9E8D57u) * c.z;
-    c = make_uint4(uint32_t(m1 >> 32) ^ c.y ^ k0, uint32_t(m1), uint32_t(m0 >> 32) ^ c.w ^ k1, uint32_t(m0));
+    // The halves of each product apart (IMAD.HI + IMAD): no register pairs to keep aligned.
+    uint32_t const h0 = __umulhi(0xD2511F53u, c.x), l0 = 0xD2511F53u * c.x;
+    uint32_t const h1 = __umulhi(0xCD9E8D57u, c.z), l1 = 0xCD9E8D57u * c.z;
+    c = make_uint4(h1 ^ c.y ^ k0, l1, h0 ^ c.w ^ k1, l0);
   }
   return c;
 }
@@ -68,16 +70,34 @@ struct DropoutPhilox {
   }
   CUTE_HOST_DEVICE float scale() const { return scale_; }
 
-  // The draws of one (batch, head): key, the counter's last two words, and the keep test's addend:
-  // a random byte b zero-extended in a 16-bit half, plus 0x8000 - threshold, has bit 15 set iff
-  // b >= threshold (no carry leaves the half), in both halves at once.
+  // The draws of one (batch, head): key, the counter's last two words, and the keep tests' constants:
+  // half groups (addend): a random byte b zero-extended in a 16-bit half, plus 0x8000 - threshold, has bit 15
+  // set iff b >= threshold (no carry leaves the half), in both halves at once; whole groups (keep_add, keep_or):
+  // keep_bits, four bytes at a time (below).
   struct Stream {
-    uint32_t k0, k1, bh, offset, addend;
+    uint32_t k0, k1, bh, offset, addend, keep_add, keep_or;
   };
   CUTE_DEVICE Stream stream(int bh) const {
     uint64_t const seed = uint64_t(rng[0]);
+    bool const low = threshold <= 128u;
     return {uint32_t(seed), uint32_t(seed >> 32), uint32_t(bh), uint32_t(uint64_t(rng[1])),
-            (0x8000u - threshold) * 0x00010001u};
+            (0x8000u - threshold) * 0x00010001u, ((low ? 128u : 256u) - threshold) * 0x01010101u, low ? ~0u : 0u};
+  }
+
+  // The group of a query or key index x >= 0 (the counter's first two words): its 16-block, and which of the
+  // block's row (column) pairs {2a, 2a + 1, 2a + 8, 2a + 9} it is in. Unsigned: no sign fix-ups around the shifts.
+  CUTE_HOST_DEVICE static uint32_t group(int x) {
+    uint32_t const u = uint32_t(x);
+    return (u / 16) * 4 + (u % 8) / 2;
+  }
+
+  // The keep test of a word's four random bytes b at once: bit 7 of each byte of the result is set iff b >=
+  // threshold (the other bits are not defined). With y = (b & 0x7F) + c, no carry leaves a byte: for threshold t
+  // <= 128, c = 128 - t and b >= t iff b's bit 7 or y's is set; above, c = 256 - t and iff both are. The
+  // majority of (b, y, keep_or) is the one or the other (one LOP3): three instructions per four scores.
+  CUTE_DEVICE static uint32_t keep_bits(Stream const& st, uint32_t b) {
+    uint32_t const y = (b & 0x7F7F7F7Fu) + st.keep_add;
+    return (b & y) | (b & st.keep_or) | (y & st.keep_or);
   }
 
   // The layout of a (row, col)-view tile's draws (see the file's comment): units of 2 rows x kUnitCols columns.
@@ -92,31 +112,24 @@ struct DropoutPhilox {
     CUTE_DEVICE static int col(int u) { return kUnitCols * (u % kPerRow); }
   };
 
-  // This lane's random bytes for every score of a (row, col)-view tile: two words per unit (X0, X1 of the
-  // file's comment), words 2u and 2u + 1. coords: the tile's (row, col) coordinates; kTransposed: rows are
-  // keys (S^T); q0 / k0: the global query / key index of coordinate 0. kGroupsWhole: a thread's two
-  // 8-column chunks of each 16-column block are adjacent columns of the view (rowcol columns 4u .. 4u + 3),
-  // else each chunk is drawn alone.
-  template <bool kTransposed, bool kGroupsWhole, class TensorC>
+  // This lane's random bytes for every score of a (row, col)-view S tile (rows = queries): two words per unit (X0,
+  // X1 of the file's comment), words 2u and 2u + 1. coords: the tile's (row, col) coordinates; q0 / k0: the global
+  // query / key index of coordinate 0. kGroupsWhole: a thread's two 8-column chunks of each 16-column block are
+  // adjacent columns of the view (rowcol columns 4u .. 4u + 3), else each chunk is drawn alone.
+  template <bool kGroupsWhole, class TensorC>
   CUTE_DEVICE static auto draw(Stream const& st, TensorC const& coords, int q0, int k0) {
     using U = Units<TensorC, kGroupsWhole>;
     cute::array<uint32_t, 2 * U::kCount> words;
     bool const odd = (threadIdx.x & 4) != 0;  // this lane's row parity (g % 2); its partner is lane ^ 4
     // Byte selectors that gather a lane's 8 bytes of a group's 16 into two words X0 (from words 0, 1)
-    // and X1 (from words 2, 3). S: a lane takes the words of its row parity, X_r2 byte 2j + c2 is its
-    // score (row g + 8 r2, column 2q + c2 + 8j). S^T: a lane takes bytes of its key parity from each
-    // word, X_j byte 2 c2 + r2 is its score (key g + 8 r2, query 2q + c2 + 8j).
-    auto selector = [](bool parity) -> uint32_t {
-      if constexpr (kTransposed) return parity ? 0x7531u : 0x6420u;
-      else return parity ? 0x7654u : 0x3210u;
-    };
+    // and X1 (from words 2, 3): a lane takes the words of its row parity, X_r2 byte 2j + c2 is its
+    // score (row g + 8 r2, column 2q + c2 + 8j).
+    auto selector = [](bool parity) -> uint32_t { return parity ? 0x7654u : 0x3210u; };
     uint32_t const sel_mine = selector(odd), sel_other = selector(!odd);
     // The Philox counter of a unit, from its first score's coordinates.
     auto counter = [&](int u) {
       auto const c = coords(U::row(u), U::col(u));
-      int const q = kTransposed ? q0 + int(get<1>(c)) : q0 + int(get<0>(c));
-      int const k = kTransposed ? k0 + int(get<0>(c)) : k0 + int(get<1>(c));
-      auto group = [](int x) { return uint32_t((x / 16) * 4 + (x % 8) / 2); };
+      int const q = q0 + int(get<0>(c)), k = k0 + int(get<1>(c));
       return make_uint4(group(k), group(q), st.bh, st.offset);
     };
     CUTE_UNROLL
@@ -142,8 +155,11 @@ struct DropoutPhilox {
 
   // Zeroes the dropped scores of a 16-bit tile in (row, col) view, whose scores (mi, ni) and (mi, ni + 1),
   // ni even, share a 32-bit register (an m16n8 accumulator's column pair, converted), given its draws.
-  // Per pair of scores: a byte spread (PRMT), the test (IADD), its mask (PRMT, sign replicated) and an AND.
-  template <bool kTransposed, bool kGroupsWhole, class TensorP, class TensorC, class Words>
+  // Whole groups use every byte of a word: keep_bits tests its four at once, then per pair of scores a PRMT
+  // spreads the two tests' bits over the halves (sign mode) and an AND applies them (7 instructions per four
+  // scores). Half groups use half of each word: per pair a byte spread (PRMT), the test (IADD), its mask (PRMT,
+  // sign replicated) and an AND.
+  template <bool kGroupsWhole, class TensorP, class TensorC, class Words>
   CUTE_DEVICE static void apply_draws(Stream const& st, TensorP&& p, TensorC const& coords, Words const& words) {
     static_assert(sizeof(typename std::remove_reference_t<TensorP>::value_type) == 2, "16-bit P");
     using U = Units<TensorC, kGroupsWhole>;
@@ -151,32 +167,42 @@ struct DropoutPhilox {
     for (int u = 0; u < U::kCount; ++u) {
       // Half groups: which 8-column chunk of its 16-column block the unit is (a thread's coordinate).
       int const half = kGroupsWhole ? 0 : (int(get<1>(coords(U::row(u), U::col(u)))) % 16) / 8;
+      [[maybe_unused]] uint32_t keep[2];  // whole groups only
+      if constexpr (kGroupsWhole) {
+        keep[0] = keep_bits(st, words[2 * u]);
+        keep[1] = keep_bits(st, words[2 * u + 1]);
+      }
       CUTE_UNROLL
       for (int r2 = 0; r2 < 2; ++r2) {
         CUTE_UNROLL
         for (int jj = 0; jj < U::kUnitCols / 2; ++jj) {
           int const j = kGroupsWhole ? jj : half;
-          // The pair's two bytes (c2 = 0, 1) into the low bytes of the two halves, zeros above.
-          uint32_t const word = kTransposed ? words[2 * u + j] : words[2 * u + r2];
-          uint32_t const b0 = kTransposed ? uint32_t(r2) : uint32_t(2 * j), b1 = kTransposed ? b0 + 2 : b0 + 1;
-          uint32_t const spread = __byte_perm(word, 0u, 0x4040u | b0 | (b1 << 8));
+          int const w = r2;  // the pair's word of the unit's two
+          uint32_t const b0 = uint32_t(2 * j), b1 = b0 + 1;
           uint32_t& pair = reinterpret_cast<uint32_t&>(p(U::row(u) + r2, U::col(u) + 2 * jj));
-          pair &= sign_bytes(spread + st.addend);
+          if constexpr (kGroupsWhole) {
+            // Halves b0, b1 of the mask: their bytes' bit 7 replicated (selector nibbles 8 | byte).
+            pair &= sign_select(keep[w], (8u | b0) * 0x11u | (8u | b1) * 0x1100u);
+          } else {
+            // The pair's two bytes (c2 = 0, 1) into the low bytes of the two halves, zeros above.
+            uint32_t const spread = __byte_perm(words[2 * u + w], 0u, 0x4040u | b0 | (b1 << 8));
+            pair &= sign_select(spread + st.addend, 0xBB99u);  // bits 15 and 31 over their halves
+          }
         }
       }
     }
   }
 
-  template <bool kTransposed, bool kGroupsWhole, class TensorP, class TensorC>
+  template <bool kGroupsWhole, class TensorP, class TensorC>
   CUTE_DEVICE static void apply(Stream const& st, TensorP&& p, TensorC const& coords, int q0, int k0) {
-    apply_draws<kTransposed, kGroupsWhole>(st, p, coords, draw<kTransposed, kGroupsWhole>(st, coords, q0, k0));
+    apply_draws<kGroupsWhole>(st, p, coords, draw<kGroupsWhole>(st, coords, q0, k0));
   }
 
-  // Bits 15 and 31 replicated over their halves: PRMT's sign mode (selector nibbles 9, B), which
-  // __byte_perm does not expose.
-  CUTE_DEVICE static uint32_t sign_bytes(uint32_t x) {
+  // PRMT with a selector whose nibbles may ask for sign mode (8 | byte: that byte's bit 7 replicated), which
+  // __byte_perm does not expose; a constant selector after unrolling.
+  CUTE_DEVICE static uint32_t sign_select(uint32_t x, uint32_t selector) {
     uint32_t r;
-    asm("prmt.b32 %0, %1, 0, 0xBB99;" : "=r"(r) : "r"(x));
+    asm("prmt.b32 %0, %1, 0, %2;" : "=r"(r) : "r"(x), "r"(selector));
     return r;
   }
 

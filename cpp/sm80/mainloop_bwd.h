@@ -233,7 +233,7 @@ struct BwdMainloop {
           CUTE_UNROLL
           for (int i = 0; i < size(sp); ++i) sp(i) = acc_s(i) * args.dropout.scale();
           Tensor d = convert_type<Element>(sp);
-          Dropout::template apply<false, kDropGroupsWhole>(drop, rowcol(d), tScS_rc, m_block * kBlockM,
+          Dropout::template apply<kDropGroupsWhole>(drop, rowcol(d), tScS_rc, m_block * kBlockM,
                                                            n_block * kBlockN);
           return d;
         } else {

@@ -188,7 +188,7 @@ struct FwdMainloop {
       Softmax::rescale(o, o_scale);
       Tensor p16 = convert_type<Element>(acc_s);
       if constexpr (Dropout::kEnabled) {  // the softmax's sums saw every score
-        Dropout::template apply<false, true>(drop, rowcol(p16), tScS, row_offset, n_block * kBlockN);
+        Dropout::template apply<true>(drop, rowcol(p16), tScS, row_offset, n_block * kBlockN);
       }
       Tensor tOrP = make_tensor(p16.data(), acc_layout_as_a_operand(p16.layout()));
       gemm_rs<LdsmT>(tiled_mma, acc_o, tOrP, sVt);  // O += P V_n

@@ -1,6 +1,7 @@
 // The Hopper backward kernel: one CTA per (key block, query head, batch), warp-specialized.
 //   warpgroup 0      producer: lowers its registers (setmaxnreg); warp 0 (one thread) issues the
-//                    TMA loads, warp 1 is the dQ writer (bulk reduce-adds, mainloop_bwd.h: DqPath)
+//                    TMA loads, warp 1 is the dQ writer (bulk reduce-adds, mainloop_bwd.h: DqPath); with dropout
+//                    warps 2-3 draw the keep masks (Mainloop::draw_dropout, dropout_feed.h)
 //   warpgroups 1, 2  consumers: raise their registers; the five GEMMs, the softmax gradient and
 //                    the dK/dV epilogue
 // One CTA per key block, not persistent (packed batches: the grid an upper bound of the key blocks, CTAs past
@@ -27,7 +28,12 @@ using namespace cute;
 template <class Mainloop, class Epilogue>
 struct BwdKernel {
   static constexpr int kNumThreads = (Mainloop::kNumMmaWG + 1) * cutlass::NumThreadsPerWarpGroup;
-  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;  // fills the 64K-register file
+  // Fills the 64K-register file; dropout's drawing warps take some of the consumers' (Mainloop::DropFeed).
+  using DropFeed = typename Mainloop::DropFeed;
+  static constexpr int kProducerRegs = 24 + DropFeed::kProducerRegsBoost;
+  static constexpr int kConsumerRegs = 240 - DropFeed::kProducerRegsBoost / 2;
+  static_assert(cutlass::NumThreadsPerWarpGroup * (kProducerRegs + Mainloop::kNumMmaWG * kConsumerRegs) <= 64 * 1024 &&
+                kConsumerRegs % 8 == 0);
 
   using SharedStorage = typename Mainloop::TensorStorage;  // tiles, row statistics and barriers
   static constexpr int kSmemLimit = 227 * 1024;
@@ -72,6 +78,21 @@ struct BwdKernel {
     auto pipeline_q = make_pipeline<Pipeline>(ss.barriers.pipeline_q, Mainloop::kQStageBytes, is_producer, is_loader);
     // dO with its D (headdim_v columns).
     auto pipeline_do = make_pipeline<PipelinedO>(ss.barriers.pipeline_do, Mainloop::kdOStageBytes, is_producer, is_loader);
+    bool const is_drawer = DropFeed::kEnabled && is_producer && warp_idx_in_wg >= 2;
+    auto pipeline_drop = [&] {
+      if constexpr (DropFeed::kEnabled) {
+        using DropPipeline = typename DropFeed::Pipeline;
+        typename DropPipeline::Params d_params;
+        d_params.role = is_drawer     ? DropPipeline::ThreadCategory::Producer
+                        : is_producer ? DropPipeline::ThreadCategory::NonParticipant
+                                      : DropPipeline::ThreadCategory::Consumer;
+        d_params.producer_arv_count = DropFeed::kThreads;
+        d_params.consumer_arv_count = Mainloop::kNumMmaThreads;
+        return DropPipeline(ss.barriers.drop.pipeline, d_params);
+      } else {
+        return 0;
+      }
+    }();
     __syncthreads();  // barrier initialization is visible to every thread
 
     // The dQ postprocess may start once every CTA has started: it only waits on blocks that resident
@@ -95,6 +116,9 @@ struct BwdKernel {
         }
       } else if (warp_idx_in_wg == 1) {
         Mainloop::store_dq(params.mainloop, ss, seq, bi, n_block, head, batch);
+      } else if (is_drawer) {
+        Mainloop::draw_dropout(params.mainloop, pipeline_drop, ss, bi, n_block, head, batch,
+                               threadIdx.x - 2 * cutlass::NumThreadsPerWarp);
       }
     } else {
       cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
@@ -102,7 +126,7 @@ struct BwdKernel {
       typename Mainloop::Accumulators acc;  // dK and dV
       acc.clear();
       Mainloop::mma(params.mainloop, pipeline_kv, pipeline_q, pipeline_do, ss, acc, thread_idx, seq, bi, n_block, head,
-                    batch);
+                    batch, pipeline_drop);
       Epilogue::store(params.epilogue, acc, ss, thread_idx, seq, n_block, head, batch);
     }
   }

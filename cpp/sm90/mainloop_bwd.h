@@ -43,6 +43,7 @@
 #include "../common/softmax.h"
 #include "../common/utils.h"
 #include "../common/workspace_bwd.h"
+#include "dropout_feed.h"
 #include "gemm.h"
 #include "global_reduce.h"
 #include "kv_blocks.h"
@@ -71,7 +72,7 @@ template <class Element_, int kHeadDim_, int kHeadDimV_, class Tile, MaskKind kM
 struct BwdMainloop {
   using Element = Element_;
   using ScoreMod = ScoreMod_;
-  using Dropout = Dropout_;  // common/dropout.h: the forward's keep mask, drawn again per tile
+  using Dropout = Dropout_;  // common/dropout.h: the forward's keep mask, drawn again per step (DropFeed below)
   using KVBlocks = KVBlocks_;
   using Seqlens = Seqlens_;
   static constexpr int kHeadDim = kHeadDim_, kBlockM = Tile::kBlockM, kBlockN = Tile::kBlockN;
@@ -82,8 +83,8 @@ struct BwdMainloop {
   // P^T and dS^T as register A operands of the dV/dK GEMMs: their accumulator rows are keys.
   static constexpr bool kdKVRegsA = kSdPSwapAB && !kdKVSwapAB;
   // dS from the float32 P, with P^T made 16-bit (and dV issued) after the dS math (W8: 1-6% faster
-  // at head dims 64 and 128). Dropout keeps dS from the 16-bit P: its Pd is one more tile.
-  static constexpr bool kLateP = kdKVRegsA && !Dropout::kEnabled;
+  // at head dims 64 and 128). With dropout too, since its keep bits come from the feed (no Pd tile beside P).
+  static constexpr bool kLateP = kdKVRegsA;
   static_assert(kSdPSwapAB != kdKVSwapAB, "supported layouts: S^T with dK/dV, or S with dK^T/dV^T");
   static constexpr int kNumMmaWG = 2;
   static constexpr int kNumMmaThreads = kNumMmaWG * cutlass::NumThreadsPerWarpGroup;
@@ -281,7 +282,23 @@ struct BwdMainloop {
   using PipelineState = typename Pipeline::PipelineState;
   using PipelineStatedO = typename PipelinedO::PipelineState;
 
-  struct BarrierStorage {
+  // Dropout: each step's keep mask, drawn by the producer warpgroup's warps 2-3 (dropout_feed.h) in the layout of the
+  // S^T tile or of S split over the keys, as many stages as Q's (the consumers read a stage with Q's state: both
+  // advance once a step). The drawers' registers: 16 more than the producer's 24, 8 fewer per consumer thread (232).
+  using DropLayout =
+      std::conditional_t<kSdPSwapAB, DropRowsKeys<kBlockM, kBlockN>, DropRowsQueriesHalfKeys<kBlockM, kBlockN>>;
+  using DropFeed = DropoutFeed<Dropout, DropLayout, kStages, 2 * cutlass::NumThreadsPerWarp, 16>;
+  // (Empty bases where there is no dropout: the other kernels' layouts stay as they were.)
+  struct DropBarriers {
+    typename DropFeed::BarrierStorage drop;
+  };
+  struct DropWords {
+    typename DropFeed::SharedStorage drop;
+  };
+  struct NoDrop {};
+  struct NoDropWords {};
+
+  struct BarrierStorage : std::conditional_t<DropFeed::kEnabled, DropBarriers, NoDrop> {
     typename PipelineKV::SharedStorage pipeline_kv;
     typename Pipeline::SharedStorage pipeline_q;
     typename PipelinedO::SharedStorage pipeline_do;
@@ -295,7 +312,8 @@ struct BwdMainloop {
     Tile1K<Element, cosize_v<SmemLayoutPdS>> smem_p;
   };
   struct NoPStorage {};
-  struct TensorStorage : std::conditional_t<kdKVRegsA, NoPStorage, PStorage> {
+  struct TensorStorage : std::conditional_t<kdKVRegsA, NoPStorage, PStorage>,
+                         std::conditional_t<DropFeed::kEnabled, DropWords, NoDropWords> {
     BarrierStorage barriers;
     cute::array_aligned<float, kBlockM * kStages, 16> smem_lse;      // bulk copies need 16 bytes
     cute::array_aligned<float, kBlockM * kStagesdO, 16> smem_dpsum;
@@ -534,13 +552,27 @@ struct BwdMainloop {
     }
   }
 
+  // Dropout (the producer warpgroup's warps 2-3, tid in [0, DropFeed::kThreads)): the key block's keep masks, step by
+  // step in the consumers' order (from the last query block), for the (batch, head) stream the forward drew.
+  CUTE_DEVICE static void draw_dropout(Params const& p, typename DropFeed::Pipeline& pipeline, TensorStorage& ts,
+                                       BlockInfoT const& bi, int n_block, int head, int batch, int tid) {
+    if constexpr (DropFeed::kEnabled) {
+      auto write = cutlass::make_producer_start_state<typename DropFeed::Pipeline>();
+      auto const st = p.dropout.stream(batch * get<2>(p.shape_q) + head);
+      for (int m_block = bi.m_block_max(n_block) - 1; m_block >= bi.m_block_min(n_block); --m_block) {
+        DropFeed::produce(pipeline, write, ts.drop, st, m_block * kBlockM, n_block * kBlockN, tid);
+      }
+    }
+  }
+
   // ---------------------------------------------------------------------------------------------
   // Consumers: both warpgroups, thread_idx 0..255. Accumulates dK (unscaled until the end) and dV
   // into the caller's zeroed Accumulators. Returns false if no query block sees this key block.
   template <class Accum>
   CUTE_DEVICE static bool mma(Params const& p, PipelineKV& pipeline_kv, Pipeline& pipeline_q, PipelinedO& pipeline_do,
                               TensorStorage& ts, Accum& acc, int thread_idx, SeqlenInfo const& seq,
-                              BlockInfoT const& bi, int n_block, int head, int batch) {
+                              BlockInfoT const& bi, int n_block, int head, int batch,
+                              typename DropFeed::Pipeline& pipeline_drop) {
     static_assert(std::is_same_v<Accum, Accumulators>);
     // dO is released once slots 0 and 1 are done: slot 2 must not read it on either warpgroup.
     static_assert(!kdKVMirror || (!dkv_slot(0, 2).is_v && !dkv_slot(1, 2).is_v), "dO's readers are slots 0 and 1");
@@ -656,13 +688,11 @@ struct BwdMainloop {
         dq_share_offset(0, wg) + FragLayout::offset(0, thread_idx % cutlass::NumThreadsPerWarpGroup, 0);
     MaskT const mask{seq, p.window_left, p.window_right};
     bool const seqlen_mask = (n_block + 1) * kBlockN > seq.seqlen_k;  // the last key block has padding
-    // Dropout: the S^T tile's columns (queries) are whole per warpgroup; an S tile's keys are split over
-    // the warpgroups, whose halves hold whole 16-key blocks unless kBlockN / 2 is not a multiple of 16.
-    constexpr bool kDropGroupsWhole = kSdPSwapAB || (kBlockN / 2) % 16 == 0;
-    auto const drop = [&] {
-      if constexpr (Dropout::kEnabled) return p.dropout.stream(batch * get<2>(p.shape_q) + head);
+    // Dropout: the step's keep mask (DropFeed), in the stage of Q's state; read as the S and dP GEMMs go out.
+    auto fetch_keep = [&](PipelineState const& q_state) {
+      if constexpr (DropFeed::kEnabled) return DropFeed::fetch(pipeline_drop, q_state, ts, thread_idx);
       else return 0;
-    }();
+    };
 
     PipelineState read_q;
     PipelineStatedO read_do;
@@ -712,6 +742,7 @@ struct BwdMainloop {
       } else {
         wgmma<true, -1>(mma_sdp, tdPrdO(_, _, _, stage_do), tdPrV, tdPrdP);
       }
+      [[maybe_unused]] auto const keep = fetch_keep(read_q);
       // P from S while dP is on the tensor cores.
       auto const lse = stat(ts.smem_lse.data() + stage_q * kBlockM);
       warpgroup_wait<1>();
@@ -731,9 +762,14 @@ struct BwdMainloop {
           warpgroup_wait<0>();  // dP done
           warpgroup_fence_operand(tdPrdP);
           Tensor dscores = rowcol(tdPrdP);
-          grad_scores(scores, dscores, dpsum);
+          if constexpr (DropFeed::kEnabled) {
+            DropFeed::grad_scores(scores, dscores, dpsum, keep, p.dropout.scale());  // dS = P (s Z dP - D)
+          } else {
+            grad_scores(scores, dscores, dpsum);
+          }
           p.score_mod.chain_kept(tdPrdP, dmod);
           Tensor rP = convert_type<Element>(tSrS);
+          if constexpr (DropFeed::kEnabled) DropFeed::apply(rowcol(rP), keep);  // dV takes P Z
           Tensor rdS = convert_type<Element>(tdPrdP);
           if constexpr (kStagesdS == 1) cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBwdPdS);
           copy(smem_copy_pds, thr_copy_pds.retile_S(rdS), tdSsdS(_, _, _, stage_ds));
@@ -741,67 +777,29 @@ struct BwdMainloop {
           Tensor tdVrP = make_tensor(rP.data(), acc_layout_as_a_operand(rP.layout()));
           wgmma<false, -1>(mma_dv, tdVrP, tdVrdO(_, _, _, stage_do), tdVrdV);
           return rdS;
-        } else if constexpr (!Dropout::kEnabled) {
+        } else {
           // P and dS through shared memory (head dims 192, 256): dS from the float P too, both made 16-bit after
-          // the dS math; from the 16-bit P each score paid its unpacking (PRMT / IMAD.U32) twice.
+          // the dS math; from the 16-bit P each score paid its unpacking (PRMT / IMAD.U32) twice. With dropout,
+          // dS = P (s Z dP - D) with Z the step's keep bits (DropFeed::grad_scores), then P Z in place for dV
+          // (1 / keep probability applied to dV once, after the loop). (Until session 28 dropout took dS from the
+          // 16-bit P, whose float32 copy had to die early while a Pd = s P Z tile was live beside it.)
           auto const dpsum = stat(ts.smem_dpsum.data() + stage_do * kBlockM);
           warpgroup_wait<0>();  // dP done
           warpgroup_fence_operand(tdPrdP);
           Tensor dscores = rowcol(tdPrdP);
-          grad_scores(scores, dscores, dpsum);
+          if constexpr (DropFeed::kEnabled) {
+            DropFeed::grad_scores(scores, dscores, dpsum, keep, p.dropout.scale());
+          } else {
+            grad_scores(scores, dscores, dpsum);
+          }
           p.score_mod.chain(dscores, scores, lse);
           Tensor rP = convert_type<Element>(tSrS);
-          Tensor rdS = convert_type<Element>(tdPrdP);
-          if constexpr (kStagesdS == 1) cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBwdPdS);
-          Tensor sP = make_tensor(make_smem_ptr(ts.smem_p.data()), SmemLayoutPdS{});
-          copy(smem_copy_pds, thr_copy_pds.retile_S(rP), thr_copy_pds.partition_D(sP)(_, _, _, stage_ds));
-          copy(smem_copy_pds, thr_copy_pds.retile_S(rdS), tdSsdS(_, _, _, stage_ds));
-          return rdS;
-        } else {
-          Tensor rP = convert_type<Element>(tSrS);
-          // Dropout: dV takes Pd = s P where kept, 0 where dropped; dS takes both (DropoutPhilox::grad_scores).
-          // For the dV GEMM from registers Pd is made from the float P; for the one through shared memory (head
-          // dims 192, 256) from the 16-bit P. (Made after the dP wait instead, head dim 256 spilled as much.)
-          auto dropped = [&](auto const& src) {
-            Tensor d = make_tensor<Element>(src.layout());
-            CUTE_UNROLL
-            for (int i = 0; i < size(d); ++i) d(i) = Element(float(src(i)) * p.dropout.scale());
-            if constexpr (Dropout::kEnabled) {  // (DropoutNone has no apply: the generic lambda still names it)
-              Dropout::template apply<kSdPSwapAB, kDropGroupsWhole>(drop, rowcol(d), tScS_rc, m_block * kBlockM,
-                                                                    n_block * kBlockN);
-            }
-            return d;
-          };
-          auto rPd = [&] {
-            if constexpr (Dropout::kEnabled && kdKVRegsA) return dropped(tSrS);
-            else if constexpr (Dropout::kEnabled) return dropped(rP);
-            else return rP;
-          }();
-          // dV += P^T dO needs only P: with P^T in registers it goes out now and runs under the dS math.
-          if constexpr (kdKVRegsA) {
-            Tensor tdVrP = make_tensor(rPd.data(), acc_layout_as_a_operand(rPd.layout()));
-            wgmma<false, -1>(mma_dv, tdVrP, tdVrdO(_, _, _, stage_do), tdVrdV);
-          }
-
-          auto const dpsum = stat(ts.smem_dpsum.data() + stage_do * kBlockM);
-          warpgroup_wait<kdKVRegsA ? 1 : 0>();  // dP done
-          warpgroup_fence_operand(tdPrdP);
-          Tensor dscores = rowcol(tdPrdP);
-          // dS from the 16-bit P (the dV operand, as PyTorch's own 16-bit backward has it): the float32
-          // P is dead by now, which keeps the register budget.
-          if constexpr (Dropout::kEnabled) {
-            p.dropout.grad_scores(rowcol(rP), rowcol(rPd), dscores, dpsum);
-          } else {
-            grad_scores(rowcol(rP), dscores, dpsum);
-          }
-          p.score_mod.chain(dscores, rowcol(rP), lse);
+          if constexpr (DropFeed::kEnabled) DropFeed::apply(rowcol(rP), keep);
           Tensor rdS = convert_type<Element>(tdPrdP);
           // With one dS (and P) buffer, both warpgroups must be done with the previous block's GEMMs.
           if constexpr (kStagesdS == 1) cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBwdPdS);
-          if constexpr (!kdKVRegsA) {
-            Tensor sP = make_tensor(make_smem_ptr(ts.smem_p.data()), SmemLayoutPdS{});
-            copy(smem_copy_pds, thr_copy_pds.retile_S(rPd), thr_copy_pds.partition_D(sP)(_, _, _, stage_ds));
-          }
+          Tensor sP = make_tensor(make_smem_ptr(ts.smem_p.data()), SmemLayoutPdS{});
+          copy(smem_copy_pds, thr_copy_pds.retile_S(rP), thr_copy_pds.partition_D(sP)(_, _, _, stage_ds));
           copy(smem_copy_pds, thr_copy_pds.retile_S(rdS), tdSsdS(_, _, _, stage_ds));
           return rdS;
         }
@@ -958,16 +956,22 @@ struct BwdMainloop {
     // block it walked are counted at once (one fence per thread, not one per step).
     if constexpr (kdQAtomic) count_dq_atomics(m_begin, m_end);
 
+    // dK's softmax scale; with dropout, dV's 1 / keep probability (the steps added P Z dO).
+    float const dv_scale = Dropout::kEnabled ? p.dropout.scale() : 1.f;
     if constexpr (kdKVMirror) {
       CUTE_UNROLL
       for (int s = 0; s < kdKVSlots; ++s) {
-        float const scale = dkv_slot(wg_uniform, s).is_v ? 1.f : p.softmax_scale;
+        float const scale = dkv_slot(wg_uniform, s).is_v ? dv_scale : p.softmax_scale;
         CUTE_UNROLL
         for (int i = 0; i < size(acc.slot[s]); ++i) acc.slot[s](i) *= scale;
       }
     } else {
       CUTE_UNROLL
       for (int i = 0; i < size(tdKrdK); ++i) tdKrdK(i) *= p.softmax_scale;
+      if constexpr (Dropout::kEnabled) {
+        CUTE_UNROLL
+        for (int i = 0; i < size(tdVrdV); ++i) tdVrdV(i) *= dv_scale;
+      }
     }
     return true;
   }

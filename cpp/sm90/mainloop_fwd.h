@@ -943,7 +943,9 @@ struct FwdMainloop {
 
     // Dropout for the (batch, head) of the tile, applied to P after the softmax, whose sums saw every score.
     // (Drawing a block's random bytes while its S GEMM runs instead measured no faster at head dims 64 and
-    // 128 and 0.1x slower at 256: docs/perf-notes.md.)
+    // 128 and 0.1x slower at 256; drawn a step ahead by the producer's three spare warps, as the backward does
+    // (dropout_feed.h), the forward ran 1.36-2.14x its time without dropout against 1.23-1.65x here: its steps are
+    // too short for three warps' Philox rounds. docs/perf-notes.md, sessions 24 and 28.)
     auto const drop = [&] {
       if constexpr (Dropout::kEnabled) return p.dropout.stream(batch * get<2>(p.shape_q) + head);
       else return 0;
@@ -976,7 +978,7 @@ struct FwdMainloop {
       } else {
         Tensor p16 = convert_type<Element>(tSrS);
         if constexpr (Dropout::kEnabled) {
-          Dropout::template apply<false, true>(drop, rowcol(p16), tScS, row_offset, n * kBlockN);
+          Dropout::template apply<true>(drop, rowcol(p16), tScS, row_offset, n * kBlockN);
         }
         CUTE_UNROLL
         for (int i = 0; i < size(tOrP); ++i) tOrP(i) = p16(i);

@@ -114,8 +114,9 @@ struct DropoutPhilox {
 
   // This lane's random bytes for every score of a (row, col)-view S tile (rows = queries): two words per unit (X0,
   // X1 of the file's comment), words 2u and 2u + 1. coords: the tile's (row, col) coordinates; q0 / k0: the global
-  // query / key index of coordinate 0. kGroupsWhole: a thread's two 8-column chunks of each 16-column block are
-  // adjacent columns of the view (rowcol columns 4u .. 4u + 3), else each chunk is drawn alone.
+  // query / key index of coordinate 0 (tile origins: multiples of 16). kGroupsWhole: a thread's two 8-column chunks
+  // of each 16-column block are adjacent columns of the view (rowcol columns 4u .. 4u + 3), else each chunk is drawn
+  // alone.
   template <bool kGroupsWhole, class TensorC>
   CUTE_DEVICE static auto draw(Stream const& st, TensorC const& coords, int q0, int k0) {
     using U = Units<TensorC, kGroupsWhole>;
@@ -126,17 +127,22 @@ struct DropoutPhilox {
     // score (row g + 8 r2, column 2q + c2 + 8j).
     auto selector = [](bool parity) -> uint32_t { return parity ? 0x7654u : 0x3210u; };
     uint32_t const sel_mine = selector(odd), sel_other = selector(!odd);
-    // The Philox counter of a unit, from its first score's coordinates.
-    auto counter = [&](int u) {
+    // The Philox counter of a unit, from its first score's coordinates. q0 and k0 are tile origins, multiples of 16,
+    // so group(q0 + r) = q0 / 4 + group(r): the coordinates' part is the same in every step of a tile's loop (hoisted
+    // by the compiler), and a step pays one add per counter word instead of each group's shifts and masks.
+    auto group_of = [&](int u) {
       auto const c = coords(U::row(u), U::col(u));
-      int const q = q0 + int(get<0>(c)), k = k0 + int(get<1>(c));
-      return make_uint4(group(k), group(q), st.bh, st.offset);
+      return cute::make_tuple(group(int(get<0>(c))), group(int(get<1>(c))));  // (query, key)
+    };
+    auto counter = [&](auto const& g) {
+      return make_uint4(uint32_t(k0) / 4 + get<1>(g), uint32_t(q0) / 4 + get<0>(g), st.bh, st.offset);
     };
     CUTE_UNROLL
     for (int u = 0; u + 1 < U::kCount; u += 2) {
       // The even lane draws unit u, the odd one u + 1; each sends the other its words.
-      uint4 const c0 = counter(u), c1 = counter(u + 1);
-      uint4 const w = philox4x32(odd ? c1 : c0, st.k0, st.k1);
+      auto const g0 = group_of(u), g1 = group_of(u + 1);
+      auto const g = cute::make_tuple(odd ? get<0>(g1) : get<0>(g0), odd ? get<1>(g1) : get<1>(g0));
+      uint4 const w = philox4x32(counter(g), st.k0, st.k1);
       uint32_t const x0 = __byte_perm(w.x, w.y, sel_mine), x1 = __byte_perm(w.z, w.w, sel_mine);
       uint32_t const z0 = __shfl_xor_sync(0xffffffffu, __byte_perm(w.x, w.y, sel_other), 4);
       uint32_t const z1 = __shfl_xor_sync(0xffffffffu, __byte_perm(w.z, w.w, sel_other), 4);
@@ -146,7 +152,7 @@ struct DropoutPhilox {
       words[2 * u + 3] = odd ? x1 : z1;
     }
     if constexpr (U::kCount % 2 == 1) {
-      uint4 const w = philox4x32(counter(U::kCount - 1), st.k0, st.k1);
+      uint4 const w = philox4x32(counter(group_of(U::kCount - 1)), st.k0, st.k1);
       words[2 * U::kCount - 2] = __byte_perm(w.x, w.y, sel_mine);
       words[2 * U::kCount - 1] = __byte_perm(w.z, w.w, sel_mine);
     }

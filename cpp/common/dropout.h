@@ -1,6 +1,6 @@
 // Attention dropout inside the kernels: the keep mask that python/flashhopper/dropout.py defines, drawn
 // per score from (seed, offset) so that the backward regenerates it instead of storing it. The definition
-// (philox4x32, group, keep_bits) is every kernel's; the Hopper backward draws it in spare producer warps into shared
+// (philox4x32, group, the keep test) is every kernel's; the Hopper backward draws it in spare producer warps into shared
 // memory (sm90/dropout_feed.h), the Hopper forward and the Ampere kernels in the consumer threads themselves (draw /
 // apply below), on S tiles (rows = queries) in the (row, col) view of an m16n8 accumulator (utils.h: rowcol).
 //
@@ -70,18 +70,16 @@ struct DropoutPhilox {
   }
   CUTE_HOST_DEVICE float scale() const { return scale_; }
 
-  // The draws of one (batch, head): key, the counter's last two words, and the keep tests' constants:
-  // half groups (addend): a random byte b zero-extended in a 16-bit half, plus 0x8000 - threshold, has bit 15
-  // set iff b >= threshold (no carry leaves the half), in both halves at once; whole groups (keep_add, keep_or):
-  // keep_bits, four bytes at a time (below).
+  // The draws of one (batch, head): key, the counter's last two words, and the keep tests' constants: threshold2
+  // (the threshold in both 16-bit halves: keep_halves) and keep_add, keep_or (keep_bits, four bytes at a time).
   struct Stream {
-    uint32_t k0, k1, bh, offset, addend, keep_add, keep_or;
+    uint32_t k0, k1, bh, offset, threshold2, keep_add, keep_or;
   };
   CUTE_DEVICE Stream stream(int bh) const {
     uint64_t const seed = uint64_t(rng[0]);
     bool const low = threshold <= 128u;
     return {uint32_t(seed), uint32_t(seed >> 32), uint32_t(bh), uint32_t(uint64_t(rng[1])),
-            (0x8000u - threshold) * 0x00010001u, ((low ? 128u : 256u) - threshold) * 0x01010101u, low ? ~0u : 0u};
+            threshold * 0x00010001u, ((low ? 128u : 256u) - threshold) * 0x01010101u, low ? ~0u : 0u};
   }
 
   // The group of a query or key index x >= 0 (the counter's first two words): its 16-block, and which of the
@@ -100,6 +98,15 @@ struct DropoutPhilox {
     return (b & y) | (b & st.keep_or) | (y & st.keep_or);
   }
 
+  // The keep test of two random bytes zero-extended into the 16-bit halves of `spread`: each half of the result is
+  // all ones iff its byte >= threshold. One HSET2: read as f16, 0x0000-0x00FF are non-negative subnormals in the
+  // integers' order, compared exactly (no .ftz), as FlashAttention-2 tests its bytes.
+  CUTE_DEVICE static uint32_t keep_halves(Stream const& st, uint32_t spread) {
+    uint32_t m;
+    asm("set.ge.u32.f16x2 %0, %1, %2;" : "=r"(m) : "r"(spread), "r"(st.threshold2));
+    return m;
+  }
+
   // The layout of a (row, col)-view tile's draws (see the file's comment): units of 2 rows x kUnitCols columns.
   template <class TensorC, bool kGroupsWhole>
   struct Units {
@@ -114,8 +121,9 @@ struct DropoutPhilox {
 
   // This lane's random bytes for every score of a (row, col)-view S tile (rows = queries): two words per unit (X0,
   // X1 of the file's comment), words 2u and 2u + 1. coords: the tile's (row, col) coordinates; q0 / k0: the global
-  // query / key index of coordinate 0. kGroupsWhole: a thread's two 8-column chunks of each 16-column block are
-  // adjacent columns of the view (rowcol columns 4u .. 4u + 3), else each chunk is drawn alone.
+  // query / key index of coordinate 0 (k0 a tile origin: a multiple of 16). kGroupsWhole: a thread's two 8-column
+  // chunks of each 16-column block are adjacent columns of the view (rowcol columns 4u .. 4u + 3), else each chunk is
+  // drawn alone.
   template <bool kGroupsWhole, class TensorC>
   CUTE_DEVICE static auto draw(Stream const& st, TensorC const& coords, int q0, int k0) {
     using U = Units<TensorC, kGroupsWhole>;
@@ -126,11 +134,13 @@ struct DropoutPhilox {
     // score (row g + 8 r2, column 2q + c2 + 8j).
     auto selector = [](bool parity) -> uint32_t { return parity ? 0x7654u : 0x3210u; };
     uint32_t const sel_mine = selector(odd), sel_other = selector(!odd);
-    // The Philox counter of a unit, from its first score's coordinates.
+    // The Philox counter of a unit, from its first score's coordinates. k0 is a tile origin, a multiple of 16, so
+    // group(k0 + c) = k0 / 4 + group(c): in the forwards, whose loops walk the keys, the coordinates' part is the same
+    // every step (hoisted by the compiler) and a step pays one add instead of the group's shifts and masks. (The same
+    // split for q0 made the Ampere backward, whose loop walks the queries, hold them all and spill.)
     auto counter = [&](int u) {
       auto const c = coords(U::row(u), U::col(u));
-      int const q = q0 + int(get<0>(c)), k = k0 + int(get<1>(c));
-      return make_uint4(group(k), group(q), st.bh, st.offset);
+      return make_uint4(uint32_t(k0) / 4 + group(int(get<1>(c))), group(q0 + int(get<0>(c))), st.bh, st.offset);
     };
     CUTE_UNROLL
     for (int u = 0; u + 1 < U::kCount; u += 2) {
@@ -155,10 +165,8 @@ struct DropoutPhilox {
 
   // Zeroes the dropped scores of a 16-bit tile in (row, col) view, whose scores (mi, ni) and (mi, ni + 1),
   // ni even, share a 32-bit register (an m16n8 accumulator's column pair, converted), given its draws.
-  // Whole groups use every byte of a word: keep_bits tests its four at once, then per pair of scores a PRMT
-  // spreads the two tests' bits over the halves (sign mode) and an AND applies them (7 instructions per four
-  // scores). Half groups use half of each word: per pair a byte spread (PRMT), the test (IADD), its mask (PRMT,
-  // sign replicated) and an AND.
+  // Per pair of scores: its two bytes spread into the halves (PRMT), the test (keep_halves: HSET2) and an AND,
+  // 6 instructions per four scores (keep_bits + a sign-mode PRMT + AND took 7).
   template <bool kGroupsWhole, class TensorP, class TensorC, class Words>
   CUTE_DEVICE static void apply_draws(Stream const& st, TensorP&& p, TensorC const& coords, Words const& words) {
     static_assert(sizeof(typename std::remove_reference_t<TensorP>::value_type) == 2, "16-bit P");
@@ -167,11 +175,6 @@ struct DropoutPhilox {
     for (int u = 0; u < U::kCount; ++u) {
       // Half groups: which 8-column chunk of its 16-column block the unit is (a thread's coordinate).
       int const half = kGroupsWhole ? 0 : (int(get<1>(coords(U::row(u), U::col(u)))) % 16) / 8;
-      [[maybe_unused]] uint32_t keep[2];  // whole groups only
-      if constexpr (kGroupsWhole) {
-        keep[0] = keep_bits(st, words[2 * u]);
-        keep[1] = keep_bits(st, words[2 * u + 1]);
-      }
       CUTE_UNROLL
       for (int r2 = 0; r2 < 2; ++r2) {
         CUTE_UNROLL
@@ -180,14 +183,9 @@ struct DropoutPhilox {
           int const w = r2;  // the pair's word of the unit's two
           uint32_t const b0 = uint32_t(2 * j), b1 = b0 + 1;
           uint32_t& pair = reinterpret_cast<uint32_t&>(p(U::row(u) + r2, U::col(u) + 2 * jj));
-          if constexpr (kGroupsWhole) {
-            // Halves b0, b1 of the mask: their bytes' bit 7 replicated (selector nibbles 8 | byte).
-            pair &= sign_select(keep[w], (8u | b0) * 0x11u | (8u | b1) * 0x1100u);
-          } else {
-            // The pair's two bytes (c2 = 0, 1) into the low bytes of the two halves, zeros above.
-            uint32_t const spread = __byte_perm(words[2 * u + w], 0u, 0x4040u | b0 | (b1 << 8));
-            pair &= sign_select(spread + st.addend, 0xBB99u);  // bits 15 and 31 over their halves
-          }
+          // The pair's two bytes (c2 = 0, 1) into the low bytes of the two halves, zeros above.
+          uint32_t const spread = __byte_perm(words[2 * u + w], 0u, 0x4040u | b0 | (b1 << 8));
+          pair &= keep_halves(st, spread);
         }
       }
     }

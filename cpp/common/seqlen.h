@@ -8,8 +8,9 @@
 // VarlenSeqlens (packed batches, flash-attn's varlen): entries are row ranges of (total_rows, ...)
 // tensors, offsets from cu_seqlens, lengths from cu_seqlens or seqused, batch coordinate 0. TMA would
 // only clip at the end of the whole packed tensor, so each entry gets tensor maps of its own whose row
-// extent ends at the entry's last row (varlen_prepare.h writes them before the kernel): loads never
-// read, and stores never write, a neighbour's rows. kTmaClipsRows holds for both policies.
+// extent ends at the entry's last row (varlen_prepare.h writes them before the kernel), which the copies
+// of blocks reaching past that row use (block_tma_desc): loads never read, and stores never write, a
+// neighbour's rows. kTmaClipsRows holds for both policies.
 #pragma once
 
 #include <cute/config.hpp>
@@ -137,18 +138,33 @@ CUTE_HOST_DEVICE auto entry_rows(Tensor4 const& m, int offset, int head, int bat
   return domain_offset(make_coord(offset, _0{}), m(_, _, head, batch_coord));
 }
 
-// The tensor map a TMA copy of tensor `which` (VarlenTensor) uses for batch entry `batch`: the copy's own,
-// or the entry's (packed batches), which a kernel before this one wrote through the generic proxy: the
-// acquire orders that write before this thread's TMA uses it, once per entry the thread meets (`acquire`;
-// later uses follow in program order).
+// The tensor map for a copy of rows that lie inside the entry (`inside`) or reach past its end. Inside, the copy's
+// own map reads and writes the same rows as the entry's (coordinates are global), and its descriptor, the same for
+// every tile, stays in the SM's descriptor cache; only a block that crosses the entry's end needs the entry's map
+// to clip it. (Every copy through the entry's maps made each tile fetch new descriptors: at equal lengths of 512
+// the consumers waited on Q 11% of the samples against 2%, ncu, docs/perf-notes.md session 31.) The caller
+// acquires the entry's maps (acquire_entry_maps) before the first copy that uses one.
 template <class Seqlens, class Tma>
-CUTE_DEVICE cute::TmaDescriptor const* entry_tma_desc(Seqlens const& seqlens, Tma const& tma, int which, int batch,
-                                                      bool acquire) {
-  auto const* desc = static_cast<cute::TmaDescriptor const*>(seqlens.tma_desc(tma.get_tma_descriptor(), which, batch));
+CUTE_DEVICE cute::TmaDescriptor const* block_tma_desc(Seqlens const& seqlens, Tma const& tma, int which, int batch,
+                                                      bool inside) {
+  auto const* own = tma.get_tma_descriptor();
   if constexpr (Seqlens::kPerEntryTma) {
-    if (acquire) cute::tma_descriptor_fence_acquire(desc);
+    if (!inside) return static_cast<cute::TmaDescriptor const*>(seqlens.tma_desc(own, which, batch));
   }
-  return desc;
+  return own;
+}
+
+// Before a copy through entry `batch`'s maps (`needed`): the acquire of each map (which...) the first time this
+// thread meets the entry (`acquired`: the entry it last acquired, -1 at first).
+template <class Seqlens, class... Which>
+CUTE_DEVICE void acquire_entry_maps(Seqlens const& seqlens, int batch, bool needed, int& acquired, Which... which) {
+  if constexpr (Seqlens::kPerEntryTma) {
+    if (needed && batch != acquired) {
+      (cute::tma_descriptor_fence_acquire(
+           static_cast<cute::TmaDescriptor const*>(seqlens.tma_desc(nullptr, which, batch))), ...);
+      acquired = batch;
+    }
+  }
 }
 
 }  // namespace flashhopper

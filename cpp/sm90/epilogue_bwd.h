@@ -160,10 +160,14 @@ struct BwdEpilogue {
       Tensor gdV = rows(p.tma_dv, Mainloop::shape_v_of(p.shape_dkv), DV{});
       auto k_parts = tma_partition(p.tma_dk, _0{}, Layout<_1>{}, group_modes<0, 2>(sdK1), group_modes<0, 2>(gdK));
       auto v_parts = tma_partition(p.tma_dv, _0{}, Layout<_1>{}, group_modes<0, 2>(sdV1), group_modes<0, 2>(gdV));
-      // The entry's own maps in a packed batch: rows past its keys are dropped, not written.
-      copy(p.tma_dk.with(entry_tma_desc(p.seqlens, p.tma_dk, kVarlendK, batch, true)), get<1>(k_parts)(_, 0),
+      // A packed batch's block that reaches past the entry's keys goes through its own maps: those rows are dropped,
+      // not written (common/seqlen.h, block_tma_desc).
+      bool const inside = (n_block + 1) * kBlockN <= seq.seqlen_k;
+      int acquired = -1;
+      acquire_entry_maps(p.seqlens, batch, !inside, acquired, kVarlendK, kVarlendV);
+      copy(p.tma_dk.with(block_tma_desc(p.seqlens, p.tma_dk, kVarlendK, batch, inside)), get<1>(k_parts)(_, 0),
            get<0>(k_parts)(_, n_block));
-      copy(p.tma_dv.with(entry_tma_desc(p.seqlens, p.tma_dv, kVarlendV, batch, true)), get<1>(v_parts)(_, 0),
+      copy(p.tma_dv.with(block_tma_desc(p.seqlens, p.tma_dv, kVarlendV, batch, inside)), get<1>(v_parts)(_, 0),
            get<0>(v_parts)(_, n_block));
       tma_store_arrive();
       tma_store_wait<0>();  // shared memory must outlive the reads

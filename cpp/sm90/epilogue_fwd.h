@@ -104,19 +104,19 @@ struct FwdEpilogue {
     cute::prefetch_tma_descriptor(p.tma_o.get_tma_descriptor());
   }
 
-  // The tensor map O's store uses for this batch entry: the params' own, or the entry's (packed batches).
-  CUTE_DEVICE static TmaDescriptor const* o_desc(Params const& p, int batch) {
-    return static_cast<TmaDescriptor const*>(p.seqlens.tma_desc(p.tma_o.get_tma_descriptor(), kVarlenO, batch));
+  // Whether warpgroup wg's 64 rows of query block m_block lie inside the entry (its O store then goes through
+  // the params' map: common/seqlen.h, block_tma_desc).
+  CUTE_DEVICE static bool rows_inside(SeqlenInfo const& seq, int m_block, int wg) {
+    return (m_block * kNumMmaWG + wg + 1) * 64 <= seq.seqlen_q;
   }
 
-  // At the start of a tile of another entry than the previous one (`new_entry`): the thread that will store O
-  // orders the prepare kernel's write of the entry's tensor map before its TMA store (fence.proxy.tensormap
-  // acquire). Here the fence overlaps the wait for the first K block; right before the store it cost 5-10%
-  // on short sequences (docs/perf-notes.md).
-  CUTE_DEVICE static void begin_tile(Params const& p, int batch, int thread_idx, bool new_entry) {
-    if constexpr (Seqlens::kPerEntryTma) {
-      if (thread_idx == 0 && new_entry) cute::tma_descriptor_fence_acquire(o_desc(p, batch));
-    }
+  // At the start of a tile whose O store needs the entry's tensor map (packed batches, rows reaching past the
+  // entry's end), the thread that will store O orders the prepare kernel's write of that map before its TMA store
+  // (fence.proxy.tensormap acquire), once per entry it meets (`acquired`). Here the fence overlaps the wait for the
+  // first K block; right before the store it cost 5-10% on short sequences (docs/perf-notes.md).
+  CUTE_DEVICE static void begin_tile(Params const& p, SeqlenInfo const& seq, int m_block, int wg, int batch,
+                                     int thread_idx, int& acquired) {
+    if (thread_idx == 0) acquire_entry_maps(p.seqlens, batch, !rows_inside(seq, m_block, wg), acquired, kVarlenO);
   }
 
   // Where the LSE of (entry, head) starts: its batch coordinate's rows of the head, then the entry's offset.
@@ -151,7 +151,8 @@ struct FwdEpilogue {
       Tensor mO = rows_of(p.tma_o.get_tma_tensor(p.shape_o), seq, head);
       Tensor gO = local_tile(mO, Shape<_64, D>{}, make_coord(_, _0{}));  // (64, D, m64)
       auto parts = tma_partition(p.tma_o, _0{}, Layout<_1>{}, group_modes<0, 2>(sO), group_modes<0, 2>(gO));
-      copy(p.tma_o.with(o_desc(p, batch)), get<1>(parts), get<0>(parts)(_, m_block * kNumMmaWG + wg));
+      copy(p.tma_o.with(block_tma_desc(p.seqlens, p.tma_o, kVarlenO, batch, rows_inside(seq, m_block, wg))),
+           get<1>(parts), get<0>(parts)(_, m_block * kNumMmaWG + wg));
       tma_store_arrive();
     }
     store_lse(p, lse, seq, m_block, head, batch, wg, thread_idx);

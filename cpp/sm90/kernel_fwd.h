@@ -226,7 +226,7 @@ struct FwdKernel {
         auto write_v = cutlass::make_producer_start_state<PipelineLoad>();
         auto write_tile = cutlass::make_producer_start_state<TilePipeline>();
         int tile = Scheduler::initial(sched);
-        int last_entry = -1;  // the batch entry of the previous tile (its tensor maps are acquired)
+        int acquired_entry = -1;  // the last batch entry whose tensor maps this thread acquired
         while (true) {
           // (Read per tile rather than held: the producer has few registers.)
           int const total_tiles = Scheduler::total(sched);
@@ -250,8 +250,7 @@ struct FwdKernel {
           if (t.has_rows && t.has_keys) {  // otherwise the consumers write zeros (or nothing), without Q
             Mainloop::load(params.mainloop, pipeline_q, pipeline_load_k, pipeline_load_v, write_q, write_k, write_v,
                            ss.tensors, t.seq, t.block_info, t.tile.m_block, t.tile.head, t.tile.batch,
-                           t.tile.batch != last_entry);
-            last_entry = t.tile.batch;
+                           acquired_entry);
           }
           // Taken once this tile's loads are out (the consumers a few key blocks from its end), not when it
           // started: a dynamic schedule then hands the next tile to the CTA that frees up first (tile_scheduler.h).
@@ -291,7 +290,7 @@ struct FwdKernel {
     } else {
       cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
       int const wg = warp_group_idx - 1;
-      int last_entry = -1;  // as the producer's
+      int acquired_entry = -1;  // as the producer's (O's map)
       if (!one_consumer) Mainloop::Sched::init(wg);
       // One-consumer mode, e4m3 cache: warpgroup 1 converts (its own pipeline states, the converters' order).
       typename Mainloop::PipelineStateCache read_v8;
@@ -355,8 +354,7 @@ struct FwdKernel {
           ++read_q;
           continue;
         }
-        Epilogue::begin_tile(params.epilogue, w.batch, thread_idx, w.batch != last_entry);
-        last_entry = w.batch;
+        Epilogue::begin_tile(params.epilogue, t.seq, w.m_block, wg, w.batch, thread_idx, acquired_entry);
         Tensor tOrO = partition_fragment_C(typename Mainloop::TiledMmaPV{}, Shape<_64, Int<Mainloop::kHeadDimV>>{});
         clear(tOrO);
         typename Mainloop::Softmax softmax(params.mainloop.scale_log2);

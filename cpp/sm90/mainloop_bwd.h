@@ -447,11 +447,15 @@ struct BwdMainloop {
     auto v_parts = tma_partition(p.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
     float const* lse_bh = p.lse_log2 + row_stat_offset(p, seq, head, batch);
     float const* dpsum_bh = p.dpsum + row_stat_offset(p, seq, head, batch);
-    // The entry's own maps in a packed batch (rows past its end are zero-filled), the params' otherwise.
-    TmaDescriptor const* desc_q = entry_tma_desc(p.seqlens, p.tma_q, kVarlenQ, batch, true);
-    TmaDescriptor const* desc_do = entry_tma_desc(p.seqlens, p.tma_do, kVarlendO, batch, true);
-    TmaDescriptor const* desc_k = entry_tma_desc(p.seqlens, p.tma_k, kVarlenK, batch, true);
-    TmaDescriptor const* desc_v = entry_tma_desc(p.seqlens, p.tma_v, kVarlenV, batch, true);
+    // A packed batch's blocks that reach past the entry's rows go through its own maps (rows past its end are
+    // zero-filled), the others through the params' (common/seqlen.h, block_tma_desc).
+    auto q_inside = [&](int m_block) { return (m_block + 1) * kBlockM <= seq.seqlen_q; };
+    bool const kv_inside = (n_block + 1) * kBlockN <= seq.seqlen_k;
+    int acquired = -1;
+    acquire_entry_maps(p.seqlens, batch, !kv_inside || !q_inside(m_end - 1), acquired, kVarlenQ, kVarlendO, kVarlenK,
+                       kVarlenV);
+    TmaDescriptor const* desc_k = block_tma_desc(p.seqlens, p.tma_k, kVarlenK, batch, kv_inside);
+    TmaDescriptor const* desc_v = block_tma_desc(p.seqlens, p.tma_v, kVarlenV, batch, kv_inside);
 
     auto write_kv = cutlass::make_producer_start_state<PipelineKV>();
     pipeline_kv.producer_acquire(write_kv);
@@ -465,14 +469,18 @@ struct BwdMainloop {
     for (int m_block = m_end - 1; m_block >= m_begin; --m_block) {
       pipeline_q.producer_acquire(write_q);
       auto* q_bar = pipeline_q.producer_get_barrier(write_q);
-      copy(p.tma_q.with(desc_q, *q_bar, 0, TMA::CacheHintSm90::EVICT_LAST), get<0>(q_parts)(_, m_block),
+      copy(p.tma_q.with(block_tma_desc(p.seqlens, p.tma_q, kVarlenQ, batch, q_inside(m_block)), *q_bar, 0,
+                        TMA::CacheHintSm90::EVICT_LAST),
+           get<0>(q_parts)(_, m_block),
            get<1>(q_parts)(_, write_q.index()));
       SM90_BULK_COPY_G2S::copy(lse_bh + m_block * kBlockM, q_bar, ts.smem_lse.data() + write_q.index() * kBlockM,
                                kRowStatBytes);
       ++write_q;
       pipeline_do.producer_acquire(write_do);
       auto* do_bar = pipeline_do.producer_get_barrier(write_do);
-      copy(p.tma_do.with(desc_do, *do_bar, 0, TMA::CacheHintSm90::EVICT_LAST), get<0>(do_parts)(_, m_block),
+      copy(p.tma_do.with(block_tma_desc(p.seqlens, p.tma_do, kVarlendO, batch, q_inside(m_block)), *do_bar, 0,
+                         TMA::CacheHintSm90::EVICT_LAST),
+           get<0>(do_parts)(_, m_block),
            get<1>(do_parts)(_, write_do.index()));
       SM90_BULK_COPY_G2S::copy(dpsum_bh + m_block * kBlockM, do_bar, ts.smem_dpsum.data() + write_do.index() * kBlockM,
                                kRowStatBytes);

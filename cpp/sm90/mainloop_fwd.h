@@ -415,13 +415,6 @@ struct FwdMainloop {
             false};  // one_consumer: the launcher's choice
   }
 
-  // The tensor map a load of tensor `which` uses for this batch entry (common/seqlen.h: entry_tma_desc).
-  template <class Tma>
-  CUTE_DEVICE static TmaDescriptor const* tma_desc(Params const& p, Tma const& tma, int which, int batch,
-                                                   bool acquire) {
-    return entry_tma_desc(p.seqlens, tma, which, batch, acquire);
-  }
-
   CUTE_DEVICE static void prefetch_descriptors(Params const& p) {
     cute::prefetch_tma_descriptor(p.tma_q.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.tma_k.get_tma_descriptor());
@@ -454,14 +447,16 @@ struct FwdMainloop {
                                PipelineStateQ& write_q, typename PipelineKV::PipelineState& write_k,
                                typename PipelineKV::PipelineState& write_v,
                                TensorStorage& ts, SeqlenInfo const& seq, BlockInfoT const& bi, int m_block, int head,
-                               int batch, bool new_entry = true) {
+                               int batch, int& acquired_entry) {
     int const n_block_max = bi.n_block_max(m_block);
     int const n_block_min = bi.n_block_min(m_block);
     int const kv_head = head / p.heads_ratio;
     KVBlocks const kv_blocks(p.kv_blocks, batch, seq.seqlen_k);
-    TmaDescriptor const* desc_q = tma_desc(p, p.tma_q, kVarlenQ, batch, new_entry);
-    TmaDescriptor const* desc_k = tma_desc(p, p.tma_k, kVarlenK, batch, new_entry);
-    TmaDescriptor const* desc_v = tma_desc(p, p.tma_v, kVarlenV, batch, new_entry);
+    // Packed batches: the entry's own maps only for the blocks that reach past its rows (block_tma_desc).
+    auto q_inside = [&](int m64) { return (m64 + 1) * 64 <= seq.seqlen_q; };
+    auto kv_inside = [&](int n_block) { return (n_block + 1) * kBlockN <= seq.seqlen_k; };
+    acquire_entry_maps(p.seqlens, batch, !q_inside(m_block * kNumMmaWG + kNumMmaWG - 1) || !kv_inside(n_block_max - 1),
+                       acquired_entry, kVarlenQ, kVarlenK, kVarlenV);
 
     Tensor sQ = make_tensor(make_smem_ptr(ts.smem_q.data()), SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(load_smem_k(ts)), SmemLayoutKLoad{});
@@ -477,8 +472,10 @@ struct FwdMainloop {
       if (issuer) {
         CUTE_UNROLL
         for (int wg = 0; wg < kNumMmaWG; ++wg) {
-          copy(p.tma_q.with(desc_q, *pipeline_q.producer_get_barrier(write_q), 0, TMA::CacheHintSm90::EVICT_FIRST),
-               tQgQ(_, m_block * kNumMmaWG + wg), tQsQ(_, wg, write_q.index()));
+          int const m64 = m_block * kNumMmaWG + wg;
+          copy(p.tma_q.with(block_tma_desc(p.seqlens, p.tma_q, kVarlenQ, batch, q_inside(m64)),
+                            *pipeline_q.producer_get_barrier(write_q), 0, TMA::CacheHintSm90::EVICT_FIRST),
+               tQgQ(_, m64), tQsQ(_, wg, write_q.index()));
         }
       }
       ++write_q;
@@ -558,13 +555,15 @@ struct FwdMainloop {
 
     auto load_k = [&](int n_block) {
       pipeline_k.producer_acquire(write_k);
-      kv_blocks.load(p.tma_k, desc_k, *pipeline_k.producer_get_barrier(write_k), tKgK, n_block, tKsK(_, write_k.index()),
+      kv_blocks.load(p.tma_k, block_tma_desc(p.seqlens, p.tma_k, kVarlenK, batch, kv_inside(n_block)),
+                     *pipeline_k.producer_get_barrier(write_k), tKgK, n_block, tKsK(_, write_k.index()),
                      TMA::CacheHintSm90::EVICT_LAST);
       ++write_k;
     };
     auto load_v = [&](int n_block) {
       pipeline_v.producer_acquire(write_v);
-      kv_blocks.load(p.tma_v, desc_v, *pipeline_v.producer_get_barrier(write_v), tVgV, n_block, tVsV(_, write_v.index()),
+      kv_blocks.load(p.tma_v, block_tma_desc(p.seqlens, p.tma_v, kVarlenV, batch, kv_inside(n_block)),
+                     *pipeline_v.producer_get_barrier(write_v), tVgV, n_block, tVsV(_, write_v.index()),
                      TMA::CacheHintSm90::EVICT_LAST);
       ++write_v;
     };

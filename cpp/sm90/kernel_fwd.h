@@ -66,6 +66,7 @@ struct FwdKernel {
     typename Mainloop::BarrierStorage barriers;
     typename TilePipeline::SharedStorage tile_pipeline;
     PublishedTile tiles[TilePipeline::Stages];
+    typename Scheduler::Cache schedule;  // the producer's copy of the schedule (tile_scheduler.h)
   };
   static constexpr int kSmemLimit = 227 * 1024;
   static_assert(sizeof(SharedStorage) <= kSmemLimit, "tile does not fit in shared memory");
@@ -220,6 +221,12 @@ struct FwdKernel {
       // One thread issues every load, or the whole warp where it gathers K/V (each lane walks the same static
       // schedule; lane_predicate's thread alone publishes the tiles).
       static_assert(!Mainloop::kGatherKV || !Scheduler::kNeedsCounter, "gathering lanes walk a static schedule");
+      if constexpr (!std::is_empty_v<typename Scheduler::Cache>) {
+        if (warp_idx_in_wg == 0) {
+          Scheduler::stage(sched, ss.schedule, threadIdx.x % cutlass::NumThreadsPerWarp);
+          __syncwarp();
+        }
+      }
       if (warp_idx_in_wg == 0 && (Mainloop::kGatherKV || lane_predicate)) {
         auto write_q = cutlass::make_producer_start_state<PipelineQ>();
         auto write_k = cutlass::make_producer_start_state<PipelineLoad>();
@@ -229,7 +236,7 @@ struct FwdKernel {
         int acquired_entry = -1;  // the last batch entry whose tensor maps this thread acquired
         while (true) {
           // (Read per tile rather than held: the producer has few registers.)
-          int const total_tiles = Scheduler::total(sched);
+          int const total_tiles = Scheduler::total(sched, ss.schedule);
           bool const valid = tile < total_tiles;
           tile_pipeline.producer_acquire(write_tile);
           PublishedTile& slot = ss.tiles[write_tile.index()];
@@ -240,7 +247,8 @@ struct FwdKernel {
             }
             break;
           }
-          TileWork const t = tile_work(params, tile);
+          WorkTile const w = Scheduler::decode(sched, ss.schedule, tile);
+          TileWork const t = tile_work(params, w, Mainloop::seqlen_info(params.mainloop, w.batch));
           if (lane_predicate) {
             slot.tile = tile;
             if constexpr (kPublishWork) slot.work = t.tile;

@@ -64,10 +64,17 @@ inline int persistent_grid_size(TileSchedulerParams const& p, int num_sms) {
 
 // Each scheduler: total(p), the tile count (read once by the producer); initial(p), the CTA's first tile;
 // next(p, tile, total), the one after; decode(p, tile), its (m_block, head, batch entry).
+// What the producer keeps of the schedule in shared memory (VarlenTileScheduler's arrays); the others compute
+// tiles from params alone. stage() fills it (the producer's first warp, once), total() and decode() read it.
+struct NoScheduleCache {};
+
 struct StaticTileScheduler {
   static constexpr bool kNeedsCounter = false;
   static constexpr bool kAfterPrepare = false;  // launched after a kernel it reads from (varlen_prepare.h)
+  using Cache = NoScheduleCache;
 
+  CUTE_DEVICE static void stage(TileSchedulerParams const&, Cache&, int /*lane*/) {}
+  CUTE_DEVICE static int total(TileSchedulerParams const& p, Cache const&) { return p.total_tiles; }
   CUTE_DEVICE static int total(TileSchedulerParams const& p) { return p.total_tiles; }
   CUTE_DEVICE static int initial(TileSchedulerParams const&) { return int(blockIdx.x); }
   CUTE_DEVICE static int next(TileSchedulerParams const&, int tile, int /*total*/) { return tile + int(gridDim.x); }
@@ -76,6 +83,7 @@ struct StaticTileScheduler {
     int const bh = tile / p.num_m_blocks;
     return {tile - bh * p.num_m_blocks, bh % p.num_heads, bh / p.num_heads};
   }
+  CUTE_DEVICE static WorkTile decode(TileSchedulerParams const& p, Cache const&, int tile) { return decode(p, tile); }
 };
 
 // KV caches with split-KV: the static order over (query block, split, head, entry), query blocks fastest, then a
@@ -87,6 +95,7 @@ struct SplitTileScheduler : StaticTileScheduler {
     int const bh = bhs / p.num_splits;
     return {tile - bhs * p.num_m_blocks, bh % p.num_heads, bh / p.num_heads, bhs - bh * p.num_splits};
   }
+  CUTE_DEVICE static WorkTile decode(TileSchedulerParams const& p, Cache const&, int tile) { return decode(p, tile); }
 };
 
 // Packed batches' tiles (varlen_prepare.h's schedule: entries sorted by blocks, the inclusive prefix sums of
@@ -126,7 +135,10 @@ CUTE_DEVICE int fetch_next_tile(int* counter, int total) {
 struct DynamicTileScheduler {
   static constexpr bool kNeedsCounter = true;
   static constexpr bool kAfterPrepare = false;
+  using Cache = NoScheduleCache;
 
+  CUTE_DEVICE static void stage(TileSchedulerParams const&, Cache&, int /*lane*/) {}
+  CUTE_DEVICE static int total(TileSchedulerParams const& p, Cache const&) { return p.total_tiles; }
   CUTE_DEVICE static int total(TileSchedulerParams const& p) { return p.total_tiles; }
   CUTE_DEVICE static int initial(TileSchedulerParams const&) { return int(blockIdx.x); }
   CUTE_DEVICE static int next(TileSchedulerParams const& p, int /*tile*/, int total) {
@@ -145,6 +157,7 @@ struct DynamicTileScheduler {
     int const bh = bh0 + (r - m_idx * heads_here);
     return {p.num_m_blocks - 1 - m_idx, bh % p.num_heads, bh / p.num_heads};
   }
+  CUTE_DEVICE static WorkTile decode(TileSchedulerParams const& p, Cache const&, int tile) { return decode(p, tile); }
 };
 
 // Packed batches: only tiles that hold rows, the longest entries first (their tiles cost the most:
@@ -160,19 +173,57 @@ struct DynamicTileScheduler {
 // entries by query blocks and writes the prefix sums of their tiles; the producer finds a tile's
 // entry by binary search over them and publishes the decoded tile to the consumers. The kernel waits
 // for that kernel (programmatic dependent launch) before reading anything it wrote.
+// The producer takes each next tile once the current tile's loads are out and issues its Q right after
+// decoding it, so the decode's latency is paid in the consumers' wait for Q at every tile. Searched in global
+// memory it is a chain of ~8 dependent L2 loads (the tile count, then the binary search, the entry, its blocks);
+// a batch of up to kCacheEntries entries has its schedule copied to shared memory once instead (session 32).
 struct VarlenTileScheduler {
   static constexpr bool kNeedsCounter = true;
   static constexpr bool kAfterPrepare = true;
+  static constexpr int kCacheEntries = 256;
+  struct Cache {
+    int total;
+    int prefix[kCacheEntries];  // as TileSchedulerParams::tile_prefix, entry_order, and the sorted entries' blocks
+    int order[kCacheEntries];
+    int blocks[kCacheEntries];
+  };
+  CUTE_DEVICE static bool cached(TileSchedulerParams const& p) { return p.num_entries <= kCacheEntries; }
 
+  // One warp; the caller synchronizes it before reading. Independent loads (a sorted entry's blocks are its
+  // tiles over the heads), so a batch of 32 entries costs one L2 round trip.
+  CUTE_DEVICE static void stage(TileSchedulerParams const& p, Cache& c, int lane) {
+    if (lane == 0) c.total = *p.total_ptr;
+    if (!cached(p)) return;
+    for (int s = lane; s < p.num_entries; s += 32) {
+      int const incl = p.tile_prefix[s], excl = s > 0 ? p.tile_prefix[s - 1] : 0;
+      c.prefix[s] = incl;
+      c.order[s] = p.entry_order[s];
+      c.blocks[s] = (incl - excl) / p.num_heads;
+    }
+  }
+  CUTE_DEVICE static int total(TileSchedulerParams const& p, Cache const& c) { return c.total; }
   CUTE_DEVICE static int total(TileSchedulerParams const& p) { return *p.total_ptr; }
   CUTE_DEVICE static int initial(TileSchedulerParams const&) { return int(blockIdx.x); }
   CUTE_DEVICE static int next(TileSchedulerParams const& p, int /*tile*/, int total) {
     return fetch_next_tile(p.counter, total);
   }
 
+  CUTE_DEVICE static WorkTile decode(TileSchedulerParams const& p, Cache const& c, int tile) {
+    if (!cached(p)) return decode(p, tile);
+    int lo = 0, hi = p.num_entries - 1;  // as decode_sorted_entry, over the copies
+    while (lo < hi) {
+      int const mid = (lo + hi) / 2;
+      if (c.prefix[mid] > tile) hi = mid; else lo = mid + 1;
+    }
+    return decode_in_entry(p, c.order[lo], tile - (lo > 0 ? c.prefix[lo - 1] : 0), c.blocks[lo]);
+  }
   CUTE_DEVICE static WorkTile decode(TileSchedulerParams const& p, int tile) {
     int entry, idx, blocks;
     decode_sorted_entry(p.num_entries, p.tile_prefix, p.entry_order, p.entry_m_blocks, tile, entry, idx, blocks);
+    return decode_in_entry(p, entry, idx, blocks);
+  }
+  // The idx-th of entry's tiles (blocks x heads).
+  CUTE_DEVICE static WorkTile decode_in_entry(TileSchedulerParams const& p, int entry, int idx, int blocks) {
     int const per_section = min(p.heads_per_section, p.num_heads);
     int const section = idx / (blocks * per_section);
     int const r = idx - section * blocks * per_section;

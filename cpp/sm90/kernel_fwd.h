@@ -223,7 +223,8 @@ struct FwdKernel {
       static_assert(!Mainloop::kGatherKV || !Scheduler::kNeedsCounter, "gathering lanes walk a static schedule");
       if constexpr (!std::is_empty_v<typename Scheduler::Cache>) {
         if (warp_idx_in_wg == 0) {
-          Scheduler::stage(sched, ss.schedule, threadIdx.x % cutlass::NumThreadsPerWarp);
+          Scheduler::stage(sched, ss.schedule, threadIdx.x % cutlass::NumThreadsPerWarp,
+                           [&](int b) { return Mainloop::seqlen_info(params.mainloop, b); });
           __syncwarp();
         }
       }
@@ -247,22 +248,34 @@ struct FwdKernel {
             }
             break;
           }
-          WorkTile const w = Scheduler::decode(sched, ss.schedule, tile);
-          TileWork const t = tile_work(params, w, Mainloop::seqlen_info(params.mainloop, w.batch));
+          SeqlenInfo seq;
+          WorkTile const w = Scheduler::decode(sched, ss.schedule, tile,
+                                               [&](int b) { return Mainloop::seqlen_info(params.mainloop, b); }, seq);
+          TileWork const t = tile_work(params, w, seq);
           if (lane_predicate) {
             slot.tile = tile;
             if constexpr (kPublishWork) slot.work = t.tile;
             tile_pipeline.producer_commit(write_tile);
           }
           ++write_tile;
-          if (t.has_rows && t.has_keys) {  // otherwise the consumers write zeros (or nothing), without Q
-            Mainloop::load(params.mainloop, pipeline_q, pipeline_load_k, pipeline_load_v, write_q, write_k, write_v,
-                           ss.tensors, t.seq, t.block_info, t.tile.m_block, t.tile.head, t.tile.batch,
-                           acquired_entry);
-          }
           // Taken once this tile's loads are out (the consumers a few key blocks from its end), not when it
           // started: a dynamic schedule then hands the next tile to the CTA that frees up first (tile_scheduler.h).
-          tile = Scheduler::next(sched, tile, total_tiles);
+          // kTakeBeforeLastV: before the last V copy's wait for a stage, which then covers the atomic's latency.
+          int next = -1;
+          auto take_next = [&] { next = Scheduler::next(sched, tile, total_tiles); };
+          if (t.has_rows && t.has_keys) {  // otherwise the consumers write zeros (or nothing), without Q
+            if constexpr (Scheduler::kTakeBeforeLastV) {
+              Mainloop::load(params.mainloop, pipeline_q, pipeline_load_k, pipeline_load_v, write_q, write_k, write_v,
+                             ss.tensors, t.seq, t.block_info, t.tile.m_block, t.tile.head, t.tile.batch,
+                             acquired_entry, take_next);
+            } else {
+              Mainloop::load(params.mainloop, pipeline_q, pipeline_load_k, pipeline_load_v, write_q, write_k, write_v,
+                             ss.tensors, t.seq, t.block_info, t.tile.m_block, t.tile.head, t.tile.batch,
+                             acquired_entry);
+            }
+          }
+          if (next < 0) take_next();
+          tile = next;
         }
       } else if (is_v_gatherer) {
         if constexpr (Mainloop::kGatherKV) {

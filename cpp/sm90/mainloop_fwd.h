@@ -437,17 +437,22 @@ struct FwdMainloop {
     SM90_BULK_COPY_G2S::copy(src, &barrier, dst, rows * int(sizeof(float)));
   }
 
+  struct NoLoadHook {
+    CUTE_DEVICE void operator()() const {}
+  };
+
   // ---------------------------------------------------------------------------------------------
   // Producer: one thread issues every TMA of a tile. The first K block goes out before the wait
   // for a free Q stage (with one Q stage that wait lasts until the previous tile's O is stored);
   // then Q, then K/V with V trailing K by one block so that the first S GEMM never waits on V.
   // PipelineKV: Pipeline, or PipelineCache for an e4m3 cache (the converter warps read those stages).
-  template <class PipelineKV>
+  // before_last_v() runs before the wait for the last V block's stage (the kernel takes its next tile there).
+  template <class PipelineKV, class BeforeLastV = NoLoadHook>
   CUTE_DEVICE static void load(Params const& p, PipelineQ& pipeline_q, PipelineKV& pipeline_k, PipelineKV& pipeline_v,
                                PipelineStateQ& write_q, typename PipelineKV::PipelineState& write_k,
                                typename PipelineKV::PipelineState& write_v,
                                TensorStorage& ts, SeqlenInfo const& seq, BlockInfoT const& bi, int m_block, int head,
-                               int batch, int& acquired_entry) {
+                               int batch, int& acquired_entry, BeforeLastV&& before_last_v = {}) {
     int const n_block_max = bi.n_block_max(m_block);
     int const n_block_min = bi.n_block_min(m_block);
     int const kv_head = head / p.heads_ratio;
@@ -489,6 +494,7 @@ struct FwdMainloop {
         load_k(n_block - 1);
         load_v(n_block);
       }
+      before_last_v();
       load_v(n_block_min);
     };
 

@@ -17,6 +17,8 @@
 
 #include <cute/config.hpp>
 
+#include "../common/seqlen.h"
+
 #include <algorithm>
 #include <cstdint>
 
@@ -73,7 +75,9 @@ struct StaticTileScheduler {
   static constexpr bool kAfterPrepare = false;  // launched after a kernel it reads from (varlen_prepare.h)
   using Cache = NoScheduleCache;
 
-  CUTE_DEVICE static void stage(TileSchedulerParams const&, Cache&, int /*lane*/) {}
+  static constexpr bool kTakeBeforeLastV = false;
+  template <class SeqlenOf>
+  CUTE_DEVICE static void stage(TileSchedulerParams const&, Cache&, int /*lane*/, SeqlenOf const&) {}
   CUTE_DEVICE static int total(TileSchedulerParams const& p, Cache const&) { return p.total_tiles; }
   CUTE_DEVICE static int total(TileSchedulerParams const& p) { return p.total_tiles; }
   CUTE_DEVICE static int initial(TileSchedulerParams const&) { return int(blockIdx.x); }
@@ -83,7 +87,13 @@ struct StaticTileScheduler {
     int const bh = tile / p.num_m_blocks;
     return {tile - bh * p.num_m_blocks, bh % p.num_heads, bh / p.num_heads};
   }
-  CUTE_DEVICE static WorkTile decode(TileSchedulerParams const& p, Cache const&, int tile) { return decode(p, tile); }
+  template <class SeqlenOf>
+  CUTE_DEVICE static WorkTile decode(TileSchedulerParams const& p, Cache const&, int tile, SeqlenOf const& seqlen_of,
+                                     SeqlenInfo& seq) {
+    WorkTile const w = decode(p, tile);
+    seq = seqlen_of(w.batch);
+    return w;
+  }
 };
 
 // KV caches with split-KV: the static order over (query block, split, head, entry), query blocks fastest, then a
@@ -95,7 +105,13 @@ struct SplitTileScheduler : StaticTileScheduler {
     int const bh = bhs / p.num_splits;
     return {tile - bhs * p.num_m_blocks, bh % p.num_heads, bh / p.num_heads, bhs - bh * p.num_splits};
   }
-  CUTE_DEVICE static WorkTile decode(TileSchedulerParams const& p, Cache const&, int tile) { return decode(p, tile); }
+  template <class SeqlenOf>
+  CUTE_DEVICE static WorkTile decode(TileSchedulerParams const& p, Cache const&, int tile, SeqlenOf const& seqlen_of,
+                                     SeqlenInfo& seq) {
+    WorkTile const w = decode(p, tile);
+    seq = seqlen_of(w.batch);
+    return w;
+  }
 };
 
 // Packed batches' tiles (varlen_prepare.h's schedule: entries sorted by blocks, the inclusive prefix sums of
@@ -137,7 +153,9 @@ struct DynamicTileScheduler {
   static constexpr bool kAfterPrepare = false;
   using Cache = NoScheduleCache;
 
-  CUTE_DEVICE static void stage(TileSchedulerParams const&, Cache&, int /*lane*/) {}
+  static constexpr bool kTakeBeforeLastV = false;
+  template <class SeqlenOf>
+  CUTE_DEVICE static void stage(TileSchedulerParams const&, Cache&, int /*lane*/, SeqlenOf const&) {}
   CUTE_DEVICE static int total(TileSchedulerParams const& p, Cache const&) { return p.total_tiles; }
   CUTE_DEVICE static int total(TileSchedulerParams const& p) { return p.total_tiles; }
   CUTE_DEVICE static int initial(TileSchedulerParams const&) { return int(blockIdx.x); }
@@ -157,7 +175,13 @@ struct DynamicTileScheduler {
     int const bh = bh0 + (r - m_idx * heads_here);
     return {p.num_m_blocks - 1 - m_idx, bh % p.num_heads, bh / p.num_heads};
   }
-  CUTE_DEVICE static WorkTile decode(TileSchedulerParams const& p, Cache const&, int tile) { return decode(p, tile); }
+  template <class SeqlenOf>
+  CUTE_DEVICE static WorkTile decode(TileSchedulerParams const& p, Cache const&, int tile, SeqlenOf const& seqlen_of,
+                                     SeqlenInfo& seq) {
+    WorkTile const w = decode(p, tile);
+    seq = seqlen_of(w.batch);
+    return w;
+  }
 };
 
 // Packed batches: only tiles that hold rows, the longest entries first (their tiles cost the most:
@@ -173,32 +197,38 @@ struct DynamicTileScheduler {
 // entries by query blocks and writes the prefix sums of their tiles; the producer finds a tile's
 // entry by binary search over them and publishes the decoded tile to the consumers. The kernel waits
 // for that kernel (programmatic dependent launch) before reading anything it wrote.
-// The producer takes each next tile once the current tile's loads are out and issues its Q right after
-// decoding it, so the decode's latency is paid in the consumers' wait for Q at every tile. Searched in global
-// memory it is a chain of ~8 dependent L2 loads (the tile count, then the binary search, the entry, its blocks);
-// a batch of up to kCacheEntries entries has its schedule copied to shared memory once instead (session 32).
+// The producer takes each next tile (the atomic) before its last V copy waits for a stage, and issues the
+// tile's Q right after decoding it, so the decode's latency is paid in the consumers' wait for Q at every
+// tile. Searched in global memory it is a chain of ~8 dependent L2 loads (the tile count, the binary search,
+// the entry, its blocks, its bounds); a batch of up to kCacheEntries entries has its schedule and its
+// entries' bounds copied to shared memory once instead (session 32).
 struct VarlenTileScheduler {
   static constexpr bool kNeedsCounter = true;
   static constexpr bool kAfterPrepare = true;
-  static constexpr int kCacheEntries = 256;
+  static constexpr bool kTakeBeforeLastV = true;
+  static constexpr int kCacheEntries = 128;
   struct Cache {
     int total;
     int prefix[kCacheEntries];  // as TileSchedulerParams::tile_prefix, entry_order, and the sorted entries' blocks
     int order[kCacheEntries];
     int blocks[kCacheEntries];
+    SeqlenInfo seq[kCacheEntries];  // the sorted entries' bounds
   };
   CUTE_DEVICE static bool cached(TileSchedulerParams const& p) { return p.num_entries <= kCacheEntries; }
 
-  // One warp; the caller synchronizes it before reading. Independent loads (a sorted entry's blocks are its
-  // tiles over the heads), so a batch of 32 entries costs one L2 round trip.
-  CUTE_DEVICE static void stage(TileSchedulerParams const& p, Cache& c, int lane) {
+  // One warp; the caller synchronizes it before reading. A sorted entry's blocks are its tiles over the
+  // heads; a batch of 32 entries costs two L2 round trips (the order, then the bounds).
+  template <class SeqlenOf>
+  CUTE_DEVICE static void stage(TileSchedulerParams const& p, Cache& c, int lane, SeqlenOf const& seqlen_of) {
     if (lane == 0) c.total = *p.total_ptr;
     if (!cached(p)) return;
     for (int s = lane; s < p.num_entries; s += 32) {
       int const incl = p.tile_prefix[s], excl = s > 0 ? p.tile_prefix[s - 1] : 0;
+      int const entry = p.entry_order[s];
       c.prefix[s] = incl;
-      c.order[s] = p.entry_order[s];
+      c.order[s] = entry;
       c.blocks[s] = (incl - excl) / p.num_heads;
+      c.seq[s] = seqlen_of(entry);
     }
   }
   CUTE_DEVICE static int total(TileSchedulerParams const& p, Cache const& c) { return c.total; }
@@ -208,13 +238,20 @@ struct VarlenTileScheduler {
     return fetch_next_tile(p.counter, total);
   }
 
-  CUTE_DEVICE static WorkTile decode(TileSchedulerParams const& p, Cache const& c, int tile) {
-    if (!cached(p)) return decode(p, tile);
+  template <class SeqlenOf>
+  CUTE_DEVICE static WorkTile decode(TileSchedulerParams const& p, Cache const& c, int tile, SeqlenOf const& seqlen_of,
+                                     SeqlenInfo& seq) {
+    if (!cached(p)) {
+      WorkTile const w = decode(p, tile);
+      seq = seqlen_of(w.batch);
+      return w;
+    }
     int lo = 0, hi = p.num_entries - 1;  // as decode_sorted_entry, over the copies
     while (lo < hi) {
       int const mid = (lo + hi) / 2;
       if (c.prefix[mid] > tile) hi = mid; else lo = mid + 1;
     }
+    seq = c.seq[lo];
     return decode_in_entry(p, c.order[lo], tile - (lo > 0 ? c.prefix[lo - 1] : 0), c.blocks[lo]);
   }
   CUTE_DEVICE static WorkTile decode(TileSchedulerParams const& p, int tile) {

@@ -61,14 +61,25 @@ struct FwdKernel {
     WorkTile work;
   };
 
-  struct SharedStorage {
+  static constexpr int kSmemLimit = 227 * 1024;
+  struct SharedStorageBase {
     typename Mainloop::TensorStorage tensors;
     typename Mainloop::BarrierStorage barriers;
     typename TilePipeline::SharedStorage tile_pipeline;
     PublishedTile tiles[TilePipeline::Stages];
-    typename Scheduler::Cache schedule;  // the producer's copy of the schedule (tile_scheduler.h)
   };
-  static constexpr int kSmemLimit = 227 * 1024;
+  // The producer's copy of the schedule (tile_scheduler.h), in the shared memory the tiles leave.
+  using ScheduleCache =
+      typename Scheduler::template CacheT<Scheduler::cache_entries(kSmemLimit - int(sizeof(SharedStorageBase)) - 16)>;
+  struct SharedStorageWithCache : SharedStorageBase {
+    ScheduleCache schedule;
+  };
+  // (An empty member would still take a byte, padded to the tensors' alignment.)
+  static constexpr bool kScheduleCache = !std::is_empty_v<ScheduleCache>;
+  using SharedStorage = std::conditional_t<kScheduleCache, SharedStorageWithCache, SharedStorageBase>;
+  CUTE_DEVICE static auto& schedule_cache(SharedStorage& ss, NoScheduleCache& none) {
+    if constexpr (kScheduleCache) return ss.schedule; else return none;
+  }
   static_assert(sizeof(SharedStorage) <= kSmemLimit, "tile does not fit in shared memory");
 
   struct Params {
@@ -221,9 +232,11 @@ struct FwdKernel {
       // One thread issues every load, or the whole warp where it gathers K/V (each lane walks the same static
       // schedule; lane_predicate's thread alone publishes the tiles).
       static_assert(!Mainloop::kGatherKV || !Scheduler::kNeedsCounter, "gathering lanes walk a static schedule");
-      if constexpr (!std::is_empty_v<typename Scheduler::Cache>) {
+      NoScheduleCache no_cache;
+      auto& schedule = schedule_cache(ss, no_cache);
+      if constexpr (kScheduleCache) {
         if (warp_idx_in_wg == 0) {
-          Scheduler::stage(sched, ss.schedule, threadIdx.x % cutlass::NumThreadsPerWarp,
+          Scheduler::stage(sched, schedule, threadIdx.x % cutlass::NumThreadsPerWarp,
                            [&](int b) { return Mainloop::seqlen_info(params.mainloop, b); });
           __syncwarp();
         }
@@ -237,7 +250,7 @@ struct FwdKernel {
         int acquired_entry = -1;  // the last batch entry whose tensor maps this thread acquired
         while (true) {
           // (Read per tile rather than held: the producer has few registers.)
-          int const total_tiles = Scheduler::total(sched, ss.schedule);
+          int const total_tiles = Scheduler::total(sched, schedule);
           bool const valid = tile < total_tiles;
           tile_pipeline.producer_acquire(write_tile);
           PublishedTile& slot = ss.tiles[write_tile.index()];
@@ -249,7 +262,7 @@ struct FwdKernel {
             break;
           }
           SeqlenInfo seq;
-          WorkTile const w = Scheduler::decode(sched, ss.schedule, tile,
+          WorkTile const w = Scheduler::decode(sched, schedule, tile,
                                                [&](int b) { return Mainloop::seqlen_info(params.mainloop, b); }, seq);
           TileWork const t = tile_work(params, w, seq);
           if (lane_predicate) {

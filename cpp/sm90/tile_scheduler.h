@@ -73,12 +73,13 @@ struct NoScheduleCache {};
 struct StaticTileScheduler {
   static constexpr bool kNeedsCounter = false;
   static constexpr bool kAfterPrepare = false;  // launched after a kernel it reads from (varlen_prepare.h)
-  using Cache = NoScheduleCache;
+  template <int> using CacheT = NoScheduleCache;
+  static constexpr int cache_entries(int /*free_bytes*/) { return 0; }
 
   static constexpr bool kTakeBeforeLastV = false;
   template <class SeqlenOf>
-  CUTE_DEVICE static void stage(TileSchedulerParams const&, Cache&, int /*lane*/, SeqlenOf const&) {}
-  CUTE_DEVICE static int total(TileSchedulerParams const& p, Cache const&) { return p.total_tiles; }
+  CUTE_DEVICE static void stage(TileSchedulerParams const&, NoScheduleCache&, int /*lane*/, SeqlenOf const&) {}
+  CUTE_DEVICE static int total(TileSchedulerParams const& p, NoScheduleCache const&) { return p.total_tiles; }
   CUTE_DEVICE static int total(TileSchedulerParams const& p) { return p.total_tiles; }
   CUTE_DEVICE static int initial(TileSchedulerParams const&) { return int(blockIdx.x); }
   CUTE_DEVICE static int next(TileSchedulerParams const&, int tile, int /*total*/) { return tile + int(gridDim.x); }
@@ -88,7 +89,7 @@ struct StaticTileScheduler {
     return {tile - bh * p.num_m_blocks, bh % p.num_heads, bh / p.num_heads};
   }
   template <class SeqlenOf>
-  CUTE_DEVICE static WorkTile decode(TileSchedulerParams const& p, Cache const&, int tile, SeqlenOf const& seqlen_of,
+  CUTE_DEVICE static WorkTile decode(TileSchedulerParams const& p, NoScheduleCache const&, int tile, SeqlenOf const& seqlen_of,
                                      SeqlenInfo& seq) {
     WorkTile const w = decode(p, tile);
     seq = seqlen_of(w.batch);
@@ -106,7 +107,7 @@ struct SplitTileScheduler : StaticTileScheduler {
     return {tile - bhs * p.num_m_blocks, bh % p.num_heads, bh / p.num_heads, bhs - bh * p.num_splits};
   }
   template <class SeqlenOf>
-  CUTE_DEVICE static WorkTile decode(TileSchedulerParams const& p, Cache const&, int tile, SeqlenOf const& seqlen_of,
+  CUTE_DEVICE static WorkTile decode(TileSchedulerParams const& p, NoScheduleCache const&, int tile, SeqlenOf const& seqlen_of,
                                      SeqlenInfo& seq) {
     WorkTile const w = decode(p, tile);
     seq = seqlen_of(w.batch);
@@ -151,12 +152,13 @@ CUTE_DEVICE int fetch_next_tile(int* counter, int total) {
 struct DynamicTileScheduler {
   static constexpr bool kNeedsCounter = true;
   static constexpr bool kAfterPrepare = false;
-  using Cache = NoScheduleCache;
+  template <int> using CacheT = NoScheduleCache;
+  static constexpr int cache_entries(int /*free_bytes*/) { return 0; }
 
   static constexpr bool kTakeBeforeLastV = false;
   template <class SeqlenOf>
-  CUTE_DEVICE static void stage(TileSchedulerParams const&, Cache&, int /*lane*/, SeqlenOf const&) {}
-  CUTE_DEVICE static int total(TileSchedulerParams const& p, Cache const&) { return p.total_tiles; }
+  CUTE_DEVICE static void stage(TileSchedulerParams const&, NoScheduleCache&, int /*lane*/, SeqlenOf const&) {}
+  CUTE_DEVICE static int total(TileSchedulerParams const& p, NoScheduleCache const&) { return p.total_tiles; }
   CUTE_DEVICE static int total(TileSchedulerParams const& p) { return p.total_tiles; }
   CUTE_DEVICE static int initial(TileSchedulerParams const&) { return int(blockIdx.x); }
   CUTE_DEVICE static int next(TileSchedulerParams const& p, int /*tile*/, int total) {
@@ -176,7 +178,7 @@ struct DynamicTileScheduler {
     return {p.num_m_blocks - 1 - m_idx, bh % p.num_heads, bh / p.num_heads};
   }
   template <class SeqlenOf>
-  CUTE_DEVICE static WorkTile decode(TileSchedulerParams const& p, Cache const&, int tile, SeqlenOf const& seqlen_of,
+  CUTE_DEVICE static WorkTile decode(TileSchedulerParams const& p, NoScheduleCache const&, int tile, SeqlenOf const& seqlen_of,
                                      SeqlenInfo& seq) {
     WorkTile const w = decode(p, tile);
     seq = seqlen_of(w.batch);
@@ -206,22 +208,30 @@ struct VarlenTileScheduler {
   static constexpr bool kNeedsCounter = true;
   static constexpr bool kAfterPrepare = true;
   static constexpr bool kTakeBeforeLastV = true;
-  static constexpr int kCacheEntries = 128;
-  struct Cache {
+  // The copy's capacity: up to 128 entries, as many as the kernel's free shared memory holds (head dim 256: ~70).
+  template <int kEntries>
+  struct CacheT {
+    static constexpr int kCapacity = kEntries;
     int total;
-    int prefix[kCacheEntries];  // as TileSchedulerParams::tile_prefix, entry_order, and the sorted entries' blocks
-    int order[kCacheEntries];
-    int blocks[kCacheEntries];
-    SeqlenInfo seq[kCacheEntries];  // the sorted entries' bounds
+    int prefix[kEntries];  // as TileSchedulerParams::tile_prefix, entry_order, and the sorted entries' blocks
+    int order[kEntries];
+    int blocks[kEntries];
+    SeqlenInfo seq[kEntries];  // the sorted entries' bounds
   };
-  CUTE_DEVICE static bool cached(TileSchedulerParams const& p) { return p.num_entries <= kCacheEntries; }
+  static constexpr int cache_entries(int free_bytes) {
+    int const n = (free_bytes - int(sizeof(CacheT<1>)) + int(sizeof(int) * 3 + sizeof(SeqlenInfo))) /
+                  int(sizeof(int) * 3 + sizeof(SeqlenInfo));
+    return n < 1 ? 1 : n > 128 ? 128 : n;
+  }
+  template <class Cache>
+  CUTE_DEVICE static bool cached(TileSchedulerParams const& p, Cache const&) { return p.num_entries <= Cache::kCapacity; }
 
   // One warp; the caller synchronizes it before reading. A sorted entry's blocks are its tiles over the
   // heads; a batch of 32 entries costs two L2 round trips (the order, then the bounds).
-  template <class SeqlenOf>
+  template <class Cache, class SeqlenOf>
   CUTE_DEVICE static void stage(TileSchedulerParams const& p, Cache& c, int lane, SeqlenOf const& seqlen_of) {
     if (lane == 0) c.total = *p.total_ptr;
-    if (!cached(p)) return;
+    if (!cached(p, c)) return;
     for (int s = lane; s < p.num_entries; s += 32) {
       int const incl = p.tile_prefix[s], excl = s > 0 ? p.tile_prefix[s - 1] : 0;
       int const entry = p.entry_order[s];
@@ -231,6 +241,7 @@ struct VarlenTileScheduler {
       c.seq[s] = seqlen_of(entry);
     }
   }
+  template <class Cache>
   CUTE_DEVICE static int total(TileSchedulerParams const& p, Cache const& c) { return c.total; }
   CUTE_DEVICE static int total(TileSchedulerParams const& p) { return *p.total_ptr; }
   CUTE_DEVICE static int initial(TileSchedulerParams const&) { return int(blockIdx.x); }
@@ -238,10 +249,10 @@ struct VarlenTileScheduler {
     return fetch_next_tile(p.counter, total);
   }
 
-  template <class SeqlenOf>
+  template <class Cache, class SeqlenOf>
   CUTE_DEVICE static WorkTile decode(TileSchedulerParams const& p, Cache const& c, int tile, SeqlenOf const& seqlen_of,
                                      SeqlenInfo& seq) {
-    if (!cached(p)) {
+    if (!cached(p, c)) {
       WorkTile const w = decode(p, tile);
       seq = seqlen_of(w.batch);
       return w;

@@ -208,7 +208,7 @@ struct VarlenTileScheduler {
   static constexpr bool kNeedsCounter = true;
   static constexpr bool kAfterPrepare = true;
   static constexpr bool kTakeBeforeLastV = true;
-  // The copy's capacity: up to 128 entries, as many as the kernel's free shared memory holds (head dim 256: ~70).
+  // The copy's capacity: up to 128 entries, as many as the kernel's free shared memory holds (head dim 256: 56).
   template <int kEntries>
   struct CacheT {
     static constexpr int kCapacity = kEntries;

@@ -277,15 +277,9 @@ struct FwdKernel {
           int next = -1;
           auto take_next = [&] { next = Scheduler::next(sched, tile, total_tiles); };
           if (t.has_rows && t.has_keys) {  // otherwise the consumers write zeros (or nothing), without Q
-            if constexpr (Scheduler::kTakeBeforeLastV) {
-              Mainloop::load(params.mainloop, pipeline_q, pipeline_load_k, pipeline_load_v, write_q, write_k, write_v,
-                             ss.tensors, t.seq, t.block_info, t.tile.m_block, t.tile.head, t.tile.batch,
-                             acquired_entry, take_next);
-            } else {
-              Mainloop::load(params.mainloop, pipeline_q, pipeline_load_k, pipeline_load_v, write_q, write_k, write_v,
-                             ss.tensors, t.seq, t.block_info, t.tile.m_block, t.tile.head, t.tile.batch,
-                             acquired_entry);
-            }
+            Mainloop::load(params.mainloop, pipeline_q, pipeline_load_k, pipeline_load_v, write_q, write_k, write_v,
+                           ss.tensors, t.seq, t.block_info, t.tile.m_block, t.tile.head, t.tile.batch, acquired_entry,
+                           [&] { if constexpr (Scheduler::kTakeBeforeLastV) take_next(); });
           }
           if (next < 0) take_next();
           tile = next;

@@ -55,7 +55,10 @@ inline TileSchedulerParams make_tile_scheduler_params(int num_m_blocks, int batc
   p.num_bh = batch * nheads_q;
   p.total_tiles = num_m_blocks * p.num_bh;
   int64_t const kv_heads = std::max<int64_t>(1, (l2_bytes / 2) / std::max<int64_t>(1, kv_bytes_per_kv_head));
-  p.heads_per_section = int(std::min<int64_t>(p.num_bh, kv_heads * heads_ratio));
+  // At most one batch entry's heads, as the packed order: on short sequences sections of ~100 (batch, head) pairs
+  // ran the causal forward 10% slower at head dim 128, 512 tokens (2-3% at 64 / 256; 2k-8k within noise;
+  // docs/perf-notes.md, session 33).
+  p.heads_per_section = int(std::min<int64_t>({p.num_bh, kv_heads * heads_ratio, int64_t(nheads_q)}));
   p.counter = counter;
   return p;
 }

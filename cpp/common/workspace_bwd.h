@@ -24,6 +24,7 @@ struct BwdWorkspace {
   static constexpr size_t kAlign = 256;
   size_t lse_log2 = 0, dpsum = 0;                      // float (batch_coords, nheads_q, seqlen_q_rounded)
   size_t varlen = 0;                                   // packed: VarlenWorkspace (the entries' tensor maps)
+  size_t tiles = 0;                                    // packed, kTileTable: int4 per CTA (its tile; varlen_prepare.h)
   size_t zero_begin = 0;                               // --- zeroed from here ---
   size_t dq_accum = 0;                                 // float (batch_coords, nheads_q, seqlen_q_rounded, headdim)
   size_t dk_accum = 0, dv_accum = 0;                   // GQA: float (batch_coords, nheads_kv, rows_k, headdim[_v])
@@ -40,7 +41,7 @@ struct BwdWorkspace {
   int rows_k = 0;            // rows per (batch coordinate, kv head) of dK/dV's sums: seqlen_k or total_k
   int n_blocks_k = 0;        // key blocks per (batch coordinate, kv head) of their counters
 
-  template <int kBlockM, int kBlockN, bool kVarlen = false>
+  template <int kBlockM, int kBlockN, bool kVarlen = false, bool kTileTable = false>
   static BwdWorkspace make(BwdParams const& p) {
     BwdWorkspace w;
     size_t at = 0;
@@ -60,6 +61,7 @@ struct BwdWorkspace {
     w.lse_log2 = take(bq * w.seqlen_q_rounded * sizeof(float));
     w.dpsum = take(bq * w.seqlen_q_rounded * sizeof(float));
     if (kVarlen) w.varlen = take(VarlenWorkspace::bytes(p.batch));
+    if (kVarlen && kTileTable) w.tiles = take(int64_t(w.n_blocks_k) * p.nheads_q * 4 * sizeof(int));  // the grid's CTAs
     w.zero_begin = at;
     // Rounded rows: the sm80 kernel adds whole tiles (sm90 uses the first seqlen_q rows of a head).
     w.dq_accum = take(bq * w.seqlen_q_rounded * p.headdim * sizeof(float));

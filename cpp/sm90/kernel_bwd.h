@@ -67,6 +67,8 @@ struct BwdKernel {
     int const warp_idx_in_wg = cutlass::canonical_warp_idx_sync() % cutlass::NumWarpsPerWarpGroup;
     bool const is_producer = warp_group_idx == 0;
     bool const is_loader = threadIdx.x == 0;  // the pipelines' leader: it sets the transaction bytes
+    [[maybe_unused]] int4 packed_tile{};
+    if constexpr (Mainloop::Seqlens::kPacked) packed_tile = load_packed_bwd_tile(params.scheduler, int(blockIdx.x));
 
     if (is_loader) {
       Mainloop::prefetch_descriptors(params.mainloop);
@@ -101,7 +103,7 @@ struct BwdKernel {
 
     BwdTile tile;
     if constexpr (Mainloop::Seqlens::kPacked) {
-      if (!decode_packed_bwd_tile(params.scheduler, int(blockIdx.x), tile)) return;  // past the schedule
+      if (!decode_packed_bwd_tile(params.scheduler, packed_tile, tile)) return;  // past the schedule
     } else {
       tile = decode_bwd_tile(params.scheduler, int(blockIdx.x));
     }

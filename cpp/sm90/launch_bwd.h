@@ -51,7 +51,9 @@ struct BwdConfig {
   using Mainloop = BwdMainloop<Element, Config::kHeadDim, Config::kHeadDimV, Tile, Config::kMask, kDeterministic,
                                typename ScoreModOf<Config::kScoreMod>::type, DropoutOf<Config::kDropout>,
                                ContiguousKVBlocks, Seqlens>;
-  static BwdWorkspace workspace(BwdParams const& p) { return BwdWorkspace::make<Tile::kBlockM, Tile::kBlockN, kVarlen>(p); }
+  static BwdWorkspace workspace(BwdParams const& p) {
+    return BwdWorkspace::make<Tile::kBlockM, Tile::kBlockN, kVarlen, /*kTileTable=*/true>(p);
+  }
 };
 
 // Steps 3 and 4 with one mainloop instantiation (packed batches: after the prepare kernel, which patches
@@ -125,11 +127,8 @@ int64_t launch_bwd_main(BwdParams const& params, BwdWorkspace const& ws, int num
     VarlenWorkspace const vw = kVarlen ? VarlenWorkspace::carve(ws.at<char>(p.workspace, ws.varlen), p.batch)
                                        : VarlenWorkspace{};
     if constexpr (kVarlen) {
-      kp.scheduler.num_entries = p.batch;
-      kp.scheduler.entry_n_blocks = vw.blocks;
-      kp.scheduler.entry_order = vw.order;
-      kp.scheduler.tile_prefix = vw.prefix;
-      kp.scheduler.total = vw.total;
+      int4* const tiles = ws.at<int4>(p.workspace, ws.tiles);
+      kp.scheduler.tiles = tiles;
       using Prepare = VarlenPrepare<Element, Mainloop::kBlockN, true, typename Mainloop::TMA_Q,
                                     typename Mainloop::TMA_K, typename Mainloop::TMA_V, typename Mainloop::TMA_dO,
                                     typename Epilogue::TMA_dK, typename Epilogue::TMA_dV>;
@@ -144,7 +143,7 @@ int64_t launch_bwd_main(BwdParams const& params, BwdWorkspace const& ws, int num
             {shape_k, stride(p.dk_row_stride, p.dk_head_stride, p.dk_batch_stride), kVarlendK, false},
             {Mainloop::shape_v_of(shape_k), stride(p.dv_row_stride, p.dv_head_stride, p.dv_batch_stride), kVarlendV,
              false}}},
-          seqlens, vw, p.batch, p.nheads_q};
+          seqlens, vw, p.batch, p.nheads_q, tiles, ctas};
       varlen_prepare_kernel<Prepare><<<Prepare::grid(p.batch), Prepare::kThreads, 0, stream>>>(pp);
       check_launch(cudaGetLastError(), "varlen prepare launch");
     }

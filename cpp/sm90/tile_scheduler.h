@@ -133,16 +133,6 @@ CUTE_DEVICE void decode_sorted_entry(int num_entries, int const* prefix, int con
   idx = tile - (lo > 0 ? prefix[lo - 1] : 0);
 }
 
-// The same, with each (entry, head)'s blocks consecutive: head and block index among the entry's `blocks`.
-CUTE_DEVICE void decode_sorted_entry_tile(int num_entries, int const* prefix, int const* order,
-                                          int const* entry_blocks, int tile, int& entry, int& head, int& block,
-                                          int& blocks) {
-  int idx;
-  decode_sorted_entry(num_entries, prefix, order, entry_blocks, tile, entry, idx, blocks);
-  head = idx / blocks;
-  block = idx - head * blocks;
-}
-
 // Every CTA fetches once per tile it runs, the last fetch failing; so exactly `total` fetches happen,
 // and the one that draws total - 1 is the last: it re-zeroes the counter for the next launch on this
 // stream.
@@ -300,12 +290,8 @@ struct BwdSchedulerParams {
   int num_n_blocks = 0;
   int nheads = 0;
   bool reverse_n = false;
-  // Packed batches (the prepare kernel's schedule over key blocks; the grid is an upper bound of `total`).
-  int num_entries = 0;
-  int const* entry_n_blocks = nullptr;
-  int const* entry_order = nullptr;
-  int const* tile_prefix = nullptr;
-  int const* total = nullptr;
+  // Packed batches: each CTA's tile, written by the prepare kernel (varlen_prepare.h; the grid is an upper bound).
+  int4 const* tiles = nullptr;
 };
 
 inline BwdSchedulerParams make_bwd_scheduler_params(int num_n_blocks, int /*batch*/, int nheads, bool deterministic) {
@@ -321,14 +307,12 @@ CUTE_DEVICE BwdTile decode_bwd_tile(BwdSchedulerParams const& p, int linear) {
 // Packed batches: the longest entries (by key blocks) first, each (entry, head)'s key blocks consecutive,
 // ordered as above; false past the schedule's last tile (the grid is an upper bound). CTAs waiting on
 // others (deterministic) still wait only on lower indices: within an entry, lower heads and, reversed,
-// higher key blocks come first. Every thread decodes (a warp-cooperative search, 32 prefix sums a round,
-// measured the same even where CTAs are shortest: docs/perf-notes.md, issue #21 session 2, H7).
-CUTE_DEVICE bool decode_packed_bwd_tile(BwdSchedulerParams const& p, int linear, BwdTile& tile) {
-  if (linear >= *p.total) return false;
-  int entry, head, n, blocks;
-  decode_sorted_entry_tile(p.num_entries, p.tile_prefix, p.entry_order, p.entry_n_blocks, linear, entry, head, n,
-                           blocks);
-  tile = {p.reverse_n ? blocks - 1 - n : n, head, entry};
+// higher key blocks come first. The prepare kernel decodes every CTA's tile into a table: one load,
+// {block, head, entry, the entry's blocks}, issued before the CTA sets up its barriers.
+CUTE_DEVICE int4 load_packed_bwd_tile(BwdSchedulerParams const& p, int linear) { return __ldg(p.tiles + linear); }
+CUTE_DEVICE bool decode_packed_bwd_tile(BwdSchedulerParams const& p, int4 t, BwdTile& tile) {
+  if (t.x < 0) return false;
+  tile = {p.reverse_n ? t.w - 1 - t.x : t.x, t.y, t.z};
   return true;
 }
 

@@ -7,7 +7,9 @@
 //   - The tile schedule (the forward's VarlenTileScheduler, the backward's decode_bwd_tile): each entry's
 //     blocks (of queries, or of keys), the entries sorted by them (rank by counting, O(batch^2) in one
 //     CTA: microseconds for hundreds of entries), the prefix sums of the sorted entries' tiles (blocks x
-//     query heads) and their total.
+//     query heads) and their total; for the backward (Params::tiles) also each CTA's tile, so that a CTA finds
+//     its tile in one load instead of a search over the prefix sums (a chain of ~8 dependent loads at every CTA
+//     start: the backward's CTAs are not persistent; docs/perf-notes.md, session 33).
 #pragma once
 
 #include <cub/block/block_scan.cuh>
@@ -47,6 +49,8 @@ struct VarlenPrepare {
     VarlenSeqlens seqlens;
     VarlenWorkspace ws;
     int batch, nheads_q;
+    int4* tiles = nullptr;  // (num_tiles,) {block, head, entry, entry's blocks}; block -1 past the schedule
+    int64_t num_tiles = 0;  // the grid of the kernel that reads them
   };
 
   static int grid(int batch) { return std::max(1, ceil_div(batch * kMaps, kWarps)); }
@@ -114,6 +118,20 @@ struct VarlenPrepare {
       __syncthreads();  // scan_storage is reused
     }
     if (tid == 0) *p.ws.total = carry;
+    if (p.tiles != nullptr) {
+      // Sorted entry s's tiles are [prefix[s - 1], prefix[s]), its heads one after another (the backward's
+      // order: kernel_bwd.h): a warp an entry.
+      int const lane = tid % 32;
+      for (int s = tid / 32; s < n; s += kWarps) {
+        int const e = p.ws.order[s], blocks = p.ws.blocks[e];
+        int const start = s > 0 ? p.ws.prefix[s - 1] : 0, count = p.ws.prefix[s] - start;
+        for (int i = lane; i < count; i += 32) {
+          int const head = i / blocks;
+          p.tiles[start + i] = make_int4(i - head * blocks, head, e, blocks);
+        }
+      }
+      for (int64_t i = carry + tid; i < p.num_tiles; i += kThreads) p.tiles[i] = make_int4(-1, 0, 0, 0);
+    }
   }
 
   CUTE_DEVICE static void run(Params const& p) {

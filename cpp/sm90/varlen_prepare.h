@@ -120,7 +120,8 @@ struct VarlenPrepare {
     if (tid == 0) *p.ws.total = carry;
     if (p.tiles != nullptr) {
       // Sorted entry s's tiles are [prefix[s - 1], prefix[s]), its heads one after another (the backward's
-      // order: kernel_bwd.h): a warp an entry.
+      // order: tile_scheduler.h, decode_packed_bwd_tile): a warp an entry (one long entry: one warp, microseconds
+      // against its backward's milliseconds).
       int const lane = tid % 32;
       for (int s = tid / 32; s < n; s += kWarps) {
         int const e = p.ws.order[s], blocks = p.ws.blocks[e];

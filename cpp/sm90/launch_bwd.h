@@ -39,6 +39,12 @@ namespace flashhopper {
 
 namespace sm90 {
 
+// The most key blocks per head with which the dQ writer's first key block stores (BwdConfig::dq_first_stores):
+// the waits for the first store grow with the key blocks that reach a query block together, the zeroing saved does
+// not. Measured on the H100 (perf-notes, session 34): without a mask a gain at 4 key blocks, even at 8; causal
+// +4% at 8, -3% at 16.
+inline int dq_first_store_max_blocks(MaskKind mask) { return mask == MaskKind::kNone ? 4 : 8; }
+
 template <class Config>
 struct BwdConfig {
   using Element = typename ElementOf<Config::kDType>::type;
@@ -52,10 +58,17 @@ struct BwdConfig {
   using Mainloop = BwdMainloop<Element, Config::kHeadDim, Config::kHeadDimV, Tile, Config::kMask, kDeterministic,
                                typename ScoreModOf<Config::kScoreMod>::type, DropoutOf<Config::kDropout>,
                                ContiguousKVBlocks, Seqlens>;
-  // dQ's sums unzeroed where the dQ writer's first key block stores them (every instantiation but the consumers' reds).
+  // The dQ writer (every instantiation but head dim 256's consumer reds; its deterministic one uses it but keeps the
+  // zeroing) stores each query block's first dQ instead of adding it to zeroed sums where that is cheaper: always
+  // when deterministic (the first in the order waits for no one), otherwise with few key blocks per head. With
+  // many, the key blocks reach each query block at once and all but the first wait for its store to land (d128:
+  // 512 tokens +8% non-causal, +18% causal; 2k -6%, 8k -10%: perf-notes, session 34).
+  static constexpr bool kDqWriter = !Mainloop<false>::kdQAtomic;
+  static bool dq_first_stores(BwdParams const& p) {
+    return kDqWriter && (p.deterministic || ceil_div(p.seqlen_k, Tile::kBlockN) <= dq_first_store_max_blocks(Config::kMask));
+  }
   static BwdWorkspace workspace(BwdParams const& p) {
-    return BwdWorkspace::make<Tile::kBlockM, Tile::kBlockN, kVarlen, /*kTileTable=*/true,
-                              /*kDqFirstStores=*/!Mainloop<false>::kdQAtomic>(p);
+    return BwdWorkspace::make<Tile::kBlockM, Tile::kBlockN, kVarlen, /*kTileTable=*/true, kDqWriter>(p, dq_first_stores(p));
   }
 };
 
@@ -97,10 +110,8 @@ int64_t launch_bwd_main(BwdParams const& params, BwdWorkspace const& ws, int num
   float* dk_accum = ws.gqa ? ws.at<float>(p.workspace, ws.dk_accum) : nullptr;
   float* dv_accum = ws.gqa ? ws.at<float>(p.workspace, ws.dv_accum) : nullptr;
   int* dq_sem = ws.at<int>(p.workspace, ws.dq_semaphore);
-  int* dq_first = ws.dq_first != 0 ? ws.at<int>(p.workspace, ws.dq_first) : nullptr;
-  if (!Mainloop::kdQAtomic && !p.deterministic && dq_first == nullptr) {
-    throw std::logic_error("flashhopper: the dQ writer needs the workspace's dq_first counters");
-  }
+  // nullptr: every key block adds (to zeroed sums), none waits.
+  int* dq_first = ws.dq_first_stores && !p.deterministic ? ws.at<int>(p.workspace, ws.dq_first) : nullptr;
   int* dkv_sem = p.deterministic && ws.gqa ? ws.at<int>(p.workspace, ws.dkv_semaphore) : nullptr;
 
   Seqlens const seqlens = bwd_seqlens<kVarlen>(p, ws);

@@ -338,7 +338,8 @@ struct BwdMainloop {
     float* dq_accum;        // same rows x headdim, float32 in fragment order (kBlockM-row blocks); zeroed only for
                             // kdQAtomic (the writer's first key block of a query block stores, the others add)
     int* dq_semaphore;      // per query block of dq_accum, zeroed: key blocks whose dQ additions have landed
-    int* dq_first;          // kWriterBulk, not deterministic: per query block, zeroed: key blocks that took a turn
+    int* dq_first;          // not deterministic: per query block, zeroed: key blocks that took a turn (the first
+                            // stores); nullptr: dq_accum is zeroed and every key block adds
     bool deterministic;     // key blocks add in a fixed order (they wait on dq_semaphore)
     int seqlen_q_rounded;
     int heads_ratio;
@@ -493,10 +494,11 @@ struct BwdMainloop {
 
   // ---------------------------------------------------------------------------------------------
   // dQ writer (kWriterBulk): one warp. As each consumer warpgroup fills its buffer with its share of a
-  // dQ slice, one lane sends it to dq_accum and hands the buffer back once it has been read. The first key
-  // block to reach a query block stores its dQ there and counts it in dq_semaphore as soon as it has landed;
-  // the others wait for that count, then bulk-reduce-add theirs. So dq_accum needs no zeroing: the preprocess
-  // wrote 4 bytes per dQ element (and the first addition read them back) for nothing but this.
+  // dQ slice, one lane sends it to dq_accum and hands the buffer back once it has been read. With dq_first (the
+  // launcher's choice, short key ranges), the first key block to reach a query block stores its dQ there and
+  // counts it in dq_semaphore as soon as it has landed; the others wait for that count, then bulk-reduce-add
+  // theirs. dq_accum then needs no zeroing: the preprocess wrote 4 bytes per dQ element (and the first addition
+  // read them back) for nothing but this. Without it every key block adds to the zeroed sums.
   // Once a query block's additions have landed in global memory, its dq_semaphore counts them: the
   // postprocess converts a block as soon as every key block has counted (it runs beside this
   // kernel's tail). Deterministic: key blocks add one at a time, in later_key_blocks order (the first one
@@ -510,7 +512,7 @@ struct BwdMainloop {
     if (m_end <= m_begin) return;  // no query sees the block: the consumers hand nothing over
     int64_t const m_block0 = first_m_block(p, seq, head, batch);
     int* const sem_bh = p.dq_semaphore + m_block0;
-    int* const first_bh = p.dq_first + m_block0;  // (unused when deterministic: nullptr + offset, never read)
+    int* const first_bh = p.dq_first + m_block0;  // (read only where dq_first is not nullptr)
     float* const dq_bh = p.dq_accum + m_block0 * int64_t(kBlockM * kHeadDim);  // fragment order
     bool const lane0 = cute::elect_one_sync();
     constexpr int kGroupsPerBlock = kdQSlices * kNumMmaWG;  // bulk async-groups the writer commits per block
@@ -535,7 +537,7 @@ struct BwdMainloop {
           turn = later_key_blocks(bi, m_block, n_block);
           wait_at_least(sem_bh + m_block, turn);
         } else {
-          turn = atomicAdd(first_bh + m_block, 1);
+          turn = p.dq_first != nullptr ? atomicAdd(first_bh + m_block, 1) : 1;
         }
       }
       __syncwarp();
@@ -550,7 +552,7 @@ struct BwdMainloop {
             if (turn == 0) {
               SM90_BULK_COPY_S2G::copy(src, dst, kdQHalfFloats * sizeof(float));
             } else {
-              if (!p.deterministic && slice == 0 && wg == 0) {  // the first key block's store has landed
+              if (!p.deterministic && p.dq_first != nullptr && slice == 0 && wg == 0) {  // the first's store landed
                 wait_at_least_masked(sem_bh + m_block, 1, ~kDqUnlanded);
                 asm volatile("fence.proxy.async.global;" ::: "memory");
               }

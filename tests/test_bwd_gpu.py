@@ -288,6 +288,30 @@ def test_no_queries(causal: bool, deterministic: bool, backend: str) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("headdim", [64, 128])
+def test_workspace_not_assumed_zero(headdim: int, causal: bool, deterministic: bool, backend: str) -> None:
+    # The backward's workspace comes from torch.empty: the Hopper kernel does not zero dQ's float32 sums (the
+    # first key block to reach a query block stores), so memory the caching allocator hands back full of NaN
+    # must not reach a gradient. 300 queries over 100 keys, causal: the top 200 rows see no key (their dq is 0
+    # without any key block writing their sums); several key blocks per query block elsewhere.
+    require_backend(backend, torch.bfloat16, headdim, causal, mode="bwd")
+    q, k, v = randn_qkv(2, 300, 1000 if not causal else 100, 8, 2, headdim, torch.bfloat16, "cuda")
+    scale = 1 / math.sqrt(headdim)
+    out, lse = forward(q, k, v, scale, causal, backend)
+    dout = torch.randn_like(q)
+    for _ in range(2):
+        junk = torch.full((64 << 20,), math.nan, device="cuda")  # 256 MB of NaN, back in the allocator's cache
+        del junk
+        grads = backward(dout, q, k, v, out, lse, scale, causal, backend, deterministic)
+        assert_grads_match(grads, dout, q, k, v, scale, causal)
+    if causal:
+        assert (grads[0][:, :200] == 0).all()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
 def test_no_keys_and_no_queries_through_autograd(causal: bool) -> None:
     require_backend(native(), torch.bfloat16, 128, causal, mode="bwd")

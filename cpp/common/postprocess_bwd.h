@@ -51,6 +51,24 @@ CUTE_DEVICE void store_scaled8(Element* dst, Accum8 const& a, float scale) {
   *reinterpret_cast<uint4*>(dst) = reinterpret_cast<uint4 const&>(out);
 }
 
+// Rows [0, rows) of dst set to 0 by the CTA (16-byte stores where dst's rows allow, else pairs).
+template <class Element>
+CUTE_DEVICE void zero_rows(Element* dst, int rows, ConvertAccumParams const& p) {
+  if (p.row_stride % 8 == 0 && p.headdim % 8 == 0 && reinterpret_cast<uintptr_t>(dst) % 16 == 0) {
+    int const vecs = p.headdim / 8;
+    for (int v = threadIdx.x; v < rows * vecs; v += blockDim.x) {
+      int const r = v / vecs, c = (v - r * vecs) * 8;
+      *reinterpret_cast<uint4*>(dst + r * p.row_stride + c) = make_uint4(0, 0, 0, 0);
+    }
+  } else {
+    int const pairs = p.headdim / 2;
+    for (int v = threadIdx.x; v < rows * pairs; v += blockDim.x) {
+      int const r = v / pairs, c = (v - r * pairs) * 2;
+      *reinterpret_cast<uint32_t*>(dst + r * p.row_stride + c) = 0u;
+    }
+  }
+}
+
 template <class Element>
 __global__ void __launch_bounds__(256) convert_accum_kernel(ConvertAccumParams const p) {
   int64_t const total = int64_t(p.batch) * p.nheads * p.seqlen * (p.headdim / 8);
@@ -124,7 +142,7 @@ CUTE_DEVICE void convert_frag_block(float const* src, Element* dst, int rows, El
 }
 
 // dQ one query block at a time, each once the main kernel has counted all the key blocks that add
-// to it (BlockInfo::num_n_blocks_of; zero for rows that see no key, whose dQ is the zeroed accumulator)
+// to it (BlockInfo::num_n_blocks_of; zero for rows that see no key: their dQ is 0, their sums never written)
 // and, where some were counted as issued (kDqUnlanded), once the main kernel has completed.
 // Launched as a programmatic dependent of the main kernel, so its CTAs fill the SMs that the main
 // kernel's tail leaves idle. Blocks are handed out in the order the main kernel finishes them:
@@ -177,7 +195,7 @@ __global__ void __launch_bounds__(256) convert_dq_when_ready_kernel(ConvertDqRea
 #if defined(__CUDA_ARCH__)
   static_assert(cutlass::arch::IsGdcGloballyEnabled, "build with -DCUTLASS_ENABLE_GDC_FOR_SM90 (see CMakeLists.txt)");
 #endif
-  __shared__ int next[3];  // batch (-1: no more work, -2: none this round), head, block
+  __shared__ int next[4];  // batch (-1: no more work, -2: none this round), head, block, key blocks adding to it
   extern __shared__ __align__(16) char convert_smem[];  // convert_frag_block's tile (dq_tile_smem_bytes)
   Element* const tile = reinterpret_cast<Element*>(convert_smem);
   int const nheads = p.accum.nheads;
@@ -185,11 +203,11 @@ __global__ void __launch_bounds__(256) convert_dq_when_ready_kernel(ConvertDqRea
   for (;;) {
     if (threadIdx.x == 0) {
       int const t = atomicAdd(p.ticket, 1);
-      int batch = -1, head = 0, m_block = 0;
+      int batch = -1, head = 0, m_block = 0, need = 0;
       if (t < total) {
         if (decode_dq_ticket(p, t, batch, head, m_block)) {
           SeqlenInfo const seq = p.seqlens(batch);
-          int const need = BlockInfo{seq, p.window_left, p.window_right}.num_n_blocks_of(m_block);
+          need = BlockInfo{seq, p.window_left, p.window_right}.num_n_blocks_of(m_block);
           int64_t const block =
               scratch_row0_q<BlockInfo::kM>(p.seqlens, seq, batch, head, nheads, p.blocks_per_head * p.block_m) /
                   p.block_m + m_block;
@@ -203,10 +221,10 @@ __global__ void __launch_bounds__(256) convert_dq_when_ready_kernel(ConvertDqRea
           batch = -2;
         }
       }
-      next[0] = batch, next[1] = head, next[2] = m_block;
+      next[0] = batch, next[1] = head, next[2] = m_block, next[3] = need;
     }
     __syncthreads();
-    int const batch = next[0], head = next[1], m_block = next[2];
+    int const batch = next[0], head = next[1], m_block = next[2], need = next[3];
     __syncthreads();  // everyone has read `next` before thread 0 writes it again
     if (batch == -1) break;
     if (batch == -2) continue;
@@ -216,6 +234,10 @@ __global__ void __launch_bounds__(256) convert_dq_when_ready_kernel(ConvertDqRea
     int const rows = min(p.block_m, seq.seqlen_q - m_block * p.block_m);
     Element* dst = static_cast<Element*>(p.accum.out) + seq.batch_coord * p.accum.batch_stride +
                    head * p.accum.head_stride + (int64_t(seq.offset_q) + m_block * p.block_m) * p.accum.row_stride;
+    if (need == 0) {  // no key block wrote its sums (the sm90 writer stores the first instead of zeroing)
+      zero_rows(dst, min(rows, BlockInfo::kM), p.accum);
+      continue;
+    }
     // A query block of 128 rows is two 64-row fragment blocks (dq_frag_layout.h).
     constexpr int kFragRows = DqFragLayout<kFragCols>::kBlockM;
     CUTE_UNROLL

@@ -4,8 +4,9 @@
 // with sinks such rows have the sink's finite LSE and their P is 0 by the mask). With sinks,
 // also each row's share of the sinks' gradient (the main kernel needs nothing else for sinks: the
 // LSE includes them).
-// It also zeroes the workspace's accumulators and semaphores, split evenly over its blocks: one kernel
-// instead of a memset and a kernel (the main kernel runs after it on the stream).
+// It also zeroes the workspace's semaphores and accumulators (not the sm90 dQ writer's sums, which its first
+// key block stores), split evenly over its blocks: one kernel instead of a memset and a kernel (the main kernel
+// runs after it on the stream).
 // Memory-bound: 16-byte loads and stores, a few threads per row, shuffles to reduce.
 #pragma once
 

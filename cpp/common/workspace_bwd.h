@@ -25,24 +25,30 @@ struct BwdWorkspace {
   size_t lse_log2 = 0, dpsum = 0;                      // float (batch_coords, nheads_q, seqlen_q_rounded)
   size_t varlen = 0;                                   // packed: VarlenWorkspace (the entries' tensor maps)
   size_t tiles = 0;                                    // packed, kTileTable: int4 per CTA (its tile; varlen_prepare.h)
+  size_t dq_accum = 0;                                 // float (batch_coords, nheads_q, seqlen_q_rounded, headdim);
+                                                       // zeroed unless dq_first_stores (then before zero_begin)
   size_t zero_begin = 0;                               // --- zeroed from here ---
-  size_t dq_accum = 0;                                 // float (batch_coords, nheads_q, seqlen_q_rounded, headdim)
   size_t dk_accum = 0, dv_accum = 0;                   // GQA: float (batch_coords, nheads_kv, rows_k, headdim[_v])
   size_t dq_semaphore = 0;                             // int per (batch_coord, head, query block): key blocks
                                                        // whose dQ additions have landed (sm90 counts
                                                        // them always, sm80 when deterministic), or
                                                        // been issued: then kDqUnlanded is set too
   size_t dq_ticket = 0;                                // int: next query block for the dQ postprocess
+  size_t dq_first = 0;                                 // kDqWriter: int per query block, the key blocks that have
+                                                       // taken a turn at it (the first one stores its dQ)
   size_t dkv_semaphore = 0;                            // deterministic GQA: int per (batch_coord, kv head, key block)
   size_t zero_end = 0, total = 0;
   bool gqa = false;
+  bool dq_first_stores = false;  // dq_accum is not zeroed: the first key block at each query block stores
   int seqlen_q_rounded = 0;  // rows per (batch coordinate, head) of the per-row pieces: whole query blocks
   int batch_coords = 0;      // batch (padded) or 1 (packed)
   int rows_k = 0;            // rows per (batch coordinate, kv head) of dK/dV's sums: seqlen_k or total_k
   int n_blocks_k = 0;        // key blocks per (batch coordinate, kv head) of their counters
 
-  template <int kBlockM, int kBlockN, bool kVarlen = false, bool kTileTable = false>
-  static BwdWorkspace make(BwdParams const& p) {
+  // kDqWriter (sm90's dQ writer): dq_first's counters. dq_first_stores: the first key block to reach a query
+  // block stores its dQ where the others add theirs, so dq_accum is not zeroed (perf-notes, session 34).
+  template <int kBlockM, int kBlockN, bool kVarlen = false, bool kTileTable = false, bool kDqWriter = false>
+  static BwdWorkspace make(BwdParams const& p, bool dq_first_stores = false) {
     BwdWorkspace w;
     size_t at = 0;
     auto take = [&](size_t bytes) {
@@ -51,6 +57,7 @@ struct BwdWorkspace {
       return here;
     };
     w.gqa = p.nheads_q != p.nheads_kv;
+    w.dq_first_stores = dq_first_stores;
     w.batch_coords = kVarlen ? 1 : p.batch;
     // Packed: entry b's blocks start at block (cu_seqlens[b] + b * kBlock) / kBlock, all within these rows.
     w.seqlen_q_rounded = kVarlen ? ceil_div(p.total_q + p.batch * kBlockM, kBlockM) * kBlockM
@@ -62,15 +69,18 @@ struct BwdWorkspace {
     w.dpsum = take(bq * w.seqlen_q_rounded * sizeof(float));
     if (kVarlen) w.varlen = take(VarlenWorkspace::bytes(p.batch));
     if (kVarlen && kTileTable) w.tiles = take(int64_t(w.n_blocks_k) * p.nheads_q * 4 * sizeof(int));  // the grid's CTAs
-    w.zero_begin = at;
     // Rounded rows: the sm80 kernel adds whole tiles (sm90 uses the first seqlen_q rows of a head).
-    w.dq_accum = take(bq * w.seqlen_q_rounded * p.headdim * sizeof(float));
+    size_t const dq_bytes = bq * w.seqlen_q_rounded * p.headdim * sizeof(float);
+    if (dq_first_stores) w.dq_accum = take(dq_bytes);
+    w.zero_begin = at;
+    if (!dq_first_stores) w.dq_accum = take(dq_bytes);
     if (w.gqa) {
       w.dk_accum = take(bkv * w.rows_k * p.headdim * sizeof(float));
       w.dv_accum = take(bkv * w.rows_k * p.headdim_v * sizeof(float));
     }
     w.dq_semaphore = take(bq * (w.seqlen_q_rounded / kBlockM) * sizeof(int));
     w.dq_ticket = take(sizeof(int));
+    if (kDqWriter) w.dq_first = take(bq * (w.seqlen_q_rounded / kBlockM) * sizeof(int));
     if (p.deterministic && w.gqa) w.dkv_semaphore = take(bkv * w.n_blocks_k * sizeof(int));
     w.zero_end = at;
     w.total = at;

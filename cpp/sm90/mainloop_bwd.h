@@ -335,8 +335,11 @@ struct BwdMainloop {
     // Per-row scratch (common/workspace_bwd.h), each (entry, head) from its scratch_row0_q on:
     float const* lse_log2;  // (batch_coords, head, seqlen_q_rounded): LSE * log2(e), +inf where P must be 0
     float const* dpsum;     // same: rowsum(dO * O) - dLSE, 0 on padding rows
-    float* dq_accum;        // same rows x headdim, float32 in fragment order (kBlockM-row blocks), zeroed
+    float* dq_accum;        // same rows x headdim, float32 in fragment order (kBlockM-row blocks); zeroed only for
+                            // kdQAtomic (the writer's first key block of a query block stores, the others add)
     int* dq_semaphore;      // per query block of dq_accum, zeroed: key blocks whose dQ additions have landed
+    int* dq_first;          // not deterministic: per query block, zeroed: key blocks that took a turn (the first
+                            // stores); nullptr: dq_accum is zeroed and every key block adds
     bool deterministic;     // key blocks add in a fixed order (they wait on dq_semaphore)
     int seqlen_q_rounded;
     int heads_ratio;
@@ -361,7 +364,7 @@ struct BwdMainloop {
   static Params make_params(Element const* q, StrideQKV stride_q, Element const* dout, StrideQKV stride_do,
                             ShapeQKV shape_q, Element const* k, StrideQKV stride_k, Element const* v,
                             StrideQKV stride_v, ShapeQKV shape_k, float const* lse_log2, float const* dpsum,
-                            float* dq_accum, int* dq_semaphore, bool deterministic, int seqlen_q_rounded,
+                            float* dq_accum, int* dq_semaphore, int* dq_first, bool deterministic, int seqlen_q_rounded,
                             float softmax_scale, Seqlens seqlens, int window_left, int window_right,
                             ScoreMod score_mod = {}, typename KVBlocks::Params kv_blocks = {}, Dropout dropout = {}) {
     auto mQ = make_tensor(make_gmem_ptr(q), shape_q, stride_q);
@@ -378,6 +381,7 @@ struct BwdMainloop {
             dpsum,
             dq_accum,
             dq_semaphore,
+            dq_first,
             deterministic,
             seqlen_q_rounded,
             get<2>(shape_q) / get<2>(shape_k),
@@ -490,38 +494,52 @@ struct BwdMainloop {
 
   // ---------------------------------------------------------------------------------------------
   // dQ writer (kWriterBulk): one warp. As each consumer warpgroup fills its buffer with its share of a
-  // dQ slice, one lane bulk-reduce-adds it into dq_accum and hands the buffer back once it has been read.
+  // dQ slice, one lane sends it to dq_accum and hands the buffer back once it has been read. With dq_first (the
+  // launcher's choice, short key ranges), the first key block to reach a query block stores its dQ there and
+  // counts it in dq_semaphore as soon as it has landed; the others wait for that count, then bulk-reduce-add
+  // theirs. dq_accum then needs no zeroing: the preprocess wrote 4 bytes per dQ element (and the first addition
+  // read them back) for nothing but this. Without it every key block adds to the zeroed sums.
   // Once a query block's additions have landed in global memory, its dq_semaphore counts them: the
   // postprocess converts a block as soon as every key block has counted (it runs beside this
-  // kernel's tail). Deterministic: key blocks add one at a time, in later_key_blocks order, and
-  // count at once; otherwise a block is counted kdQCountLag query blocks later, and the last ones
-  // on landing or, kCountLastIssued, as issued.
+  // kernel's tail). Deterministic: key blocks add one at a time, in later_key_blocks order (the first one
+  // stores), and count at once; otherwise the first to take a turn (dq_first) stores, the others' blocks are
+  // counted kdQCountLag query blocks later, and the last ones on landing or, kCountLastIssued, as issued.
   CUTE_DEVICE static void store_dq(Params const& p, TensorStorage& ts, SeqlenInfo const& seq, BlockInfoT const& bi,
                                    int n_block, int head, int batch) {
     if constexpr (kdQAtomic) return;  // the consumers add and count dQ themselves
+    static_assert(kdQCountLag == 1, "the writer remembers whether the block before this one was its stored one");
     int const m_begin = bi.m_block_min(n_block), m_end = bi.m_block_max(n_block);
     if (m_end <= m_begin) return;  // no query sees the block: the consumers hand nothing over
     int64_t const m_block0 = first_m_block(p, seq, head, batch);
     int* const sem_bh = p.dq_semaphore + m_block0;
+    int* const first_bh = p.dq_first + m_block0;  // (read only where dq_first is not nullptr)
     float* const dq_bh = p.dq_accum + m_block0 * int64_t(kBlockM * kHeadDim);  // fragment order
     bool const lane0 = cute::elect_one_sync();
     constexpr int kGroupsPerBlock = kdQSlices * kNumMmaWG;  // bulk async-groups the writer commits per block
-    // Count blocks [m_first, m_last] once at most kPending bulk groups (the newest) are in flight.
-    auto count = [&](int m_first, int m_last, auto pending) {
-      if (lane0) {
-        asm volatile("cp.async.bulk.wait_group %0;" ::"n"(decltype(pending)::value) : "memory");  // writes done
-        asm volatile("fence.proxy.async.global;" ::: "memory");  // the async proxy's writes, then the count
-        for (int m = m_first; m <= m_last; ++m) {
-          cuda::atomic_ref<int, cuda::thread_scope_device>(sem_bh[m]).fetch_add(1, cuda::memory_order_release);
-        }
-      }
-      __syncwarp();
+    auto add_count = [&](int m) {
+      cuda::atomic_ref<int, cuda::thread_scope_device>(sem_bh[m]).fetch_add(1, cuda::memory_order_release);
+    };
+    // Lane 0: once at most kPending bulk groups (the newest) are in flight, the async proxy's writes before the count.
+    auto landed = [&](auto pending) {
+      asm volatile("cp.async.bulk.wait_group %0;" ::"n"(decltype(pending)::value) : "memory");
+      asm volatile("fence.proxy.async.global;" ::: "memory");
     };
 
     CUTE_UNROLL
     for (int wg = 0; wg < kNumMmaWG; ++wg) cutlass::arch::NamedBarrier::arrive(kdQHandoffThreads, kBwddQEmpty0 + wg);
+    bool stored_next = false;  // lane 0: block m_block + 1 was stored (and counted) by this key block
     for (int m_block = m_end - 1; m_block >= m_begin; --m_block) {
-      if (p.deterministic && lane0) wait_at_least(sem_bh + m_block, later_key_blocks(bi, m_block, n_block));
+      // Lane 0: whether this key block stores the query block's dQ. The turn is taken before the dQ is staged,
+      // so the atomic's round trip runs under the wait for it.
+      int turn = 0;
+      if (lane0) {
+        if (p.deterministic) {
+          turn = later_key_blocks(bi, m_block, n_block);
+          wait_at_least(sem_bh + m_block, turn);
+        } else {
+          turn = p.dq_first != nullptr ? atomicAdd(first_bh + m_block, 1) : 1;
+        }
+      }
       __syncwarp();
       CUTE_UNROLL
       for (int slice = 0; slice < kdQSlices; ++slice) {
@@ -529,8 +547,17 @@ struct BwdMainloop {
         for (int wg = 0; wg < kNumMmaWG; ++wg) {
           cutlass::arch::NamedBarrier::sync(kdQHandoffThreads, kBwddQFull0 + wg);
           if (lane0) {
-            bulk_reduce_add(dq_bh + m_block * int64_t(kBlockM * kHeadDim) + dq_share_offset(slice, wg),
-                            ts.smem_dq.data() + wg * kdQHalfFloats, kdQHalfFloats * sizeof(float));
+            float* const dst = dq_bh + m_block * int64_t(kBlockM * kHeadDim) + dq_share_offset(slice, wg);
+            float const* const src = ts.smem_dq.data() + wg * kdQHalfFloats;
+            if (turn == 0) {
+              SM90_BULK_COPY_S2G::copy(src, dst, kdQHalfFloats * sizeof(float));
+            } else {
+              if (!p.deterministic && p.dq_first != nullptr && slice == 0 && wg == 0) {  // the first's store landed
+                wait_at_least_masked(sem_bh + m_block, 1, ~kDqUnlanded);
+                asm volatile("fence.proxy.async.global;" ::: "memory");
+              }
+              bulk_reduce_add(dst, src, kdQHalfFloats * sizeof(float));
+            }
             tma_store_arrive();
           }
         }
@@ -541,23 +568,36 @@ struct BwdMainloop {
         __syncwarp();
         cutlass::arch::NamedBarrier::arrive(kdQHandoffThreads, kBwddQEmpty0 + 1);
       }
-      if (p.deterministic) {
-        count(m_block, m_block, Int<0>{});
-      } else if (m_block + kdQCountLag < m_end) {
-        count(m_block + kdQCountLag, m_block + kdQCountLag, Int<kdQCountLag * kGroupsPerBlock>{});
+      if (lane0) {
+        if (p.deterministic) {
+          landed(Int<0>{});
+          add_count(m_block);
+        } else {
+          if (turn == 0) {  // at once: the other key blocks wait for it
+            landed(Int<0>{});
+            add_count(m_block);
+          }
+          if (m_block + kdQCountLag < m_end && !stored_next) {
+            if (turn != 0) landed(Int<kdQCountLag * kGroupsPerBlock>{});
+            add_count(m_block + kdQCountLag);
+          }
+          stored_next = turn == 0;
+        }
       }
+      __syncwarp();
     }
-    if (p.deterministic) return;
-    if constexpr (!kCountLastIssued) {
-      count(m_begin, imin(m_end, m_begin + kdQCountLag) - 1, Int<0>{});
-    } else if (lane0) {
-      // Their reads of shared memory are done (the loop waited for them).
-      for (int m = m_begin; m < imin(m_end, m_begin + kdQCountLag); ++m) {
-        cuda::atomic_ref<int, cuda::thread_scope_device> sem(sem_bh[m]);
+    if (lane0 && !p.deterministic && !stored_next) {  // m_begin's count, unless stored (and counted) here
+      if constexpr (!kCountLastIssued) {
+        landed(Int<0>{});
+        add_count(m_begin);
+      } else {
+        // Its reads of shared memory are done (the loop waited for them).
+        cuda::atomic_ref<int, cuda::thread_scope_device> sem(sem_bh[m_begin]);
         sem.fetch_or(kDqUnlanded, cuda::memory_order_relaxed);  // before the count: a reader of it sees the mark
         sem.fetch_add(1, cuda::memory_order_relaxed);
       }
     }
+    __syncwarp();
   }
 
   // Dropout (the producer warpgroup's warps 2-3, tid in [0, DropFeed::kThreads)): the key block's keep masks, step by

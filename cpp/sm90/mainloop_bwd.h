@@ -335,8 +335,8 @@ struct BwdMainloop {
     // Per-row scratch (common/workspace_bwd.h), each (entry, head) from its scratch_row0_q on:
     float const* lse_log2;  // (batch_coords, head, seqlen_q_rounded): LSE * log2(e), +inf where P must be 0
     float const* dpsum;     // same: rowsum(dO * O) - dLSE, 0 on padding rows
-    float* dq_accum;        // same rows x headdim, float32 in fragment order (kBlockM-row blocks); zeroed only for
-                            // kdQAtomic (the writer's first key block of a query block stores, the others add)
+    float* dq_accum;        // same rows x headdim, float32 in fragment order (kBlockM-row blocks); zeroed unless the
+                            // launcher chose first stores (BwdConfig::dq_first_stores: dq_first, or deterministic)
     int* dq_semaphore;      // per query block of dq_accum, zeroed: key blocks whose dQ additions have landed
     int* dq_first;          // not deterministic: per query block, zeroed: key blocks that took a turn (the first
                             // stores); nullptr: dq_accum is zeroed and every key block adds

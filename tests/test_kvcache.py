@@ -15,7 +15,8 @@ import torch
 
 from flashhopper import _device, _ext, _launch, attention_kvcache_ref, flash_attn_with_kvcache
 from flashhopper.kernel_key import KernelKey, from_dict
-from flashhopper.kvcache import CacheShapes, kernel_num_splits, num_splits_heuristic, resolve_backend
+from flashhopper.kvcache import (SPLIT_TILE_START_BLOCKS, CacheShapes, kernel_num_splits, num_splits_heuristic,
+                                 resolve_backend)
 
 F64 = torch.float64
 
@@ -513,7 +514,7 @@ def test_no_kernel_for_cuda_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
 # --- split-KV heuristic ---
 
 @pytest.mark.parametrize(("tiles", "num_sms", "n_blocks", "want"), [
-    (8, 132, 1024, 14),     # batch 1 x 8 kv heads (GQA-packed decode), 128k keys: split
+    (8, 132, 1024, 16),     # batch 1 x 8 kv heads (GQA-packed decode), 128k keys: 128 SMs, 64 blocks each
     (1024, 132, 32, 1),     # batch 128 x 8 kv heads: the SMs are full already
     (128 * 32, 132, 64, 1),
     (106, 132, 100, 1),     # >= 80% of the SMs
@@ -521,6 +522,8 @@ def test_no_kernel_for_cuda_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
     (8, 132, 1, 1),         # one key block: nothing to split
     (0, 132, 100, 1),
     (1, 132, 3, 3),
+    (1, 132, 1024, 128),    # one tile: the most splits the heuristic takes (8 blocks each)
+    (64, 132, 16, 2),       # two waves of 8 + 2 blocks would cost more than one of 8 + 2
 ])
 def test_num_splits_heuristic(tiles: int, num_sms: int, n_blocks: int, want: int) -> None:
     assert num_splits_heuristic(tiles, num_sms, n_blocks) == want
@@ -534,12 +537,14 @@ def test_kernel_num_splits() -> None:
     assert kernel_num_splits(7, 1, 8, 4, 200, 64, 128, 132) == 2  # never more splits than key blocks
     assert kernel_num_splits(3, 1, 8, 4, 1000, 64, 128, 132) == 3
     assert kernel_num_splits(5, 1, 8, 4, 0, 64, 128, 132) == 1
-    # every eligible split count's efficiency is within 85% of the best: the smallest such
+    # the busiest SM's work, (tiles * s / SMs rounded up) x (blocks per split + a tile's start), is the least over
+    # every split count, and no smaller count has as little
     for tiles in range(1, 106):
-        s = num_splits_heuristic(tiles, 132, 512)
-        eff = (tiles * s / 132) / math.ceil(tiles * s / 132)
-        assert eff >= 0.85 * max((tiles * t / 132) / math.ceil(tiles * t / 132) for t in range(1, 129)
-                                 if t == 1 or math.ceil(512 / t) != math.ceil(512 / (t - 1)))
+        for n_blocks in (2, 7, 64, 512, 1024):
+            s = num_splits_heuristic(tiles, 132, n_blocks)
+            work = [math.ceil(tiles * t / 132) * (math.ceil(n_blocks / t) + SPLIT_TILE_START_BLOCKS)
+                    for t in range(1, min(128, n_blocks) + 1)]
+            assert work[s - 1] == min(work) and min(work) not in work[:s - 1], (tiles, n_blocks, s)
 
 
 # --- the ops ---

@@ -35,6 +35,8 @@ from .ops import window_edges
 DEBUG_ENV = "FLASHHOPPER_DEBUG_KVCACHE"
 # The heuristic's largest split count (FlashAttention-2's), and the largest a caller may ask for.
 HEURISTIC_MAX_SPLITS = 128
+# A tile's start (its Q, the first K/V blocks' latency, the partial store) in key blocks' time, for the heuristic.
+SPLIT_TILE_START_BLOCKS = 2
 MAX_SPLITS = 256
 # The kernels load K/V in chunks of 16 rows: a paged cache's pages hold a multiple of that.
 PAGE_ROWS_MULTIPLE = 16
@@ -213,20 +215,19 @@ def check_kvcache_values(shapes: CacheShapes, cache_seqlens: torch.Tensor | int 
 # --- split-KV ---
 
 def num_splits_heuristic(tiles: int, num_sms: int, n_blocks: int, max_splits: int = HEURISTIC_MAX_SPLITS) -> int:
-    """FlashAttention-2's choice of split-KV count: 1 when the ``tiles`` (batch x heads x query blocks) nearly
-    fill the ``num_sms`` multiprocessors (>= 80%); else, among the split counts s up to min(max_splits, num_sms,
-    n_blocks) that change the key blocks per split (ceil(n_blocks / s) != ceil(n_blocks / (s - 1))), the smallest
-    whose wave efficiency (tiles * s / num_sms) / ceil(tiles * s / num_sms) is at least 85% of the best one's."""
+    """The split-KV count: 1 when the ``tiles`` (batch x heads x query blocks) nearly fill the ``num_sms``
+    multiprocessors (>= 80%); else the count s up to min(max_splits, n_blocks) that gives the busiest SM the least
+    work, ceil(tiles * s / num_sms) tiles (the persistent static order deals them round-robin) of ceil(n_blocks / s)
+    key blocks each plus SPLIT_TILE_START_BLOCKS for a tile's start; the smallest such s. FlashAttention-2's rule
+    (the smallest s whose wave efficiency is within 85% of the best) left SMs idle: 14 splits of a 128k-key entry
+    with 8 kv heads run on 112 of 132 SMs, 74 blocks each, where 16 give 128 SMs 64 (docs/perf-notes.md, session 35)."""
     if tiles <= 0 or n_blocks <= 1 or num_sms <= 0 or tiles >= 0.8 * num_sms:
         return 1
-    efficiency: dict[int, float] = {}
-    for s in range(1, min(max_splits, num_sms, n_blocks) + 1):
-        if s > 1 and _ceil_div(n_blocks, s) == _ceil_div(n_blocks, s - 1):
-            continue  # the same blocks per split as s - 1: not eligible
-        waves = tiles * s / num_sms
-        efficiency[s] = waves / math.ceil(waves)
-    best = max(efficiency.values())
-    return next(s for s, e in efficiency.items() if e >= 0.85 * best)
+
+    def busiest(s: int) -> int:
+        return _ceil_div(tiles * s, num_sms) * (_ceil_div(n_blocks, s) + SPLIT_TILE_START_BLOCKS)
+
+    return min(range(1, min(max_splits, n_blocks) + 1), key=lambda s: (busiest(s), s))
 
 
 def kernel_num_splits(num_splits: int, batch: int, kernel_heads: int, kernel_rows: int, seqlen_k: int,

@@ -523,7 +523,7 @@ def test_no_kernel_for_cuda_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
     (0, 132, 100, 1),
     (1, 132, 3, 3),
     (1, 132, 1024, 128),    # one tile: the most splits the heuristic takes (8 blocks each)
-    (64, 132, 16, 2),       # two waves of 8 + 2 blocks would cost more than one of 8 + 2
+    (64, 132, 16, 2),       # one wave of 8 + 2 blocks beats two of 4 + 2
 ])
 def test_num_splits_heuristic(tiles: int, num_sms: int, n_blocks: int, want: int) -> None:
     assert num_splits_heuristic(tiles, num_sms, n_blocks) == want

@@ -18,6 +18,7 @@ namespace flashhopper {
 // a multiply per accumulator element every block, is skipped in the blocks where no row of a warp moved (max_moved).
 template <int kRows, int kMaxOffset = 0, int kLazyRescale = 0>
 struct OnlineSoftmax {
+  static_assert(kMaxOffset + kLazyRescale <= 8, "P < 2^(kMaxOffset + kLazyRescale) must fit e4m3's 448");
   float row_max[kRows];  // reference max in scaled (log2) units: max(score * scale), or up to kLazyRescale below it
   float row_sum[kRows];
   float const scale_log2;  // softmax_scale * log2(e)

@@ -147,6 +147,24 @@ def test_softmax_scale(scale: float, causal: bool, backend: str) -> None:
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("headdim", HDIMS)
 @pytest.mark.parametrize("causal", [False, True])
+def test_row_max_growing_across_key_blocks(headdim: int, causal: bool, backend: str) -> None:
+    # Keys grow in norm towards the sequence start and the kernels visit key blocks from the end, so each row's max
+    # rises block after block by steps from under one to tens of log2 units (with sign flips per head and row):
+    # the softmax's reference max must follow the large steps (16-bit P up to 2^8 under the lazy rescale) and may
+    # keep the small ones.
+    require_backend(backend, torch.bfloat16, headdim, causal)
+    q, k, v = randn_qkv(2, 1000, 1500, 8, 2, headdim, torch.bfloat16, "cuda")
+    growth = torch.linspace(6.0, 0.2, 1500, device="cuda") ** 2 / 6.0
+    k = (k.float() * growth[None, :, None, None]).to(torch.bfloat16)
+    out, lse = poisoned(q)
+    fwd_into(q, k, v, out, lse, 1 / math.sqrt(headdim), causal, ARCH[backend])
+    assert_matches_reference(out, lse, q, k, v, 1 / math.sqrt(headdim), causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("headdim", HDIMS)
+@pytest.mark.parametrize("causal", [False, True])
 def test_strided_inputs_and_output(headdim: int, causal: bool, backend: str) -> None:
     # q, k, v sliced from one packed (batch, seqlen, 3, nheads, headdim) tensor, and out a view with
     # padded heads: valid TMA strides, none of them the contiguous ones.

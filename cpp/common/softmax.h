@@ -13,11 +13,16 @@ namespace flashhopper {
 
 // kMaxOffset (FP8): probabilities are computed as 2^kMaxOffset * p, so that the fp8 P of the PV GEMM
 // uses more of e4m3's range; the factor cancels in O / l and is taken out of the LSE.
-template <int kRows, int kMaxOffset = 0>
+// kLazyRescale > 0: the reference max of a row moves only when a block's max exceeds it by more than kLazyRescale
+// (log2 units), so probabilities stay below 2^kLazyRescale (16-bit P and the float32 sum hold that) and the O rescale,
+// a multiply per accumulator element every block, is skipped in the blocks where no row of a warp moved (max_moved).
+template <int kRows, int kMaxOffset = 0, int kLazyRescale = 0>
 struct OnlineSoftmax {
-  float row_max[kRows];  // running max in scaled (log2) units: max(score * scale)
+  static_assert(kMaxOffset + kLazyRescale <= 8, "P < 2^(kMaxOffset + kLazyRescale) must fit e4m3's 448");
+  float row_max[kRows];  // reference max in scaled (log2) units: max(score * scale), or up to kLazyRescale below it
   float row_sum[kRows];
   float const scale_log2;  // softmax_scale * log2(e)
+  bool max_moved = true;   // whether the last update moved a row's reference max (then O needs the rescale)
 
   CUTE_DEVICE explicit OnlineSoftmax(float scale_log2_) : scale_log2(scale_log2_) {}
 
@@ -35,13 +40,18 @@ struct OnlineSoftmax {
   CUTE_DEVICE cute::array<float, kRows> update(TensorS& s, float scale) {
     static_assert(decltype(size<0>(s))::value == kRows);
     cute::array<float, kRows> o_scale;
+    if constexpr (kLazyRescale > 0 && !kFirst) max_moved = false;
     CUTE_UNROLL
     for (int mi = 0; mi < kRows; ++mi) {
       float m = -INFINITY;
       CUTE_UNROLL
       for (int ni = 0; ni < size<1>(s); ++ni) m = fmaxf(m, s(mi, ni));
       m = quad_allreduce(m, MaxOp{}) * scale;
-      if constexpr (!kFirst) m = fmaxf(m, row_max[mi]);
+      if constexpr (!kFirst) {
+        m = fmaxf(m, row_max[mi]);
+        // Keep the old reference while the max grew by at most kLazyRescale (-inf - -inf is NaN: kept, still -inf).
+        if constexpr (kLazyRescale > 0) m = (m - row_max[mi] > float(kLazyRescale)) ? m : row_max[mi];
+      }
       // A row with no visible key keeps max -inf; use 0 so exp2 gives 0, never NaN.
       float const m_used = (kCheckInf && m == -INFINITY) ? 0.f : m;
       float const m_shifted = m_used - float(kMaxOffset);
@@ -57,6 +67,7 @@ struct OnlineSoftmax {
       } else {
         o_scale[mi] = exp2_approx(row_max[mi] - m_used);
         row_sum[mi] = row_sum[mi] * o_scale[mi] + sum;
+        if constexpr (kLazyRescale > 0) max_moved |= (m != row_max[mi]);
       }
       row_max[mi] = m;
     }

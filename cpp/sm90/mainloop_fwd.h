@@ -82,7 +82,10 @@ struct FwdMainloop {
   using ElementOut = std::conditional_t<kFp8, cutlass::bfloat16_t, Element>;
   // FP8: P = 2^8 p uses more of e4m3's normal range (its smallest normal is 2^-6).
   static constexpr int kMaxOffset = kFp8 ? 8 : 0;
-  using Softmax = OnlineSoftmax<2, kMaxOffset>;
+  // 16-bit P: the lazy reference max (P < 2^8) skips most blocks' O rescale. FP8 keeps P's range for e4m3 (kMaxOffset)
+  // and folds the V descales into the rescale, so it rescales every block.
+  static constexpr int kLazyRescale = (kFp8 || kFp8Cache) ? 0 : 8;
+  using Softmax = OnlineSoftmax<2, kMaxOffset, kLazyRescale>;
   static constexpr int kHeadDim = kHeadDim_, kBlockM = Tile::kBlockM, kBlockN = Tile::kBlockN;
   static constexpr int kHeadDimV = kHeadDimV_;  // of V and O
   // 16-bit O is staged in Q's slice (64 x headdim); FP8's V^T and scale blocks assume one head dim.
@@ -1001,7 +1004,8 @@ struct FwdMainloop {
         o_scale[1] *= ratio;
       }
       Tensor o = rowcol(tOrO);
-      Softmax::rescale(o, o_scale);
+      // Warp-uniform: the rows of O are the warp's own, and a row whose max stayed has o_scale 1.
+      if (kLazyRescale == 0 || __any_sync(0xffffffffu, softmax.max_moved)) Softmax::rescale(o, o_scale);
     };
 
     Tensor tScSflat = thr_qk.partition_C(make_identity_tensor(Shape<_64, BN>{}));

@@ -519,6 +519,11 @@ struct BwdMainloop {
     auto add_count = [&](int m) {
       cuda::atomic_ref<int, cuda::thread_scope_device>(sem_bh[m]).fetch_add(1, cuda::memory_order_release);
     };
+    // Counts after one release fence (the fence is the writer's cost: ERRBAR stalls at the hand-off, S35N / S36N).
+    auto release = [] { cuda::atomic_thread_fence(cuda::memory_order_release, cuda::thread_scope_device); };
+    auto add_relaxed = [&](int m) {
+      cuda::atomic_ref<int, cuda::thread_scope_device>(sem_bh[m]).fetch_add(1, cuda::memory_order_relaxed);
+    };
     // Lane 0: once at most kPending bulk groups (the newest) are in flight, the async proxy's writes before the count.
     auto landed = [&](auto pending) {
       asm volatile("cp.async.bulk.wait_group %0;" ::"n"(decltype(pending)::value) : "memory");
@@ -528,6 +533,7 @@ struct BwdMainloop {
     CUTE_UNROLL
     for (int wg = 0; wg < kNumMmaWG; ++wg) cutlass::arch::NamedBarrier::arrive(kdQHandoffThreads, kBwddQEmpty0 + wg);
     bool stored_next = false;  // lane 0: block m_block + 1 was stored (and counted) by this key block
+    int held = -1;             // lane 0 (not deterministic): a landed-later block whose count waits for a second one
     for (int m_block = m_end - 1; m_block >= m_begin; --m_block) {
       // Lane 0: whether this key block stores the query block's dQ. The turn is taken before the dQ is staged,
       // so the atomic's round trip runs under the wait for it.
@@ -573,18 +579,34 @@ struct BwdMainloop {
           landed(Int<0>{});
           add_count(m_block);
         } else {
-          if (turn == 0) {  // at once: the other key blocks wait for it
+          if (turn == 0) {  // at once: the other key blocks wait for it (and a held count rides along)
             landed(Int<0>{});
-            add_count(m_block);
+            release();
+            add_relaxed(m_block);
+            if (held >= 0) add_relaxed(held);
+            held = -1;
           }
           if (m_block + kdQCountLag < m_end && !stored_next) {
-            if (turn != 0) landed(Int<kdQCountLag * kGroupsPerBlock>{});
-            add_count(m_block + kdQCountLag);
+            // Blocks issued and not stored are counted two at a time, behind one fence.
+            if (held < 0) {
+              held = m_block + kdQCountLag;
+            } else {
+              if (turn != 0) landed(Int<kdQCountLag * kGroupsPerBlock>{});
+              release();
+              add_relaxed(held);
+              add_relaxed(m_block + kdQCountLag);
+              held = -1;
+            }
           }
           stored_next = turn == 0;
         }
       }
       __syncwarp();
+    }
+    if (lane0 && held >= 0) {  // (not deterministic) the held count: all but m_begin's groups have landed
+      landed(Int<kdQCountLag * kGroupsPerBlock>{});
+      release();
+      add_relaxed(held);
     }
     if (lane0 && !p.deterministic && !stored_next) {  // m_begin's count, unless stored (and counted) here
       if constexpr (!kCountLastIssued) {

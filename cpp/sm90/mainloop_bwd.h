@@ -502,8 +502,9 @@ struct BwdMainloop {
   // Once a query block's additions have landed in global memory, its dq_semaphore counts them: the
   // postprocess converts a block as soon as every key block has counted (it runs beside this
   // kernel's tail). Deterministic: key blocks add one at a time, in later_key_blocks order (the first one
-  // stores), and count at once; otherwise the first to take a turn (dq_first) stores, the others' blocks are
-  // counted kdQCountLag query blocks later, and the last ones on landing or, kCountLastIssued, as issued.
+  // stores), and count at once; otherwise the first to take a turn (dq_first) stores and counts at once, the others'
+  // blocks are counted two at a time behind one release fence, kdQCountLag or more query blocks later (or with a
+  // stored block's, or at the end), and the last one on landing or, kCountLastIssued, as issued.
   CUTE_DEVICE static void store_dq(Params const& p, TensorStorage& ts, SeqlenInfo const& seq, BlockInfoT const& bi,
                                    int n_block, int head, int batch) {
     if constexpr (kdQAtomic) return;  // the consumers add and count dQ themselves
@@ -579,19 +580,19 @@ struct BwdMainloop {
           landed(Int<0>{});
           add_count(m_block);
         } else {
-          if (turn == 0) {  // at once: the other key blocks wait for it (and a held count rides along)
+          bool const count_next = m_block + kdQCountLag < m_end && !stored_next;  // issued, not stored
+          if (turn == 0) {  // at once: the other key blocks wait for it; all this block issued has landed with it
             landed(Int<0>{});
             release();
             add_relaxed(m_block);
             if (held >= 0) add_relaxed(held);
+            if (count_next) add_relaxed(m_block + kdQCountLag);
             held = -1;
-          }
-          if (m_block + kdQCountLag < m_end && !stored_next) {
-            // Blocks issued and not stored are counted two at a time, behind one fence.
+          } else if (count_next) {  // blocks issued and not stored: two counts behind one fence
             if (held < 0) {
               held = m_block + kdQCountLag;
             } else {
-              if (turn != 0) landed(Int<kdQCountLag * kGroupsPerBlock>{});
+              landed(Int<kdQCountLag * kGroupsPerBlock>{});
               release();
               add_relaxed(held);
               add_relaxed(m_block + kdQCountLag);
@@ -603,20 +604,26 @@ struct BwdMainloop {
       }
       __syncwarp();
     }
-    if (lane0 && held >= 0) {  // (not deterministic) the held count: all but m_begin's groups have landed
-      landed(Int<kdQCountLag * kGroupsPerBlock>{});
-      release();
-      add_relaxed(held);
-    }
-    if (lane0 && !p.deterministic && !stored_next) {  // m_begin's count, unless stored (and counted) here
-      if constexpr (!kCountLastIssued) {
+    if (lane0 && !p.deterministic) {
+      // m_begin's count, unless stored (and counted) here, and the held one's: one wait and one fence for both where
+      // m_begin waits for its landing.
+      bool const count_begin = !stored_next;
+      if (count_begin && !kCountLastIssued) {
         landed(Int<0>{});
-        add_count(m_begin);
+        release();
+        add_relaxed(m_begin);
+        if (held >= 0) add_relaxed(held);
       } else {
-        // Its reads of shared memory are done (the loop waited for them).
-        cuda::atomic_ref<int, cuda::thread_scope_device> sem(sem_bh[m_begin]);
-        sem.fetch_or(kDqUnlanded, cuda::memory_order_relaxed);  // before the count: a reader of it sees the mark
-        sem.fetch_add(1, cuda::memory_order_relaxed);
+        if (held >= 0) {  // all but m_begin's groups have landed
+          landed(Int<kdQCountLag * kGroupsPerBlock>{});
+          release();
+          add_relaxed(held);
+        }
+        if (count_begin) {  // kCountLastIssued: its reads of shared memory are done (the loop waited for them)
+          cuda::atomic_ref<int, cuda::thread_scope_device> sem(sem_bh[m_begin]);
+          sem.fetch_or(kDqUnlanded, cuda::memory_order_relaxed);  // before the count: a reader of it sees the mark
+          sem.fetch_add(1, cuda::memory_order_relaxed);
+        }
       }
     }
     __syncwarp();

@@ -502,8 +502,9 @@ struct BwdMainloop {
   // Once a query block's additions have landed in global memory, its dq_semaphore counts them: the
   // postprocess converts a block as soon as every key block has counted (it runs beside this
   // kernel's tail). Deterministic: key blocks add one at a time, in later_key_blocks order (the first one
-  // stores), and count at once; otherwise the first to take a turn (dq_first) stores, the others' blocks are
-  // counted kdQCountLag query blocks later, and the last ones on landing or, kCountLastIssued, as issued.
+  // stores), and count at once; otherwise the first to take a turn (dq_first) stores and counts at once, the others'
+  // blocks are counted two at a time behind one release fence, kdQCountLag or more query blocks later (or with a
+  // stored block's, or at the end), and the last one on landing or, kCountLastIssued, as issued.
   CUTE_DEVICE static void store_dq(Params const& p, TensorStorage& ts, SeqlenInfo const& seq, BlockInfoT const& bi,
                                    int n_block, int head, int batch) {
     if constexpr (kdQAtomic) return;  // the consumers add and count dQ themselves
@@ -519,6 +520,11 @@ struct BwdMainloop {
     auto add_count = [&](int m) {
       cuda::atomic_ref<int, cuda::thread_scope_device>(sem_bh[m]).fetch_add(1, cuda::memory_order_release);
     };
+    // Counts after one release fence (the fence is the writer's cost: ERRBAR stalls at the hand-off, S35N / S36N).
+    auto release = [] { cuda::atomic_thread_fence(cuda::memory_order_release, cuda::thread_scope_device); };
+    auto add_relaxed = [&](int m) {
+      cuda::atomic_ref<int, cuda::thread_scope_device>(sem_bh[m]).fetch_add(1, cuda::memory_order_relaxed);
+    };
     // Lane 0: once at most kPending bulk groups (the newest) are in flight, the async proxy's writes before the count.
     auto landed = [&](auto pending) {
       asm volatile("cp.async.bulk.wait_group %0;" ::"n"(decltype(pending)::value) : "memory");
@@ -528,6 +534,7 @@ struct BwdMainloop {
     CUTE_UNROLL
     for (int wg = 0; wg < kNumMmaWG; ++wg) cutlass::arch::NamedBarrier::arrive(kdQHandoffThreads, kBwddQEmpty0 + wg);
     bool stored_next = false;  // lane 0: block m_block + 1 was stored (and counted) by this key block
+    int held = -1;             // lane 0 (not deterministic): a landed-later block whose count waits for a second one
     for (int m_block = m_end - 1; m_block >= m_begin; --m_block) {
       // Lane 0: whether this key block stores the query block's dQ. The turn is taken before the dQ is staged,
       // so the atomic's round trip runs under the wait for it.
@@ -573,28 +580,50 @@ struct BwdMainloop {
           landed(Int<0>{});
           add_count(m_block);
         } else {
-          if (turn == 0) {  // at once: the other key blocks wait for it
+          bool const count_next = m_block + kdQCountLag < m_end && !stored_next;  // issued, not stored
+          if (turn == 0) {  // at once: the other key blocks wait for it; all this block issued has landed with it
             landed(Int<0>{});
-            add_count(m_block);
-          }
-          if (m_block + kdQCountLag < m_end && !stored_next) {
-            if (turn != 0) landed(Int<kdQCountLag * kGroupsPerBlock>{});
-            add_count(m_block + kdQCountLag);
+            release();
+            add_relaxed(m_block);
+            if (held >= 0) add_relaxed(held);
+            if (count_next) add_relaxed(m_block + kdQCountLag);
+            held = -1;
+          } else if (count_next) {  // blocks issued and not stored: two counts behind one fence
+            if (held < 0) {
+              held = m_block + kdQCountLag;
+            } else {
+              landed(Int<kdQCountLag * kGroupsPerBlock>{});
+              release();
+              add_relaxed(held);
+              add_relaxed(m_block + kdQCountLag);
+              held = -1;
+            }
           }
           stored_next = turn == 0;
         }
       }
       __syncwarp();
     }
-    if (lane0 && !p.deterministic && !stored_next) {  // m_begin's count, unless stored (and counted) here
-      if constexpr (!kCountLastIssued) {
+    if (lane0 && !p.deterministic) {
+      // m_begin's count, unless stored (and counted) here, and the held one's: one wait and one fence for both where
+      // m_begin waits for its landing.
+      bool const count_begin = !stored_next;
+      if (count_begin && !kCountLastIssued) {
         landed(Int<0>{});
-        add_count(m_begin);
+        release();
+        add_relaxed(m_begin);
+        if (held >= 0) add_relaxed(held);
       } else {
-        // Its reads of shared memory are done (the loop waited for them).
-        cuda::atomic_ref<int, cuda::thread_scope_device> sem(sem_bh[m_begin]);
-        sem.fetch_or(kDqUnlanded, cuda::memory_order_relaxed);  // before the count: a reader of it sees the mark
-        sem.fetch_add(1, cuda::memory_order_relaxed);
+        if (held >= 0) {  // all but m_begin's groups have landed
+          landed(Int<kdQCountLag * kGroupsPerBlock>{});
+          release();
+          add_relaxed(held);
+        }
+        if (count_begin) {  // kCountLastIssued: its reads of shared memory are done (the loop waited for them)
+          cuda::atomic_ref<int, cuda::thread_scope_device> sem(sem_bh[m_begin]);
+          sem.fetch_or(kDqUnlanded, cuda::memory_order_relaxed);  // before the count: a reader of it sees the mark
+          sem.fetch_add(1, cuda::memory_order_relaxed);
+        }
       }
     }
     __syncwarp();

@@ -76,12 +76,12 @@ struct FwdConfig {
                                 typename Mainloop::TMA_V, typename Epilogue::TMA_O>;
 };
 
-// Configs with a CTA-pair kernel beside the one-CTA one: padded non-causal 16-bit production kernels without a score
-// mod or dropout, where the tile names a key count (tile_size.h: kPairsFromKeys).
+// Configs with a CTA-pair kernel beside the one-CTA one: padded non-causal production kernels without a score mod or
+// dropout, where the tile names a key count (tile_size.h: kPairsFromKeys).
 template <class Config>
 constexpr bool has_cta_pairs() {
   return FwdConfig<Config>::BaseTile::kPairsFromKeys > 0 && Config::kMask == MaskKind::kNone && !Config::kVarlen &&
-         !Config::kKVCache && Config::kDType != DType::kFloat8E4M3 && Config::kScoreMod == ScoreModKind::kNone &&
+         !Config::kKVCache && Config::kScoreMod == ScoreModKind::kNone &&
          !Config::kDropout && std::is_same_v<typename Config::Variant, DefaultVariant>;
 }
 

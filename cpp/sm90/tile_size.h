@@ -22,7 +22,7 @@ struct FwdTileDefaults {
   static constexpr bool kWarpgroupRelease = false;
   // CTAs per cluster along the query tiles: 1, or 2 in CtaPairs<Tile> (below).
   static constexpr int kClusterM = 1;
-  // Padded non-causal 16-bit calls (no score mod, no dropout) with at least this many keys run CtaPairs<Tile>
+  // Padded non-causal calls (no score mod, no dropout) with at least this many keys run CtaPairs<Tile>
   // (launch_fwd.h: use_cta_pairs); 0: never.
   static constexpr int kPairsFromKeys = 0;
 };
@@ -104,6 +104,9 @@ template <>
 struct FwdTileSize<128, DType::kFloat8E4M3> : FwdTileDefaults {
   static constexpr int kBlockM = 128, kBlockN = 192, kStages = 2, kQStages = 2;
   static constexpr bool kWarpgroupRelease = true;
+  // CTA pairs: +0.6-1.2% from 2k (session 38). At head dims 64 and 256 they lost 15-22%: the consumers' 8 registers
+  // less for the producer's 16 more spilled 84-96 bytes (perf-notes, session 38).
+  static constexpr int kPairsFromKeys = 2048;
 };
 // Q 32 KB, K and V 2 x 32 KB each, O 64 KB: 224 KB of the 227.
 template <>

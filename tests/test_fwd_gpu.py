@@ -178,6 +178,33 @@ def test_strided_inputs_and_output(headdim: int, causal: bool, backend: str) -> 
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("headdim", [128, 256])
+@pytest.mark.parametrize(("sq", "sk", "hq", "hkv", "batch", "sinks"), [
+    (8193, 2048, 2, 1, 1, False),  # 65 query tiles: the last pair's second tile lies past the rows
+    (256, 4097, 4, 4, 2, True),    # one pair per head, a partial last key block, sinks
+    (1000, 5000, 6, 3, 3, False),  # four pairs per head, GQA
+    (383, 2048, 8, 2, 1, False),   # 3 query tiles: one-CTA kernel (an extra tile would cost a third)
+    (1024, 2047, 4, 1, 2, True),   # under 2048 keys: one-CTA kernel
+])
+def test_cta_pairs(sq: int, sk: int, hq: int, hkv: int, batch: int, sinks: bool, headdim: int,
+                   dtype: torch.dtype) -> None:
+    # Non-causal padded calls with 2048 keys or more run two-CTA clusters that share each K/V block by multicast
+    # (sm90/launch_fwd.h: use_cta_pairs); inputs sliced from a packed tensor, as a model's fused projection gives.
+    require_backend("sm90", dtype, headdim, False)
+    x = torch.randn(batch, max(sq, sk), hq + 2 * hkv, headdim, dtype=dtype, device="cuda")
+    q, k, v = x[:, :sq, :hq], x[:, :sk, hq:hq + hkv], x[:, :sk, hq + hkv:]
+    s = torch.randn(hq, device="cuda") if sinks else None
+    out, lse = poisoned(q)
+    scale = 1 / math.sqrt(headdim)
+    fwd_into(q, k, v, out, lse, scale, False, 90, sinks=s)
+    assert_matches_reference(out, lse, q, k, v, scale, False, sinks=s)
+    again, lse_again = poisoned(q)
+    fwd_into(q, k, v, again, lse_again, scale, False, 90, sinks=s)
+    assert torch.equal(out, again) and torch.equal(lse, lse_again)  # no order depends on the pair's timing
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_gqa_packed_heads(backend: str) -> None:
     # Fused GQA projection: (batch, seqlen, nheads_q + 2 * nheads_kv, headdim), split along heads.

@@ -37,7 +37,8 @@ struct FwdKernel {
   // Paged K/V (Mainloop::kProducerRegsBoost): the producer thread reads the page table for each 16-key chunk of a
   // block before issuing its copies, so it gets 16 more registers, the consumers 8 fewer (where they do not spill).
   // e4m3 caches: 48 more for the converter warps (ptxas: 32 more spilled 72 bytes, 48 spill 56, 64 spill 52).
-  static constexpr int kBoost = Mainloop::kFp8Cache ? 48 : Mainloop::kProducerRegsBoost ? 16 : 0;
+  // CTA pairs: the producer's share of each block (its rank's TMA coordinates) spilled 56 bytes at 24 registers.
+  static constexpr int kBoost = Mainloop::kFp8Cache ? 48 : (Mainloop::kProducerRegsBoost || Mainloop::kClusterM > 1) ? 16 : 0;
   static constexpr int kProducerRegs = (kNumMmaWG == 2 ? 24 : 32) + kBoost;
   static constexpr int kConsumerRegs = (kNumMmaWG == 2 ? 240 : 160) - kBoost / 2;
   static_assert(kNumMmaWG == 2 || kNumMmaWG == 3);
@@ -101,7 +102,10 @@ struct FwdKernel {
   }
   CUTE_DEVICE static TileWork tile_work(Params const& params, WorkTile const& w, SeqlenInfo const& seq) {
     auto const bi = Mainloop::block_info(params.mainloop, seq, w.m_block, w.split);
-    return {w, seq, bi, w.m_block * Mainloop::kBlockM < seq.seqlen_q,
+    // CTA pairs (kClusterM = 2): a head with an odd number of query tiles gives its last pair a tile past its rows,
+    // which loads and computes like the others (its partner needs its share of K/V) and stores nothing (the O map
+    // and the LSE store clip rows past seqlen_q).
+    return {w, seq, bi, Mainloop::kClusterM > 1 || w.m_block * Mainloop::kBlockM < seq.seqlen_q,
             bi.n_block_max(w.m_block) > bi.n_block_min(w.m_block)};
   }
 
@@ -188,9 +192,10 @@ struct FwdKernel {
         kv_params.role = is_producer ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
         kv_params.is_leader = is_producer && thread_idx == 0;
         kv_params.num_consumers = num_kv_consumers;
-        Pipeline k(ss.barriers.pipeline_k, kv_params, Shape<_1, _1, _1>{});
+        // (CTA pairs: each stage's empty barrier counts the consumers of both CTAs.)
+        Pipeline k(ss.barriers.pipeline_k, kv_params, typename Mainloop::ClusterShape{});
         kv_params.transaction_bytes = Mainloop::kVStageBytes;
-        Pipeline v(ss.barriers.pipeline_v, kv_params, Shape<_1, _1, _1>{});
+        Pipeline v(ss.barriers.pipeline_v, kv_params, typename Mainloop::ClusterShape{});
         return cute::make_tuple(k, v, k, v);  // (TMA feeds the consumers' stages)
       }
     };
@@ -213,7 +218,14 @@ struct FwdKernel {
     tile_params.producer_arv_count = 1;
     tile_params.consumer_arv_count = Mainloop::kNumMmaThreads;
     TilePipeline tile_pipeline(ss.tile_pipeline, tile_params);
-    __syncthreads();  // barrier initialization is visible to every thread
+    // Barrier initialization is visible to every thread (CTA pairs: to the partner's too, whose TMA and releases
+    // reach this CTA's barriers).
+    if constexpr (Mainloop::kClusterM > 1) {
+      cute::cluster_arrive_relaxed();
+      cute::cluster_wait();
+    } else {
+      __syncthreads();
+    }
     if constexpr (Scheduler::kAfterPrepare) {
       cutlass::arch::wait_on_dependent_grids();  // the prepare kernel's schedule and tensor maps are written
     }
@@ -258,6 +270,12 @@ struct FwdKernel {
             if (lane_predicate) {
               slot.tile = -1;
               tile_pipeline.producer_commit(write_tile);
+            }
+            // CTA pairs: this CTA exits only once every consumer of the pair has released every K/V stage, so that no
+            // release from the partner arrives at a barrier of an exited CTA.
+            if constexpr (Mainloop::kClusterM > 1) {
+              pipeline_load_k.producer_tail(write_k);
+              pipeline_load_v.producer_tail(write_v);
             }
             break;
           }

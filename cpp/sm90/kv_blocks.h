@@ -43,10 +43,11 @@ struct ContiguousKVBlocks {
 
   // One TMA copy: block n_block of `blocks` ((TMA, n) partitioned source) into `stage`, through tensor map
   // `desc` (the params' own, or the batch entry's: common/seqlen.h).
+  // mcast: the CTAs of the cluster the copy lands in (a multicast copy's share of the block; 1: this CTA).
   template <class TmaCopy, class Blocks, class Stage>
   CUTE_DEVICE void load(TmaCopy const& tma, TmaDescriptor const* desc, uint64_t& barrier, Blocks const& blocks,
-                        int n_block, Stage&& stage, TMA::CacheHintSm90 hint) const {
-    copy(tma.with(desc, barrier, 0, hint), blocks(_, n_block), stage);
+                        int n_block, Stage&& stage, TMA::CacheHintSm90 hint, uint16_t mcast = 1) const {
+    copy(tma.with(desc, barrier, mcast > 1 ? mcast : uint16_t(0), hint), blocks(_, n_block), stage);
   }
 };
 

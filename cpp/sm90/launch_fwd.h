@@ -33,14 +33,16 @@ namespace sm90 {
 
 // kBlocks: the paged kernels' block walk (kv_blocks.h); run_fwd_sm90 picks it (e4m3 caches: kWhole or kChunked).
 // kSplitKV: KV-cache kernels that can split an entry's keys (false: one split, common/seqlen.h).
+// kPairs: the tile's two-CTA cluster kernel (tile_size.h: CtaPairs), which run_fwd_sm90 picks at run time.
 template <class Config, PageBlocks kBlocks = Config::kKVCacheFp8 ? PageBlocks::kWhole : PageBlocks::kAny,
-          bool kSplitKV = true>
+          bool kSplitKV = true, bool kPairs = false>
 struct FwdConfig {
   using Element = typename ElementOf<Config::kDType>::type;
   // e4m3 KV caches: their own tiles (the e4m3 stages beside the 16-bit ones).
-  using Tile = std::conditional_t<Config::kKVCacheFp8, FwdFp8CacheTileSize<Config::kHeadDim>,
-                                  typename FwdTileOf<typename Config::Variant, Config::kHeadDim, Config::kDType,
-                                                     Config::kHeadDimV>::type>;
+  using BaseTile = std::conditional_t<Config::kKVCacheFp8, FwdFp8CacheTileSize<Config::kHeadDim>,
+                                      typename FwdTileOf<typename Config::Variant, Config::kHeadDim, Config::kDType,
+                                                         Config::kHeadDimV>::type>;
+  using Tile = std::conditional_t<kPairs, CtaPairs<BaseTile>, BaseTile>;
   using ScoreMod = typename ScoreModOf<Config::kScoreMod>::type;
   static_assert(Config::kDType != DType::kFloat8E4M3 || Config::kScoreMod == ScoreModKind::kNone,
                 "the fp8 kernels have no score mod");
@@ -74,6 +76,24 @@ struct FwdConfig {
                                 typename Mainloop::TMA_V, typename Epilogue::TMA_O>;
 };
 
+// Configs with a CTA-pair kernel beside the one-CTA one: padded non-causal production kernels without a score mod or
+// dropout, where the tile names a key count (tile_size.h: kPairsFromKeys).
+template <class Config>
+constexpr bool has_cta_pairs() {
+  return FwdConfig<Config>::BaseTile::kPairsFromKeys > 0 && Config::kMask == MaskKind::kNone && !Config::kVarlen &&
+         !Config::kKVCache && Config::kScoreMod == ScoreModKind::kNone &&
+         !Config::kDropout && std::is_same_v<typename Config::Variant, DefaultVariant>;
+}
+
+// Pairs pay a cluster launch and, where a head has an odd number of query tiles, one tile more: taken for rows of
+// at least kPairsFromKeys keys, and for odd tile counts only where the extra tile costs under 2% (64 tiles).
+template <class Config>
+bool use_cta_pairs(FwdParams const& p) {
+  using Tile = typename FwdConfig<Config>::BaseTile;
+  int const m_blocks = ceil_div(p.seqlen_q, Tile::kBlockM);
+  return p.seqlen_k >= Tile::kPairsFromKeys && (m_blocks % 2 == 0 || m_blocks >= 64);
+}
+
 }  // namespace sm90
 
 // A KV cache's blocks each inside one page: pages a multiple of the block, or one page per entry (a contiguous
@@ -84,10 +104,10 @@ bool fwd_whole_blocks(FwdParams const& p) {
   return p.page_size % block_n == 0 || p.seqlen_k <= p.page_size;
 }
 
-template <class Config, sm90::PageBlocks kBlocks, bool kSplitKV = true>
+template <class Config, sm90::PageBlocks kBlocks, bool kSplitKV = true, bool kPairs = false>
 int64_t run_fwd_sm90_blocks(FwdParams const& params, cudaStream_t stream) {
   using namespace cute;
-  using C = sm90::FwdConfig<Config, kBlocks, kSplitKV>;
+  using C = sm90::FwdConfig<Config, kBlocks, kSplitKV, kPairs>;
   using Element = typename C::Element;
   using Tile = typename C::Tile;
   using Mainloop = typename C::Mainloop;
@@ -244,7 +264,9 @@ int64_t run_fwd_sm90_blocks(FwdParams const& params, cudaStream_t stream) {
                             stride(p.o_row_stride, p.o_head_stride, p.o_batch_stride), p.lse_ptr, seqlens,
                             num_splits > 1 ? static_cast<float*>(p.split_workspace) : nullptr, num_splits),
       // (params.seqlen_k: packed batches' longest entry; p's is their total by now)
-      sm90::make_tile_scheduler_params(num_m_blocks, p.batch, p.nheads_q, p.nheads_q / p.nheads_kv,
+      // (CTA pairs: each head's query tiles rounded up to whole pairs; kernel_fwd.h: tile_work.)
+      sm90::make_tile_scheduler_params(ceil_div(num_m_blocks, Mainloop::kClusterM) * Mainloop::kClusterM, p.batch, p.nheads_q,
+                                       p.nheads_q / p.nheads_kv,
                                        int64_t(params.seqlen_k) * (p.headdim + p.headdim_v) * int64_t(sizeof(ElementKV)),
                                        dev.l2_bytes > 0 ? dev.l2_bytes : int64_t(50) << 20, p.tile_counter)};
 
@@ -288,8 +310,35 @@ int64_t run_fwd_sm90_blocks(FwdParams const& params, cudaStream_t stream) {
         seqlens, ws, p.batch, p.nheads_q};
     sm90::varlen_prepare_kernel<Prepare><<<Prepare::grid(p.batch), Prepare::kThreads, 0, stream>>>(pp);
   }
-  dim3 const grid(sm90::persistent_grid_size(kp.scheduler, num_sms));
-  if constexpr (kVarlen) {
+  dim3 grid(sm90::persistent_grid_size(kp.scheduler, num_sms));
+  if constexpr (Mainloop::kClusterM > 1) {
+    // CTA pairs on consecutive block indices take consecutive tiles of the static order: neighbouring query tiles of
+    // one head (each head's count rounded up to pairs, so the grid and the tile count are even).
+    static_assert(!kVarlen && !kKVCache && Scheduler::kNeighbourPairs, "CTA pairs walk the static padded order");
+    constexpr int kCluster = Mainloop::kClusterM;
+    int clusters = 0;
+    err = max_active_clusters_once(clusters, kernel, p.device, Kernel::kNumThreads, smem_bytes, kCluster);
+    if (err != cudaSuccess) {
+      throw std::runtime_error(std::string("flashhopper: cluster occupancy query: ") + cudaGetErrorString(err));
+    }
+    if (clusters <= 0) throw std::runtime_error("flashhopper: no CTA pair fits on this device");
+    clusters = std::max(1, std::min(clusters, num_sms / kCluster));  // (a caller's num_sms bounds the grid too)
+    grid.x = unsigned(std::min<int64_t>(int64_t(clusters) * kCluster, kp.scheduler.total_tiles) / kCluster * kCluster);
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = unsigned(kCluster);
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cudaLaunchConfig_t config{};
+    config.gridDim = grid;
+    config.blockDim = dim3(Kernel::kNumThreads);
+    config.dynamicSmemBytes = size_t(smem_bytes);
+    config.stream = stream;
+    config.attrs = attr;
+    config.numAttrs = 1;
+    err = cudaLaunchKernelEx(&config, kernel, kp);
+    if (err != cudaSuccess) throw std::runtime_error(std::string("flashhopper: cluster forward launch: ") + cudaGetErrorString(err));
+  } else if constexpr (kVarlen) {
     // Launched while the prepare kernel still runs; it waits for it (griddepcontrol.wait) before reading.
     cudaLaunchAttribute attr[1];
     attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -318,10 +367,14 @@ int64_t run_fwd_sm90_blocks(FwdParams const& params, cudaStream_t stream) {
 // e4m3 caches: one kernel per block walk, so that each holds its own code only (kv_blocks.h). 16-bit caches under
 // the causal mask (chunked prefill, speculation): a second kernel for calls of one split, without the split-KV
 // bookkeeping that cost the consumers their uniform registers (5-9% of a prefill: docs/perf-notes.md, session 9).
-// The rest: one kernel.
+// Padded non-causal calls with long rows: CTA pairs (sm90::use_cta_pairs). The rest: one kernel.
 template <class Config>
 int64_t run_fwd_sm90(FwdParams const& params, cudaStream_t stream) {
-  if constexpr (Config::kKVCacheFp8) {
+  if constexpr (sm90::has_cta_pairs<Config>()) {
+    return sm90::use_cta_pairs<Config>(params)
+               ? run_fwd_sm90_blocks<Config, sm90::PageBlocks::kAny, true, true>(params, stream)
+               : run_fwd_sm90_blocks<Config, sm90::PageBlocks::kAny>(params, stream);
+  } else if constexpr (Config::kKVCacheFp8) {
     return fwd_whole_blocks<Config>(params) ? run_fwd_sm90_blocks<Config, sm90::PageBlocks::kWhole>(params, stream)
                                             : run_fwd_sm90_blocks<Config, sm90::PageBlocks::kChunked>(params, stream);
   } else if constexpr (Config::kKVCache && Config::kMask == MaskKind::kCausal) {

@@ -92,6 +92,11 @@ struct FwdMainloop {
   static_assert(kHeadDimV <= kHeadDim && (!kFp8 || kHeadDimV == kHeadDim));
   static_assert(!kFp8 || !Dropout::kEnabled, "dropout is for training: 16-bit kernels only");
   static constexpr int kStages = Tile::kStages, kQStages = Tile::kQStages;
+  // Tile::kClusterM = 2: the CTA pair shares each K/V block (half loaded by each, multicast to both).
+  static constexpr int kClusterM = Tile::kClusterM;
+  using ClusterShape = Shape<Int<kClusterM>, _1, _1>;
+  using TmaLoadKV = std::conditional_t<kClusterM == 1, SM90_TMA_LOAD, SM90_TMA_LOAD_MULTICAST>;
+  static constexpr uint16_t kMcastMask = uint16_t((1u << kClusterM) - 1u);
   static constexpr int kCacheStages = cache_stages<Tile>();  // e4m3 cache stages (kFp8Cache)
   // Producer warpgroup: warp 0 loads; warps 1-3 convert, or where blocks are gathered (kGatherKV, below) warp 1
   // gathers V and warps 2-3 convert.
@@ -194,6 +199,9 @@ struct FwdMainloop {
   // e4m3 caches: whole blocks by TMA (kWhole) or gathered (kChunked); the TMA chunk walk (kAny) brings no V scales.
   static_assert(!kFp8Cache || KVBlocks::kBlocks != PageBlocks::kAny, "e4m3 caches: kWhole or kChunked kernels");
   static_assert(!kPaged || !kFp8, "paged K/V: 16-bit kernels");
+  static_assert(kClusterM == 1 || (kClusterM == 2 && !kPaged && !kFp8Cache && !Seqlens::kPacked &&
+                                   !BlockInfoT::kHasRight && !BlockInfoT::kHasLeft),
+                "CTA pairs share every K/V block: non-causal, padded, contiguous K/V only");
   static_assert(!kFp8Cache || (kPaged && kHeadDimV == kHeadDim && kNumMmaWG == 2), "e4m3 caches: KV-cache kernels");
   static constexpr int kPanelK = size<1>(SmemAtomKLoad{}), kPanelV = size<1>(SmemAtomVLoad{});
   // The paged producer reads a block's page indices at once with 16 more registers; consumers at 232 registers
@@ -203,10 +211,10 @@ struct FwdMainloop {
   using ChunkV = Shape<Int<kPageChunkRows>, Int<kPanelV>>;
   using TMA_K = std::conditional_t<
       kPaged, decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensorKV{}, tile_to_shape(SmemAtomKLoad{}, ChunkK{}), ChunkK{}, _1{})),
-      decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensorKV{}, take<0, 2>(SmemLayoutKLoad{}), Shape<BN, D>{}, _1{}))>;
+      decltype(make_tma_copy(TmaLoadKV{}, GmemTensorKV{}, take<0, 2>(SmemLayoutKLoad{}), Shape<BN, D>{}, Int<kClusterM>{}))>;
   using TMA_V = std::conditional_t<
       kPaged, decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensorKV{}, tile_to_shape(SmemAtomVLoad{}, ChunkV{}), ChunkV{}, _1{})),
-      decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensorKV{}, take<0, 2>(SmemLayoutVLoad{}), TileV{}, _1{}))>;
+      decltype(make_tma_copy(TmaLoadKV{}, GmemTensorKV{}, take<0, 2>(SmemLayoutVLoad{}), TileV{}, Int<kClusterM>{}))>;
   // Paged K/V whose blocks each lie inside one page: one copy per block, as for contiguous K/V.
   using TMA_KBlock = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensorKV{}, take<0, 2>(SmemLayoutKLoad{}), Shape<BN, D>{}, _1{}));
   using TMA_VBlock = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensorKV{}, take<0, 2>(SmemLayoutVLoad{}), TileV{}, _1{}));
@@ -241,7 +249,7 @@ struct FwdMainloop {
   // The K/V stages the consumers read: 16-bit ones filled by TMA, or for an e4m3 cache V^T e4m3 ones filled by the
   // converter warps.
   // Tile::kWarpgroupRelease: the K/V stages released by one thread per warpgroup (pipeline_wg_release.h).
-  using PipelineTma = std::conditional_t<Tile::kWarpgroupRelease, PipelineTmaAsyncWarpgroupRelease<kStages>,
+  using PipelineTma = std::conditional_t<Tile::kWarpgroupRelease, PipelineTmaAsyncWarpgroupRelease<kStages, kClusterM>,
                                          cutlass::PipelineTmaAsync<kStages>>;
   using Pipeline = std::conditional_t<kFp8Cache, cutlass::PipelineAsync<kStages>, PipelineTma>;
   using PipelineState = typename Pipeline::PipelineState;
@@ -250,7 +258,8 @@ struct FwdMainloop {
   // What the consumers' S GEMMs read K from.
   using PipelineK = std::conditional_t<kFp8Cache, PipelineCache, Pipeline>;
   // Q stages are released by one thread per consumer warpgroup, once TMA has read the O staged there.
-  using PipelineQ = cutlass::PipelineTmaAsync<kQStages>;
+  using PipelineQ = std::conditional_t<kClusterM == 1, cutlass::PipelineTmaAsync<kQStages>,
+                                       PipelineTmaAsyncLocalRelease<kQStages>>;
   using PipelineStateQ = typename PipelineQ::PipelineState;
 
   struct TensorStorage16 {
@@ -379,11 +388,11 @@ struct FwdMainloop {
     auto mV = make_tensor(make_gmem_ptr(v), shape_v, stride_v);
     auto tma_k = [&] {
       if constexpr (kPaged) return make_tma_copy(SM90_TMA_LOAD{}, mK, tile_to_shape(SmemAtomKLoad{}, ChunkK{}), ChunkK{}, _1{});
-      else return make_tma_copy(SM90_TMA_LOAD{}, mK, take<0, 2>(SmemLayoutKLoad{}), Shape<BN, D>{}, _1{});
+      else return make_tma_copy(TmaLoadKV{}, mK, take<0, 2>(SmemLayoutKLoad{}), Shape<BN, D>{}, Int<kClusterM>{});
     };
     auto tma_v = [&] {
       if constexpr (kPaged) return make_tma_copy(SM90_TMA_LOAD{}, mV, tile_to_shape(SmemAtomVLoad{}, ChunkV{}), ChunkV{}, _1{});
-      else return make_tma_copy(SM90_TMA_LOAD{}, mV, take<0, 2>(SmemLayoutVLoad{}), TileV{}, _1{});
+      else return make_tma_copy(TmaLoadKV{}, mV, take<0, 2>(SmemLayoutVLoad{}), TileV{}, Int<kClusterM>{});
     };
     auto tma_block = [&] {
       if constexpr (kPaged) {
@@ -555,8 +564,10 @@ struct FwdMainloop {
         return local_tile(entry_rows(mV4, seq.offset_k, kv_head, seq.batch_coord), TileV{}, make_coord(_, _0{}));
       }
     }();
-    auto k_parts = tma_partition(p.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
-    auto v_parts = tma_partition(p.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+    // Clusters: this CTA's share of each block (rows split by its rank), multicast to the pair.
+    int const cta_rank = kClusterM > 1 ? int(cute::block_rank_in_cluster()) : 0;
+    auto k_parts = tma_partition(p.tma_k, cta_rank, Layout<Int<kClusterM>>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+    auto v_parts = tma_partition(p.tma_v, cta_rank, Layout<Int<kClusterM>>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
     Tensor tKgK = get<0>(k_parts);  // (TMA, n)
     Tensor tKsK = get<1>(k_parts);  // (TMA, stage)
     Tensor tVgV = get<0>(v_parts);
@@ -566,14 +577,14 @@ struct FwdMainloop {
       pipeline_k.producer_acquire(write_k);
       kv_blocks.load(p.tma_k, block_tma_desc(p.seqlens, p.tma_k, kVarlenK, batch, kv_inside(n_block)),
                      *pipeline_k.producer_get_barrier(write_k), tKgK, n_block, tKsK(_, write_k.index()),
-                     TMA::CacheHintSm90::EVICT_LAST);
+                     TMA::CacheHintSm90::EVICT_LAST, kMcastMask);
       ++write_k;
     };
     auto load_v = [&](int n_block) {
       pipeline_v.producer_acquire(write_v);
       kv_blocks.load(p.tma_v, block_tma_desc(p.seqlens, p.tma_v, kVarlenV, batch, kv_inside(n_block)),
                      *pipeline_v.producer_get_barrier(write_v), tVgV, n_block, tVsV(_, write_v.index()),
-                     TMA::CacheHintSm90::EVICT_LAST);
+                     TMA::CacheHintSm90::EVICT_LAST, kMcastMask);
       ++write_v;
     };
     issue(load_k, load_v);

@@ -75,6 +75,9 @@ struct NoScheduleCache {};
 
 struct StaticTileScheduler {
   static constexpr bool kNeedsCounter = false;
+  // CTAs 2c and 2c + 1 (a cluster of two) take tiles 2j and 2j + 1, neighbouring query tiles of one head, as long as
+  // each head's tile count is even (the CTA-pair kernels round it up): they read the same K/V (tile_size.h: CtaPairs).
+  static constexpr bool kNeighbourPairs = true;
   static constexpr bool kAfterPrepare = false;  // launched after a kernel it reads from (varlen_prepare.h)
   template <int> using CacheT = NoScheduleCache;
   static constexpr int cache_entries(int /*free_bytes*/) { return 0; }
@@ -104,6 +107,7 @@ struct StaticTileScheduler {
 // (head, entry)'s splits, which read disjoint key ranges of the same K/V. Tiles cost alike within a launch
 // (decode: a split's share of an entry's keys), so the order is static.
 struct SplitTileScheduler : StaticTileScheduler {
+  static constexpr bool kNeighbourPairs = false;
   CUTE_DEVICE static WorkTile decode(TileSchedulerParams const& p, int tile) {
     int const bhs = tile / p.num_m_blocks;
     int const bh = bhs / p.num_splits;
@@ -144,6 +148,7 @@ CUTE_DEVICE int fetch_next_tile(int* counter, int total) {
 
 struct DynamicTileScheduler {
   static constexpr bool kNeedsCounter = true;
+  static constexpr bool kNeighbourPairs = false;
   static constexpr bool kAfterPrepare = false;
   template <int> using CacheT = NoScheduleCache;
   static constexpr int cache_entries(int /*free_bytes*/) { return 0; }
@@ -199,6 +204,7 @@ struct DynamicTileScheduler {
 // entries' bounds copied to shared memory once instead (session 32).
 struct VarlenTileScheduler {
   static constexpr bool kNeedsCounter = true;
+  static constexpr bool kNeighbourPairs = false;
   static constexpr bool kAfterPrepare = true;
   static constexpr bool kTakeBeforeLastV = true;
   // The copy's capacity: up to 128 entries, as many as the kernel's free shared memory holds (head dim 256: 56).

@@ -20,6 +20,20 @@ struct FwdTileDefaults {
   // ptxas can then run exponentials under the PV GEMM. Measured per head dim (perf-notes, session 15): +1-2% bf16 and
   // +4-6% e4m3 non-causal at 128; 1-3% slower at 64 and 256, whose loops it left worse.
   static constexpr bool kWarpgroupRelease = false;
+  // CTAs per cluster along the query tiles: 1, or 2 in CtaPairs<Tile> (below).
+  static constexpr int kClusterM = 1;
+  // Padded non-causal calls (no score mod, no dropout) with at least this many keys run CtaPairs<Tile>
+  // (launch_fwd.h: use_cta_pairs); 0: never.
+  static constexpr int kPairsFromKeys = 0;
+};
+
+// Two-CTA clusters on neighbouring query tiles of one head: each CTA loads half of every K/V block and multicasts it
+// to both, so L2 serves each K/V byte once per pair (FA3's non-causal cluster). Session 38, H100, 3 processes x 3
+// rounds against the one-CTA kernel: head dim 128 +2.6-4.3% from 2k keys, -1.5% at 1k; 256 +2.5-3.4% from 2k
+// (perf-notes, session 38). A head with an odd number of query tiles pays one more tile (kernel_fwd.h: tile_work).
+template <class Tile>
+struct CtaPairs : Tile {
+  static constexpr int kClusterM = 2;
 };
 
 // Small head dim: softmax costs as much as the GEMMs, so three consumer warpgroups share K/V.
@@ -40,6 +54,7 @@ template <DType kDType>
 struct FwdTileSize<128, kDType> : FwdTileDefaults {
   static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2, kQStages = 2;
   static constexpr bool kWarpgroupRelease = true;
+  static constexpr int kPairsFromKeys = 2048;
 };
 
 // Large head dim: the O accumulator (64x256 fp32 per warpgroup) leaves room for 80 keys, and
@@ -49,6 +64,7 @@ template <DType kDType>
 struct FwdTileSize<256, kDType> : FwdTileDefaults {
   static constexpr int kBlockM = 128, kBlockN = 80, kStages = 2, kQStages = 1;
   static constexpr bool kPingPong = false;
+  static constexpr int kPairsFromKeys = 2048;
 };
 
 // Head dim 192: O takes 96 registers per thread, S 56 at 112 keys; Q 48 KB, K and V 2 x 42 KB each.
@@ -88,6 +104,9 @@ template <>
 struct FwdTileSize<128, DType::kFloat8E4M3> : FwdTileDefaults {
   static constexpr int kBlockM = 128, kBlockN = 192, kStages = 2, kQStages = 2;
   static constexpr bool kWarpgroupRelease = true;
+  // CTA pairs: +0.6-1.2% from 2k (session 38). At head dims 64 and 256 they lost 15-22%: the consumers' 8 registers
+  // less for the producer's 16 more spilled 84-96 bytes (perf-notes, session 38).
+  static constexpr int kPairsFromKeys = 2048;
 };
 // Q 32 KB, K and V 2 x 32 KB each, O 64 KB: 224 KB of the 227.
 template <>

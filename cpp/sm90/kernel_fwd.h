@@ -37,8 +37,11 @@ struct FwdKernel {
   // Paged K/V (Mainloop::kProducerRegsBoost): the producer thread reads the page table for each 16-key chunk of a
   // block before issuing its copies, so it gets 16 more registers, the consumers 8 fewer (where they do not spill).
   // e4m3 caches: 48 more for the converter warps (ptxas: 32 more spilled 72 bytes, 48 spill 56, 64 spill 52).
-  // CTA pairs: the producer's share of each block (its rank's TMA coordinates) spilled 56 bytes at 24 registers.
-  static constexpr int kBoost = Mainloop::kFp8Cache ? 48 : (Mainloop::kProducerRegsBoost || Mainloop::kClusterM > 1) ? 16 : 0;
+  // CTA pairs: the tile's kPairsProducerRegs (tile_size.h).
+  static constexpr int kBoost = Mainloop::kFp8Cache            ? 48
+                                : Mainloop::kProducerRegsBoost ? 16
+                                : Mainloop::kClusterM > 1      ? Mainloop::kPairsProducerRegs
+                                                               : 0;
   static constexpr int kProducerRegs = (kNumMmaWG == 2 ? 24 : 32) + kBoost;
   static constexpr int kConsumerRegs = (kNumMmaWG == 2 ? 240 : 160) - kBoost / 2;
   static_assert(kNumMmaWG == 2 || kNumMmaWG == 3);

@@ -94,6 +94,7 @@ struct FwdMainloop {
   static constexpr int kStages = Tile::kStages, kQStages = Tile::kQStages;
   // Tile::kClusterM = 2: the CTA pair shares each K/V block (half loaded by each, multicast to both).
   static constexpr int kClusterM = Tile::kClusterM;
+  static constexpr int kPairsProducerRegs = Tile::kPairsProducerRegs;
   using ClusterShape = Shape<Int<kClusterM>, _1, _1>;
   using TmaLoadKV = std::conditional_t<kClusterM == 1, SM90_TMA_LOAD, SM90_TMA_LOAD_MULTICAST>;
   static constexpr uint16_t kMcastMask = uint16_t((1u << kClusterM) - 1u);

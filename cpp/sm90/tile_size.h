@@ -25,6 +25,9 @@ struct FwdTileDefaults {
   // Padded non-causal calls (no score mod, no dropout) with at least this many keys run CtaPairs<Tile>
   // (launch_fwd.h: use_cta_pairs); 0: never.
   static constexpr int kPairsFromKeys = 0;
+  // Registers the pair's producer warpgroup takes from the consumers (kernel_fwd.h): its share of each block
+  // (its rank's TMA coordinates) spilled 56 bytes at 24 (16-bit d128).
+  static constexpr int kPairsProducerRegs = 16;
 };
 
 // Two-CTA clusters on neighbouring query tiles of one head: each CTA loads half of every K/V block and multicasts it
@@ -104,14 +107,16 @@ template <>
 struct FwdTileSize<128, DType::kFloat8E4M3> : FwdTileDefaults {
   static constexpr int kBlockM = 128, kBlockN = 192, kStages = 2, kQStages = 2;
   static constexpr bool kWarpgroupRelease = true;
-  // CTA pairs: +0.6-1.2% from 2k (session 38). At head dims 64 and 256 they lost 15-22%: the consumers' 8 registers
-  // less for the producer's 16 more spilled 84-96 bytes (perf-notes, session 38).
+  // CTA pairs: +0.6-1.2% from 2k (session 38). Not at head dim 64: -2% at 4k, even elsewhere (session 39).
   static constexpr int kPairsFromKeys = 2048;
 };
-// Q 32 KB, K and V 2 x 32 KB each, O 64 KB: 224 KB of the 227.
+// Q 32 KB, K and V 2 x 32 KB each, O 64 KB: 224 KB of the 227. CTA pairs with the producer at its 24 registers
+// (40 bytes of spill; with 16 more, the consumers' 8 fewer spilled 84 bytes and lost 22%): +2.7-5.8% from 2k
+// (session 39).
 template <>
 struct FwdTileSize<256, DType::kFloat8E4M3> : FwdTileDefaults {
   static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2, kQStages = 1;
+  static constexpr int kPairsFromKeys = 2048, kPairsProducerRegs = 0;
 };
 
 // KV caches of e4m3 read by 16-bit queries (KVCacheKind::kE4M3): TMA lands each block in e4m3 stages

@@ -9,6 +9,8 @@
 #include <map>
 #include <mutex>
 
+#include "launch_attribute.h"
+
 namespace flashhopper {
 
 struct DeviceInfo {
@@ -96,18 +98,8 @@ template <class Kernel>
 inline cudaError_t max_active_clusters_once(int& clusters, Kernel kernel, int device, int threads, int smem, int cluster) {
   return detail::once({3, reinterpret_cast<intptr_t>(kernel), device, threads, smem * 16 + cluster}, clusters,
                       [&](int& out) {
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = unsigned(cluster);
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cudaLaunchConfig_t config{};
-    config.gridDim = dim3(unsigned(cluster));
-    config.blockDim = dim3(unsigned(threads));
-    config.dynamicSmemBytes = size_t(smem);
-    config.attrs = attr;
-    config.numAttrs = 1;
-    return cudaOccupancyMaxActiveClusters(&out, kernel, &config);
+    LaunchWith launch(cluster_along_x(cluster), dim3(unsigned(cluster)), threads, smem, nullptr);
+    return cudaOccupancyMaxActiveClusters(&out, kernel, &launch.config);
   });
 }
 

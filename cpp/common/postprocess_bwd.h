@@ -16,6 +16,7 @@
 #include <cstdint>
 
 #include "block_info.h"
+#include "launch_attribute.h"
 #include "dq_frag_layout.h"
 #include "params.h"
 #include "workspace_bwd.h"
@@ -295,17 +296,9 @@ void launch_convert_dq_when_ready(BwdParams const& p, BwdWorkspace const& ws, Se
   int per_sm = 0;
   check_launch(max_blocks_per_sm_once(per_sm, kernel, p.device, 256, smem), "occupancy query");
   int64_t const blocks = int64_t(ws.batch_coords) * p.nheads_q * rp.blocks_per_head;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(unsigned(std::max<int64_t>(1, std::min<int64_t>(blocks, int64_t(num_sms) * std::max(1, per_sm)))));
-  config.blockDim = dim3(256);
-  config.dynamicSmemBytes = size_t(smem);
-  config.stream = stream;
-  config.attrs = attr;
-  config.numAttrs = 1;
-  check_launch(cudaLaunchKernelEx(&config, kernel, rp), "backward dQ postprocess launch");
+  dim3 const grid(unsigned(std::max<int64_t>(1, std::min<int64_t>(blocks, int64_t(num_sms) * std::max(1, per_sm)))));
+  LaunchWith launch(programmatic_launch(), grid, 256, smem, stream);
+  check_launch(cudaLaunchKernelEx(&launch.config, kernel, rp), "backward dQ postprocess launch");
 }
 
 }  // namespace flashhopper

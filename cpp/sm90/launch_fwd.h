@@ -14,6 +14,7 @@
 
 #include "../common/block_info.h"
 #include "../common/kvcache_launch.h"
+#include "../common/launch_attribute.h"
 #include "../common/device_info.h"
 #include "../common/element_type.h"
 #include "../common/kernel_key.h"
@@ -324,33 +325,13 @@ int64_t run_fwd_sm90_blocks(FwdParams const& params, cudaStream_t stream) {
     if (clusters <= 0) throw std::runtime_error("flashhopper: no CTA pair fits on this device");
     clusters = std::max(1, std::min(clusters, num_sms / kCluster));  // (a caller's num_sms bounds the grid too)
     grid.x = unsigned(std::min<int64_t>(int64_t(clusters) * kCluster, kp.scheduler.total_tiles) / kCluster * kCluster);
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = unsigned(kCluster);
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cudaLaunchConfig_t config{};
-    config.gridDim = grid;
-    config.blockDim = dim3(Kernel::kNumThreads);
-    config.dynamicSmemBytes = size_t(smem_bytes);
-    config.stream = stream;
-    config.attrs = attr;
-    config.numAttrs = 1;
-    err = cudaLaunchKernelEx(&config, kernel, kp);
+    LaunchWith launch(cluster_along_x(kCluster), grid, Kernel::kNumThreads, smem_bytes, stream);
+    err = cudaLaunchKernelEx(&launch.config, kernel, kp);
     if (err != cudaSuccess) throw std::runtime_error(std::string("flashhopper: cluster forward launch: ") + cudaGetErrorString(err));
   } else if constexpr (kVarlen) {
     // Launched while the prepare kernel still runs; it waits for it (griddepcontrol.wait) before reading.
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cudaLaunchConfig_t config{};
-    config.gridDim = grid;
-    config.blockDim = dim3(Kernel::kNumThreads);
-    config.dynamicSmemBytes = size_t(smem_bytes);
-    config.stream = stream;
-    config.attrs = attr;
-    config.numAttrs = 1;
-    err = cudaLaunchKernelEx(&config, kernel, kp);
+    LaunchWith launch(programmatic_launch(), grid, Kernel::kNumThreads, smem_bytes, stream);
+    err = cudaLaunchKernelEx(&launch.config, kernel, kp);
     if (err != cudaSuccess) throw std::runtime_error(std::string("flashhopper: varlen forward launch: ") + cudaGetErrorString(err));
   } else {
     kernel<<<grid, Kernel::kNumThreads, smem_bytes, stream>>>(kp);

@@ -118,6 +118,12 @@ int64_t launch_bwd_main(BwdParams const& params, BwdWorkspace const& ws, int num
   // Packed: the schedule's tile count is known on the device only (varlen_prepare.h): here an upper bound
   // (an entry wastes at most one partial block).
   int const num_n_blocks = ceil_div(p.seqlen_k, Mainloop::kBlockN);
+  // Causal: sections of heads (tile_scheduler.h) sized by what a head reads: K, V, Q, dO and the float32 dQ sums.
+  int64_t const causal_head_bytes =
+      Mainloop::kMask == MaskKind::kCausal && !kVarlen
+          ? (int64_t(p.seqlen_k) + p.seqlen_q) * (p.headdim + p.headdim_v) * int64_t(sizeof(Element)) +
+                int64_t(p.seqlen_q) * p.headdim * 4
+          : 0;
   int64_t const ctas = kVarlen ? (int64_t(ceil_div(rows_k, Mainloop::kBlockN)) + p.batch) * p.nheads_q
                                : int64_t(num_n_blocks) * p.nheads_q * p.batch;
   if (ctas > 0 && rows_k > 0) {
@@ -140,7 +146,8 @@ int64_t launch_bwd_main(BwdParams const& params, BwdWorkspace const& ws, int num
                               static_cast<Element*>(p.dv_ptr), stride(p.dv_row_stride, p.dv_head_stride, p.dv_batch_stride),
                               shape_k, dk_accum, dv_accum, dkv_sem, p.nheads_q / p.nheads_kv, p.nheads_kv,
                               ws.n_blocks_k, seqlens),
-        make_bwd_scheduler_params(num_n_blocks, p.batch, p.nheads_q, p.deterministic)};
+        make_bwd_scheduler_params(num_n_blocks, p.batch, p.nheads_q, p.deterministic, causal_head_bytes,
+                                  device_info(p.device).l2_bytes)};
 
     VarlenWorkspace const vw = kVarlen ? VarlenWorkspace::carve(ws.at<char>(p.workspace, ws.varlen), p.batch)
                                        : VarlenWorkspace{};

@@ -283,11 +283,14 @@ struct VarlenTileScheduler {
 
 // ---------------------------------------------------------------------------------------------
 // Backward: one CTA per (key block, query head, batch), launched as a 1-D grid that the hardware
-// starts in index order, the key blocks of one head after another, heaviest first: in causal
-// attention key block n has ~(num_n_blocks - n) query blocks of work, so n ascending, head by head
-// (sections of several heads, ordered heaviest first across them, were within noise or worse:
-// docs/perf-notes.md, "Causal CTA order"). Deterministic runs reverse n (the semaphores make a CTA
-// wait on higher key blocks, which must have lower indices, i.e. have started).
+// starts in index order. In causal attention key block n has ~(num_n_blocks - n) query blocks of work, so
+// key blocks go heaviest first (n ascending) across a section of heads_per_section (batch, head) pairs, section
+// after section: the sections are as many heads as half of L2 holds (their K, V, Q, dO and float32 dQ sums), and
+// the heaviest CTAs of the last section start early enough that the grid ends evenly. One head per section (the
+// order before session 38) left the busiest SM 7.7% past the average at head dim 128, 4k (ncu; FA3 1.7%): the
+// last head's heaviest CTAs started when nearly all work was done (docs/perf-notes.md, S38Z). Non-causal CTAs cost
+// alike: one head per section. Deterministic runs reverse n (the semaphores make a CTA wait on higher key
+// blocks of its head and on lower heads, which must have lower indices, i.e. have started) with one head per section.
 struct BwdTile {
   int n_block, head, batch;
 };
@@ -296,17 +299,32 @@ struct BwdSchedulerParams {
   int num_n_blocks = 0;
   int nheads = 0;
   bool reverse_n = false;
+  int heads_per_section = 1;
+  int num_bh = 0;
   // Packed batches: each CTA's tile, written by the prepare kernel (varlen_prepare.h; the grid is an upper bound).
   int4 const* tiles = nullptr;
 };
 
-inline BwdSchedulerParams make_bwd_scheduler_params(int num_n_blocks, int /*batch*/, int nheads, bool deterministic) {
-  return {num_n_blocks, nheads, deterministic};
+// head_bytes: what one (batch, head) of a causal backward keeps reading (0: one head per section).
+inline BwdSchedulerParams make_bwd_scheduler_params(int num_n_blocks, int batch, int nheads, bool deterministic,
+                                                     int64_t head_bytes = 0, int64_t l2_bytes = 0) {
+  BwdSchedulerParams p{num_n_blocks, nheads, deterministic};
+  p.num_bh = batch * nheads;
+  if (head_bytes > 0 && !deterministic) {
+    int64_t const fit = (l2_bytes > 0 ? l2_bytes : int64_t(50) << 20) / 2 / head_bytes;
+    p.heads_per_section = int(std::max<int64_t>(1, std::min<int64_t>({fit, int64_t(nheads), int64_t(p.num_bh)})));
+  }
+  return p;
 }
 
 CUTE_DEVICE BwdTile decode_bwd_tile(BwdSchedulerParams const& p, int linear) {
-  int const bh = linear / p.num_n_blocks;
-  int const n = linear - bh * p.num_n_blocks;
+  int const per_section = p.num_n_blocks * p.heads_per_section;
+  int const section = linear / per_section;
+  int const r = linear - section * per_section;
+  int const bh0 = section * p.heads_per_section;
+  int const heads_here = min(p.heads_per_section, p.num_bh - bh0);  // the last section may be short
+  int const n = r / heads_here;
+  int const bh = bh0 + (r - n * heads_here);
   return {p.reverse_n ? p.num_n_blocks - 1 - n : n, bh % p.nheads, bh / p.nheads};
 }
 

@@ -119,8 +119,9 @@ int64_t launch_bwd_main(BwdParams const& params, BwdWorkspace const& ws, int num
   // (an entry wastes at most one partial block).
   int const num_n_blocks = ceil_div(p.seqlen_k, Mainloop::kBlockN);
   // Causal: sections of heads (tile_scheduler.h) sized by what a head reads: K, V, Q, dO and the float32 dQ sums.
+  // From 2048 keys: below, sections measured 1-2% slower at head dims 64/128 (perf-notes, S39B).
   int64_t const causal_head_bytes =
-      Mainloop::kMask == MaskKind::kCausal && !kVarlen
+      Mainloop::kMask == MaskKind::kCausal && !kVarlen && p.seqlen_k >= 2048
           ? (int64_t(p.seqlen_k) + p.seqlen_q) * (p.headdim + p.headdim_v) * int64_t(sizeof(Element)) +
                 int64_t(p.seqlen_q) * p.headdim * 4
           : 0;

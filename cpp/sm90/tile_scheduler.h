@@ -288,9 +288,10 @@ struct VarlenTileScheduler {
 // after section: the sections are as many heads as half of L2 holds (their K, V, Q, dO and float32 dQ sums), and
 // the heaviest CTAs of the last section start early enough that the grid ends evenly. One head per section (the
 // order before session 38) left the busiest SM 7.7% past the average at head dim 128, 4k (ncu; FA3 1.7%): the
-// last head's heaviest CTAs started when nearly all work was done (docs/perf-notes.md, S38Z). Non-causal CTAs cost
-// alike: one head per section. Deterministic runs reverse n (the semaphores make a CTA wait on higher key
-// blocks of its head and on lower heads, which must have lower indices, i.e. have started) with one head per section.
+// last head's heaviest CTAs started when nearly all work was done (docs/perf-notes.md, S38Z; sections: +0-2% from
+// 2k keys, 1-2% slower at 512-1k, so one head per section there, S39B). Non-causal CTAs cost alike: one head per
+// section. Deterministic runs reverse n (the semaphores make a CTA wait on higher key blocks of its head and on
+// lower heads, which must have lower indices, i.e. have started) with one head per section.
 struct BwdTile {
   int n_block, head, batch;
 };

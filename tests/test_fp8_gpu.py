@@ -409,7 +409,7 @@ AttnCase = tuple[int, int, int, bool, tuple[int, int], int]
 LONG_CASES: list[AttnCase] = [(8193, 8193, 128, True, (4, 2), 1), (8193, 8193, 256, False, (4, 1), 1),
                               (1000, 8193, 64, True, (4, 4), 2), (8193, 255, 128, False, (4, 2), 1),
                               # 65 query tiles in CTA pairs: the last pair's second tile lies past the rows
-                              (8193, 2048, 128, False, (4, 2), 1)]
+                              (8193, 2048, 128, False, (4, 2), 1), (8193, 2048, 256, False, (4, 1), 1)]
 
 
 def attn_grid() -> list[AttnCase]:

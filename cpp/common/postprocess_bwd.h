@@ -16,8 +16,8 @@
 #include <cstdint>
 
 #include "block_info.h"
-#include "launch_attribute.h"
 #include "dq_frag_layout.h"
+#include "launch_attribute.h"
 #include "params.h"
 #include "workspace_bwd.h"
 

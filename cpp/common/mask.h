@@ -57,8 +57,9 @@ struct Mask : Visibility<kMask, kPackedRows> {
 
   // Backward: one (query block, key block) tile whose first query is q0 and first key k0. With
   // kTransposed the tile is S^T, i.e. coords are (key, query).
+  // fill: what a masked element becomes (-inf for scores, 0 for probabilities).
   template <bool kSeqlenMask, bool kRightMask, bool kLeftMask, bool kTransposed, class TensorS, class TensorC>
-  CUTE_DEVICE void apply_bwd(TensorS& s, TensorC const& coords, int q0, int k0) const {
+  CUTE_DEVICE void apply_bwd(TensorS& s, TensorC const& coords, int q0, int k0, float fill = -INFINITY) const {
     constexpr bool kRight = kHasRight && kRightMask, kLeft = kHasLeft && kLeftMask;
     if constexpr (!kSeqlenMask && !kRight && !kLeft) return;
     int const key_limit = seqlen_k - k0;       // local keys at or past this are padding
@@ -81,7 +82,7 @@ struct Mask : Visibility<kMask, kPackedRows> {
       if constexpr (kSeqlenMask) masked |= dk >= key_lim;
       if constexpr (kRight) masked |= dkq > right_limit;
       if constexpr (kLeft) masked |= dkq < left_limit;
-      s(i) = masked ? -INFINITY : s(i);
+      s(i) = masked ? fill : s(i);
     }
   }
 };

@@ -157,6 +157,7 @@ struct BwdMainloop {
   // V 128 (five atoms): slot 0 is dV^T, slot 1 dK^T, slot 2 dK^T on warpgroup 0 and nothing on 1. So the dV^T
   // slots, which read dO, go out first and dO is released after slot 1 on both, as with one dV^T GEMM.
   static constexpr bool kdKVMirror = Tile::kdKVMirror;
+  static constexpr bool kExpUnderdP = Tile::kExpUnderdP;
   static_assert(!kdKVMirror || (kdKVSwapAB && kHeadDim == 192 && (kHeadDimV == 192 || kHeadDimV == 128) && !kdQSwapAB),
                 "mirrored slots: the 64-row atoms of dK^T (three) and dV^T (three or two) over two warpgroups");
   static constexpr int kdKVSlots = 3;
@@ -759,6 +760,27 @@ struct BwdMainloop {
         };
       }
     };
+    // P and dS through shared memory with dV^T a plain GEMM (head dim 256): P is fenced and made visible on its own so
+    // that dV goes out before dS's stores and fence (one more barrier a step, under the dV GEMM; as FA3; S40E).
+    constexpr bool kdVBeforedS = !kdKVRegsA && !kdKVMirror;
+    // The statistics read now into registers (a thread's distinct rows or columns): with kExpUnderdP, the LSE as the
+    // S GEMM goes out, so that P's exponentials start as soon as S lands (read lazily, their LDS sat after the mask,
+    // where ptxas put the dP wait before the exponentials).
+    auto stat_now = [&](float const* s_stat) {
+      if constexpr (kSdPSwapAB) {
+        constexpr int kCols = decltype(size<1>(tScS_rc))::value;
+        cute::array<float, kCols> v;
+        CUTE_UNROLL
+        for (int ni = 0; ni < kCols; ++ni) v[ni] = s_stat[int(get<1>(tScS_rc(0, ni)))];
+        return [v](int, int ni) { return v[ni]; };
+      } else {
+        constexpr int kRows = decltype(size<0>(tScS_rc))::value;
+        cute::array<float, kRows> v;
+        CUTE_UNROLL
+        for (int mi = 0; mi < kRows; ++mi) v[mi] = s_stat[int(get<0>(tScS_rc(mi, 0)))];
+        return [v](int mi, int) { return v[mi]; };
+      }
+    };
 
     // Fragment-order offsets are linear in (slice, warpgroup, thread, value): this thread's part (kdQAtomic).
     int const dq_thread_offset =
@@ -784,20 +806,20 @@ struct BwdMainloop {
     int const m_left_begin = bi.m_block_left_masked_begin(n_block);
     // One loop body for masked and unmasked blocks: two instances of it made the compiler shuffle
     // (and spill) the dK/dV accumulators between them. Only the mask is behind a uniform branch.
-    auto apply_mask = [&](auto& tSrS, int m_block) {
+    auto apply_mask = [&](auto& tSrS, int m_block, float fill) {
       int const q0 = m_block * kBlockM, k0 = n_block * kBlockN;
       if constexpr (BlockInfoT::kHasLeft) {
         if (m_block < m_right_end || m_block >= m_left_begin || seqlen_mask) {
-          mask.template apply_bwd<true, true, true, kSdPSwapAB>(tSrS, tScS, q0, k0);
+          mask.template apply_bwd<true, true, true, kSdPSwapAB>(tSrS, tScS, q0, k0, fill);
         }
       } else if (m_block < m_right_end) {
         if (seqlen_mask) {
-          mask.template apply_bwd<true, true, false, kSdPSwapAB>(tSrS, tScS, q0, k0);
+          mask.template apply_bwd<true, true, false, kSdPSwapAB>(tSrS, tScS, q0, k0, fill);
         } else {
-          mask.template apply_bwd<false, true, false, kSdPSwapAB>(tSrS, tScS, q0, k0);
+          mask.template apply_bwd<false, true, false, kSdPSwapAB>(tSrS, tScS, q0, k0, fill);
         }
       } else if (seqlen_mask) {
-        mask.template apply_bwd<true, false, false, kSdPSwapAB>(tSrS, tScS, q0, k0);
+        mask.template apply_bwd<true, false, false, kSdPSwapAB>(tSrS, tScS, q0, k0, fill);
       }
     };
 
@@ -808,6 +830,11 @@ struct BwdMainloop {
       Tensor tdPrdP = partition_fragment_C(mma_sdp, ShapeSdP{});
 
       pipeline_q.consumer_wait(read_q);
+      float const* const s_lse = ts.smem_lse.data() + stage_q * kBlockM;
+      auto const lse_early = [&] {
+        if constexpr (kExpUnderdP) return stat_now(s_lse);
+        else return 0;
+      }();
       if constexpr (kSdPSwapAB) {
         wgmma<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, stage_q), tSrS);
       } else {
@@ -821,16 +848,22 @@ struct BwdMainloop {
       }
       [[maybe_unused]] auto const keep = fetch_keep(read_q);
       // P from S while dP is on the tensor cores.
-      auto const lse = stat(ts.smem_lse.data() + stage_q * kBlockM);
+      auto const lse = [&] {
+        if constexpr (kExpUnderdP) return lse_early;
+        else return stat(s_lse);
+      }();
       warpgroup_wait<1>();
       warpgroup_fence_operand(tSrS);
       auto const dmod = [&] {
         if constexpr (kLateP) return p.score_mod.apply_keep_grad(tSrS);
         else { p.score_mod.apply(tSrS); return 0; }
       }();
-      apply_mask(tSrS, m_block);
+      // kExpUnderdP: masked probabilities to 0 after the exponentials rather than scores to -inf before them, so the
+      // exponentials sit before the mask's branches (ptxas put the dP wait first at the branches' join).
+      if constexpr (!kExpUnderdP) apply_mask(tSrS, m_block, -INFINITY);
       Tensor scores = rowcol(tSrS);
       probs_from_lse(scores, lse, p.scale_log2);
+      if constexpr (kExpUnderdP) apply_mask(tSrS, m_block, 0.f);
       Tensor rdS = [&] {
         if constexpr (kLateP) {
           // dS from the float P, then P^T to 16 bits for dV: a 16-bit P is never live beside the float P
@@ -877,7 +910,17 @@ struct BwdMainloop {
           if constexpr (kStagesdS == 1) cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBwdPdS);
           Tensor sP = make_tensor(make_smem_ptr(ts.smem_p.data()), SmemLayoutPdS{});
           copy(smem_copy_pds, thr_copy_pds.retile_S(rP), thr_copy_pds.partition_D(sP)(_, _, _, stage_ds));
-          copy(smem_copy_pds, thr_copy_pds.retile_S(rdS), tdSsdS(_, _, _, stage_ds));
+          if constexpr (kdVBeforedS) {
+            // P visible first, then dV goes out while dS is stored and fenced (as FA3 at head dim 256).
+            cutlass::arch::fence_view_async_shared();
+            cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBwdPdS);
+            copy(smem_copy_pds, thr_copy_pds.retile_S(rdS), tdSsdS(_, _, _, stage_ds));
+            Tensor sPt = make_tensor(make_smem_ptr(ts.smem_p.data()), SmemLayoutPdSt{});
+            Tensor tdVrP = wg_dv.partition_fragment_B(sPt);
+            wgmma<false, -1>(mma_dv, tdVrdO(_, _, _, stage_do), tdVrP(_, _, _, stage_ds), tdVrdV);
+          } else {
+            copy(smem_copy_pds, thr_copy_pds.retile_S(rdS), tdSsdS(_, _, _, stage_ds));
+          }
           return rdS;
         }
       }();
@@ -912,7 +955,7 @@ struct BwdMainloop {
       };
       if constexpr (kdKVMirror) {
         issue_slots(_0{}, _2{});  // the dV^T slots (and warpgroup 0's first dK^T one): dO's readers
-      } else if constexpr (!kdKVRegsA) {
+      } else if constexpr (!kdKVRegsA && !kdVBeforedS) {
         Tensor sPt = make_tensor(make_smem_ptr(ts.smem_p.data()), SmemLayoutPdSt{});
         Tensor tdVrP = wg_dv.partition_fragment_B(sPt);
         wgmma<false, -1>(mma_dv, tdVrdO(_, _, _, stage_do), tdVrP(_, _, _, stage_ds), tdVrdV);

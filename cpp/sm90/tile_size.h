@@ -155,6 +155,7 @@ template <>
 struct BwdTileSize<64> {
   static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2, kStagesdO = 2, kStagesdS = 2, kdQSlices = 1;
   static constexpr bool kSdPSwapAB = true, kdKVSwapAB = false, kdQSwapAB = false, kdKVMirror = false;
+  static constexpr bool kExpUnderdP = false;
 };
 
 // Head dim 64 in 64-row steps, for the kernels whose element work does not fit beside 128-row S^T/dP^T tiles:
@@ -162,14 +163,19 @@ struct BwdTileSize<64> {
 struct BwdTileHeadDim64Rows64 {
   static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2, kStagesdO = 2, kStagesdS = 2, kdQSlices = 1;
   static constexpr bool kSdPSwapAB = true, kdKVSwapAB = false, kdQSwapAB = false, kdKVMirror = false;
+  static constexpr bool kExpUnderdP = false;
 };
 
 // 64 query rows per step; 80 (dQ^T as the GEMM) asked less of shared memory per FLOP but ran 10%
 // slower, and head dim 256's layout (FA3's choice at 128) lost too (perf-notes, backward v6).
+// kExpUnderdP: the LSE read as the S GEMM goes out and P's exponentials before the mask (masked P set to 0), so that
+// they run under the dP GEMM: here +2-3% non-causal, +0-1% causal from 2k (-2.5% at 1k); at head dims 64 and 256 the
+// same order was 6-9% and 1-4% slower (perf-notes, S40A / S40E).
 template <>
 struct BwdTileSize<128> {
   static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2, kStagesdO = 2, kStagesdS = 2, kdQSlices = 1;
   static constexpr bool kSdPSwapAB = true, kdKVSwapAB = false, kdQSwapAB = false, kdKVMirror = false;
+  static constexpr bool kExpUnderdP = true;
 };
 
 // Head dim 96: head dim 128's layout (dK and dV take 48 registers each per thread).
@@ -177,6 +183,7 @@ template <>
 struct BwdTileSize<96> {
   static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2, kStagesdO = 2, kStagesdS = 2, kdQSlices = 1;
   static constexpr bool kSdPSwapAB = true, kdKVSwapAB = false, kdQSwapAB = false, kdKVMirror = false;
+  static constexpr bool kExpUnderdP = false;
 };
 
 // Head dim 192: with S^T, one warpgroup would hold 64 keys x 192 of both dK and dV (192 registers).
@@ -191,6 +198,7 @@ template <>
 struct BwdTileSize<192> {
   static constexpr int kBlockM = 64, kBlockN = 96, kStages = 2, kStagesdO = 1, kStagesdS = 1, kdQSlices = 1;
   static constexpr bool kSdPSwapAB = false, kdKVSwapAB = true, kdQSwapAB = false, kdKVMirror = true;
+  static constexpr bool kExpUnderdP = false;
 };
 
 // Q/K 192, V 128: head dim 192's layout, its five atoms of dK^T / dV^T mirrored unevenly: warpgroup 0 holds dV^T
@@ -213,13 +221,17 @@ template <>
 struct BwdTileSize<256> {
   static constexpr int kBlockM = 64, kBlockN = 80, kStages = 2, kStagesdO = 1, kStagesdS = 1, kdQSlices = 4;
   static constexpr bool kSdPSwapAB = false, kdKVSwapAB = true, kdQSwapAB = true, kdKVMirror = false;
+  static constexpr bool kExpUnderdP = false;
 };
 
 // Kernels with dropout (common/dropout.h): the plain tiles, except head dim 256's 80 keys, split 40 / 40 between
 // the warpgroups, which leave a thread's 8-key chunks in halves of the Philox groups (one draw per 8 of its
 // scores, not 16) and spilled 130-145 bytes; 64 keys (32 each: whole groups, dK^T/dV^T in 128 registers).
+// Without kExpUnderdP: at head dim 128 the LSE held across the S GEMM beside the keep bits spilled 128-192 bytes.
 template <int kHeadDim, int kHeadDimV = kHeadDim>
-struct BwdDropoutTileSize : BwdTileSize<kHeadDim, kHeadDimV> {};
+struct BwdDropoutTileSize : BwdTileSize<kHeadDim, kHeadDimV> {
+  static constexpr bool kExpUnderdP = false;
+};
 template <>
 struct BwdDropoutTileSize<256> : BwdTileSize<256> {
   static constexpr int kBlockN = 64;
@@ -227,9 +239,12 @@ struct BwdDropoutTileSize<256> : BwdTileSize<256> {
 template <>
 struct BwdDropoutTileSize<64> : BwdTileHeadDim64Rows64 {};
 
-// Kernels with a softcap (without dropout): the plain tiles but head dim 64's.
+// Kernels with a softcap (without dropout): the plain tiles but head dim 64's, and without kExpUnderdP (not
+// measured with the tanh's MUFU work before the dP wait; at head dim 64 such a MUFU burst lost 6-9%, S40A).
 template <int kHeadDim, int kHeadDimV = kHeadDim>
-struct BwdSoftcapTileSize : BwdTileSize<kHeadDim, kHeadDimV> {};
+struct BwdSoftcapTileSize : BwdTileSize<kHeadDim, kHeadDimV> {
+  static constexpr bool kExpUnderdP = false;
+};
 template <>
 struct BwdSoftcapTileSize<64> : BwdTileHeadDim64Rows64 {};
 

@@ -763,6 +763,14 @@ struct BwdMainloop {
     // P and dS through shared memory with dV^T a plain GEMM (head dim 256): P is fenced and made visible on its own so
     // that dV goes out before dS's stores and fence (one more barrier a step, under the dV GEMM; as FA3; S40E).
     constexpr bool kdVBeforedS = !kdKVRegsA && !kdKVMirror;
+    // dV^T += dO^T P^T with P^T from shared memory (P through shared memory, no mirrored slots).
+    auto issue_dv_smem_p = [&](int stage_do, int stage_ds) {
+      if constexpr (!kdKVRegsA && !kdKVMirror) {
+        Tensor sPt = make_tensor(make_smem_ptr(ts.smem_p.data()), SmemLayoutPdSt{});
+        Tensor tdVrP = wg_dv.partition_fragment_B(sPt);
+        wgmma<false, -1>(mma_dv, tdVrdO(_, _, _, stage_do), tdVrP(_, _, _, stage_ds), tdVrdV);
+      }
+    };
     // The statistics read now into registers (a thread's distinct rows or columns): with kExpUnderdP, the LSE as the
     // S GEMM goes out, so that P's exponentials start as soon as S lands (read lazily, their LDS sat after the mask,
     // where ptxas put the dP wait before the exponentials).
@@ -915,9 +923,7 @@ struct BwdMainloop {
             cutlass::arch::fence_view_async_shared();
             cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBwdPdS);
             copy(smem_copy_pds, thr_copy_pds.retile_S(rdS), tdSsdS(_, _, _, stage_ds));
-            Tensor sPt = make_tensor(make_smem_ptr(ts.smem_p.data()), SmemLayoutPdSt{});
-            Tensor tdVrP = wg_dv.partition_fragment_B(sPt);
-            wgmma<false, -1>(mma_dv, tdVrdO(_, _, _, stage_do), tdVrP(_, _, _, stage_ds), tdVrdV);
+            issue_dv_smem_p(stage_do, stage_ds);
           } else {
             copy(smem_copy_pds, thr_copy_pds.retile_S(rdS), tdSsdS(_, _, _, stage_ds));
           }
@@ -956,9 +962,7 @@ struct BwdMainloop {
       if constexpr (kdKVMirror) {
         issue_slots(_0{}, _2{});  // the dV^T slots (and warpgroup 0's first dK^T one): dO's readers
       } else if constexpr (!kdKVRegsA && !kdVBeforedS) {
-        Tensor sPt = make_tensor(make_smem_ptr(ts.smem_p.data()), SmemLayoutPdSt{});
-        Tensor tdVrP = wg_dv.partition_fragment_B(sPt);
-        wgmma<false, -1>(mma_dv, tdVrdO(_, _, _, stage_do), tdVrP(_, _, _, stage_ds), tdVrdV);
+        issue_dv_smem_p(stage_do, stage_ds);
       }
       // dQ slices, with dK issued after the first: dQ_0, dK, dQ_1, ...
       auto issue_dq = [&](auto& tdQrdQ, int slice) {

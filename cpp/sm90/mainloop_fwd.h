@@ -1202,14 +1202,20 @@ struct FwdMainloop {
       warpgroup_wait<1>();
       if (warp_live) scale_s(read_k.index());
       release_k();
+      if constexpr (Tile::kPvWaitFirst) {
+        warpgroup_wait<0>();
+        release_v();
+      }
       cute::array<float, 2> o_scale{};
       if (warp_live) {
         p.score_mod.apply(scores);
         if constexpr (kRight || kLeft) mask.template apply<false, kRight, kLeft>(scores, tScS, row_offset, n);
         o_scale = softmax.template update<false, kRight || kLeft>(scores, s_scale);
       }
-      warpgroup_wait<0>();
-      release_v();
+      if constexpr (!Tile::kPvWaitFirst) {
+        warpgroup_wait<0>();
+        release_v();
+      }
       if constexpr (kFp8Cache) {
         to_p_cache(cute::true_type{}, o_scale);
       } else {

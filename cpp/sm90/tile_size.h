@@ -20,6 +20,11 @@ struct FwdTileDefaults {
   // ptxas can then run exponentials under the PV GEMM. Measured per head dim (perf-notes, session 15): +1-2% bf16 and
   // +4-6% e4m3 non-causal at 128; 1-3% slower at 64 and 256, whose loops it left worse.
   static constexpr bool kWarpgroupRelease = false;
+  // The PV GEMM waited for before the softmax, not after it. e4m3: ptxas hoists that wait above the exponentials
+  // anyway (SASS, session 41), but with the wait written after them it converts P into spare registers and moves the
+  // words into the PV GEMM's A-operand registers with a PRMT each (20 per step at head dim 64, 26 at 128); written
+  // first, the conversion lands in half of them directly.
+  static constexpr bool kPvWaitFirst = false;
   // CTAs per cluster along the query tiles: 1, or 2 in CtaPairs<Tile> (below).
   static constexpr int kClusterM = 1;
   // Padded non-causal calls (no score mod, no dropout) with at least this many keys run CtaPairs<Tile>

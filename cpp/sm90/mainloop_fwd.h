@@ -849,12 +849,13 @@ struct FwdMainloop {
       if constexpr (kFp8) return v_scales(n * kBlockN);
       else return 1.f;
     };
-    // FP8 without causal or window masks, unmasked steps: each warp holds the k (times q) and v descales of 32 key
-    // blocks, lane i those of block top - i, and those of the 32 below them, loaded 32 blocks before they are needed:
-    // a block's pair is then two shuffles, where a division, an address and a load cost ~10 instructions each.
-    // +1-3% non-causal; the causal kernels measured 2-4% slower with it at 2k (short rows) and keep per-block loads
-    // (perf-notes, sessions 18-19). Opened after the first block; its shuffles go after the GEMM issue.
-    static constexpr bool kDescaleWindow = kFp8 && !BlockInfoT::kHasRight;
+    // FP8, unmasked steps: each warp holds the k (times q) and v descales of 32 key blocks, lane i those of block
+    // top - i, and those of the 32 below them, loaded 32 blocks before they are needed: a block's pair is then two
+    // shuffles, where a division, an address and a load cost ~15 instructions each (with the divisors and pointers
+    // reloaded from the constant bank). +1-3% non-causal (perf-notes, sessions 18-19); causal kernels opened it after
+    // their masked steps and measured 2-4% slower at 2k, the first unmasked step waiting for its loads, so it opens
+    // before the first GEMM (session 41). Its shuffles go after the GEMM issue.
+    static constexpr bool kDescaleWindow = kFp8;
     int const lane = threadIdx.x % cutlass::NumThreadsPerWarp;
     int window_top = 0;
     float k_cur = 0.f, v_cur = 0.f, k_next = 0.f, v_next = 0.f;
@@ -1144,6 +1145,12 @@ struct FwdMainloop {
 
     // First (highest) key block: S only; it always carries the sequence-end mask and both edges.
     int n_block = n_block_max - 1;
+    // The descale window opens before the first GEMM: its loads land under the masked steps (opened after them, the
+    // first unmasked step waited for its loads).
+    int const n_open = cute::min(n_block_max - 2, n_right - 1);
+    if (kDescaleWindow && n_open >= n_left) {
+      open_window(Tile::kWarpgroupRelease ? cute::max(n_open - 1, n_block_min) : n_open);
+    }
     sched_sync();
     issue_s();
     sched_arrive();
@@ -1225,7 +1232,6 @@ struct FwdMainloop {
     };
     constexpr bool kLeftEdge = BlockInfoT::kHasLeft;
     for (--n_block; n_block >= n_right; --n_block) step(n_block, cute::true_type{}, cute::bool_constant<kLeftEdge>{});
-    if (kDescaleWindow && n_block >= n_left) open_window(Tile::kWarpgroupRelease ? cute::max(n_block - 1, n_block_min) : n_block);
     for (; n_block >= n_left; --n_block) step(n_block, cute::false_type{}, cute::false_type{});
     if constexpr (kLeftEdge) {
       for (; n_block >= n_block_min; --n_block) step(n_block, cute::false_type{}, cute::true_type{});

@@ -107,11 +107,13 @@ template <>
 struct FwdTileSize<64, DType::kFloat8E4M3> : FwdTileDefaults {
   static constexpr int kBlockM = 192, kBlockN = 160, kStages = 3, kQStages = 2;
   static constexpr bool kPingPong = false;
+  static constexpr bool kPvWaitFirst = true;
 };
 template <>
 struct FwdTileSize<128, DType::kFloat8E4M3> : FwdTileDefaults {
   static constexpr int kBlockM = 128, kBlockN = 192, kStages = 2, kQStages = 2;
   static constexpr bool kWarpgroupRelease = true;
+  static constexpr bool kPvWaitFirst = true;
   // CTA pairs: +0.6-1.2% from 2k (session 38). Not at head dim 64: -2% at 4k, even elsewhere (session 39).
   static constexpr int kPairsFromKeys = 2048;
 };
@@ -121,6 +123,7 @@ struct FwdTileSize<128, DType::kFloat8E4M3> : FwdTileDefaults {
 template <>
 struct FwdTileSize<256, DType::kFloat8E4M3> : FwdTileDefaults {
   static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2, kQStages = 1;
+  static constexpr bool kPvWaitFirst = true;
   static constexpr int kPairsFromKeys = 2048, kPairsProducerRegs = 0;
 };
 

@@ -855,7 +855,7 @@ struct FwdMainloop {
     // reloaded from the constant bank). +1-3% non-causal (perf-notes, sessions 18-19); causal kernels opened it after
     // their masked steps and measured 2-4% slower at 2k, the first unmasked step waiting for its loads, so it opens
     // before the first GEMM (session 41). Its shuffles go after the GEMM issue.
-    static constexpr bool kDescaleWindow = kFp8;
+    static constexpr bool kDescaleWindow = kFp8 && (Tile::kCausalDescaleWindow || !BlockInfoT::kHasRight);
     int const lane = threadIdx.x % cutlass::NumThreadsPerWarp;
     int window_top = 0;
     float k_cur = 0.f, v_cur = 0.f, k_next = 0.f, v_next = 0.f;

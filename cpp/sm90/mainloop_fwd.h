@@ -853,8 +853,9 @@ struct FwdMainloop {
     // top - i, and those of the 32 below them, loaded 32 blocks before they are needed: a block's pair is then two
     // shuffles, where a division, an address and a load cost ~15 instructions each (with the divisors and pointers
     // reloaded from the constant bank). +1-3% non-causal (perf-notes, sessions 18-19); causal kernels opened it after
-    // their masked steps and measured 2-4% slower at 2k, the first unmasked step waiting for its loads, so it opens
-    // before the first GEMM (session 41). Its shuffles go after the GEMM issue.
+    // their masked steps and measured 2-4% slower at 2k, where the first unmasked step waits on the window's loads
+    // (the SASS's reading, session 41), so it opens before the first GEMM (Tile::kCausalDescaleWindow). Its shuffles
+    // go after the GEMM issue.
     static constexpr bool kDescaleWindow = kFp8 && (Tile::kCausalDescaleWindow || !BlockInfoT::kHasRight);
     int const lane = threadIdx.x % cutlass::NumThreadsPerWarp;
     int window_top = 0;

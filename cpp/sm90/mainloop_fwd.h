@@ -852,11 +852,11 @@ struct FwdMainloop {
     // FP8, unmasked steps: each warp holds the k (times q) and v descales of 32 key blocks, lane i those of block
     // top - i, and those of the 32 below them, loaded 32 blocks before they are needed: a block's pair is then two
     // shuffles, where a division, an address and a load cost ~15 instructions each (with the divisors and pointers
-    // reloaded from the constant bank). +1-3% non-causal (perf-notes, sessions 18-19); causal kernels opened it after
-    // their masked steps and measured 2-4% slower at 2k, where the first unmasked step waits on the window's loads
-    // (the SASS's reading, session 41), so it opens before the first GEMM (Tile::kCausalDescaleWindow). Its shuffles
-    // go after the GEMM issue.
-    static constexpr bool kDescaleWindow = kFp8 && (Tile::kCausalDescaleWindow || !BlockInfoT::kHasRight);
+    // reloaded from the constant bank). +1-3% non-causal (perf-notes, sessions 18-19). Causal kernels that opened it
+    // after their masked steps measured 2-4% slower at 2k (their first unmasked step waits on the window's loads), so
+    // they use it only where it opens before the first GEMM (Tile::kEarlyDescaleWindow). Its shuffles go after the
+    // GEMM issue.
+    static constexpr bool kDescaleWindow = kFp8 && (Tile::kEarlyDescaleWindow || !BlockInfoT::kHasRight);
     int const lane = threadIdx.x % cutlass::NumThreadsPerWarp;
     int window_top = 0;
     float k_cur = 0.f, v_cur = 0.f, k_next = 0.f, v_next = 0.f;
@@ -1146,12 +1146,14 @@ struct FwdMainloop {
 
     // First (highest) key block: S only; it always carries the sequence-end mask and both edges.
     int n_block = n_block_max - 1;
-    // The descale window opens before the first GEMM: its loads land under the masked steps (opened after them, the
-    // first unmasked step waited for its loads).
-    int const n_open = cute::min(n_block_max - 2, n_right - 1);
-    if (kDescaleWindow && n_open >= n_left) {
-      open_window(Tile::kWarpgroupRelease ? cute::max(n_open - 1, n_block_min) : n_open);
-    }
+    // Tile::kEarlyDescaleWindow: the descale window opens before the first GEMM, its loads landing under the masked
+    // steps (opened after them, the first unmasked step waits for its loads); otherwise after the masked steps.
+    auto open_window_at = [&](int n_first) {  // n_first: the first unmasked block
+      if (kDescaleWindow && n_first >= n_left) {
+        open_window(Tile::kWarpgroupRelease ? cute::max(n_first - 1, n_block_min) : n_first);
+      }
+    };
+    if constexpr (Tile::kEarlyDescaleWindow) open_window_at(cute::min(n_block_max - 2, n_right - 1));
     sched_sync();
     issue_s();
     sched_arrive();
@@ -1233,6 +1235,7 @@ struct FwdMainloop {
     };
     constexpr bool kLeftEdge = BlockInfoT::kHasLeft;
     for (--n_block; n_block >= n_right; --n_block) step(n_block, cute::true_type{}, cute::bool_constant<kLeftEdge>{});
+    if constexpr (!Tile::kEarlyDescaleWindow) open_window_at(n_block);
     for (; n_block >= n_left; --n_block) step(n_block, cute::false_type{}, cute::false_type{});
     if constexpr (kLeftEdge) {
       for (; n_block >= n_block_min; --n_block) step(n_block, cute::false_type{}, cute::true_type{});

@@ -25,9 +25,10 @@ struct FwdTileDefaults {
   // words into the PV GEMM's A-operand registers with a PRMT each (20 per step at head dim 64, 26 at 128); written
   // first, the conversion lands in half of them directly.
   static constexpr bool kPvWaitFirst = false;
-  // e4m3 kernels with a right edge (causal, windows): the k and v descales of the unmasked steps from the warp's
-  // 32-block shuffle window, as without masks (mainloop_fwd.h: kDescaleWindow), not loaded per block.
-  static constexpr bool kCausalDescaleWindow = false;
+  // e4m3: the 32-block descale window (mainloop_fwd.h: kDescaleWindow) opened before the first GEMM, and used by
+  // kernels with a right edge (causal, windows) too, whose unmasked steps otherwise load their k and v descales per
+  // block (~30 instructions a step at head dim 64: SASS, session 41).
+  static constexpr bool kEarlyDescaleWindow = false;
   // CTAs per cluster along the query tiles: 1, or 2 in CtaPairs<Tile> (below).
   static constexpr int kClusterM = 1;
   // Padded non-causal calls (no score mod, no dropout) with at least this many keys run CtaPairs<Tile>
@@ -110,15 +111,14 @@ template <>
 struct FwdTileSize<64, DType::kFloat8E4M3> : FwdTileDefaults {
   static constexpr int kBlockM = 192, kBlockN = 160, kStages = 3, kQStages = 2;
   static constexpr bool kPingPong = false;
+  // Both +2-4% causal from 2k, +0-1% non-causal (S42PG). At 128 and 256 both lost 1-5% (S42PG): off there.
   static constexpr bool kPvWaitFirst = true;
-  static constexpr bool kCausalDescaleWindow = true;
+  static constexpr bool kEarlyDescaleWindow = true;
 };
 template <>
 struct FwdTileSize<128, DType::kFloat8E4M3> : FwdTileDefaults {
   static constexpr int kBlockM = 128, kBlockN = 192, kStages = 2, kQStages = 2;
   static constexpr bool kWarpgroupRelease = true;
-  static constexpr bool kPvWaitFirst = true;
-  static constexpr bool kCausalDescaleWindow = true;
   // CTA pairs: +0.6-1.2% from 2k (session 38). Not at head dim 64: -2% at 4k, even elsewhere (session 39).
   static constexpr int kPairsFromKeys = 2048;
 };
@@ -128,8 +128,6 @@ struct FwdTileSize<128, DType::kFloat8E4M3> : FwdTileDefaults {
 template <>
 struct FwdTileSize<256, DType::kFloat8E4M3> : FwdTileDefaults {
   static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2, kQStages = 1;
-  static constexpr bool kPvWaitFirst = true;
-  static constexpr bool kCausalDescaleWindow = true;
   static constexpr int kPairsFromKeys = 2048, kPairsProducerRegs = 0;
 };
 

@@ -74,6 +74,43 @@ struct OnlineSoftmax {
     return o_scale;
   }
 
+  // update (not the first block) fused with O's rescale: every row's max first, then at_exp() (where the caller waits
+  // for the GEMM that accumulates into O), then each row's exponentials with its O columns multiplied by
+  // o_scale * o_extra spread between them. Written after the exponentials, the multiplies ran after the MUFU-bound
+  // loop; spread, they fill its idle issue slots (FA3's e4m3 loop does so).
+  template <bool kCheckInf, class TensorS, class TensorO, class AtExp>
+  CUTE_DEVICE void update_rescaling(TensorS& s, float scale, TensorO& o, float o_extra, AtExp&& at_exp) {
+    static_assert(decltype(size<0>(s))::value == kRows && decltype(size<0>(o))::value == kRows);
+    static_assert(kLazyRescale == 0, "a lazy rescale skips O's multiplies per warp");
+    float m_shifted[kRows], o_scale[kRows];
+    CUTE_UNROLL
+    for (int mi = 0; mi < kRows; ++mi) {
+      float m = -INFINITY;
+      CUTE_UNROLL
+      for (int ni = 0; ni < size<1>(s); ++ni) m = fmaxf(m, s(mi, ni));
+      m = fmaxf(quad_allreduce(m, MaxOp{}) * scale, row_max[mi]);
+      float const m_used = (kCheckInf && m == -INFINITY) ? 0.f : m;
+      m_shifted[mi] = m_used - float(kMaxOffset);
+      o_scale[mi] = exp2_approx(row_max[mi] - m_used);
+      row_max[mi] = m;
+    }
+    at_exp();
+    constexpr int kS = decltype(size<1>(s))::value, kO = decltype(size<1>(o))::value;
+    CUTE_UNROLL
+    for (int mi = 0; mi < kRows; ++mi) {
+      float const f = o_scale[mi] * o_extra;
+      float sum = 0.f;
+      CUTE_UNROLL
+      for (int ni = 0; ni < kS; ++ni) {
+        s(mi, ni) = exp2_approx(s(mi, ni) * scale - m_shifted[mi]);
+        sum += s(mi, ni);
+        CUTE_UNROLL
+        for (int j = ni * kO / kS; j < (ni + 1) * kO / kS; ++j) o(mi, j) *= f;
+      }
+      row_sum[mi] = row_sum[mi] * o_scale[mi] + sum;
+    }
+  }
+
   template <class TensorO>
   CUTE_DEVICE static void rescale(TensorO& o, cute::array<float, kRows> const& scale) {
     static_assert(decltype(size<0>(o))::value == kRows);

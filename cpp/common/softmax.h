@@ -76,8 +76,9 @@ struct OnlineSoftmax {
 
   // update (not the first block) fused with O's rescale: every row's max first, then at_exp() (where the caller waits
   // for the GEMM that accumulates into O), then each row's exponentials with its O columns multiplied by
-  // o_scale * o_extra spread between them. Written after the exponentials, the multiplies ran after the MUFU-bound
-  // loop; spread, they fill its idle issue slots (FA3's e4m3 loop does so).
+  // o_scale * o_extra written between them (FA3's e4m3 loop has them there). ptxas still schedules the multiplies after
+  // the exponentials; what this order changed at e4m3 d128 is a loop ~25 instructions shorter and the PV wait's place,
+  // which ptxas picks per kernel (perf-notes, session 43).
   template <bool kCheckInf, class TensorS, class TensorO, class AtExp>
   CUTE_DEVICE void update_rescaling(TensorS& s, float scale, TensorO& o, float o_extra, AtExp&& at_exp) {
     static_assert(decltype(size<0>(s))::value == kRows && decltype(size<0>(o))::value == kRows);

@@ -1012,10 +1012,15 @@ struct FwdMainloop {
     // n multiplies by v_descale(n + 1) / v_descale(n) together with the softmax rescale.
     // (e4m3 cache: the largest V scale of the newest block, set by to_p_cache; 0 before the first.)
     float v_descale_prev = kFp8Cache ? 0.f : v_descale(n_block_max - 1);
+    // FP8: the factor that moves O from the previous block's V descale to vd's, which becomes the current one.
+    auto take_v_descale = [&](float vd) {
+      float const ratio = v_descale_prev / vd;
+      v_descale_prev = vd;
+      return ratio;
+    };
     auto rescale_o = [&](cute::array<float, 2> o_scale, float vd) {
       if constexpr (kFp8) {
-        float const ratio = v_descale_prev / vd;
-        v_descale_prev = vd;
+        float const ratio = take_v_descale(vd);
         o_scale[0] *= ratio;
         o_scale[1] *= ratio;
       }
@@ -1216,11 +1221,7 @@ struct FwdMainloop {
       release_k();
       if constexpr (kRescaleInExp) {
         static_assert(!Tile::kPvWaitFirst && !kFp8Cache && kLazyRescale == 0);
-        float ratio = 1.f;
-        if constexpr (kFp8) {
-          ratio = v_descale_prev / vd;
-          v_descale_prev = vd;
-        }
+        float const ratio = kFp8 ? take_v_descale(vd) : 1.f;
         auto at_exp = [&] {
           warpgroup_wait<0>();
           release_v();

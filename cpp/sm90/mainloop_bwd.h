@@ -831,6 +831,23 @@ struct BwdMainloop {
       }
     };
 
+    // kConsumerRed: a slice's sums added to dQ's float32 sums (fragment order) from this thread's registers.
+    auto red_slice = [&](auto& frag, float* dq_thread, int slice) {
+      CUTE_UNROLL
+      for (int i = 0; i < size(frag); i += 4) {
+        red_add_v4(dq_thread + (dq_share_offset(slice, 0) + FragLayout::offset(0, 0, i)), frag(i), frag(i + 1),
+                   frag(i + 2), frag(i + 3));
+      }
+    };
+    // dQ^T (kdQSwapAB): the last slice's reds go out in the next step, after its S GEMM, so that their register
+    // reads drain under that GEMM (issued at the step's end, the next S GEMM waited for them: ncu, S43N / S44).
+    // The first step adds zeros to its own block: a branch around the reds under the S GEMM made ptxas
+    // serialize every WGMMA of the loop (C7518).
+    using FragdQ = decltype(partition_fragment_C(mma_dq, ShapedQ{}));
+    FragdQ tdQrdQ_held;
+    if constexpr (kdQSwapAB) clear(tdQrdQ_held);
+    float* dq_held = p.dq_accum + (m_block0 + m_end - 1) * int64_t(kBlockM * kHeadDim) + dq_thread_offset;
+
     auto step = [&](int m_block) {
       int const stage_q = read_q.index(), stage_do = read_do.index();
       int const stage_ds = kStagesdS == 1 ? 0 : stage_q;
@@ -847,6 +864,10 @@ struct BwdMainloop {
         wgmma<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, stage_q), tSrS);
       } else {
         wgmma<true, -1>(mma_sdp, tSrQ(_, _, _, stage_q), tSrK, tSrS);
+      }
+      if constexpr (kdQSwapAB) {
+        warpgroup_fence_operand(tdQrdQ_held);
+        red_slice(tdQrdQ_held, dq_held, kdQSlices - 1);
       }
       pipeline_do.consumer_wait(read_do);
       if constexpr (kSdPSwapAB) {
@@ -994,11 +1015,7 @@ struct BwdMainloop {
         warpgroup_fence_operand(frag);
         int const t = thread_idx % cutlass::NumThreadsPerWarpGroup;
         if constexpr (kdQAtomic) {
-          CUTE_UNROLL
-          for (int i = 0; i < size(frag); i += 4) {
-            red_add_v4(dq_thread + (dq_share_offset(slice, 0) + FragLayout::offset(0, 0, i)), frag(i), frag(i + 1),
-                       frag(i + 2), frag(i + 3));
-          }
+          red_slice(frag, dq_thread, slice);
         } else {
           cutlass::arch::NamedBarrier::sync(kdQHandoffThreads, kBwddQEmpty0 + wg);
           // Thread t's values i..i+3 at float ((i / 4) * 128 + t) * 4 of the buffer: a warp's
@@ -1014,10 +1031,10 @@ struct BwdMainloop {
           cutlass::arch::NamedBarrier::arrive(kdQHandoffThreads, kBwddQFull0 + wg);
         }
       };
-      using FragdQ = decltype(partition_fragment_C(mma_dq, ShapedQ{}));
       if constexpr (kdQSwapAB) {
-        // One slice at a time in one accumulator (as FA3): dQ_0, dK; dQ_1 once dQ_0's reds are out.
-        FragdQ tdQrdQ;
+        // One slice at a time in one accumulator (as FA3): dQ_0, dK; dQ_1 once dQ_0's reds are out; the last
+        // slice's reds in the next step (tdQrdQ_held).
+        FragdQ& tdQrdQ = tdQrdQ_held;
         issue_dq(tdQrdQ, 0);
         issue_dk();
         warpgroup_wait<1>();  // dV and dQ_0 done; dK in flight
@@ -1028,8 +1045,10 @@ struct BwdMainloop {
         for (int slice = 1; slice < kdQSlices; ++slice) {
           issue_dq(tdQrdQ, slice);
           warpgroup_wait<0>();
-          stage_dq(tdQrdQ, slice);
+          if (slice + 1 < kdQSlices) stage_dq(tdQrdQ, slice);
         }
+        warpgroup_fence_operand(tdQrdQ);
+        dq_held = dq_thread;
       } else if constexpr (kdQSlices <= 2) {
         // Every slice in flight at once: dQ_0, dK, dQ_1.
         cute::array<FragdQ, kdQSlices> tdQrdQ;
@@ -1075,6 +1094,10 @@ struct BwdMainloop {
 
     CUTE_NO_UNROLL
     for (int m_block = m_end - 1; m_block >= m_begin; --m_block) step(m_block);
+    if constexpr (kdQSwapAB) {
+      warpgroup_fence_operand(tdQrdQ_held);
+      red_slice(tdQrdQ_held, dq_held, kdQSlices - 1);
+    }
 
     // dQ atomics (never deterministic: that mode runs the writer path): this CTA's additions to every
     // block it walked are counted at once (one fence per thread, not one per step).

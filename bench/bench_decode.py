@@ -47,7 +47,7 @@ from flashhopper import flash_attn_func, flash_attn_with_kvcache
 from flashhopper.flops import tflops, visible_pairs
 from flashhopper.report import fa3
 from flashhopper.report.environment import environment, source_root
-from flashhopper.report.timing import graphed, interleaved, make_timer
+from flashhopper.report.timing import FLUSHES, graphed, interleaved, make_timer
 
 Fn = Callable[[], Any]
 
@@ -381,6 +381,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eager", action="store_true",
                     help="time decode steps as eager calls (host time included where it exceeds the GPU's) rather "
                          "than CUDA-graph replays")
+    ap.add_argument("--flush", choices=FLUSHES, default="write",
+                    help="how the L2 is flushed before each timed call: write (do_bench's zeroing, whose dirty lines "
+                         "the call then writes back) or read (clean lines; report.timing)")
     ap.add_argument("--warmup-ms", type=float, default=25)
     ap.add_argument("--rep-ms", type=float, default=100)
     ap.add_argument("--out", type=Path, nargs="?", const=default_out(),
@@ -409,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     iface, fa3_reason = fa3_module()
     if iface is None:
         print(f"FA3 not timed: {fa3_reason}", flush=True)
-    timing, timer = make_timer(args.warmup_ms, args.rep_ms)
+    timing, timer = make_timer(args.warmup_ms, args.rep_ms, args.flush)
     rows: list[dict[str, Any]] = []
     with torch.no_grad():
         for cache in args.cache:

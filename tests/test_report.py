@@ -236,6 +236,14 @@ def test_newest_goes_by_the_date_inside(tmp_path: Path) -> None:
     assert results.newest(tmp_path) == tmp_path / "b.json"
 
 
+def test_timer_flush_choices() -> None:
+    """The timer names its L2 flush; an unknown one is refused before anything runs."""
+    assert "reads" in make_timer(1, 2, "read")[0]
+    assert "read" not in make_timer(1, 2, "write")[0]
+    with pytest.raises(ValueError, match="flush_by"):
+        make_timer(1, 2, "zero")
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="measures instead of rendering when a GPU is present")
 def test_without_gpu_renders_the_newest_shipped_result(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                        monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,5 +1,10 @@
 """GPU timing shared by the report and bench/bench_attention.py: medians of
-triton.testing.do_bench (L2 flushed between runs), or of CUDA events when triton is missing."""
+triton.testing.do_bench (L2 flushed between runs), or of CUDA events when triton is missing.
+
+The flush: do_bench's (and "write") zeroes a 256 MB buffer, which leaves the L2 full of dirty lines that the timed
+call evicts, so HBM takes their write-back beside the call's reads: up to the L2's 50 MB, ~17 us at 3 TB/s, noise
+for a millisecond kernel but not for a 50-100 us decode step. "read" flushes by reading the buffer (clean lines,
+nothing to write back), as a step that follows the model's weight reads finds the L2."""
 from __future__ import annotations
 
 import statistics
@@ -12,9 +17,16 @@ Fn = Callable[[], Any]
 Timer = Callable[[Fn], float]  # fn -> median milliseconds
 
 
-def _events_median(fn: Fn, warmup_ms: float, rep_ms: float) -> float:
-    """CUDA-event median with L2 flushes, like do_bench, for machines without triton."""
-    flush = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")
+FLUSHES = ("write", "read")
+
+
+def _events_median(fn: Fn, warmup_ms: float, rep_ms: float, flush_by: str = "write") -> float:
+    """CUDA-event median with an L2 flush before each run (``flush_by``: FLUSHES, the module's docstring), like
+    do_bench's for "write"."""
+    if flush_by not in FLUSHES:
+        raise ValueError(f"flush_by must be one of {FLUSHES}, got {flush_by!r}")
+    buf = torch.zeros(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")
+    flush = buf.zero_ if flush_by == "write" else buf.sum
     fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -30,7 +42,7 @@ def _events_median(fn: Fn, warmup_ms: float, rep_ms: float) -> float:
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
     for s, e in zip(starts, ends):
-        flush.zero_()
+        flush()
         s.record()
         fn()
         e.record()
@@ -38,8 +50,13 @@ def _events_median(fn: Fn, warmup_ms: float, rep_ms: float) -> float:
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
 
-def make_timer(warmup_ms: float, rep_ms: float) -> tuple[str, Timer]:
-    """(description, timer): the timer returns the median time of fn in milliseconds."""
+def make_timer(warmup_ms: float, rep_ms: float, flush_by: str = "write") -> tuple[str, Timer]:
+    """(description, timer): the timer returns the median time of fn in milliseconds. ``flush_by`` "read": CUDA
+    events with the L2 flushed by reads (the module's docstring); "write": do_bench's zeroing."""
+    if flush_by == "read":
+        return "cuda-events median, L2 flushed by reads", lambda fn: _events_median(fn, warmup_ms, rep_ms, "read")
+    if flush_by != "write":
+        raise ValueError(f"flush_by must be one of {FLUSHES}, got {flush_by!r}")
     try:
         from triton.testing import do_bench
     except ImportError:

@@ -100,6 +100,8 @@ py::dict describe(Entry const& e, char const* mode, int index) {
 #undef FLASHHOPPER_KEY_ITEM
   d["block_m"] = e.tiles.block_m;
   d["block_n"] = e.tiles.block_n;
+  d["block_n_short"] = e.tiles.block_n_short;
+  d["short_keys_max"] = e.tiles.short_keys_max;
   return d;
 }
 

@@ -25,6 +25,9 @@ using BwdWorkspaceFn = size_t (*)(BwdParams const&);
 
 struct TileInfo {
   int block_m, block_n;  // forward: query rows and keys per tile; backward: query rows per step, keys per CTA
+  // Forward kernels with a short-key tile (sm90/tile_size.h: ShortKeys): its keys per tile and the most keys a
+  // padded call may have to run it; 0 without one.
+  int block_n_short = 0, short_keys_max = 0;
 };
 
 struct FwdEntry {

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from flashhopper import _device, _ext, dispatch
+from flashhopper import _device, _ext, dispatch, fp8
 from flashhopper.dropout import Dropout, from_rng_state, new_rng_state
 from flashhopper.kernel_key import KernelKey
 from flashhopper.reference import (attention_bwd_lowp, attention_bwd_ref, attention_lowp, attention_ref, sinks_grad_ref,
@@ -361,3 +361,19 @@ def seeded_dropout_runs(run: Callable[[int], tuple[torch.Tensor, ...]], p: float
     assert not torch.equal(mask, mask3) and not torch.equal(out, out3)
     return out, lse, mask, from_rng_state(p, new_rng_state(torch.device(device),
                                                           torch.Generator(device).manual_seed(7)))
+
+
+def fp8_kernel_block_n(headdim: int, causal: bool, seqlen_k: int, k_block: int | None, v_block: int | None) -> int:
+    """Keys per tile of the padded fp8 forward that runs a call with these K/V scale blocks (None: one scale per
+    head): the short-key tile for rows within its reach whose blocks it reads, and for rows whose blocks only it
+    reads (cpp/sm90/launch_fwd.h: use_short_keys); the kernel's block_n otherwise."""
+    tiles = fp8.kernel_tiles(headdim, causal)
+    assert tiles is not None
+    short = fp8.ops.short_keys(headdim, causal)
+    if short is None:
+        return tiles[1]
+
+    def fits(n: int) -> bool:
+        return all(b is None or b >= seqlen_k or b % n == 0 for b in (k_block, v_block))
+
+    return short[0] if fits(short[0]) and (seqlen_k <= short[1] or not fits(tiles[1])) else tiles[1]

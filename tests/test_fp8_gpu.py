@@ -31,7 +31,7 @@ import math
 
 import pytest
 import torch
-from helpers import max_abs_err, randn_qkv, rel_err, unconfigured
+from helpers import fp8_kernel_block_n, max_abs_err, randn_qkv, rel_err, unconfigured
 
 import flashhopper
 from flashhopper import _device, _ext, fp8, reference_fp8
@@ -193,12 +193,12 @@ def poisoned(batch: int, seqlen_q: int, nheads_q: int, headdim: int) -> tuple[to
 
 def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_n: int,
                  granularity: tuple[str, str, str] = ("block", "block", "block"), hadamard: bool = True,
-                 seed: int = 0) -> tuple[fp8.FP8Tensor, fp8.FP8Tensor, fp8.FP8Tensor]:
+                 seed: int = 0, kernel: bool | None = None) -> tuple[fp8.FP8Tensor, fp8.FP8Tensor, fp8.FP8Tensor]:
     """What flash_attn_fp8_func does by default: Q per 64 rows, K and V per block_n keys, Q and K
-    rotated with the same signs, V never rotated and stored as V^T."""
+    rotated with the same signs, V never rotated and stored as V^T (``kernel``: quantize_fp8's)."""
     def quant(x: torch.Tensor, block: int, gran: str, had: bool, transpose: bool = False) -> fp8.FP8Tensor:
         return fp8.quantize_fp8(x, block_size=block if gran == "block" else None, hadamard=had, seed=seed,
-                                granularity=gran, transpose=transpose)
+                                granularity=gran, transpose=transpose, kernel=kernel)
 
     gq, gk, gv = granularity
     return (quant(q, Q_BLOCK, gq, hadamard), quant(k, block_n, gk, hadamard),
@@ -262,7 +262,7 @@ def check_attention(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k: to
     assert (out.transpose(1, 2)[no_key] == 0).all(), f"rows that see no key are not exactly 0: {where}"
     finite = ~no_key
 
-    block_n = fp8.kernel_tiles(q.shape[-1], causal)[1]
+    block_n = fp8_kernel_block_n(q.shape[-1], causal, k.shape[1], k8.block_size, v8.block_size)
     checks = (("emulate_kernel", emulate_kernel(q8, k8, v8, softmax_scale, causal, block_n), EMU_REL, EMU_LSE_ATOL),
               ("attention_fp8_ref", reference_fp8.attention_fp8_ref(q8, k8, v8, softmax_scale, causal), REF8_REL,
                REF8_LSE_ATOL))
@@ -436,9 +436,10 @@ def test_attn_grid_covers_every_value() -> None:  # runs anywhere
 @pytest.mark.parametrize("case", attn_grid(), ids=attn_id)
 def test_fwd_fp8(case: AttnCase) -> None:
     sq, sk, d, causal, (hq, hkv), batch = case
-    block_n = require_fp8_kernel(d, causal)
+    require_fp8_kernel(d, causal)
     q, k, v = randn_qkv(batch, sq, sk, hq, hkv, d, torch.bfloat16, DEV)
-    q8, k8, v8 = quantize_qkv(q, k, v, block_n)
+    # The call's default blocks: the short-key tile's where the call is within its reach (test_short_keys_kernel).
+    q8, k8, v8 = quantize_qkv(q, k, v, fp8.default_kv_block_size(d, causal, sk))
     out, lse = poisoned(batch, sq, hq, d)
     scale = 1 / math.sqrt(d)
     fp8.fwd_fp8_into(q8, k8, v8, out, lse, scale, causal)
@@ -451,12 +452,12 @@ def test_fwd_fp8(case: AttnCase) -> None:
 def test_flash_attn_fp8_func(headdim: int, causal: bool) -> None:
     # bf16 q, k, v quantized inside with the defaults = quantize_qkv + fwd_fp8_into, bit for bit;
     # fp16 inputs too; return_lse; a softmax scale other than the default.
-    block_n = require_fp8_kernel(headdim, causal)
+    require_fp8_kernel(headdim, causal)
     q, k, v = randn_qkv(2, 300, 1000, 8, 2, headdim, torch.bfloat16, DEV)
     scale = 0.7 / math.sqrt(headdim)
     out, lse = fp8.flash_attn_fp8_func(q, k, v, softmax_scale=scale, causal=causal, return_lse=True)
     assert out.dtype == torch.bfloat16 and out.shape == q.shape and lse.shape == (2, 8, 300)
-    q8, k8, v8 = quantize_qkv(q, k, v, block_n)
+    q8, k8, v8 = quantize_qkv(q, k, v, fp8.default_kv_block_size(headdim, causal, 1000))
     into, into_lse = poisoned(2, 300, 8, headdim)
     fp8.fwd_fp8_into(q8, k8, v8, into, into_lse, scale, causal)
     assert torch.equal(out, into) and torch.equal(lse, into_lse), \
@@ -468,6 +469,44 @@ def test_flash_attn_fp8_func(headdim: int, causal: bool) -> None:
     out16 = fp8.flash_attn_fp8_func(q16, k16, v16, causal=causal)
     assert out16.dtype == torch.bfloat16
     assert rel_err(out16, attention_ref(q16, k16, v16, None, causal)[0]) < REF_REL
+
+
+# (seqlen_k, K/V block: None one scale per head); 384 is read by both tiles, 256 only by the short one, 192 only by
+# the long one (but where one block covers the row), 128 by the short one.
+SHORT_KEYS_CASES = [(129, 192), (129, 128), (640, 128), (640, 192), (640, None), (1000, 384), (1024, 128),
+                    (1025, 128), (1025, 384), (2048, 256), (2048, 192), (1500, None)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_short_keys_kernel(causal: bool) -> None:
+    # The padded e4m3 d128 forward's short-key tile (128 keys) beside its 192-key one: each call runs the tile that
+    # reads its scale blocks (tests/helpers.py: fp8_kernel_block_n), checked against the emulation in that tile's
+    # order and the references; blocks that neither tile reads, or K and V in blocks of different tiles, refused.
+    require_fp8_kernel(128, causal)
+    short = fp8.ops.short_keys(128, causal)
+    if short is None:
+        pytest.skip("no short-key tile beside the e4m3 d128 forward in this build")
+    assert short == (128, 1024), short
+    assert fp8.default_kv_block_size(128, causal, 1024) == 128
+    assert fp8.default_kv_block_size(128, causal, 1025) == fp8.kernel_tiles(128, causal)[1]
+    ran = set()
+    for i, (sk, block) in enumerate(SHORT_KEYS_CASES):
+        torch.manual_seed(i)
+        q, k, v = randn_qkv(2, 300, sk, 4, 2, 128, torch.bfloat16, DEV)
+        gran = ("block", "head", "head") if block is None else ("block",) * 3
+        q8, k8, v8 = quantize_qkv(q, k, v, block or 0, gran, kernel=False if block == 384 else None)
+        ran.add(fp8_kernel_block_n(128, causal, sk, k8.block_size, v8.block_size))
+        out, lse = poisoned(2, 300, 4, 128)
+        fp8.fwd_fp8_into(q8, k8, v8, out, lse, 1 / math.sqrt(128), causal)
+        check_attention(out, lse, q, k, v, q8, k8, v8, 1 / math.sqrt(128), causal)
+    assert ran == {128, fp8.kernel_tiles(128, causal)[1]}, ran
+    q, k, v = randn_qkv(1, 64, 1000, 4, 2, 128, torch.bfloat16, DEV)
+    q8, k8, v8 = quantize_qkv(q, k, v, 128)
+    with pytest.raises(ValueError, match="multiple of 192 or 128"):
+        fp8.flash_attn_fp8_func(q, k, v, causal=causal, kv_block_size=96)
+    with pytest.raises(ValueError, match="both must be multiples of the same one"):
+        fp8.flash_attn_fp8_func(q8, fp8.quantize_fp8(k, block_size=192), v8, causal=causal)
 
 
 @pytest.mark.gpu

@@ -17,7 +17,7 @@ import math
 
 import pytest
 import torch
-from helpers import rel_err, unconfigured
+from helpers import fp8_kernel_block_n, rel_err, unconfigured
 
 import flashhopper
 from flashhopper import _device, _ext, fp8, reference, reference_fp8
@@ -146,6 +146,14 @@ def test_each_sequence_as_a_batch_of_one(headdim: int, causal: bool, case: int) 
         o, l = flashhopper.flash_attn_fp8_func(q[None, q0:q0 + lq[b]], k[None, k0:k0 + lk[b]], v[None, k0:k0 + lk[b]],
                                                causal=causal, return_lse=True, seed=SEED, kv_block_size=block_n)
         where = f"sequence {b} ({lq[b]} x {lk[b]}) of {lq} x {lk}, d {headdim}, causal={causal}"
+        padded_n = fp8_kernel_block_n(headdim, causal, lk[b], block_n, block_n)
+        if padded_n != block_n and lk[b] > padded_n:
+            # The padded call runs the short-key tile (one block_n block covers the row): other tiles, another
+            # rounding order; the same attention within fp8's error, lse within float32's.
+            e = rel_err(out[q0:q0 + lq[b]], o[0])
+            assert e < 8e-2, f"out differs from the padded short-key kernel's by {e:.3e}: {where}"
+            assert torch.allclose(lse[:, q0:q0 + lq[b]], l[0], atol=1e-3, rtol=0), where
+            continue
         if not torch.equal(out[q0:q0 + lq[b]], o[0]):
             d = (out[q0:q0 + lq[b]].float() - o[0].float()).abs().max().item()
             pytest.fail(f"out differs from the padded kernel's (max {d:.3e}): {where}")

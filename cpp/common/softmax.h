@@ -79,7 +79,9 @@ struct OnlineSoftmax {
   // o_scale * o_extra written between them (FA3's e4m3 loop has them there). ptxas still schedules the multiplies after
   // the exponentials; what this order changed at e4m3 d128 is a loop ~25 instructions shorter and the PV wait's place,
   // which ptxas picks per kernel (perf-notes, session 43).
-  template <bool kCheckInf, class TensorS, class TensorO, class AtExp>
+  // kWaitAfter > 0: at_exp(x) after row 0's first kWaitAfter exponentials (x the last of them), and every O multiply
+  // after at_exp; 0: at_exp(0) before the exponentials.
+  template <bool kCheckInf, int kWaitAfter = 0, class TensorS, class TensorO, class AtExp>
   CUTE_DEVICE void update_rescaling(TensorS& s, float scale, TensorO& o, float o_extra, AtExp&& at_exp) {
     static_assert(decltype(size<0>(s))::value == kRows && decltype(size<0>(o))::value == kRows);
     static_assert(kLazyRescale == 0, "a lazy rescale skips O's multiplies per warp");
@@ -95,8 +97,9 @@ struct OnlineSoftmax {
       o_scale[mi] = exp2_approx(row_max[mi] - m_used);
       row_max[mi] = m;
     }
-    at_exp();
     constexpr int kS = decltype(size<1>(s))::value, kO = decltype(size<1>(o))::value;
+    static_assert(kWaitAfter >= 0 && kWaitAfter <= kS);
+    if constexpr (kWaitAfter == 0) at_exp(0.f);
     CUTE_UNROLL
     for (int mi = 0; mi < kRows; ++mi) {
       float const f = o_scale[mi] * o_extra;
@@ -105,8 +108,18 @@ struct OnlineSoftmax {
       for (int ni = 0; ni < kS; ++ni) {
         s(mi, ni) = exp2_approx(s(mi, ni) * scale - m_shifted[mi]);
         sum += s(mi, ni);
+        if constexpr (kWaitAfter > 0) {
+          if (mi == 0 && ni == kWaitAfter - 1) at_exp(s(0, ni));
+        }
+        // O is read only after at_exp (the PV GEMM writes it until then): row 0's first columns after the loop.
+        if (kWaitAfter == 0 || mi > 0 || ni >= kWaitAfter) {
+          CUTE_UNROLL
+          for (int j = ni * kO / kS; j < (ni + 1) * kO / kS; ++j) o(mi, j) *= f;
+        }
+      }
+      if (kWaitAfter > 0 && mi == 0) {
         CUTE_UNROLL
-        for (int j = ni * kO / kS; j < (ni + 1) * kO / kS; ++j) o(mi, j) *= f;
+        for (int j = 0; j < kWaitAfter * kO / kS; ++j) o(0, j) *= f;
       }
       row_sum[mi] = row_sum[mi] * o_scale[mi] + sum;
     }

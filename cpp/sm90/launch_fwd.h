@@ -34,16 +34,20 @@ namespace sm90 {
 
 // kBlocks: the paged kernels' block walk (kv_blocks.h); run_fwd_sm90 picks it (e4m3 caches: kWhole or kChunked).
 // kSplitKV: KV-cache kernels that can split an entry's keys (false: one split, common/seqlen.h).
-// kPairs: the tile's two-CTA cluster kernel (tile_size.h: CtaPairs), which run_fwd_sm90 picks at run time.
+// kForm: the tile's one-CTA kernel, its two-CTA cluster kernel (tile_size.h: CtaPairs) or its short-key kernel
+// (ShortKeys), which run_fwd_sm90 picks at run time.
+enum class TileForm { kOne, kPairs, kShortKeys };
+
 template <class Config, PageBlocks kBlocks = Config::kKVCacheFp8 ? PageBlocks::kWhole : PageBlocks::kAny,
-          bool kSplitKV = true, bool kPairs = false>
+          bool kSplitKV = true, TileForm kForm = TileForm::kOne>
 struct FwdConfig {
   using Element = typename ElementOf<Config::kDType>::type;
   // e4m3 KV caches: their own tiles (the e4m3 stages beside the 16-bit ones).
   using BaseTile = std::conditional_t<Config::kKVCacheFp8, FwdFp8CacheTileSize<Config::kHeadDim>,
                                       typename FwdTileOf<typename Config::Variant, Config::kHeadDim, Config::kDType,
                                                          Config::kHeadDimV>::type>;
-  using Tile = std::conditional_t<kPairs, CtaPairs<BaseTile>, BaseTile>;
+  using Tile = std::conditional_t<kForm == TileForm::kPairs, CtaPairs<BaseTile>,
+                                   std::conditional_t<kForm == TileForm::kShortKeys, ShortKeys<BaseTile>, BaseTile>>;
   using ScoreMod = typename ScoreModOf<Config::kScoreMod>::type;
   static_assert(Config::kDType != DType::kFloat8E4M3 || Config::kScoreMod == ScoreModKind::kNone,
                 "the fp8 kernels have no score mod");
@@ -95,6 +99,31 @@ bool use_cta_pairs(FwdParams const& p) {
   return p.seqlen_k >= Tile::kPairsFromKeys && (m_blocks % 2 == 0 || m_blocks >= 64);
 }
 
+// A K or V scale block that a tile of block_n keys reads: one scale per head (block stride 0), one block covering
+// the row, or whole tiles per block.
+inline bool scale_block_fits(int block, int64_t block_stride, int block_n, int seqlen) {
+  return block_stride == 0 || block >= seqlen || block % block_n == 0;
+}
+
+// Configs with a short-key kernel beside the others: padded production kernels whose tile names one.
+template <class Config>
+constexpr bool has_short_keys() {
+  return FwdConfig<Config>::BaseTile::kShortKeysBlockN > 0 && !Config::kVarlen && !Config::kKVCache &&
+         std::is_same_v<typename Config::Variant, DefaultVariant>;
+}
+
+// Short rows whose K/V scale blocks it reads, and any row whose blocks only it reads (multiples of its block_n
+// that are not of the other's: its speed from 1k keys is the other's less 3%, S44N).
+template <class Config>
+bool use_short_keys(FwdParams const& p) {
+  using Tile = typename FwdConfig<Config>::BaseTile;
+  auto fits = [&](int block_n) {
+    return scale_block_fits(p.k_scale_block, p.k_scale_block_stride, block_n, p.seqlen_k) &&
+           scale_block_fits(p.v_scale_block, p.v_scale_block_stride, block_n, p.seqlen_k);
+  };
+  return fits(Tile::kShortKeysBlockN) && (p.seqlen_k <= Tile::kShortKeysMax || !fits(Tile::kBlockN));
+}
+
 }  // namespace sm90
 
 // A KV cache's blocks each inside one page: pages a multiple of the block, or one page per entry (a contiguous
@@ -105,10 +134,10 @@ bool fwd_whole_blocks(FwdParams const& p) {
   return p.page_size % block_n == 0 || p.seqlen_k <= p.page_size;
 }
 
-template <class Config, sm90::PageBlocks kBlocks, bool kSplitKV = true, bool kPairs = false>
+template <class Config, sm90::PageBlocks kBlocks, bool kSplitKV = true, sm90::TileForm kForm = sm90::TileForm::kOne>
 int64_t run_fwd_sm90_blocks(FwdParams const& params, cudaStream_t stream) {
   using namespace cute;
-  using C = sm90::FwdConfig<Config, kBlocks, kSplitKV, kPairs>;
+  using C = sm90::FwdConfig<Config, kBlocks, kSplitKV, kForm>;
   using Element = typename C::Element;
   using Tile = typename C::Tile;
   using Mainloop = typename C::Mainloop;
@@ -178,8 +207,12 @@ int64_t run_fwd_sm90_blocks(FwdParams const& params, cudaStream_t stream) {
     }
     // A tile must not straddle two scale blocks (one block covering the whole sequence is fine).
     auto misaligned = [](int block, int64_t block_stride, int tile, int seqlen) {
-      return block_stride != 0 && block < seqlen && block % tile != 0;
+      return !sm90::scale_block_fits(block, block_stride, tile, seqlen);
     };
+    // (A padded kernel with a short-key form beside it: a block fitting either tile runs; run_fwd_sm90 picks.)
+    constexpr int kShortN = sm90::has_short_keys<Config>() ? C::BaseTile::kShortKeysBlockN : 0;
+    std::string const block_n_text =
+        std::to_string(C::BaseTile::kBlockN) + (kShortN > 0 ? " or " + std::to_string(kShortN) : std::string());
     // Packed: the scales and V^T are laid out in blocks per entry (docs/fp8.md), so blocks are real ones.
     if (kVarlen && (p.q_scale_block_stride == 0 || p.k_scale_block_stride == 0 || p.v_scale_block_stride == 0 ||
                     p.q_scale_block % 64 != 0 || p.k_scale_block % Tile::kBlockN != 0 ||
@@ -194,7 +227,7 @@ int64_t run_fwd_sm90_blocks(FwdParams const& params, cudaStream_t stream) {
     if (misaligned(p.k_scale_block, p.k_scale_block_stride, Tile::kBlockN, p.seqlen_k) ||
         misaligned(p.v_scale_block, p.v_scale_block_stride, Tile::kBlockN, p.seqlen_k)) {
       throw std::invalid_argument("flashhopper: fp8 k/v_scale_block must be a multiple of the kernel's block_n (" +
-                                  std::to_string(Tile::kBlockN) + ")");
+                                  block_n_text + ")");
     }
     // The kernel indexes a row's blocks in 32 bits (Descale::Row).
     auto too_far = [](int block, int64_t block_stride, int seqlen) {
@@ -348,13 +381,20 @@ int64_t run_fwd_sm90_blocks(FwdParams const& params, cudaStream_t stream) {
 // e4m3 caches: one kernel per block walk, so that each holds its own code only (kv_blocks.h). 16-bit caches under
 // the causal mask (chunked prefill, speculation): a second kernel for calls of one split, without the split-KV
 // bookkeeping that cost the consumers their uniform registers (5-9% of a prefill: docs/perf-notes.md, session 9).
-// Padded non-causal calls with long rows: CTA pairs (sm90::use_cta_pairs). The rest: one kernel.
+// Padded calls with short rows: the short-key tile (sm90::use_short_keys); padded non-causal calls with long rows:
+// CTA pairs (sm90::use_cta_pairs). The rest: one kernel.
 template <class Config>
 int64_t run_fwd_sm90(FwdParams const& params, cudaStream_t stream) {
+  using sm90::PageBlocks, sm90::TileForm;
+  if constexpr (sm90::has_short_keys<Config>()) {
+    if (sm90::use_short_keys<Config>(params)) {
+      return run_fwd_sm90_blocks<Config, PageBlocks::kAny, true, TileForm::kShortKeys>(params, stream);
+    }
+  }
   if constexpr (sm90::has_cta_pairs<Config>()) {
     return sm90::use_cta_pairs<Config>(params)
-               ? run_fwd_sm90_blocks<Config, sm90::PageBlocks::kAny, true, true>(params, stream)
-               : run_fwd_sm90_blocks<Config, sm90::PageBlocks::kAny>(params, stream);
+               ? run_fwd_sm90_blocks<Config, PageBlocks::kAny, true, TileForm::kPairs>(params, stream)
+               : run_fwd_sm90_blocks<Config, PageBlocks::kAny>(params, stream);
   } else if constexpr (Config::kKVCacheFp8) {
     return fwd_whole_blocks<Config>(params) ? run_fwd_sm90_blocks<Config, sm90::PageBlocks::kWhole>(params, stream)
                                             : run_fwd_sm90_blocks<Config, sm90::PageBlocks::kChunked>(params, stream);
@@ -369,7 +409,11 @@ int64_t run_fwd_sm90(FwdParams const& params, cudaStream_t stream) {
 template <class Config>
 TileInfo fwd_tiles_sm90() {
   using Tile = typename sm90::FwdConfig<Config>::Tile;
-  return {Tile::kBlockM, Tile::kBlockN};
+  if constexpr (sm90::has_short_keys<Config>()) {
+    return {Tile::kBlockM, Tile::kBlockN, Tile::kShortKeysBlockN, Tile::kShortKeysMax};
+  } else {
+    return {Tile::kBlockM, Tile::kBlockN};
+  }
 }
 
 }  // namespace flashhopper

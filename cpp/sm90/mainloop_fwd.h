@@ -858,7 +858,10 @@ struct FwdMainloop {
     // GEMM issue.
     static constexpr bool kDescaleWindow = kFp8 && (Tile::kEarlyDescaleWindow || !BlockInfoT::kHasRight);
     // Without a right edge only: causal kernels lost 1.5-2.6% with it (S43V).
-    static constexpr bool kRescaleInExp = Tile::kRescaleInExp && !BlockInfoT::kHasRight;
+    static constexpr bool kRescaleInExp = Tile::kRescaleInExp && (!BlockInfoT::kHasRight || Tile::kAnchorPvWait);
+    // With a right edge only: kernels without one lost 1.6-2.7% anchored (tile_size.h: kAnchorPvWait).
+    static constexpr bool kAnchor = kRescaleInExp && Tile::kAnchorPvWait && BlockInfoT::kHasRight;
+    static_assert(!kAnchor || Tile::kWarpgroupRelease, "the anchor predicates the one-thread release");
     int const lane = threadIdx.x % cutlass::NumThreadsPerWarp;
     int window_top = 0;
     float k_cur = 0.f, v_cur = 0.f, k_next = 0.f, v_next = 0.f;
@@ -1218,21 +1221,30 @@ struct FwdMainloop {
       }
       warpgroup_wait<1>();
       if (warp_live) scale_s(read_k.index());
-      release_k();
+      if constexpr (!kAnchor) release_k();
       if constexpr (kRescaleInExp) {
         static_assert(!Tile::kPvWaitFirst && !kFp8Cache && kLazyRescale == 0);
         float const ratio = kFp8 ? take_v_descale(vd) : 1.f;
-        auto at_exp = [&] {
+        // dep: an exponential (kAnchor). ptxas keeps the PV wait after K's release (both ordered); an arrive predicated
+        // on an exponential's bits cannot move above it. Never 0xffffffff (the canonical NaN is 0x7fffffff), so the
+        // arrive always happens; `!(dep < 0)` would be folded away (MUFU.EX2 is never negative).
+        auto at_exp = [&](float dep) {
+          if constexpr (kAnchor) {
+            pipeline_k.consumer_release(read_k, __float_as_uint(dep) != 0xffffffffu);
+            ++read_k;
+          }
           warpgroup_wait<0>();
           release_v();
         };
+        // Row 0's 8th exponential: ptxas then put all 99 before the wait (S43, SASS); a later one changed nothing.
+        constexpr int kWaitAfter = kAnchor ? 8 : 0;
         if (warp_live) {
           p.score_mod.apply(scores);
           if constexpr (kRight || kLeft) mask.template apply<false, kRight, kLeft>(scores, tScS, row_offset, n);
           Tensor o = rowcol(tOrO);
-          softmax.template update_rescaling<kRight || kLeft>(scores, s_scale, o, ratio, at_exp);
+          softmax.template update_rescaling<kRight || kLeft, kWaitAfter>(scores, s_scale, o, ratio, at_exp);
         } else {
-          at_exp();
+          at_exp(0.f);
         }
         to_p(n);
         return;

@@ -31,8 +31,10 @@ class PipelineTmaAsyncWarpgroupRelease : public cutlass::PipelineTmaAsync<kStage
     static_assert(cute::size(ClusterShape{}) == kCluster && cute::size<1>(ClusterShape{}) == 1, "CTAs along x");
   }
 
-  CUTE_DEVICE void consumer_release(PipelineState state) {
-    uint32_t const leader = uint32_t(threadIdx.x % cutlass::NumThreadsPerWarpGroup == 0);
+  // arrive: false skips the arrival (callers pass a value that is never false to order the release after it:
+  // mainloop_fwd.h, kAnchorPvWait).
+  CUTE_DEVICE void consumer_release(PipelineState state, bool arrive = true) {
+    uint32_t const leader = uint32_t(threadIdx.x % cutlass::NumThreadsPerWarpGroup == 0 && arrive);
     CUTE_UNROLL
     for (int cta = 0; cta < kCluster; ++cta) empty_[state.index()].arrive(uint32_t(cta), leader);
   }

@@ -33,6 +33,11 @@ struct FwdTileDefaults {
   // maxes, in kernels without a right edge (mainloop_fwd.h). ptxas still puts the multiplies after the exponentials,
   // but the loop is ~25 instructions shorter: e4m3 d128 non-causal +1.9-2.8% from 1k (S43V, session 43).
   static constexpr bool kRescaleInExp = false;
+  // Kernels with a right edge (causal, windows) too take kRescaleInExp, with K's release, and so the PV GEMM's wait
+  // that ptxas keeps after it, predicated on an exponential of the step: ptxas then runs all the exponentials under
+  // the PV GEMM (99 of 99 at e4m3 d128 causal; 2 unanchored). e4m3 d128 causal +0.5-2.4% from 1k (S44XE, S45QS);
+  // non-causal lost 1.6-2.7% anchored (S44XE), so kernels without a right edge keep kRescaleInExp's own place.
+  static constexpr bool kAnchorPvWait = false;
   // CTAs per cluster along the query tiles: 1, or 2 in CtaPairs<Tile> (below).
   static constexpr int kClusterM = 1;
   // Padded non-causal calls (no score mod, no dropout) with at least this many keys run CtaPairs<Tile>
@@ -41,6 +46,9 @@ struct FwdTileDefaults {
   // Registers the pair's producer warpgroup takes from the consumers (kernel_fwd.h): its share of each block
   // (its rank's TMA coordinates) spilled 56 bytes at 24 (16-bit d128).
   static constexpr int kPairsProducerRegs = 16;
+  // Padded calls of at most kShortKeysMax keys run ShortKeys<Tile> (below; launch_fwd.h: use_short_keys), whose
+  // tiles hold kShortKeysBlockN keys; 0: never.
+  static constexpr int kShortKeysBlockN = 0, kShortKeysMax = 0;
 };
 
 // Two-CTA clusters on neighbouring query tiles of one head: each CTA loads half of every K/V block and multicasts it
@@ -50,6 +58,15 @@ struct FwdTileDefaults {
 template <class Tile>
 struct CtaPairs : Tile {
   static constexpr int kClusterM = 2;
+};
+
+// Short key ranges: a tile of fewer keys where the row's keys are few enough that the last block's padding costs
+// more than the smaller tile's per-key overhead (e4m3 d128: 1024 keys are 5 1/3 blocks of 192, 9.4% more score
+// work than keys, 8 blocks of 128). It reads K/V scales in blocks of its own block_n (launch_fwd.h: use_short_keys).
+template <class Tile>
+struct ShortKeys : Tile {
+  static constexpr int kBlockN = Tile::kShortKeysBlockN;
+  static constexpr int kPairsFromKeys = 0;
 };
 
 // Small head dim: softmax costs as much as the GEMMs, so three consumer warpgroups share K/V.
@@ -123,9 +140,12 @@ template <>
 struct FwdTileSize<128, DType::kFloat8E4M3> : FwdTileDefaults {
   static constexpr int kBlockM = 128, kBlockN = 192, kStages = 2, kQStages = 2;
   static constexpr bool kWarpgroupRelease = true;
-  static constexpr bool kRescaleInExp = true;
+  static constexpr bool kRescaleInExp = true, kAnchorPvWait = true;
   // CTA pairs: +0.6-1.2% from 2k (session 38). Not at head dim 64: -2% at 4k, even elsewhere (session 39).
   static constexpr int kPairsFromKeys = 2048;
+  // 128 keys up to 1024: +4.4-6.5% at 512-1k, -2.6-2.9% non-causal at 2k-4k (S44N, S45QS). A 96-key tile (which
+  // would read 192-key scales) costs ~12% more per key than 192 by S44N's fit and loses at 1k (perf-notes, session 44).
+  static constexpr int kShortKeysBlockN = 128, kShortKeysMax = 1024;
 };
 // Q 32 KB, K and V 2 x 32 KB each, O 64 KB: 224 KB of the 227. CTA pairs with the producer at its 24 registers
 // (40 bytes of spill; with 16 more, the consumers' 8 fewer spilled 84 bytes and lost 22%): +2.7-5.8% from 2k

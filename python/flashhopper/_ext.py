@@ -24,6 +24,10 @@ class Entry:
     index: int
     block_m: int
     block_n: int
+    # A short-key tile beside it (the padded e4m3 d128 forward): its keys per tile and the most keys a padded call
+    # may have to run it (0: none; cpp/sm90/tile_size.h, ShortKeys).
+    block_n_short: int = 0
+    short_keys_max: int = 0
 
 
 # (mode, key) -> entry, filled on first load.
@@ -40,7 +44,8 @@ def _load() -> ModuleType | None:
             _error = f"{type(e).__name__}: {e}"
         else:
             for k in _module.kernels():
-                _table[(k["mode"], from_dict(k))] = Entry(k["index"], k["block_m"], k["block_n"])
+                _table[(k["mode"], from_dict(k))] = Entry(k["index"], k["block_m"], k["block_n"],
+                                                                k.get("block_n_short", 0), k.get("short_keys_max", 0))
     return _module
 
 
@@ -65,7 +70,7 @@ def extension() -> ModuleType:
 
 def compiled_kernels() -> list[dict[str, Any]]:
     """The kernels in this build, as ``_C.kernels()`` lists them: mode, index, the KernelKey's fields,
-    block_m, block_n ([] without _C)."""
+    block_m, block_n, block_n_short, short_keys_max ([] without _C)."""
     mod = _load()
     return [] if mod is None else list(mod.kernels())
 

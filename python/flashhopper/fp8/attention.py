@@ -39,6 +39,12 @@ def _kernel_tiles(device: torch.device, headdim: int, causal: bool) -> tuple[int
     return require_kernel(device, headdim, causal) if device.type == "cuda" else None
 
 
+def _short_n(headdim: int, causal: bool) -> int:
+    """block_n of the short-key tile beside the padded kernel (0: none): K/V blocks of its multiples run too."""
+    short = ops.short_keys(headdim, causal)
+    return 0 if short is None else short[0]
+
+
 def _softmax_scale(softmax_scale: Any, headdim: int) -> float:
     return 1.0 / math.sqrt(headdim) if softmax_scale is None else validation.check_softmax_scale(softmax_scale)
 
@@ -56,7 +62,7 @@ def fwd_fp8_into(q8: FP8Tensor, k8: FP8Tensor, v8: FP8Tensor, out: torch.Tensor,
     tiles = require_kernel(q8.device, q8.headdim, causal)
     if isinstance(v8, FP8Tensor) and v8.transposed is False:
         v8 = to_vt(v8)
-    shapes = check_fp8_inputs(q8, k8, v8, tiles)
+    shapes = check_fp8_inputs(q8, k8, v8, tiles, _short_n(q8.headdim, causal))
     scale = _softmax_scale(softmax_scale, shapes.headdim)
     validation.check_tensor("out", out)
     want = (shapes.batch, shapes.seqlen_q, shapes.nheads_q, shapes.headdim)
@@ -91,7 +97,8 @@ def flash_attn_fp8_func(q: torch.Tensor | FP8Tensor, k: torch.Tensor | FP8Tensor
     bf16/fp16 tensor, quantized here, or an FP8Tensor (``quantize_fp8``; a row-major v is brought to
     V^T, the layout the kernels read, by ``to_vt``).
     Quantized here: Q in blocks of ``q_block_size`` (default 64) tokens, K and V of ``kv_block_size``
-    (default the kernel's block_n); Q and K with the Hadamard signs of ``seed`` when ``hadamard``. When
+    (default the block_n of the tile the call runs: ``default_kv_block_size(headdim, causal, seqlen_k)``, or a
+    pre-quantized k's or v's block); Q and K with the Hadamard signs of ``seed`` when ``hadamard``. When
     k (or q) is an FP8Tensor, the other is quantized with its hadamard_seed instead, so that bf16
     queries can attend to a pre-quantized K/V; two FP8Tensors must carry the same seed.
     softmax_scale defaults to 1/sqrt(headdim); causal is bottom-right aligned, as in flash_attn_func.
@@ -140,7 +147,7 @@ def _fp8_attention(q: torch.Tensor | FP8Tensor, k: torch.Tensor | FP8Tensor, v: 
         shapes = check_fp8_inputs(q, k, v8)
         tiles = _kernel_tiles(q.device, shapes.headdim, causal)
         if tiles is not None:
-            check_tile_alignment(q, k, v8, tiles)
+            check_tile_alignment(q, k, v8, tiles, _short_n(shapes.headdim, causal))
         scale = _softmax_scale(softmax_scale, shapes.headdim)
         out, lse = _attend(q, k, v8, scale, causal)
         if key is not None and tiles is not None:  # (key: v was V^T already, so v8 is v)
@@ -168,7 +175,11 @@ def _fp8_attention(q: torch.Tensor | FP8Tensor, k: torch.Tensor | FP8Tensor, v: 
             raise ValueError(f"{name} sets the block size of tensors quantized here, but "
                              f"{'q is' if name == 'q_block_size' else 'k and v are'} already FP8Tensor")
     q_bs = Q_BLOCK if q_block_size is None else q_block_size
-    kv_bs = default_kv_block_size(shapes.headdim, causal) if kv_block_size is None else kv_block_size
+    kv_bs = kv_block_size
+    if kv_bs is None:  # a pre-quantized k or v's block, so that K and V share one; else the kernel's for this call
+        given_kv = [x.block_size for x in (k, v) if isinstance(x, FP8Tensor) and x.block_size is not None]
+        kv_bs = given_kv[0] if given_kv else default_kv_block_size(shapes.headdim, causal, shapes.seqlen_k)
+    short_n = _short_n(shapes.headdim, causal) if tiles is not None else 0
     if tiles is not None:  # fail before quantizing anything
         if ops.has_quant_kernel():  # (as quantize_fp8 would; said here to name the argument)
             for name, x in (("q", q), ("k", k), ("v", v)):
@@ -177,7 +188,7 @@ def _fp8_attention(q: torch.Tensor | FP8Tensor, k: torch.Tensor | FP8Tensor, v: 
         if not isinstance(q, FP8Tensor):
             check_aligned("q_block_size", q_bs, Q_BLOCK, Q_WHY)
         if not (isinstance(k, FP8Tensor) and isinstance(v, FP8Tensor)):
-            check_aligned("kv_block_size", kv_bs, tiles[1], kv_why(shapes.headdim, tiles[1]))
+            check_aligned("kv_block_size", kv_bs, tiles[1], kv_why(shapes.headdim, tiles[1], short_n), short_n)
 
     # Q and K must share their Hadamard signs; a pre-quantized one decides.
     seed_qk = qk_seed(q, k, v, hadamard, seed, FP8Tensor)
@@ -190,7 +201,7 @@ def _fp8_attention(q: torch.Tensor | FP8Tensor, k: torch.Tensor | FP8Tensor, v: 
     q8 = quantize(q, q_bs, seed_qk)
     k8 = quantize(k, kv_bs, seed_qk)
     v8 = to_vt(v) if isinstance(v, FP8Tensor) else quantize(v, kv_bs, None, transpose=True)
-    check_fp8_inputs(q8, k8, v8, tiles)
+    check_fp8_inputs(q8, k8, v8, tiles, short_n)
     out, lse = _attend(q8, k8, v8, scale, causal)
     if key is not None and tiles is not None and ops.has_quant_kernel():  # (key: q, k, v are tensors)
         seed64 = None if seed_qk is None else seed_int64(seed_qk)

@@ -42,6 +42,15 @@ def kernel_tiles(headdim: int, causal: bool) -> tuple[int, int] | None:
     return None if entry is None else (entry.block_m, entry.block_n)
 
 
+@torch.compiler.assume_constant_result
+def short_keys(headdim: int, causal: bool) -> tuple[int, int] | None:
+    """(block_n, most keys) of the short-key tile beside this build's padded fp8 forward kernel for (headdim,
+    causal): padded calls of at most that many keys whose K/V scale blocks it reads run it (and calls whose blocks
+    only it reads); None without one (cpp/sm90/launch_fwd.h: use_short_keys)."""
+    entry = _ext.kernel("fwd", kernel_key(headdim, causal))
+    return None if entry is None or entry.block_n_short <= 0 else (entry.block_n_short, entry.short_keys_max)
+
+
 # Returns the message rather than raising: a ValueError raised inside an assume_constant_result function
 # surfaces as an internal dynamo error (dispatch.py does the same).
 @torch.compiler.assume_constant_result

@@ -17,11 +17,18 @@ from .validation import check_input, check_packed_input, check_quant_block_size,
 DEFAULT_KV_BLOCK = 128
 
 
-def default_kv_block_size(headdim: int, causal: bool | None = None) -> int:
+def default_kv_block_size(headdim: int, causal: bool | None = None, seqlen_k: int | None = None) -> int:
     """K/V scale block: the fp8 kernel's block_n (causal None: a block that suits both the causal and the
     non-causal kernel when the quantization kernel allows one, else the non-causal one's); 128 without
-    a kernel table."""
+    a kernel table. ``seqlen_k``: the keys of the padded call the blocks are for; where it is within reach of the
+    kernels' short-key tile (``ops.short_keys``), that tile's block_n, so that the call runs it."""
     kinds = (False, True) if causal is None else (causal,)
+    if seqlen_k is not None:
+        shorts = [ops.short_keys(headdim, c) for c in kinds]
+        if shorts and all(t is not None and seqlen_k <= t[1] for t in shorts):
+            n = math.lcm(*(t[0] for t in shorts if t is not None))
+            if quant_kernel_takes(n, headdim):
+                return n
     ns = [t[1] for t in (ops.kernel_tiles(headdim, c) for c in kinds) if t is not None]
     if not ns:
         return DEFAULT_KV_BLOCK

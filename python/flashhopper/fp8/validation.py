@@ -90,21 +90,33 @@ def check_quant_block_size(block_size: Any, headdim: int, kernel: bool) -> None:
 Q_WHY = f"the fp8 kernel applies one Q scale per {Q_BLOCK} query rows"
 
 
-def kv_why(headdim: int, block_n: int) -> str:
-    return f"the fp8 kernel for head dim {headdim} applies one K and V scale per block of {block_n} keys"
+def kv_why(headdim: int, block_n: int, short_n: int = 0) -> str:
+    short = f" (of {short_n} keys in its short-key tile)" if short_n else ""
+    return f"the fp8 kernel for head dim {headdim} applies one K and V scale per block of {block_n} keys{short}"
 
 
-def check_aligned(name: str, block_size: int | None, unit: int, why: str) -> None:
-    if block_size is not None and block_size % unit:
-        raise ValueError(f"{name} {block_size}: {why}, so it must be a multiple of {unit} "
+def check_aligned(name: str, block_size: int | None, unit: int, why: str, other: int = 0) -> None:
+    """block_size a multiple of ``unit`` (or of ``other`` where nonzero: a second tile that reads it)."""
+    if block_size is not None and block_size % unit and not (other and block_size % other == 0):
+        units = f"{unit} or {other}" if other else f"{unit}"
+        raise ValueError(f"{name} {block_size}: {why}, so it must be a multiple of {units} "
                          "(or None: one scale per head)")
 
 
-def check_tile_alignment(q8: FP8Tensor, k8: FP8Tensor, v8: FP8Tensor, tiles: tuple[int, int]) -> None:
-    """Scale blocks against the kernel's tiles (docs/fp8.md): Q % 64, K and V % block_n."""
+def check_tile_alignment(q8: FP8Tensor, k8: FP8Tensor, v8: FP8Tensor, tiles: tuple[int, int],
+                         short_n: int = 0) -> None:
+    """Scale blocks against the kernel's tiles (docs/fp8.md): Q % 64, K and V % block_n (or % ``short_n``, the
+    block_n of a short-key tile beside it, where nonzero; the same one for K and V)."""
     check_aligned("q.block_size", q8.block_size, Q_BLOCK, Q_WHY)
     for name, t in (("k", k8), ("v", v8)):
-        check_aligned(f"{name}.block_size", t.block_size, tiles[1], kv_why(t.headdim, tiles[1]))
+        check_aligned(f"{name}.block_size", t.block_size, tiles[1], kv_why(t.headdim, tiles[1], short_n), short_n)
+    if short_n and not any(all(kv_tile_fits(t.block_size, n) for t in (k8, v8)) for n in (tiles[1], short_n)):
+        raise ValueError(f"k.block_size {k8.block_size} and v.block_size {v8.block_size}: "
+                         f"{kv_why(k8.headdim, tiles[1], short_n)}, so both must be multiples of the same one")
+
+
+def kv_tile_fits(block_size: int | None, block_n: int) -> bool:
+    return block_size is None or block_size % block_n == 0
 
 
 def check_not_transposed(name: str, t: FP8Tensor) -> None:
@@ -139,9 +151,10 @@ def qk_seed(q: Any, k: Any, v: Any, hadamard: bool, seed: int, quantized: type) 
     return seed if hadamard else None
 
 
-def check_fp8_inputs(q8: Any, k8: Any, v8: Any, tiles: tuple[int, int] | None = None) -> Shapes:
+def check_fp8_inputs(q8: Any, k8: Any, v8: Any, tiles: tuple[int, int] | None = None, short_n: int = 0) -> Shapes:
     """Checks of quantized q, k, v for attention, v in the V^T layout the kernels and the reference read
-    (``to_vt`` converts); ``tiles`` (block_m, block_n) of the kernel that will run adds its block alignment."""
+    (``to_vt`` converts); ``tiles`` (block_m, block_n) of the kernel that will run adds its block alignment
+    (``short_n``: check_tile_alignment's)."""
     for name, t in (("q", q8), ("k", k8), ("v", v8)):
         check_fp8_tensor(name, t)
     check_not_transposed("q", q8)
@@ -153,7 +166,7 @@ def check_fp8_inputs(q8: Any, k8: Any, v8: Any, tiles: tuple[int, int] | None = 
     check_qk_seeds(q8.hadamard_seed, k8.hadamard_seed)
     check_v_seed(v8.hadamard_seed)
     if tiles is not None:
-        check_tile_alignment(q8, k8, v8, tiles)
+        check_tile_alignment(q8, k8, v8, tiles, short_n)
     return shapes
 
 

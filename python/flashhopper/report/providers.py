@@ -158,7 +158,7 @@ def _variant(variant: str, mode: str, q: torch.Tensor, k: torch.Tensor, v: torch
 def _fp8(quantize_in_call: bool, mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
          causal: bool) -> Prepared:
     """The sm90 fp8 (e4m3) forward on bf16/fp16 (or raw e4m3) inputs, as flash_attn_fp8_func quantizes
-    them: Q per 64 rows, K and V per block_n keys, Q and K with the Hadamard transform, V as V^T (the
+    them: Q per 64 rows, K and V per block_n keys (default_kv_block_size: the short-key tile's at short rows), Q and K with the Hadamard transform, V as V^T (the
     layout the kernel reads, so that the timed call does not convert it).
     ``quantize_in_call`` False: quantized once, untimed (the kernel); True: the timed call quantizes
     all three (end to end). TFLOPS count the same FLOPs as the bf16 forward."""
@@ -170,7 +170,8 @@ def _fp8(quantize_in_call: bool, mode: str, q: torch.Tensor, k: torch.Tensor, v:
     if tiles is None:
         raise Unavailable(f"this build has no sm90 fp8 forward kernel for headdim {headdim} "
                           f"{'causal' if causal else 'non-causal'}")
-    block_m, block_n = tiles
+    # The block of the tile the call runs (the short-key tile for short padded calls), as flash_attn_fp8_func picks.
+    block_m, block_n = tiles[0], fp8.default_kv_block_size(headdim, causal, k.shape[1])
     if quantize_in_call and not _ext.has_fp8_quantize():
         raise Unavailable("this build has no fp8 quantization kernel (_C.quantize_fp8)")
     if q.dtype == torch.float8_e4m3fn:  # --dtype fp8: raw e4m3 values, exact in bf16; quantized as usual

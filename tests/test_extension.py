@@ -33,7 +33,11 @@ def test_kernel_list() -> None:
             assert not k["dropout"]
         assert "causal" not in k  # the mask kind says it
         assert isinstance(k["block_m"], int) and isinstance(k["block_n"], int)
-        assert _ext.kernel(k["mode"], from_dict(k)) == _ext.Entry(k["index"], k["block_m"], k["block_n"])
+        assert _ext.kernel(k["mode"], from_dict(k)) == _ext.Entry(k["index"], k["block_m"], k["block_n"],
+                                                                  k["block_n_short"], k["short_keys_max"])
+        # A short-key tile only beside the padded e4m3 forward (cpp/sm90/tile_size.h: ShortKeys).
+        padded_fp8 = k["dtype"] == "float8_e4m3fn" and k["kvcache"] == "off" and not k["varlen"]
+        assert k["block_n_short"] == 0 or padded_fp8, k
     assert _ext.kernel("fwd", KernelKey(90, "bfloat16", 80, 80, "none")) is None
     assert _ext.kernel("bwd", KernelKey(90, "bfloat16", 80, 80, "none")) is None
     # Each (mode, key) once; each mode's indices are its positions, what _C.fwd / _C.bwd take.

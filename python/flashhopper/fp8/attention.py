@@ -20,7 +20,7 @@ from . import ops
 from .format import FP8Tensor, check_fp8_tensor, check_int, check_seed, round_up, seed_int64, to_vt
 from .quantize import default_kv_block_size, quantize_fp8
 from .validation import (Q_BLOCK, Q_WHY, check_aligned, check_fp8_inputs, check_input, check_input_alignment,
-                         check_not_transposed, check_tile_alignment, kv_why, qk_seed)
+                         check_not_transposed, check_tile_alignment, kv_why, qk_seed, quant_kernel_takes)
 
 
 def require_kernel(device: torch.device, headdim: int, causal: bool) -> tuple[int, int]:
@@ -37,6 +37,14 @@ def require_kernel(device: torch.device, headdim: int, causal: bool) -> tuple[in
 def _kernel_tiles(device: torch.device, headdim: int, causal: bool) -> tuple[int, int] | None:
     """The tiles of the kernel that will run, None for the reference emulation (CPU)."""
     return require_kernel(device, headdim, causal) if device.type == "cuda" else None
+
+
+def _matching_kv_block(given: int, headdim: int, tiles: tuple[int, int] | None, short_n: int) -> int:
+    """The block for K or V quantized here beside a pre-quantized one in blocks of ``given`` keys: ``given`` where
+    the quantization kernel takes it, else the block_n of a tile that divides it (K and V must be multiples of one)."""
+    if tiles is None or quant_kernel_takes(given, headdim):
+        return given
+    return next((n for n in (tiles[1], short_n) if n and given % n == 0), given)
 
 
 def _short_n(headdim: int, causal: bool) -> int:
@@ -175,11 +183,13 @@ def _fp8_attention(q: torch.Tensor | FP8Tensor, k: torch.Tensor | FP8Tensor, v: 
             raise ValueError(f"{name} sets the block size of tensors quantized here, but "
                              f"{'q is' if name == 'q_block_size' else 'k and v are'} already FP8Tensor")
     q_bs = Q_BLOCK if q_block_size is None else q_block_size
-    kv_bs = kv_block_size
-    if kv_bs is None:  # a pre-quantized k or v's block, so that K and V share one; else the kernel's for this call
-        given_kv = [x.block_size for x in (k, v) if isinstance(x, FP8Tensor) and x.block_size is not None]
-        kv_bs = given_kv[0] if given_kv else default_kv_block_size(shapes.headdim, causal, shapes.seqlen_k)
     short_n = _short_n(shapes.headdim, causal) if tiles is not None else 0
+    kv_bs = kv_block_size
+    # Beside a pre-quantized k or v (blocks of one tile's multiples), the other one in blocks of the same tile.
+    given_kv = [x.block_size for x in (k, v) if isinstance(x, FP8Tensor) and x.block_size is not None]
+    if kv_bs is None:
+        kv_bs = (_matching_kv_block(given_kv[0], shapes.headdim, tiles, short_n) if given_kv
+                 else default_kv_block_size(shapes.headdim, causal, shapes.seqlen_k))
     if tiles is not None:  # fail before quantizing anything
         if ops.has_quant_kernel():  # (as quantize_fp8 would; said here to name the argument)
             for name, x in (("q", q), ("k", k), ("v", v)):
@@ -187,7 +197,8 @@ def _fp8_attention(q: torch.Tensor | FP8Tensor, k: torch.Tensor | FP8Tensor, v: 
                     check_input_alignment(name, x)
         if not isinstance(q, FP8Tensor):
             check_aligned("q_block_size", q_bs, Q_BLOCK, Q_WHY)
-        if not (isinstance(k, FP8Tensor) and isinstance(v, FP8Tensor)):
+        # (a block derived from a pre-quantized one: check_fp8_inputs names that tensor's block below)
+        if not (isinstance(k, FP8Tensor) and isinstance(v, FP8Tensor)) and (kv_block_size is not None or not given_kv):
             check_aligned("kv_block_size", kv_bs, tiles[1], kv_why(shapes.headdim, tiles[1], short_n), short_n)
 
     # Q and K must share their Hadamard signs; a pre-quantized one decides.

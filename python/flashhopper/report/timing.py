@@ -25,7 +25,7 @@ def _events_median(fn: Fn, warmup_ms: float, rep_ms: float, flush_by: str = "wri
     do_bench's for "write"."""
     if flush_by not in FLUSHES:
         raise ValueError(f"flush_by must be one of {FLUSHES}, got {flush_by!r}")
-    buf = torch.zeros(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")
+    buf = torch.zeros(256 * 1024 * 1024 // 4, dtype=torch.float32, device="cuda")  # int32 sums cast to int64 first
     flush = buf.zero_ if flush_by == "write" else buf.sum
     fn()
     torch.cuda.synchronize()

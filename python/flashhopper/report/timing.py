@@ -2,8 +2,8 @@
 triton.testing.do_bench (L2 flushed between runs), or of CUDA events when triton is missing.
 
 The flush: do_bench's (and "write") zeroes a 256 MB buffer, which leaves the L2 full of dirty lines that the timed
-call evicts, so HBM takes their write-back beside the call's reads: up to the L2's 50 MB, ~17 us at 3 TB/s, noise
-for a millisecond kernel but not for a 50-100 us decode step. "read" flushes by reading the buffer (clean lines,
+call evicts, so HBM takes their write-back beside the call's reads: ~9 us of a 100 us bf16 decode step measured
+(docs/perf-notes.md, session 48), noise for a millisecond kernel. "read" flushes by reading the buffer (clean lines,
 nothing to write back), as a step that follows the model's weight reads finds the L2."""
 from __future__ import annotations
 

@@ -162,7 +162,8 @@ struct FwdTileSize<256, DType::kFloat8E4M3> : FwdTileDefaults {
 // warpgroups at every head dim (decode fills few rows; the converters need the producer warpgroup's registers).
 // Head dim 128: 128 keys (Q 32 KB, V^T 2 x 16 KB, e4m3 3 x 2 x 16 KB: 165 KB with the scales); pages of 128 rows
 // are then whole blocks (112 keys lost to 128 in pages of 128 by 40%: docs/perf-notes.md, T5). 3 e4m3 stages: 4
-// measured 0-4% slower (F6). Head dim 256: 64 keys (Q 64 KB, V^T 2 x 16 KB, e4m3 3 x 2 x 16 KB).
+// measured 0-4% slower (F6); 3 V^T stages, with 3 or 4 e4m3 stages, even (S48V). Head dim 256: 64 keys (Q 64 KB,
+// V^T 2 x 16 KB, e4m3 3 x 2 x 16 KB).
 template <int kHeadDim>
 struct FwdFp8CacheTileSize : FwdTileDefaults {
   static constexpr int kBlockM = 128, kBlockN = kHeadDim == 256 ? 64 : 128, kQStages = 1;

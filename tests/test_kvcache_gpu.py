@@ -131,11 +131,12 @@ def test_matches_reference(d: int, layout: int | None, seqlen_q: int, causal: bo
     check_entries(out, lse, q, kc, vc, lengths, causal, table)
 
 
-@pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 0])
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 13, 0])
 @pytest.mark.parametrize(("seqlen_q", "layout"), [(1, 64), (1, None), (3, 16), (200, 128)])
 def test_splits(num_splits: int, seqlen_q: int, layout: int | None) -> None:
     """Split-KV (each entry's keys over num_splits CTAs, merged): every count the reference's result, entries with
-    fewer key blocks than splits (0 keys included) too; the heuristic (0) as well."""
+    fewer key blocks than splits (0 keys included) too; the heuristic (0) as well. 13: the combine loads splits in
+    batches of 8 (common/combine_splits.h), one whole and one partial."""
     dtype, d, causal = torch.bfloat16, 128, True
     require_kvcache(dtype, d, seqlen_q, causal)
     torch.manual_seed(num_splits * 10 + seqlen_q)

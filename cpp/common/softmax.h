@@ -29,20 +29,24 @@ struct OnlineSoftmax {
   // Turns scores into unnormalized probabilities in place. Returns, per row, the factor that
   // rescales the output accumulated so far to the new max (unused on the first block).
   // kCheckInf guards rows that have seen no visible key yet (max still -inf).
-  template <bool kFirst, bool kCheckInf, class TensorS>
+  // kLive < kRows: only the first kLive rows are updated (the others are padding the caller never stores: their
+  // scores, state and O rows are left as they are, o_scale 1).
+  template <bool kFirst, bool kCheckInf, int kLive = kRows, class TensorS>
   CUTE_DEVICE cute::array<float, kRows> update(TensorS& s) {
-    return update<kFirst, kCheckInf>(s, scale_log2);
+    return update<kFirst, kCheckInf, kLive>(s, scale_log2);
   }
 
   // The same with this block's own scale (FP8: softmax_scale * log2(e) * q and k descales). The max is
   // kept in scaled units, so blocks with different scales compare correctly; scale must be > 0.
-  template <bool kFirst, bool kCheckInf, class TensorS>
+  template <bool kFirst, bool kCheckInf, int kLive = kRows, class TensorS>
   CUTE_DEVICE cute::array<float, kRows> update(TensorS& s, float scale) {
-    static_assert(decltype(size<0>(s))::value == kRows);
+    static_assert(decltype(size<0>(s))::value == kRows && kLive >= 1 && kLive <= kRows && (kLive == kRows || !kFirst));
     cute::array<float, kRows> o_scale;
+    CUTE_UNROLL
+    for (int mi = kLive; mi < kRows; ++mi) o_scale[mi] = 1.f;
     if constexpr (kLazyRescale > 0 && !kFirst) max_moved = false;
     CUTE_UNROLL
-    for (int mi = 0; mi < kRows; ++mi) {
+    for (int mi = 0; mi < kLive; ++mi) {
       float m = -INFINITY;
       CUTE_UNROLL
       for (int ni = 0; ni < size<1>(s); ++ni) m = fmaxf(m, s(mi, ni));
@@ -125,11 +129,11 @@ struct OnlineSoftmax {
     }
   }
 
-  template <class TensorO>
+  template <int kLive = kRows, class TensorO>
   CUTE_DEVICE static void rescale(TensorO& o, cute::array<float, kRows> const& scale) {
     static_assert(decltype(size<0>(o))::value == kRows);
     CUTE_UNROLL
-    for (int mi = 0; mi < kRows; ++mi) {
+    for (int mi = 0; mi < kLive; ++mi) {
       CUTE_UNROLL
       for (int ni = 0; ni < size<1>(o); ++ni) o(mi, ni) *= scale[mi];
     }

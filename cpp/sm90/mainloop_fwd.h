@@ -978,15 +978,15 @@ struct FwdMainloop {
       else return 0;
     }();
     // FP8's regrouping: emit(four, r, h, kb) gets the 4 accumulator values that go to A-operand register
-    // (make_coord(_, r, h), 0, kb).
-    auto regroup = [&](auto&& emit) {
+    // (make_coord(_, r, h), 0, kb). half: row r = 0 only (the other's registers keep what they held).
+    auto regroup = [&](auto&& emit, auto half) {
       static_assert(!(kFp8 || kFp8Cache) || kBlockN % 32 == 0);
       CUTE_UNROLL
       for (int kb = 0; kb < kBlockN / 32; ++kb) {
         CUTE_UNROLL
         for (int h = 0; h < 2; ++h) {
           CUTE_UNROLL
-          for (int r = 0; r < 2; ++r) {
+          for (int r = 0; r < (decltype(half)::value ? 1 : 2); ++r) {
             cutlass::Array<float, 4> four;
             CUTE_UNROLL
             for (int b = 0; b < 4; ++b) four[b] = tSrS(make_coord(b % 2, r, kb * 4 + h * 2 + b / 2), 0, 0);
@@ -995,13 +995,13 @@ struct FwdMainloop {
         }
       }
     };
-    auto to_p = [&](int n) {
+    auto to_p = [&](int n, auto half) {
       if constexpr (kFp8 || kFp8Cache) {
         regroup([&](cutlass::Array<float, 4> const& four, int r, int h, int kb) {
           auto const packed = cutlass::NumericArrayConverter<ElementP, float, 4>{}(four);
           CUTE_UNROLL
           for (int b = 0; b < 4; ++b) tOrP(make_coord(b, r, h), 0, kb) = packed[b];
-        });
+        }, half);
       } else {
         Tensor p16 = convert_type<Element>(tSrS);
         if constexpr (Dropout::kEnabled) {
@@ -1036,13 +1036,14 @@ struct FwdMainloop {
     // Per-key factors from a stage's array, two adjacent keys per 8-byte load: the accumulator fragment
     // holds (key pair, row pair, key group) in that order (utils.h rowcol), so elements 4g .. 4g + 3 are keys c, c + 1
     // of two rows. `extra` multiplies every factor.
-    auto apply_factors = [&](auto& frag, float const* base, int stage, float extra) {
+    // half: the fragment's first row of each pair only (kHalfRows below).
+    auto apply_factors = [&](auto& frag, float const* base, int stage, float extra, auto half) {
       CUTE_UNROLL
       for (int g = 0; g < size(frag) / 4; ++g) {
         float2 f;
         cutlass::arch::shared_load<8>(&f, cute::cast_smem_ptr_to_uint(base + stage * kBlockN + get<1>(tScSflat(4 * g))));
         CUTE_UNROLL
-        for (int e = 0; e < 4; ++e) {
+        for (int e = 0; e < (decltype(half)::value ? 2 : 4); ++e) {
           using T = std::decay_t<decltype(frag(0))>;
           frag(4 * g + e) = static_cast<T>(float(frag(4 * g + e)) * ((e % 2 == 0 ? f.x : f.y) * extra));
         }
@@ -1052,7 +1053,7 @@ struct FwdMainloop {
     // stage is released). The thread's accumulator rows are the same in every block.
     float const row_factor[2] = {kFp8Cache ? ts_qrow(ts, wg, get<0>(tScSflat(0))) : 1.f,
                                  kFp8Cache ? ts_qrow(ts, wg, get<0>(tScSflat(2))) : 1.f};
-    auto scale_s = [&](int stage) {
+    auto scale_s = [&](int stage, auto half) {
       if constexpr (kFp8Cache) {
         CUTE_UNROLL
         for (int g = 0; g < size(tSrS) / 4; ++g) {
@@ -1061,8 +1062,10 @@ struct FwdMainloop {
                                                                         get<1>(tScSflat(4 * g))));
           tSrS(4 * g) *= f.x * row_factor[0];
           tSrS(4 * g + 1) *= f.y * row_factor[0];
-          tSrS(4 * g + 2) *= f.x * row_factor[1];
-          tSrS(4 * g + 3) *= f.y * row_factor[1];
+          if constexpr (!decltype(half)::value) {
+            tSrS(4 * g + 2) *= f.x * row_factor[1];
+            tSrS(4 * g + 3) *= f.y * row_factor[1];
+          }
         }
       }
     };
@@ -1111,7 +1114,8 @@ struct FwdMainloop {
     // stage, move O to the units of its largest V scale (with the softmax's o_scale, `rescale`) and turn P, times its
     // keys' factors and 2^8, into e4m3 (2^8: e4m3's smallest normal is 2^-6, as FP8's kMaxOffset). (A block whose V
     // rows are all zeros, scales 0, keeps O's units.)
-    auto to_p_cache = [&](auto rescale, cute::array<float, 2> o_scale) {
+    auto to_p_cache = [&](auto rescale, cute::array<float, 2> o_scale, auto half) {
+      constexpr int kLive = decltype(half)::value ? 1 : 2;
       if constexpr (kFp8Cache) {
         pipeline_v.consumer_wait(read_v);
         int const stage = read_v.index();
@@ -1125,11 +1129,11 @@ struct FwdMainloop {
             o_scale[0] *= ratio;
             o_scale[1] *= ratio;
             Tensor o = rowcol(tOrO);
-            Softmax::rescale(o, o_scale);
+            Softmax::template rescale<kLive>(o, o_scale);
           }
-          apply_factors(tSrS, ts.smem_vfac.data(), stage, kPFactor);
+          apply_factors(tSrS, ts.smem_vfac.data(), stage, kPFactor, half);
         }
-        to_p(0);
+        to_p(0, half);
       }
     };
     // O += P V for the block whose P is in tOrP (e4m3 cache: its V^T stage waited for by to_p_cache).
@@ -1169,15 +1173,15 @@ struct FwdMainloop {
     sched_arrive();
     on_first_issue();
     warpgroup_wait<0>();
-    if (warp_live) scale_s(read_k.index());
+    if (warp_live) scale_s(read_k.index(), cute::false_type{});
     release_k();
     if (warp_live) {
       p.score_mod.apply(scores);
       mask.template apply<true, true, true>(scores, tScS, row_offset, n_block);
       softmax.template update<true, true>(scores, qk_scale(n_block));
     }
-    if constexpr (kFp8Cache) to_p_cache(cute::false_type{}, {});
-    else to_p(n_block);
+    if constexpr (kFp8Cache) to_p_cache(cute::false_type{}, {}, cute::false_type{});
+    else to_p(n_block, cute::false_type{});
 
     // S_n is issued together with O += P_{n+1} V_{n+1}; the softmax of S_n runs while the PV GEMM
     // is still on the tensor cores, and O is rescaled once it has finished.
@@ -1190,8 +1194,10 @@ struct FwdMainloop {
     }
     // Forced inline: with three instances (right-masked, plain, left-masked: windows over a KV cache) cicc kept one
     // as a call, and every fragment it touches went to the stack (1.3-1.5 KB of local memory a thread).
-    auto step = [&](int n, auto right_edge, auto left_edge) CUTLASS_LAMBDA_FUNC_INLINE {
+    // half (kHalfRows): the thread's second accumulator row is padding; its scores, softmax, factors and P are skipped.
+    auto step = [&](int n, auto right_edge, auto left_edge, auto half) CUTLASS_LAMBDA_FUNC_INLINE {
       constexpr bool kRight = decltype(right_edge)::value, kLeft = decltype(left_edge)::value;
+      constexpr int kLive = decltype(half)::value ? 1 : 2;
       // Per-block descale loads go out before the GEMMs and land while they run; the window's shuffles go after the
       // GEMM issue (the first one after opening waits for the window's loads).
       constexpr bool kWindowed = kDescaleWindow && !(kRight || kLeft);
@@ -1220,7 +1226,7 @@ struct FwdMainloop {
         }
       }
       warpgroup_wait<1>();
-      if (warp_live) scale_s(read_k.index());
+      if (warp_live) scale_s(read_k.index(), half);
       if constexpr (!kAnchor) release_k();
       if constexpr (kRescaleInExp) {
         static_assert(!Tile::kPvWaitFirst && !kFp8Cache && kLazyRescale == 0);
@@ -1246,7 +1252,7 @@ struct FwdMainloop {
         } else {
           at_exp(0.f);
         }
-        to_p(n);
+        to_p(n, half);
         return;
       }
       if constexpr (Tile::kPvWaitFirst) {
@@ -1257,25 +1263,38 @@ struct FwdMainloop {
       if (warp_live) {
         p.score_mod.apply(scores);
         if constexpr (kRight || kLeft) mask.template apply<false, kRight, kLeft>(scores, tScS, row_offset, n);
-        o_scale = softmax.template update<false, kRight || kLeft>(scores, s_scale);
+        o_scale = softmax.template update<false, kRight || kLeft, kLive>(scores, s_scale);
       }
       if constexpr (!Tile::kPvWaitFirst) {
         warpgroup_wait<0>();
         release_v();
       }
       if constexpr (kFp8Cache) {
-        to_p_cache(cute::true_type{}, o_scale);
+        to_p_cache(cute::true_type{}, o_scale, half);
       } else {
         if (warp_live) rescale_o(o_scale, vd);
-        to_p(n);
+        to_p(n, half);
       }
     };
     constexpr bool kLeftEdge = BlockInfoT::kHasLeft;
-    for (--n_block; n_block >= n_right; --n_block) step(n_block, cute::true_type{}, cute::bool_constant<kLeftEdge>{});
+    // e4m3 caches, tiles of at most 8 rows (a decode step's GQA-packed heads): each thread's second accumulator row
+    // (rows 8-15 of warp 0; warps 1-3 skip the softmax already) is padding, so the unmasked steps leave it alone: the
+    // live warp's chain per block is what paced the decode (perf-notes, session 49). Head dims up to 128: at 256 the
+    // second loop took the e4m3-cache kernels' spills from ~850 to 1000-1500 bytes a unit.
+    constexpr bool kHalfRows = kFp8Cache && kHeadDim <= 128;
+    bool const half_rows = kHalfRows && seq.seqlen_q - row_offset <= 8;
+    for (--n_block; n_block >= n_right; --n_block) {
+      step(n_block, cute::true_type{}, cute::bool_constant<kLeftEdge>{}, cute::false_type{});
+    }
     if constexpr (!Tile::kEarlyDescaleWindow) open_window_at(n_block);
-    for (; n_block >= n_left; --n_block) step(n_block, cute::false_type{}, cute::false_type{});
+    if constexpr (kHalfRows) {
+      if (half_rows) {
+        for (; n_block >= n_left; --n_block) step(n_block, cute::false_type{}, cute::false_type{}, cute::true_type{});
+      }
+    }
+    for (; n_block >= n_left; --n_block) step(n_block, cute::false_type{}, cute::false_type{}, cute::false_type{});
     if constexpr (kLeftEdge) {
-      for (; n_block >= n_block_min; --n_block) step(n_block, cute::false_type{}, cute::true_type{});
+      for (; n_block >= n_block_min; --n_block) step(n_block, cute::false_type{}, cute::true_type{}, cute::false_type{});
     }
     sched_sync();
     issue_pv();

@@ -767,8 +767,6 @@ struct FwdMainloop {
         CUTE_UNROLL
         for (int o = 1; o < kVecs; o *= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
         amax[i] = m;
-        // A row of zeros keeps scale 1 (its S row is 0 whatever the factor).
-        if (v % kVecs == 0) ts.smem_qrow[wg * 64 + r] = m > 0.f ? m * (1.f / 448.f) : 1.f;
       }
       CUTE_UNROLL
       for (int pass = 0; pass < kPasses; ++pass) {
@@ -779,6 +777,15 @@ struct FwdMainloop {
           load16(r, pass * kPassCols + c, x[i]);
         }
         warpgroup_barrier_sync(wg);  // every thread has read this pass's bf16 columns
+        // The row scales after the barrier: the previous tile's consumers have read theirs (ts_qrow).
+        if (pass == 0) {
+          CUTE_UNROLL
+          for (int i = 0; i < kPerThread; ++i) {
+            int const v = thread_idx + i * cutlass::NumThreadsPerWarpGroup, r = v / kVecs;
+            // A row of zeros keeps scale 1 (its S row is 0 whatever the factor).
+            if (v % kVecs == 0) ts.smem_qrow[wg * 64 + r] = amax[i] > 0.f ? amax[i] * (1.f / 448.f) : 1.f;
+          }
+        }
         CUTE_UNROLL
         for (int i = 0; i < kPerThread; ++i) {
           int const v = thread_idx + i * cutlass::NumThreadsPerWarpGroup, r = v / kVecs, c = (v % kVecs) * 16;

@@ -974,6 +974,16 @@ struct FwdMainloop {
         return make_tensor<Element>(acc_layout_as_a_operand(tSrS.layout()));
       }
     }();
+    // Anchored kernels (kAnchor: every exponential before the PV wait) alternate two P fragments over pairs of
+    // unmasked steps: the step converts P into the one the in-flight PV GEMM does not read. With one, ptxas converted
+    // into spare registers under the GEMM and moved them into the A operand after its wait (24 moves a step at
+    // head dim 128: perf-notes, session 50).
+    // (Not in kernels with a left edge too (windows): their four step copies spilled 2.5 KB.)
+    static constexpr bool kDoubleP = kAnchor && !BlockInfoT::kHasLeft;
+    auto tOrP2 = [&] {  // (nothing in kernels with one fragment)
+      if constexpr (kDoubleP) return make_fragment_like(tOrP);
+      else return cute::Int<0>{};
+    }();
 
     // Dropout for the (batch, head) of the tile, applied to P after the softmax, whose sums saw every score.
     // (Drawing a block's random bytes while its S GEMM runs instead measured no faster at head dims 64 and
@@ -1016,6 +1026,17 @@ struct FwdMainloop {
         }
         CUTE_UNROLL
         for (int i = 0; i < size(tOrP); ++i) tOrP(i) = p16(i);
+      }
+    };
+    // kDoubleP: P into the second fragment (to_p's e4m3 conversion; kept apart so that kernels with one fragment
+    // compile as before).
+    auto to_p2 = [&] {
+      if constexpr (kDoubleP) {
+        regroup([&](cutlass::Array<float, 4> const& four, int r, int h, int kb) {
+          auto const packed = cutlass::NumericArrayConverter<ElementP, float, 4>{}(four);
+          CUTE_UNROLL
+          for (int b = 0; b < 4; ++b) tOrP2(make_coord(b, r, h), 0, kb) = packed[b];
+        }, cute::false_type{});
       }
     };
     // O is kept in units of the V descale of the newest key block in it: moving from block n + 1 to
@@ -1151,6 +1172,13 @@ struct FwdMainloop {
       }
       wgmma<false, -1>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
     };
+    auto issue_pv2 = [&] {  // kDoubleP: O += P V from the second fragment
+      if constexpr (kDoubleP) {
+        pipeline_v.consumer_wait(read_v);
+        guard_v(read_v.index());
+        wgmma<false, -1>(mma_pv, tOrP2, tOrV(_, _, _, read_v.index()), tOrO);
+      }
+    };
     auto release_v = [&] {
       pipeline_v.consumer_release(read_v);
       ++read_v;
@@ -1202,8 +1230,11 @@ struct FwdMainloop {
     // Forced inline: with three instances (right-masked, plain, left-masked: windows over a KV cache) cicc kept one
     // as a call, and every fragment it touches went to the stack (1.3-1.5 KB of local memory a thread).
     // half (kHalfRows): the thread's second accumulator row is padding; its scores, softmax, factors and P are skipped.
-    auto step = [&](int n, auto right_edge, auto left_edge, auto half) CUTLASS_LAMBDA_FUNC_INLINE {
+    // pb: the P fragments the step reads (its PV GEMM) and writes (to_p): 0 = (0, 0), 1 = (0, 1), 2 = (1, 0).
+    auto step = [&](int n, auto right_edge, auto left_edge, auto half, auto pb) CUTLASS_LAMBDA_FUNC_INLINE {
       constexpr bool kRight = decltype(right_edge)::value, kLeft = decltype(left_edge)::value;
+      constexpr int kPb = decltype(pb)::value;
+      static_assert(kPb == 0 || (kDoubleP && kRescaleInExp), "two P fragments: anchored steps only");
       constexpr int kLive = decltype(half)::value ? 1 : 2;
       // Per-block descale loads go out before the GEMMs and land while they run; the window's shuffles go after the
       // GEMM issue (the first one after opening waits for the window's loads).
@@ -1222,7 +1253,8 @@ struct FwdMainloop {
       }
       sched_sync();
       issue_s();
-      issue_pv();
+      if constexpr (kPb == 2) issue_pv2();
+      else issue_pv();
       sched_arrive();
       if constexpr (kWindowed) {
         if constexpr (Tile::kWarpgroupRelease) {
@@ -1259,7 +1291,8 @@ struct FwdMainloop {
         } else {
           at_exp(0.f);
         }
-        to_p(n, half);
+        if constexpr (kPb == 1) to_p2();
+        else to_p(n, half);
         return;
       }
       if constexpr (Tile::kPvWaitFirst) {
@@ -1291,17 +1324,29 @@ struct FwdMainloop {
     constexpr bool kHalfRows = kFp8Cache && kHeadDim <= 128;
     bool const half_rows = kHalfRows && seq.seqlen_q - row_offset <= 8;
     for (--n_block; n_block >= n_right; --n_block) {
-      step(n_block, cute::true_type{}, cute::bool_constant<kLeftEdge>{}, cute::false_type{});
+      step(n_block, cute::true_type{}, cute::bool_constant<kLeftEdge>{}, cute::false_type{}, cute::Int<0>{});
     }
     if constexpr (!Tile::kEarlyDescaleWindow) open_window_at(n_block);
     if constexpr (kHalfRows) {
       if (half_rows) {
-        for (; n_block >= n_left; --n_block) step(n_block, cute::false_type{}, cute::false_type{}, cute::true_type{});
+        for (; n_block >= n_left; --n_block) {
+          step(n_block, cute::false_type{}, cute::false_type{}, cute::true_type{}, cute::Int<0>{});
+        }
       }
     }
-    for (; n_block >= n_left; --n_block) step(n_block, cute::false_type{}, cute::false_type{}, cute::false_type{});
+    if constexpr (kDoubleP) {
+      for (; n_block >= n_left + 1; n_block -= 2) {
+        step(n_block, cute::false_type{}, cute::false_type{}, cute::false_type{}, cute::Int<1>{});
+        step(n_block - 1, cute::false_type{}, cute::false_type{}, cute::false_type{}, cute::Int<2>{});
+      }
+    }
+    for (; n_block >= n_left; --n_block) {
+      step(n_block, cute::false_type{}, cute::false_type{}, cute::false_type{}, cute::Int<0>{});
+    }
     if constexpr (kLeftEdge) {
-      for (; n_block >= n_block_min; --n_block) step(n_block, cute::false_type{}, cute::true_type{}, cute::false_type{});
+      for (; n_block >= n_block_min; --n_block) {
+        step(n_block, cute::false_type{}, cute::true_type{}, cute::false_type{}, cute::Int<0>{});
+      }
     }
     sched_sync();
     issue_pv();

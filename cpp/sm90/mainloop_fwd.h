@@ -737,7 +737,10 @@ struct FwdMainloop {
   // vector t + 128 i of each pass's (64 x 128 columns), so a row's vectors are kVecs adjacent lanes (its largest
   // |q| by shuffles). Each pass reads its bf16 columns before the warpgroup's barrier and writes the two terms after
   // it, into bytes that only those columns held (the terms' order). Ends with the terms visible to the GEMMs.
-  CUTE_DEVICE static void prepare_q8(TensorStorage& ts, int q_stage, int wg, int thread_idx) {
+  // fold (tiles of at most 8 rows, mma's half_rows): row r's second term also goes into row r + 8 of the first
+  // term, which is padding there, so that one GEMM on the first term gives both (mma folds row r + 8 into row r);
+  // rows 8-15 then leave that term alone.
+  CUTE_DEVICE static void prepare_q8(TensorStorage& ts, int q_stage, int wg, int thread_idx, bool fold) {
     if constexpr (kFp8Cache) {
       constexpr int kPassCols = cute::min(kHeadDim, 128), kPasses = kHeadDim / kPassCols;
       constexpr int kVecs = kPassCols / 16, kPerThread = 64 * kVecs / cutlass::NumThreadsPerWarpGroup;
@@ -799,8 +802,13 @@ struct FwdMainloop {
           CUTE_UNROLL
           for (int j = 0; j < 16; ++j) lo_in[j] = hi_in[j] - hi_f[j];
           auto const lo = cutlass::NumericArrayConverter<ElementKV, float, 16>{}(lo_in);
-          cutlass::arch::shared_store<16>(cute::cast_smem_ptr_to_uint(&sQ8(r, pass * kPassCols + c, 0)), &hi);
+          if (!fold || r < 8 || r >= 16) {
+            cutlass::arch::shared_store<16>(cute::cast_smem_ptr_to_uint(&sQ8(r, pass * kPassCols + c, 0)), &hi);
+          }
           cutlass::arch::shared_store<16>(cute::cast_smem_ptr_to_uint(&sQ8(r, pass * kPassCols + c, 1)), &lo);
+          if (fold && r < 8) {
+            cutlass::arch::shared_store<16>(cute::cast_smem_ptr_to_uint(&sQ8(r + 8, pass * kPassCols + c, 0)), &lo);
+          }
         }
       }
       cutlass::arch::fence_view_async_shared();  // the generic-proxy writes before the GEMMs' async reads
@@ -943,7 +951,14 @@ struct FwdMainloop {
     auto& mma_pv = get<0>(pv);
     auto& tOrV = get<1>(pv);
     // The S GEMMs' operands: Q's stage and K's 16-bit stages, or (e4m3 cache) q's two e4m3 terms and K's e4m3 stages.
-    if constexpr (kFp8Cache) prepare_q8(ts, q_stage, wg, thread_idx);
+    // e4m3 caches, tiles of at most 8 rows (a decode step's GQA-packed heads): each thread's second accumulator row
+    // (rows 8-15 of warp 0; warps 1-3 skip the softmax already) is padding, so the unmasked steps leave it alone: the
+    // live warp's chain per block is what paced the decode (perf-notes, session 49), and their S GEMMs read q's two
+    // terms folded into one (prepare_q8). Head dims up to 128: at 256 the second loop took the e4m3-cache kernels'
+    // spills from ~850 to 1000-1500 bytes a unit.
+    constexpr bool kHalfRows = kFp8Cache && kHeadDim <= 128;
+    bool const half_rows = kHalfRows && seq.seqlen_q - row_offset <= 8;
+    if constexpr (kFp8Cache) prepare_q8(ts, q_stage, wg, thread_idx, half_rows);
     auto qk = [&] {
       if constexpr (kFp8Cache) {
         TiledMmaQK8 mma_qk8;
@@ -1088,6 +1103,10 @@ struct FwdMainloop {
           float2 f;
           cutlass::arch::shared_load<8>(&f, cute::cast_smem_ptr_to_uint(ts.smem_ks.data() + stage * kBlockN +
                                                                         get<1>(tScSflat(4 * g))));
+          if constexpr (decltype(half)::value) {  // one GEMM on the first term: row g + 8 holds row g's second
+            tSrS(4 * g) += tSrS(4 * g + 2);
+            tSrS(4 * g + 1) += tSrS(4 * g + 3);
+          }
           tSrS(4 * g) *= f.x * row_factor[0];
           tSrS(4 * g + 1) *= f.y * row_factor[0];
           if constexpr (!decltype(half)::value) {
@@ -1098,13 +1117,18 @@ struct FwdMainloop {
       }
     };
     // S_n = Q K_n^T for key block n; the caller waits for it.
-    auto issue_s = [&] {
+    // half (kHalfRows): q's terms folded into the first one (prepare_q8), half the GEMM.
+    auto issue_s = [&](auto half) {
       pipeline_k.consumer_wait(read_k);
       // Gathered K: cp.async wrote the stage through the generic proxy; the WGMMA reads it through the async one.
       if constexpr (kGatherKV) cutlass::arch::fence_view_async_shared();
       if constexpr (kFp8Cache) {
         auto const& tSrQ8 = get<1>(qk);
-        wgmma_sum<-1>(get<0>(qk), tSrQ8(_, _, _, 0), tSrQ8(_, _, _, 1), get<2>(qk)(_, _, _, read_k.index()), tSrS);
+        if constexpr (decltype(half)::value) {
+          wgmma<true, -1>(get<0>(qk), tSrQ8(_, _, _, 0), get<2>(qk)(_, _, _, read_k.index()), tSrS);
+        } else {
+          wgmma_sum<-1>(get<0>(qk), tSrQ8(_, _, _, 0), tSrQ8(_, _, _, 1), get<2>(qk)(_, _, _, read_k.index()), tSrS);
+        }
       } else {
         wgmma<true, -1>(get<0>(qk), get<1>(qk), get<2>(qk)(_, _, _, read_k.index()), tSrS);
       }
@@ -1204,7 +1228,7 @@ struct FwdMainloop {
     };
     if constexpr (Tile::kEarlyDescaleWindow) open_window_at(cute::min(n_block_max - 2, n_right - 1));
     sched_sync();
-    issue_s();
+    issue_s(cute::false_type{});
     sched_arrive();
     on_first_issue();
     warpgroup_wait<0>();
@@ -1252,7 +1276,7 @@ struct FwdMainloop {
         s_scale = scales[0], vd = scales[1];
       }
       sched_sync();
-      issue_s();
+      issue_s(half);
       if constexpr (kPb == 2) issue_pv2();
       else issue_pv();
       sched_arrive();
@@ -1317,12 +1341,7 @@ struct FwdMainloop {
       }
     };
     constexpr bool kLeftEdge = BlockInfoT::kHasLeft;
-    // e4m3 caches, tiles of at most 8 rows (a decode step's GQA-packed heads): each thread's second accumulator row
-    // (rows 8-15 of warp 0; warps 1-3 skip the softmax already) is padding, so the unmasked steps leave it alone: the
-    // live warp's chain per block is what paced the decode (perf-notes, session 49). Head dims up to 128: at 256 the
-    // second loop took the e4m3-cache kernels' spills from ~850 to 1000-1500 bytes a unit.
-    constexpr bool kHalfRows = kFp8Cache && kHeadDim <= 128;
-    bool const half_rows = kHalfRows && seq.seqlen_q - row_offset <= 8;
+    // (kHalfRows: above, with prepare_q8.)
     for (--n_block; n_block >= n_right; --n_block) {
       step(n_block, cute::true_type{}, cute::bool_constant<kLeftEdge>{}, cute::false_type{}, cute::Int<0>{});
     }

@@ -165,7 +165,7 @@ def section_headdims(timer: Callable[[Fn], float], rounds: int, grid: Grid) -> l
     dims = {"96": (96, 96), "128": (128, 128), "192": (192, 192), "192x128": (192, 128), "128x64": (128, 64)}
     for mode in grid.modes:
         for causal in (False, True):
-            for seqlen in (512, 2048, 8192, 16384):
+            for seqlen in (512, 1024, 2048, 4096, 8192, 16384):  # the FA3-paper grid
                 batch, fns, flops = 16384 // seqlen, {}, {}
                 for name, (d, dv) in dims.items():
                     heads = round(2048 / d)

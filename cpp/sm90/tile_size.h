@@ -47,8 +47,8 @@ struct FwdTileDefaults {
   // (its rank's TMA coordinates) spilled 56 bytes at 24 (16-bit d128).
   static constexpr int kPairsProducerRegs = 16;
   // Padded calls of at most kShortKeysMax keys run ShortKeys<Tile> (below; launch_fwd.h: use_short_keys), whose
-  // tiles hold kShortKeysBlockN keys; 0: never.
-  static constexpr int kShortKeysBlockN = 0, kShortKeysMax = 0;
+  // tiles hold kShortKeysBlockN keys (0: never) and kShortKeysBlockM query rows (0: the tile's).
+  static constexpr int kShortKeysBlockN = 0, kShortKeysMax = 0, kShortKeysBlockM = 0;
 };
 
 // Two-CTA clusters on neighbouring query tiles of one head: each CTA loads half of every K/V block and multicasts it
@@ -62,10 +62,13 @@ struct CtaPairs : Tile {
 
 // Short key ranges: a tile of fewer keys where the row's keys are few enough that the last block's padding costs
 // more than the smaller tile's per-key overhead (e4m3 d128: 1024 keys are 5 1/3 blocks of 192, 9.4% more score
-// work than keys, 8 blocks of 128). It reads K/V scales in blocks of its own block_n (launch_fwd.h: use_short_keys).
+// work than keys, 8 blocks of 128), or of fewer rows where the long tile's last query block is mostly padding
+// (head dim 96: 512 rows are 2 2/3 tiles of 192). It reads K/V scales in blocks of its own block_n (launch_fwd.h:
+// use_short_keys).
 template <class Tile>
 struct ShortKeys : Tile {
   static constexpr int kBlockN = Tile::kShortKeysBlockN;
+  static constexpr int kBlockM = Tile::kShortKeysBlockM > 0 ? Tile::kShortKeysBlockM : Tile::kBlockM;
   static constexpr int kPairsFromKeys = 0;
 };
 
@@ -80,6 +83,9 @@ struct FwdTileSize<64, kDType> : FwdTileDefaults {
 template <DType kDType>
 struct FwdTileSize<96, kDType> : FwdTileDefaults {
   static constexpr int kBlockM = 192, kBlockN = 96, kStages = 2, kQStages = 2;
+  // Up to 1024 keys, 128 x 128 on two consumer warpgroups: +8-10% at 512 tokens (three 192-row tiles cover 576
+  // rows), causal +8% at 1k; from 2k it is 5-11% slower (perf-notes, session 38: m128).
+  static constexpr int kShortKeysBlockM = 128, kShortKeysBlockN = 128, kShortKeysMax = 1024;
 };
 
 // 128 x 128 with two Q stages beat 128 x 176 (FA3's) and three K/V stages (perf-notes, v3 ablations).

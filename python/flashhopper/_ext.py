@@ -24,8 +24,8 @@ class Entry:
     index: int
     block_m: int
     block_n: int
-    # A short-key tile beside it (the padded e4m3 d128 forward): its keys per tile and the most keys a padded call
-    # may have to run it (0: none; cpp/sm90/tile_size.h, ShortKeys).
+    # A short-key tile beside it (the padded e4m3 d128 and 16-bit d96 forwards): its keys per tile and the most keys
+    # a padded call may have to run it (0: none; cpp/sm90/tile_size.h, ShortKeys). block_m stays the long tile's.
     block_n_short: int = 0
     short_keys_max: int = 0
 

@@ -35,9 +35,10 @@ def test_kernel_list() -> None:
         assert isinstance(k["block_m"], int) and isinstance(k["block_n"], int)
         assert _ext.kernel(k["mode"], from_dict(k)) == _ext.Entry(k["index"], k["block_m"], k["block_n"],
                                                                   k["block_n_short"], k["short_keys_max"])
-        # A short-key tile only beside the padded e4m3 forward (cpp/sm90/tile_size.h: ShortKeys).
-        padded_fp8 = k["dtype"] == "float8_e4m3fn" and k["kvcache"] == "off" and not k["varlen"]
-        assert k["block_n_short"] == 0 or padded_fp8, k
+        # A short tile only beside the padded e4m3 and 16-bit head-dim-96 forwards (cpp/sm90/tile_size.h: ShortKeys).
+        padded = k["mode"] == "fwd" and k["kvcache"] == "off" and not k["varlen"] and k["variant"] == ""
+        padded_short = padded and (k["dtype"] == "float8_e4m3fn" or (k["headdim"] == 96 and k["arch"] == 90))
+        assert k["block_n_short"] == 0 or padded_short, k
     assert _ext.kernel("fwd", KernelKey(90, "bfloat16", 80, 80, "none")) is None
     assert _ext.kernel("bwd", KernelKey(90, "bfloat16", 80, 80, "none")) is None
     # Each (mode, key) once; each mode's indices are its positions, what _C.fwd / _C.bwd take.

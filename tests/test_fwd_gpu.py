@@ -205,6 +205,22 @@ def test_cta_pairs(sq: int, sk: int, hq: int, hkv: int, batch: int, sinks: bool,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq,sk", [(1024, 1024), (1025, 1025), (1024, 1025), (1025, 1024), (2000, 512), (512, 2000),
+                                   (640, 640)])
+def test_short_tile_bounds(sq: int, sk: int, causal: bool, dtype: torch.dtype) -> None:
+    # Head dim 96 runs a 128 x 128 tile up to 1024 queries and keys and its 192 x 96 tile beyond
+    # (sm90/launch_fwd.h: use_short_keys): both sides of the bound, and shapes where only one side is short.
+    require_backend("sm90", dtype, 96, causal)
+    q, k, v = randn_qkv(2, sq, sk, NHEADS_Q, NHEADS_Q // 4, 96, dtype, "cuda")
+    out, lse = poisoned(q)
+    scale = 1 / math.sqrt(96)
+    fwd_into(q, k, v, out, lse, scale, causal, 90)
+    assert_matches_reference(out, lse, q, k, v, scale, causal)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_gqa_packed_heads(backend: str) -> None:
     # Fused GQA projection: (batch, seqlen, nheads_q + 2 * nheads_kv, headdim), split along heads.

@@ -113,7 +113,8 @@ constexpr bool has_short_keys() {
 }
 
 // Short rows whose K/V scale blocks it reads, and any row whose blocks only it reads (multiples of its block_n
-// that are not of the other's: its speed from 1k keys is the other's less 3%, S44N).
+// that are not of the other's: its speed from 1k keys is the other's less 3%, S44N). A short tile of fewer query
+// rows (16-bit, no scale blocks) also needs few queries: it was measured on square shapes only (perf-notes, S38).
 template <class Config>
 bool use_short_keys(FwdParams const& p) {
   using Tile = typename FwdConfig<Config>::BaseTile;
@@ -121,6 +122,7 @@ bool use_short_keys(FwdParams const& p) {
     return scale_block_fits(p.k_scale_block, p.k_scale_block_stride, block_n, p.seqlen_k) &&
            scale_block_fits(p.v_scale_block, p.v_scale_block_stride, block_n, p.seqlen_k);
   };
+  if (Tile::kShortKeysBlockM > 0 && p.seqlen_q > Tile::kShortKeysMax) return false;
   return fits(Tile::kShortKeysBlockN) && (p.seqlen_k <= Tile::kShortKeysMax || !fits(Tile::kBlockN));
 }
 

@@ -83,8 +83,8 @@ struct FwdTileSize<64, kDType> : FwdTileDefaults {
 template <DType kDType>
 struct FwdTileSize<96, kDType> : FwdTileDefaults {
   static constexpr int kBlockM = 192, kBlockN = 96, kStages = 2, kQStages = 2;
-  // Up to 1024 keys, 128 x 128 on two consumer warpgroups: +8-10% at 512 tokens (three 192-row tiles cover 576
-  // rows), causal +8% at 1k; from 2k it is 5-11% slower (perf-notes, session 38: m128).
+  // Up to 1024 queries and keys, 128 x 128 on two consumer warpgroups: +8-10% at 512 tokens (three 192-row tiles
+  // cover 576 rows), causal +8% at 1k; from 2k it is 5-11% slower (perf-notes, session 38: m128).
   static constexpr int kShortKeysBlockM = 128, kShortKeysBlockN = 128, kShortKeysMax = 1024;
 };
 

@@ -120,6 +120,11 @@ def _ours(backend: str | None, mode: str, q: torch.Tensor, k: torch.Tensor, v: t
         return lambda: flashhopper.flash_attn_func(q_, k_, v_, causal=causal, deterministic=deterministic, backend=name)
 
     meta = {"backend": name, "block_m": entry.block_m, "block_n": entry.block_n}
+    if (mode == "fwd" and name == "sm90" and entry.short_keys_max > 0 and k.shape[1] <= entry.short_keys_max
+            and q.shape[1] <= entry.short_keys_max):
+        # The 16-bit short tile runs (cpp/sm90/launch_fwd.h: use_short_keys); the table entry does not carry its
+        # rows, so no IO model for this call rather than the long tile's.
+        meta.update(block_m=None, block_n=None)
     return Prepared(timeable(mode, make, q, k, v), meta)
 
 

@@ -2,7 +2,7 @@
 // the epilogue and the persistent tile scheduler into one warp-specialized, persistent CTA.
 //   warpgroup 0      producer: lowers its registers (setmaxnreg) and one thread issues all TMA; with an e4m3 KV
 //                    cache its warps 1-3 transpose the e4m3 V stages into V^T ones (Mainloop::convert), or where
-//                    blocks are gathered warp 0 gathers K, warp 1 V (Mainloop::gather_v), warps 2-3 transpose
+//                    blocks are gathered warp 2 loads and gathers K, warp 3 V (Mainloop::gather_v), warps 0-1 transpose
 //   warpgroups 1..W  consumers: raise their registers; each owns 64 query rows of the tile
 // One-consumer mode (KV caches whose tiles hold at most 64 rows, Mainloop::Params::one_consumer): warpgroup 1
 // leaves the K/V stages to warpgroup 0 (half the GEMM work of a decode step's tile, whose rows beyond 64 are
@@ -136,8 +136,15 @@ struct FwdKernel {
     using PipelineQ = typename Mainloop::PipelineQ;
     SharedStorage& ss = *reinterpret_cast<SharedStorage*>(smem);
     int const warp_group_idx = cutlass::canonical_warp_group_idx();
-    int const warp_idx_in_wg = cutlass::canonical_warp_idx_sync() % cutlass::NumWarpsPerWarpGroup;
+    // Producer roles by warp: 0 loads (Q, tiles; K where blocks are gathered), 1 gathers V (gathered blocks), the rest
+    // convert (e4m3 caches). Gathered blocks rotate the roles by two warps, so that the gathering warps' cp.async
+    // stream runs on SM sub-partitions 2-3 (warp index mod 4), not on 0, where a decode step's one live consumer warp
+    // (warp 0 of warpgroup 1) issues its softmax and shared-memory loads.
+    constexpr int kRoleShift = Mainloop::kGatherKV ? 2 : 0;
+    int const warp_idx_in_wg = (cutlass::canonical_warp_idx_sync() + kRoleShift) % cutlass::NumWarpsPerWarpGroup;
     int const thread_idx = threadIdx.x % cutlass::NumThreadsPerWarpGroup;
+    // A producer thread's index in its role's order (thread_idx where the roles are not rotated).
+    int const role_thread = warp_idx_in_wg * cutlass::NumThreadsPerWarp + thread_idx % cutlass::NumThreadsPerWarp;
     bool const is_producer = warp_group_idx == 0;
     bool const lane_predicate = cute::elect_one_sync();
 
@@ -149,7 +156,7 @@ struct FwdKernel {
     // Barriers are initialized by warp 0 inside the pipeline constructors.
     // K/V stages: TMA -> consumers; with an e4m3 cache TMA -> converter warps (PipelineCache) -> consumers.
     using PipelineCache = typename Mainloop::PipelineCache;
-    // Gathered e4m3 blocks: warp 1 gathers V (Mainloop::gather_v), warps 2-3 convert.
+    // Gathered e4m3 blocks: role 1 gathers V (Mainloop::gather_v), roles 2-3 convert.
     constexpr int kFirstConverter = Mainloop::kGatherKV ? 2 : 1;
     bool const is_v_gatherer = Mainloop::kGatherKV && is_producer && warp_idx_in_wg == 1;
     bool const is_converter = Mainloop::kFp8Cache && is_producer && warp_idx_in_wg >= kFirstConverter;
@@ -169,7 +176,7 @@ struct FwdKernel {
         k_params.role = !is_producer                ? PipelineCache::ThreadCategory::Consumer
                         : warp_idx_in_wg == 0 ? PipelineCache::ThreadCategory::Producer
                                               : PipelineCache::ThreadCategory::NonParticipant;
-        k_params.is_leader = !kGather && is_producer && thread_idx == 0;
+        k_params.is_leader = !kGather && is_producer && role_thread == 0;
         k_params.num_consumers = num_kv_consumers;
         PipelineCache k8(ss.barriers.pipeline_k8, k_params, Shape<_1, _1, _1>{});
         typename PipelineCache::Params c_params;
@@ -212,7 +219,7 @@ struct FwdKernel {
     typename PipelineQ::Params q_params;
     q_params.transaction_bytes = Mainloop::kQStageBytes;
     q_params.role = is_producer ? PipelineQ::ThreadCategory::Producer : PipelineQ::ThreadCategory::Consumer;
-    q_params.is_leader = is_producer && thread_idx == 0;
+    q_params.is_leader = is_producer && role_thread == 0;  // the loading warp's lane 0
     q_params.num_consumers = kNumMmaWG;  // one release per warpgroup (epilogue)
     PipelineQ pipeline_q(ss.barriers.pipeline_q, q_params, Shape<_1, _1, _1>{});
 
@@ -331,7 +338,7 @@ struct FwdKernel {
           if (t.has_rows && t.has_keys) {
             Mainloop::convert(params.mainloop, pipeline_load_v, pipeline_v, read_v8, write_v, ss.tensors, t.seq,
                               t.block_info, t.tile.m_block, t.tile.head, t.tile.batch,
-                              thread_idx - kFirstConverter * cutlass::NumThreadsPerWarp, num_convert);
+                              role_thread - kFirstConverter * cutlass::NumThreadsPerWarp, num_convert);
           }
         }
         }

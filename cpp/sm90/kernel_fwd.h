@@ -143,8 +143,10 @@ struct FwdKernel {
     constexpr int kRoleShift = Mainloop::kGatherKV ? 2 : 0;
     int const warp_idx_in_wg = (cutlass::canonical_warp_idx_sync() + kRoleShift) % cutlass::NumWarpsPerWarpGroup;
     int const thread_idx = threadIdx.x % cutlass::NumThreadsPerWarpGroup;
-    // A producer thread's index in its role's order (thread_idx where the roles are not rotated).
-    int const role_thread = warp_idx_in_wg * cutlass::NumThreadsPerWarp + thread_idx % cutlass::NumThreadsPerWarp;
+    // A producer thread's index in its role's order (thread_idx itself where the roles are not rotated, so that
+    // those kernels' code stays as it was).
+    int const role_thread =
+        kRoleShift == 0 ? thread_idx : warp_idx_in_wg * cutlass::NumThreadsPerWarp + thread_idx % cutlass::NumThreadsPerWarp;
     bool const is_producer = warp_group_idx == 0;
     bool const lane_predicate = cute::elect_one_sync();
 

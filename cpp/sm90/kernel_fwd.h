@@ -169,7 +169,7 @@ struct FwdKernel {
     auto make_kv_pipelines = [&] {
       if constexpr (Mainloop::kFp8Cache) {
         // K: TMA -> the consumers' S GEMMs. V: TMA -> converters -> the consumers' V^T e4m3 stages. Each block with its
-        // scales. Gathered blocks (Mainloop::kGatherKV): each of the 32 lanes of the gathering warp (K: warp 0, V: warp
+        // scales. Gathered blocks (Mainloop::kGatherKV): each of the 32 lanes of the gathering warp (K: role 0, V: role
         // 1) arrives once its copies land (cp.async.mbarrier.arrive.noinc), and no thread expects TMA bytes.
         constexpr bool kGather = Mainloop::kGatherKV;
         typename PipelineCache::Params k_params;

@@ -23,7 +23,7 @@
 //
 // e4m3 KV cache read by 16-bit queries (ElementKV = e4m3, KV caches only): each K/V block comes into e4m3 stages
 // with its per-token scales, by TMA where blocks lie inside pages, else gathered row by row by the lanes of two
-// producer warps (cp.async; kv_blocks.h; K by warp 0, V by warp 1). The S GEMMs read K's stages as loaded, e4m3 x
+// producer warps (cp.async; kv_blocks.h; K by the loading role, V by role 1: kernel_fwd.h's roles). The S GEMMs read K's stages as loaded, e4m3 x
 // e4m3, with q as two e4m3 terms per element (prepare_q8) and K's scales and q's row scales on S. The producer
 // warpgroup's converter warps (convert(); with warpgroup 1 in one-consumer mode) transpose V's stages into V^T e4m3
 // stages laid out as FP8's (keys permuted within groups of 16), a PipelineAsync to the PV GEMMs, e4m3 x e4m3 with P in
@@ -99,8 +99,8 @@ struct FwdMainloop {
   using TmaLoadKV = std::conditional_t<kClusterM == 1, SM90_TMA_LOAD, SM90_TMA_LOAD_MULTICAST>;
   static constexpr uint16_t kMcastMask = uint16_t((1u << kClusterM) - 1u);
   static constexpr int kCacheStages = cache_stages<Tile>();  // e4m3 cache stages (kFp8Cache)
-  // Producer warpgroup: warp 0 loads; warps 1-3 convert, or where blocks are gathered (kGatherKV, below) warp 1
-  // gathers V and warps 2-3 convert.
+  // Producer warpgroup, by role (kernel_fwd.h: warps rotated by two where blocks are gathered): role 0 loads; roles
+  // 1-3 convert, or where blocks are gathered (kGatherKV, below) role 1 gathers V and roles 2-3 convert.
   static constexpr int kNumConvertThreads = (KVBlocks::kGather ? 2 : 3) * cutlass::NumThreadsPerWarp;
   static constexpr MaskKind kMask = kMask_;
   static constexpr int kNumMmaWG = kBlockM / 64;
@@ -193,8 +193,8 @@ struct FwdMainloop {
   using TMA_Q = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutQ{}), Shape<_64, D>{}, _1{}));
   // Paged K/V (kv_blocks.h): boxes of 16 keys x one swizzle-atom panel of the stage, copied chunk by chunk.
   static constexpr bool kPaged = KVBlocks::kPaged;
-  // Blocks gathered by producer warps' lanes with cp.async (kv_blocks.h: the kChunked walk; K by warp 0 in load, V by
-  // warp 1 in gather_v: one warp for both measured 1.4-1.6x the time in pages of 16, docs/perf-notes.md G2W).
+  // Blocks gathered by producer warps' lanes with cp.async (kv_blocks.h: the kChunked walk; K by role 0 in load, V by
+  // role 1 in gather_v: one warp for both measured 1.4-1.6x the time in pages of 16, docs/perf-notes.md G2W).
   static constexpr bool kGatherKV = KVBlocks::kGather;
   static_assert(!kGatherKV || kFp8Cache, "gathered blocks: the e4m3 cache's chunk walk");
   // e4m3 caches: whole blocks by TMA (kWhole) or gathered (kChunked); the TMA chunk walk (kAny) brings no V scales.
@@ -514,7 +514,7 @@ struct FwdMainloop {
     if constexpr (kGatherKV) {
       // The producer warp's 32 lanes gather each K block with its scales (gather_block); Q stays a TMA copy (load_q,
       // lane 0).
-      // K here; V by warp 1 (gather_v), so that two warps' copies are in flight.
+      // K here; V by role 1 (gather_v), so that two warps' copies are in flight.
       issue([&](int n) { gather_block<false>(p, kv_blocks, pipeline_k, write_k, n, kv_head, ts); }, [&](int) {},
             cutlass::canonical_lane_idx() == 0);
     } else if constexpr (kPaged) {
@@ -592,8 +592,8 @@ struct FwdMainloop {
     }
   }
 
-  // Gathered blocks (kGatherKV): warp 1 of the producer warpgroup gathers the tile's V blocks with their scales, in
-  // the converters' order, as warp 0 does K's (load).
+  // Gathered blocks (kGatherKV): the producer warpgroup's role-1 warp gathers the tile's V blocks with their scales,
+  // in the converters' order, as the loading warp does K's (load).
   template <class PipelineKV>
   CUTE_DEVICE static void gather_v(Params const& p, PipelineKV& pipeline_v, typename PipelineKV::PipelineState& write_v,
                                    TensorStorage& ts, SeqlenInfo const& seq, BlockInfoT const& bi, int m_block,
@@ -627,7 +627,7 @@ struct FwdMainloop {
   }
 
   // ---------------------------------------------------------------------------------------------
-  // e4m3 cache converter: warps 1-3 of the producer warpgroup (2-3 where blocks are gathered; thread_idx 0.. among
+  // e4m3 cache converter: roles 1-3 of the producer warpgroup (2-3 where blocks are gathered; thread_idx 0.. among
   // them) take each e4m3 V stage in the producer's order and transpose it into a V^T e4m3 stage (the PV GEMM's
   // K-major B operand: the bytes as loaded, keys permuted within groups of 16 as FP8's V^T), with the rows' scales
   // as the stage's per-key factors, which the consumers apply to P before rounding it; keys at or past the entry's

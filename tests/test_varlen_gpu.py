@@ -270,14 +270,17 @@ def test_public_call() -> None:
 # --- backward ---
 
 # CTA pairs (cpp/sm90/tile_size.h: CtaPairs): the non-causal 16-bit forward at head dims 128 and 256 runs in two-CTA
-# clusters once the longest entry has PAIRS_FROM_KEYS keys, both CTAs of a cluster on one (entry, head) and neighbouring
-# query blocks (tile_scheduler.h: VarlenPairScheduler). An entry of an odd number of 128-row blocks gives its last
-# pair's second CTA a block past its rows, which loads and computes but must store nothing: odd and even block counts
-# (2100: 17, 4096: 32, 1: 1, 3000: 24, 129: 2, 300: 3), an empty entry, and an odd one last, whose past block lies in
-# the spare rows after the batch (poisoned, checked).
+# clusters once the longest entry has PAIRS_FROM_KEYS keys and either every entry has the longest's rows, an even
+# number of blocks, or the entries average PAIRS_MEAN_BLOCKS blocks (launch_fwd.h: use_cta_pairs), both CTAs of a
+# cluster on one (entry, head) and neighbouring query blocks (tile_scheduler.h: VarlenPairScheduler). An entry of an
+# odd number of 128-row blocks gives its last pair's second CTA a block past its rows, which loads and computes but
+# must store nothing: odd and even block counts (12000: 94, 1: 1, whose past block lies in the next entry's rows,
+# 20800: 163), an empty entry, and the odd one last, whose past block lies in the spare rows after the batch
+# (poisoned, checked). Averaging 64 blocks makes these batches long.
 PAIRS_FROM_KEYS = 2048
 PAIR_BLOCK_M = 128
-PAIR_LENGTHS = [2100, 4096, 1, 0, 3000, 129, 300]
+PAIRS_MEAN_BLOCKS = 64
+PAIR_LENGTHS = [12000, 1, 0, 20800]
 PAIR_PAD = 300
 
 
@@ -300,11 +303,12 @@ def test_cta_pairs_match_reference(d: int, dtype: torch.dtype, hkv: int) -> None
 
 @pytest.mark.parametrize("d", [128, 256])
 def test_cta_pairs_small(d: int) -> None:
-    """The smallest batch that runs in pairs (for the sanitizers): odd block counts (2049: 17, 1, 300: 3), an empty
-    entry, GQA; then the same batch run again gives the same bits (a static schedule)."""
+    """A small batch that runs in pairs (for the sanitizers): equal entries of an even block count (2304: 18), GQA;
+    then the same batch run again gives the same bits (a static schedule). (Odd entries run in pairs only in batches
+    averaging 64 blocks: the tests above.)"""
     require_backend(BACKEND, torch.bfloat16, d, False, varlen=True)
     torch.manual_seed(11)
-    lengths = [2049, 1, 0, 300]
+    lengths = [2304, 2304]
     q, k, v, cq, ck = packed(lengths, lengths, 2, 1, d, torch.bfloat16, pad=200)
     out, lse, grid = launch_poisoned(q, k, v, cq, ck, False)
     assert grid == pair_grid(sum(lengths), len(lengths), 2)
@@ -316,14 +320,16 @@ def test_cta_pairs_small(d: int) -> None:
 
 @pytest.mark.parametrize("d", [128, 256])
 def test_cta_pairs_engage(d: int) -> None:
-    """Pairs from PAIRS_FROM_KEYS keys in the longest entry, one CTA a tile below (told apart by the grid: a pair per
-    unit of two blocks against a CTA per block), both matching the reference."""
+    """Pairs from PAIRS_FROM_KEYS keys in the longest entry where its block count is even and every entry has its rows;
+    one CTA a tile below, at an odd count, or for unequal entries averaging few blocks (told apart by the grid: a pair
+    per unit of two blocks against a CTA per block), all matching the reference."""
     require_backend(BACKEND, torch.bfloat16, d, False, varlen=True)
     heads = NHEADS_Q
     if torch.cuda.get_device_properties(0).multi_processor_count < pair_grid(PAIRS_FROM_KEYS + 52, 1, heads):
         pytest.skip("fewer SMs than the grid this test tells the kernels apart by")
     torch.manual_seed(d)
-    for lengths, pairs in (([PAIRS_FROM_KEYS + 52], True), ([PAIRS_FROM_KEYS - 1, 5], False)):
+    for lengths, pairs in (([PAIRS_FROM_KEYS + 256], True), ([PAIRS_FROM_KEYS + 52], False),
+                           ([PAIRS_FROM_KEYS + 256, 640], False), ([PAIRS_FROM_KEYS - 1, 5], False)):
         q, k, v, cq, ck = packed(lengths, lengths, heads, 2, d, torch.bfloat16)
         out, lse, grid = launch_poisoned(q, k, v, cq, ck, False)
         one_cta = (-(-sum(lengths) // PAIR_BLOCK_M) + len(lengths)) * heads
@@ -332,13 +338,14 @@ def test_cta_pairs_engage(d: int) -> None:
 
 
 def test_cta_pairs_seqused() -> None:
-    """Slots longer than their entries: an odd entry's past block (2100 of 2400: block 17 of 18) lies in its slot's
-    unused rows, which must keep their poison; keys past seqused_k are NaN."""
+    """Slots longer than their entries (averaging 64 blocks of slot rows): an odd entry's past block (16500 of 20000:
+    block 129 of 157) lies in its slot's unused rows, which must keep their poison; keys past seqused_k are NaN."""
     require_backend(BACKEND, torch.bfloat16, 128, False, varlen=True)
     torch.manual_seed(5)
-    slots = [2400, 4096, 520, 300]
+    slots = [20000, 12000, 520, 300]
+    assert sum(slots) >= len(slots) * PAIRS_MEAN_BLOCKS * PAIR_BLOCK_M
     q, k, v, cq, ck = packed(slots, slots, NHEADS_Q, 2, 128, torch.bfloat16)
-    used = torch.tensor([2100, 4000, 300, 0], dtype=torch.int32, device="cuda")
+    used = torch.tensor([16500, 11900, 300, 0], dtype=torch.int32, device="cuda")
     for x in (k, v):
         for b, (s, n) in enumerate(zip(ck.tolist(), used.tolist())):
             x[s + n:ck[b + 1]] = float("nan")
@@ -352,7 +359,7 @@ def test_cta_pairs_no_leak(d: int) -> None:
     whose past blocks reach into the next entry's rows) leave every other entry's out and lse bitwise the same."""
     require_backend(BACKEND, torch.bfloat16, d, False, varlen=True)
     torch.manual_seed(d + 1)
-    lengths = [2100, 300, 2049, 1, 640]
+    lengths = [16500, 300, 20600, 1, 4000]  # averaging 64 blocks; 129, 3, 161, 1 and 32 blocks
     q, k, v, cq, ck = packed(lengths, lengths, NHEADS_Q, 2, d, torch.bfloat16)
     out0, lse0 = run_poisoned(q, k, v, cq, ck, False)
     check_sequences(out0, lse0, q, k, v, cq, ck, False)

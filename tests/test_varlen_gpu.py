@@ -284,6 +284,26 @@ PAIR_LENGTHS = [12000, 1, 0, 20800]
 PAIR_PAD = 300
 
 
+@pytest.fixture
+def odd_sms(monkeypatch):
+    """The launches see an odd SM count (131): the one-CTA kernel's persistent grid of a large batch is then odd and
+    the pair kernel's always even, which tells them apart where both would fill the device."""
+    from flashhopper import _launch
+
+    fill = _launch.fill_device
+
+    def fill_odd(p, x):
+        fill(p, x)
+        if hasattr(p, "num_sms"):
+            p.num_sms = 131
+
+    monkeypatch.setattr(_launch, "fill_device", fill_odd)
+
+
+def assert_paired(grid: int) -> None:
+    assert grid % 2 == 0 and grid <= 130, f"grid {grid}: the one-CTA kernel ran, not the pairs"
+
+
 def pair_grid(total_q: int, batch: int, heads: int) -> int:
     """The pair kernel's grid where the device holds that many clusters: two CTAs per unit of the host's bound
     (launch_fwd.h: an entry wastes at most one partial unit of two query blocks)."""
@@ -293,11 +313,12 @@ def pair_grid(total_q: int, batch: int, heads: int) -> int:
 @pytest.mark.parametrize("hkv", [NHEADS_Q, 1], ids=["mha", "gqa4"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 @pytest.mark.parametrize("d", [128, 256])
-def test_cta_pairs_match_reference(d: int, dtype: torch.dtype, hkv: int) -> None:
+def test_cta_pairs_match_reference(d: int, dtype: torch.dtype, hkv: int, odd_sms) -> None:
     require_backend(BACKEND, dtype, d, False, varlen=True)
     torch.manual_seed(d + hkv)
     q, k, v, cq, ck = packed(PAIR_LENGTHS, PAIR_LENGTHS, NHEADS_Q, hkv, d, dtype, pad=PAIR_PAD)
-    out, lse = run_poisoned(q, k, v, cq, ck, False)
+    out, lse, grid = launch_poisoned(q, k, v, cq, ck, False)
+    assert_paired(grid)
     check_sequences(out, lse, q, k, v, cq, ck, False)
 
 
@@ -309,13 +330,26 @@ def test_cta_pairs_small(d: int) -> None:
     require_backend(BACKEND, torch.bfloat16, d, False, varlen=True)
     torch.manual_seed(11)
     lengths = [2304, 2304]
-    q, k, v, cq, ck = packed(lengths, lengths, 2, 1, d, torch.bfloat16, pad=200)
+    q, k, v, cq, ck = packed(lengths, lengths, 2, 1, d, torch.bfloat16)  # no spare rows: they turn equal rows off
     out, lse, grid = launch_poisoned(q, k, v, cq, ck, False)
-    assert grid == pair_grid(sum(lengths), len(lengths), 2)
+    assert grid == pair_grid(q.shape[0], len(lengths), 2)
     check_sequences(out, lse, q, k, v, cq, ck, False)
     out2, lse2, _ = launch_poisoned(q, k, v, cq, ck, False)
     assert torch.equal(out.view(torch.int16), out2.view(torch.int16))
     assert torch.equal(lse.view(torch.int32), lse2.view(torch.int32))
+
+
+@pytest.mark.parametrize("d", [128, 256])
+def test_cta_pairs_small_odd(d: int) -> None:
+    """The smallest odd entry that runs in pairs (for the sanitizers): 8320 rows, 65 blocks (64 on average), one head,
+    whose last pair's past block lies in the poisoned spare rows after it (told from one CTA by the grid: 70 / 68)."""
+    require_backend(BACKEND, torch.bfloat16, d, False, varlen=True)
+    torch.manual_seed(13)
+    lengths = [PAIRS_MEAN_BLOCKS * PAIR_BLOCK_M + PAIR_BLOCK_M]
+    q, k, v, cq, ck = packed(lengths, lengths, 1, 1, d, torch.bfloat16, pad=200)
+    out, lse, grid = launch_poisoned(q, k, v, cq, ck, False)
+    assert grid == pair_grid(q.shape[0], len(lengths), 1)
+    check_sequences(out, lse, q, k, v, cq, ck, False)
 
 
 @pytest.mark.parametrize("d", [128, 256])
@@ -325,7 +359,7 @@ def test_cta_pairs_engage(d: int) -> None:
     per unit of two blocks against a CTA per block), all matching the reference."""
     require_backend(BACKEND, torch.bfloat16, d, False, varlen=True)
     heads = NHEADS_Q
-    if torch.cuda.get_device_properties(0).multi_processor_count < pair_grid(PAIRS_FROM_KEYS + 52, 1, heads):
+    if torch.cuda.get_device_properties(0).multi_processor_count < 100:  # the largest grid below, one CTA's
         pytest.skip("fewer SMs than the grid this test tells the kernels apart by")
     torch.manual_seed(d)
     for lengths, pairs in (([PAIRS_FROM_KEYS + 256], True), ([PAIRS_FROM_KEYS + 52], False),
@@ -337,31 +371,33 @@ def test_cta_pairs_engage(d: int) -> None:
         check_sequences(out, lse, q, k, v, cq, ck, False)
 
 
-def test_cta_pairs_seqused() -> None:
+def test_cta_pairs_seqused(odd_sms) -> None:
     """Slots longer than their entries (averaging 64 blocks of slot rows): an odd entry's past block (16500 of 20000:
     block 129 of 157) lies in its slot's unused rows, which must keep their poison; keys past seqused_k are NaN."""
     require_backend(BACKEND, torch.bfloat16, 128, False, varlen=True)
     torch.manual_seed(5)
-    slots = [20000, 12000, 520, 300]
+    slots = [20000, 13000, 520, 300]
     assert sum(slots) >= len(slots) * PAIRS_MEAN_BLOCKS * PAIR_BLOCK_M
     q, k, v, cq, ck = packed(slots, slots, NHEADS_Q, 2, 128, torch.bfloat16)
     used = torch.tensor([16500, 11900, 300, 0], dtype=torch.int32, device="cuda")
     for x in (k, v):
         for b, (s, n) in enumerate(zip(ck.tolist(), used.tolist())):
             x[s + n:ck[b + 1]] = float("nan")
-    out, lse = run_poisoned(q, k, v, cq, ck, False, used, used)
+    out, lse, grid = launch_poisoned(q, k, v, cq, ck, False, used, used)
+    assert_paired(grid)
     check_sequences(out, lse, q, k, v, cq, ck, False, used, used)
 
 
 @pytest.mark.parametrize("d", [128, 256])
-def test_cta_pairs_no_leak(d: int) -> None:
+def test_cta_pairs_no_leak(d: int, odd_sms) -> None:
     """As test_no_leak_between_sequences, in pairs: new tokens, NaN or inf in one entry (odd block counts among them,
     whose past blocks reach into the next entry's rows) leave every other entry's out and lse bitwise the same."""
     require_backend(BACKEND, torch.bfloat16, d, False, varlen=True)
     torch.manual_seed(d + 1)
     lengths = [16500, 300, 20600, 1, 4000]  # averaging 64 blocks; 129, 3, 161, 1 and 32 blocks
     q, k, v, cq, ck = packed(lengths, lengths, NHEADS_Q, 2, d, torch.bfloat16)
-    out0, lse0 = run_poisoned(q, k, v, cq, ck, False)
+    out0, lse0, grid = launch_poisoned(q, k, v, cq, ck, False)
+    assert_paired(grid)
     check_sequences(out0, lse0, q, k, v, cq, ck, False)
     starts = cq.tolist()
     for victim, fill in ((1, None), (1, float("nan")), (0, float("inf")), (3, float("nan")), (2, None)):

@@ -96,8 +96,9 @@ constexpr bool has_cta_pairs() {
 // Pairs pay a cluster launch and, where a head has an odd number of query tiles, one tile more: taken for rows of
 // at least kPairsFromKeys keys, and for odd tile counts only where the extra tile costs under 2% (64 tiles).
 // Packed batches: seqlen_q / seqlen_k are the longest entry's; each entry of an odd tile count pays one tile (its
-// parity is known on the device only), so pairs where the entries are all of seqlen_q rows (batch x seqlen_q =
-// total_q, no seqused_q) and that count is even, or where even one tile per entry costs under 2% (64 tiles on average).
+// parity is known on the device only), so pairs where the entries all have seqlen_q queries and seqlen_k keys (the
+// tensors' rows, no seqused: spare rows turn this off) and the tile count is even, or where even one tile per entry
+// costs under 2% (64 tiles on average, over at most batch x seqlen_q rows: spare rows are no work).
 // (Pairs at 2341 equal rows, 19 tiles, ran 4% slower than one CTA; at 2k and 8k 3-5% faster: perf-notes, S53VP.)
 template <class Config>
 bool use_cta_pairs(FwdParams const& p) {
@@ -105,8 +106,11 @@ bool use_cta_pairs(FwdParams const& p) {
   int const m_blocks = ceil_div(p.seqlen_q, Tile::kBlockM);
   if (p.seqlen_k < Tile::kPairsFromKeys) return false;
   if constexpr (Config::kVarlen) {
-    bool const equal_rows = p.seqused_q == nullptr && int64_t(p.batch) * p.seqlen_q == p.total_q;
-    return (equal_rows && m_blocks % 2 == 0) || int64_t(p.total_q) >= int64_t(p.batch) * 64 * Tile::kBlockM;
+    int64_t const batch = p.batch;
+    bool const equal = p.seqused_q == nullptr && p.seqused_k == nullptr && batch * p.seqlen_q == p.total_q &&
+                       batch * p.seqlen_k == p.total_k;
+    int64_t const rows = std::min<int64_t>(p.total_q, batch * p.seqlen_q);
+    return (equal && m_blocks % 2 == 0) || rows >= batch * 64 * Tile::kBlockM;
   }
   return m_blocks % 2 == 0 || m_blocks >= 64;
 }

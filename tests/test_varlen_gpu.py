@@ -412,6 +412,46 @@ def test_cta_pairs_no_leak(d: int, odd_sms) -> None:
         assert torch.equal(lse[:, keep], lse0[:, keep]), f"entry {victim} changed ({fill}): another's lse changed"
 
 
+@pytest.mark.parametrize(("d", "batch"), [(128, 129), (256, 57)])
+def test_cta_pairs_many_entries(d: int, batch: int, odd_sms) -> None:
+    """More entries than the producer's shared-memory copy of the schedule holds (128 at head dim 128, ~56 at 256):
+    the pairs decode units from global memory."""
+    require_backend(BACKEND, torch.bfloat16, d, False, varlen=True)
+    torch.manual_seed(batch)
+    lengths = [PAIRS_FROM_KEYS] * batch
+    q, k, v, cq, ck = packed(lengths, lengths, 2, 1, d, torch.bfloat16)
+    out, lse, grid = launch_poisoned(q, k, v, cq, ck, False)
+    assert_paired(grid)
+    check_sequences(out, lse, q, k, v, cq, ck, False)
+
+
+def test_cta_pairs_graph_replay_with_new_lengths() -> None:
+    """Captured in pairs (equal entries of an even block count), replayed with other cu_seqlens values, odd entries
+    among them: equal to eager (the same kernel, a static order) and to the reference."""
+    require_backend(BACKEND, torch.bfloat16, 128, False, varlen=True)
+    torch.manual_seed(19)
+    top, batch = PAIRS_FROM_KEYS, 2
+    q = torch.randn(top * batch, NHEADS_Q, 128, dtype=torch.bfloat16, device="cuda")
+    k, v = torch.randn_like(q), torch.randn_like(q)
+    cq = cu([top] * batch)
+    flash_attn_varlen_func(q, k, v, cq, cq, top, top)  # warm up outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out, lse = flash_attn_varlen_func(q, k, v, cq, cq, top, top, return_lse=True)
+    for lengths in ([top - 1, 1], [1000, 3], [0, top], [top, top]):
+        cq.copy_(cu(lengths))
+        g.replay()
+        eager = flash_attn_varlen_func(q, k, v, cq, cq, top, top)
+        n = sum(lengths)
+        assert torch.equal(out[:n], eager[:n]), f"graph replay differs from eager for lengths {lengths}"
+        starts = cq.tolist()
+        for b, m in enumerate(lengths):
+            if m:
+                s = starts[b]
+                assert_matches_reference(out[None, s:s + m], lse[None, :, s:s + m], q[None, s:s + m],
+                                         k[None, s:s + m], v[None, s:s + m], None, False)
+
+
 @pytest.mark.parametrize("seqlen", [2048, 4096])
 def test_cta_pairs_equal_lengths_match_dense(seqlen: int) -> None:
     """Equal lengths of an even number of blocks: both kernels in pairs, the same tiles, so the same numbers."""

@@ -56,15 +56,22 @@ def packed(lq: list[int], lk: list[int], hq: int, hkv: int, d: int, dtype: torch
     return q, k, v, cu(lq), cu(lk)
 
 
-def run_poisoned(q, k, v, cq, ck, causal, seqused_q=None, seqused_k=None, window=None, softcap=0.0, sinks=None,
-                 backend=BACKEND):
+def launch_poisoned(q, k, v, cq, ck, causal, seqused_q=None, seqused_k=None, window=None, softcap=0.0, sinks=None,
+                    backend=BACKEND):
+    """out and lse (NaN before the launch) and the forward's grid (CTAs)."""
     out = torch.full((q.shape[0], q.shape[1], v.shape[2]), float("nan"), dtype=q.dtype, device="cuda")
     lse = torch.full((q.shape[1], q.shape[0]), float("nan"), dtype=torch.float32, device="cuda")
     lq = (cq[1:] - cq[:-1]) if seqused_q is None else seqused_q
     lk = (ck[1:] - ck[:-1]) if seqused_k is None else seqused_k
-    _launch_varlen_fwd(q, k, v, cq, ck, seqused_q, seqused_k, int(lq.max()) if lq.numel() else 0,
-                       int(lk.max()) if lk.numel() else 0, out, lse, q.shape[-1] ** -0.5, causal, window, softcap,
-                       sinks, ARCH[backend])
+    grid = _launch_varlen_fwd(q, k, v, cq, ck, seqused_q, seqused_k, int(lq.max()) if lq.numel() else 0,
+                              int(lk.max()) if lk.numel() else 0, out, lse, q.shape[-1] ** -0.5, causal, window,
+                              softcap, sinks, ARCH[backend])
+    return out, lse, grid
+
+
+def run_poisoned(q, k, v, cq, ck, causal, seqused_q=None, seqused_k=None, window=None, softcap=0.0, sinks=None,
+                 backend=BACKEND):
+    out, lse, _ = launch_poisoned(q, k, v, cq, ck, causal, seqused_q, seqused_k, window, softcap, sinks, backend)
     return out, lse
 
 
@@ -261,6 +268,207 @@ def test_public_call() -> None:
 
 
 # --- backward ---
+
+# CTA pairs (cpp/sm90/tile_size.h: CtaPairs): the non-causal 16-bit forward at head dims 128 and 256 runs in two-CTA
+# clusters once the longest entry has PAIRS_FROM_KEYS keys and either every entry has the longest's rows, an even
+# number of blocks, or the entries average PAIRS_MEAN_BLOCKS blocks (launch_fwd.h: use_cta_pairs), both CTAs of a
+# cluster on one (entry, head) and neighbouring query blocks (tile_scheduler.h: VarlenPairScheduler). An entry of an
+# odd number of 128-row blocks gives its last pair's second CTA a block past its rows, which loads and computes but
+# must store nothing: odd and even block counts (12000: 94, 1: 1, whose past block lies in the next entry's rows,
+# 20800: 163), an empty entry, and the odd one last, whose past block lies in the spare rows after the batch
+# (poisoned, checked). Averaging 64 blocks makes these batches long.
+PAIRS_FROM_KEYS = 2048
+PAIR_BLOCK_M = 128
+PAIRS_MEAN_BLOCKS = 64
+PAIR_LENGTHS = [12000, 1, 0, 20800]
+PAIR_PAD = 300
+
+
+@pytest.fixture
+def odd_sms(monkeypatch):
+    """The launches see an odd SM count (131): the one-CTA kernel's persistent grid of a large batch is then odd and
+    the pair kernel's always even, which tells them apart where both would fill the device."""
+    from flashhopper import _launch
+
+    fill = _launch.fill_device
+
+    def fill_odd(p, x):
+        fill(p, x)
+        if hasattr(p, "num_sms"):
+            p.num_sms = 131
+
+    monkeypatch.setattr(_launch, "fill_device", fill_odd)
+
+
+def assert_paired(grid: int) -> None:
+    assert grid % 2 == 0 and grid <= 130, f"grid {grid}: the one-CTA kernel ran, not the pairs"
+
+
+def pair_grid(total_q: int, batch: int, heads: int) -> int:
+    """The pair kernel's grid where the device holds that many clusters: two CTAs per unit of the host's bound
+    (launch_fwd.h: an entry wastes at most one partial unit of two query blocks)."""
+    return 2 * (-(-total_q // (2 * PAIR_BLOCK_M)) + batch) * heads
+
+
+@pytest.mark.parametrize("hkv", [NHEADS_Q, 1], ids=["mha", "gqa4"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("d", [128, 256])
+def test_cta_pairs_match_reference(d: int, dtype: torch.dtype, hkv: int, odd_sms) -> None:
+    require_backend(BACKEND, dtype, d, False, varlen=True)
+    torch.manual_seed(d + hkv)
+    q, k, v, cq, ck = packed(PAIR_LENGTHS, PAIR_LENGTHS, NHEADS_Q, hkv, d, dtype, pad=PAIR_PAD)
+    out, lse, grid = launch_poisoned(q, k, v, cq, ck, False)
+    assert_paired(grid)
+    check_sequences(out, lse, q, k, v, cq, ck, False)
+
+
+@pytest.mark.parametrize("d", [128, 256])
+def test_cta_pairs_small(d: int) -> None:
+    """A small batch that runs in pairs (for the sanitizers): equal entries of an even block count (2304: 18), GQA;
+    then the same batch run again gives the same bits (a static schedule). (Odd entries run in pairs only in batches
+    averaging 64 blocks: the tests above.)"""
+    require_backend(BACKEND, torch.bfloat16, d, False, varlen=True)
+    torch.manual_seed(11)
+    lengths = [2304, 2304]
+    q, k, v, cq, ck = packed(lengths, lengths, 2, 1, d, torch.bfloat16)  # no spare rows: they turn equal rows off
+    out, lse, grid = launch_poisoned(q, k, v, cq, ck, False)
+    assert grid == pair_grid(q.shape[0], len(lengths), 2)
+    check_sequences(out, lse, q, k, v, cq, ck, False)
+    out2, lse2, _ = launch_poisoned(q, k, v, cq, ck, False)
+    assert torch.equal(out.view(torch.int16), out2.view(torch.int16))
+    assert torch.equal(lse.view(torch.int32), lse2.view(torch.int32))
+
+
+@pytest.mark.parametrize("d", [128, 256])
+def test_cta_pairs_small_odd(d: int) -> None:
+    """The smallest odd entry that runs in pairs (for the sanitizers): 8320 rows, 65 blocks (64 on average), one head,
+    whose last pair's past block lies in the poisoned spare rows after it (told from one CTA by the grid: 70 / 68)."""
+    require_backend(BACKEND, torch.bfloat16, d, False, varlen=True)
+    torch.manual_seed(13)
+    lengths = [PAIRS_MEAN_BLOCKS * PAIR_BLOCK_M + PAIR_BLOCK_M]
+    q, k, v, cq, ck = packed(lengths, lengths, 1, 1, d, torch.bfloat16, pad=200)
+    out, lse, grid = launch_poisoned(q, k, v, cq, ck, False)
+    assert grid == pair_grid(q.shape[0], len(lengths), 1)
+    check_sequences(out, lse, q, k, v, cq, ck, False)
+
+
+@pytest.mark.parametrize("d", [128, 256])
+def test_cta_pairs_engage(d: int) -> None:
+    """Pairs from PAIRS_FROM_KEYS keys in the longest entry where its block count is even and every entry has its rows;
+    one CTA a tile below, at an odd count, or for unequal entries averaging few blocks (told apart by the grid: a pair
+    per unit of two blocks against a CTA per block), all matching the reference."""
+    require_backend(BACKEND, torch.bfloat16, d, False, varlen=True)
+    heads = NHEADS_Q
+    if torch.cuda.get_device_properties(0).multi_processor_count < 100:  # the largest grid below, one CTA's
+        pytest.skip("fewer SMs than the grid this test tells the kernels apart by")
+    torch.manual_seed(d)
+    for lengths, pairs in (([PAIRS_FROM_KEYS + 256], True), ([PAIRS_FROM_KEYS + 52], False),
+                           ([PAIRS_FROM_KEYS + 256, 640], False), ([PAIRS_FROM_KEYS - 1, 5], False)):
+        q, k, v, cq, ck = packed(lengths, lengths, heads, 2, d, torch.bfloat16)
+        out, lse, grid = launch_poisoned(q, k, v, cq, ck, False)
+        one_cta = (-(-sum(lengths) // PAIR_BLOCK_M) + len(lengths)) * heads
+        assert grid == (pair_grid(sum(lengths), len(lengths), heads) if pairs else one_cta), (lengths, grid)
+        check_sequences(out, lse, q, k, v, cq, ck, False)
+
+
+def test_cta_pairs_seqused(odd_sms) -> None:
+    """Slots longer than their entries (averaging 64 blocks of slot rows): an odd entry's past block (16500 of 20000:
+    block 129 of 157) lies in its slot's unused rows, which must keep their poison; keys past seqused_k are NaN."""
+    require_backend(BACKEND, torch.bfloat16, 128, False, varlen=True)
+    torch.manual_seed(5)
+    slots = [20000, 13000, 520, 300]
+    assert sum(slots) >= len(slots) * PAIRS_MEAN_BLOCKS * PAIR_BLOCK_M
+    q, k, v, cq, ck = packed(slots, slots, NHEADS_Q, 2, 128, torch.bfloat16)
+    used = torch.tensor([16500, 11900, 300, 0], dtype=torch.int32, device="cuda")
+    for x in (k, v):
+        for b, (s, n) in enumerate(zip(ck.tolist(), used.tolist())):
+            x[s + n:ck[b + 1]] = float("nan")
+    out, lse, grid = launch_poisoned(q, k, v, cq, ck, False, used, used)
+    assert_paired(grid)
+    check_sequences(out, lse, q, k, v, cq, ck, False, used, used)
+
+
+@pytest.mark.parametrize("d", [128, 256])
+def test_cta_pairs_no_leak(d: int, odd_sms) -> None:
+    """As test_no_leak_between_sequences, in pairs: new tokens, NaN or inf in one entry (odd block counts among them,
+    whose past blocks reach into the next entry's rows) leave every other entry's out and lse bitwise the same."""
+    require_backend(BACKEND, torch.bfloat16, d, False, varlen=True)
+    torch.manual_seed(d + 1)
+    lengths = [16500, 300, 20600, 1, 4000]  # averaging 64 blocks; 129, 3, 161, 1 and 32 blocks
+    q, k, v, cq, ck = packed(lengths, lengths, NHEADS_Q, 2, d, torch.bfloat16)
+    out0, lse0, grid = launch_poisoned(q, k, v, cq, ck, False)
+    assert_paired(grid)
+    check_sequences(out0, lse0, q, k, v, cq, ck, False)
+    starts = cq.tolist()
+    for victim, fill in ((1, None), (1, float("nan")), (0, float("inf")), (3, float("nan")), (2, None)):
+        rows = slice(starts[victim], starts[victim + 1])
+        q2, k2, v2 = q.clone(), k.clone(), v.clone()
+        for x in (q2, k2, v2):
+            x[rows] = torch.randn_like(x[rows]) if fill is None else fill
+        out, lse = run_poisoned(q2, k2, v2, cq, ck, False)
+        keep = torch.ones(q.shape[0], dtype=torch.bool, device="cuda")
+        keep[rows] = False
+        assert torch.equal(out[keep], out0[keep]), f"entry {victim} changed ({fill}): another's out changed"
+        assert torch.equal(lse[:, keep], lse0[:, keep]), f"entry {victim} changed ({fill}): another's lse changed"
+
+
+@pytest.mark.parametrize(("d", "batch"), [(128, 129), (256, 57)])
+def test_cta_pairs_many_entries(d: int, batch: int, odd_sms) -> None:
+    """More entries than the producer's shared-memory copy of the schedule holds (128 at head dim 128, ~56 at 256):
+    the pairs decode units from global memory."""
+    require_backend(BACKEND, torch.bfloat16, d, False, varlen=True)
+    torch.manual_seed(batch)
+    lengths = [PAIRS_FROM_KEYS] * batch
+    q, k, v, cq, ck = packed(lengths, lengths, 2, 1, d, torch.bfloat16)
+    out, lse, grid = launch_poisoned(q, k, v, cq, ck, False)
+    assert_paired(grid)
+    check_sequences(out, lse, q, k, v, cq, ck, False)
+
+
+def test_cta_pairs_graph_replay_with_new_lengths() -> None:
+    """Captured in pairs (equal entries of an even block count), replayed with other cu_seqlens values, odd entries
+    among them: equal to eager (the same kernel, a static order) and to the reference."""
+    require_backend(BACKEND, torch.bfloat16, 128, False, varlen=True)
+    torch.manual_seed(19)
+    top, batch = PAIRS_FROM_KEYS, 2
+    q = torch.randn(top * batch, NHEADS_Q, 128, dtype=torch.bfloat16, device="cuda")
+    k, v = torch.randn_like(q), torch.randn_like(q)
+    cq = cu([top] * batch)
+    flash_attn_varlen_func(q, k, v, cq, cq, top, top)  # warm up outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out, lse = flash_attn_varlen_func(q, k, v, cq, cq, top, top, return_lse=True)
+    for lengths in ([top - 1, 1], [1000, 3], [0, top], [top, top]):
+        cq.copy_(cu(lengths))
+        g.replay()
+        eager = flash_attn_varlen_func(q, k, v, cq, cq, top, top)
+        n = sum(lengths)
+        assert torch.equal(out[:n], eager[:n]), f"graph replay differs from eager for lengths {lengths}"
+        starts = cq.tolist()
+        for b, m in enumerate(lengths):
+            if m:
+                s = starts[b]
+                assert_matches_reference(out[None, s:s + m], lse[None, :, s:s + m], q[None, s:s + m],
+                                         k[None, s:s + m], v[None, s:s + m], None, False)
+
+
+@pytest.mark.parametrize("seqlen", [2048, 4096])
+def test_cta_pairs_equal_lengths_match_dense(seqlen: int) -> None:
+    """Equal lengths of an even number of blocks: both kernels in pairs, the same tiles, so the same numbers."""
+    require_backend(BACKEND, torch.bfloat16, 128, False, varlen=True)
+    require_backend(BACKEND, torch.bfloat16, 128, False)
+    torch.manual_seed(seqlen)
+    b, hq, hkv, d = 2, 8, 2, 128
+    q = torch.randn(b, seqlen, hq, d, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(b, seqlen, hkv, d, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn(b, seqlen, hkv, d, dtype=torch.bfloat16, device="cuda")
+    dense, dense_lse = flash_attn_func(q, k, v, return_lse=True, backend=BACKEND)
+    c = cu([seqlen] * b)
+    out, lse = flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), c, c, seqlen, seqlen,
+                                      return_lse=True, backend=BACKEND)
+    assert torch.equal(out.view(b, seqlen, hq, d), dense)
+    assert torch.equal(lse.view(hq, b, seqlen).transpose(0, 1), dense_lse)
+
 
 def run_bwd_poisoned(dout, q, k, v, out, lse, cq, ck, causal, dlse=None, seqused_q=None, seqused_k=None,
                      window=None, softcap=0.0, deterministic=False, backend=BACKEND):

@@ -105,9 +105,9 @@ struct FwdKernel {
   }
   CUTE_DEVICE static TileWork tile_work(Params const& params, WorkTile const& w, SeqlenInfo const& seq) {
     auto const bi = Mainloop::block_info(params.mainloop, seq, w.m_block, w.split);
-    // CTA pairs (kClusterM = 2): a head with an odd number of query tiles gives its last pair a tile past its rows,
-    // which loads and computes like the others (its partner needs its share of K/V) and stores nothing (the O map
-    // and the LSE store clip rows past seqlen_q).
+    // CTA pairs (kClusterM = 2): a head (packed: an entry's head) with an odd number of query tiles gives its last pair
+    // a tile past its rows, which loads and computes like the others (its partner needs its share of K/V) and stores
+    // nothing (the O map, packed the entry's own, and the LSE store clip rows past seqlen_q; Q loads as zeros).
     return {w, seq, bi, Mainloop::kClusterM > 1 || w.m_block * Mainloop::kBlockM < seq.seqlen_q,
             bi.n_block_max(w.m_block) > bi.n_block_min(w.m_block)};
   }

@@ -70,33 +70,49 @@ struct FwdConfig {
   using Epilogue = FwdEpilogue<ElementOut, Config::kHeadDimV, Mainloop::kNumMmaWG, typename Mainloop::SmemLayoutO,
                                Mainloop::kOSlotElems, typename Mainloop::TiledMmaPV, kFp8, typename Mainloop::Seqlens>;
   // Tiles whose cost varies (a mask with a right edge, packed entries of different lengths) are handed
-  // out heaviest first, dynamically.
+  // out heaviest first, dynamically; packed CTA pairs, which both run each unit, in a static order.
   // KV caches: a split's share of an entry's keys costs about the same as any other's (decode), so static.
   using Scheduler = std::conditional_t<
-      kVarlen, VarlenTileScheduler,
+      kVarlen, std::conditional_t<(Tile::kClusterM > 1), VarlenPairScheduler, VarlenTileScheduler>,
       std::conditional_t<kKVCache, SplitTileScheduler,
                          std::conditional_t<Config::kMask != MaskKind::kNone, DynamicTileScheduler, StaticTileScheduler>>>;
   using Kernel = FwdKernel<Mainloop, Epilogue, Scheduler>;
-  using Prepare = VarlenPrepare<Element, Tile::kBlockM, false, typename Mainloop::TMA_Q, typename Mainloop::TMA_K,
+  // (CTA pairs: the schedule's blocks are pairs of query blocks, VarlenPairScheduler's units.)
+  using Prepare = VarlenPrepare<Element, Tile::kBlockM * Tile::kClusterM, false, typename Mainloop::TMA_Q, typename Mainloop::TMA_K,
                                 typename Mainloop::TMA_V, typename Epilogue::TMA_O>;
 };
 
-// Configs with a CTA-pair kernel beside the one-CTA one: padded non-causal production kernels without a score mod or
-// dropout, where the tile names a key count (tile_size.h: kPairsFromKeys).
+// Configs with a CTA-pair kernel beside the one-CTA one: padded or packed 16-bit non-causal production kernels without
+// a score mod or dropout, where the tile names a key count (tile_size.h: kPairsFromKeys). (Packed e4m3, whose V^T
+// lies in per-entry blocks: not built.)
 template <class Config>
 constexpr bool has_cta_pairs() {
-  return FwdConfig<Config>::BaseTile::kPairsFromKeys > 0 && Config::kMask == MaskKind::kNone && !Config::kVarlen &&
+  return FwdConfig<Config>::BaseTile::kPairsFromKeys > 0 && Config::kMask == MaskKind::kNone &&
+         (!Config::kVarlen || Config::kDType != DType::kFloat8E4M3) &&
          !Config::kKVCache && Config::kScoreMod == ScoreModKind::kNone &&
          !Config::kDropout && std::is_same_v<typename Config::Variant, DefaultVariant>;
 }
 
 // Pairs pay a cluster launch and, where a head has an odd number of query tiles, one tile more: taken for rows of
 // at least kPairsFromKeys keys, and for odd tile counts only where the extra tile costs under 2% (64 tiles).
+// Packed batches: seqlen_q / seqlen_k are the longest entry's; each entry of an odd tile count pays one tile (its
+// parity is known on the device only), so pairs where the entries all have seqlen_q queries and seqlen_k keys (the
+// tensors' rows, no seqused: spare rows turn this off) and the tile count is even, or where even one tile per entry
+// costs under 2% (64 tiles on average, over at most batch x seqlen_q rows: spare rows are no work).
+// (Pairs at 2341 equal rows, 19 tiles, ran 4% slower than one CTA; at 2k and 8k 3-5% faster: perf-notes, S53VP.)
 template <class Config>
 bool use_cta_pairs(FwdParams const& p) {
   using Tile = typename FwdConfig<Config>::BaseTile;
   int const m_blocks = ceil_div(p.seqlen_q, Tile::kBlockM);
-  return p.seqlen_k >= Tile::kPairsFromKeys && (m_blocks % 2 == 0 || m_blocks >= 64);
+  if (p.seqlen_k < Tile::kPairsFromKeys) return false;
+  if constexpr (Config::kVarlen) {
+    int64_t const batch = p.batch;
+    bool const equal = p.seqused_q == nullptr && p.seqused_k == nullptr && batch * p.seqlen_q == p.total_q &&
+                       batch * p.seqlen_k == p.total_k;
+    int64_t const rows = std::min<int64_t>(p.total_q, batch * p.seqlen_q);
+    return (equal && m_blocks % 2 == 0) || rows >= batch * 64 * Tile::kBlockM;
+  }
+  return m_blocks % 2 == 0 || m_blocks >= 64;
 }
 
 // A K or V scale block that a tile of block_n keys reads: one scale per head (block stride 0), one block covering
@@ -155,8 +171,10 @@ int64_t run_fwd_sm90_blocks(FwdParams const& params, cudaStream_t stream) {
   constexpr bool kVarlen = C::kVarlen;
   int const num_m_blocks = ceil_div(params.seqlen_q, Tile::kBlockM);
   // Packed batches: the rows of the batch's entries share one row mode (batch coordinate 0), and the tile
-  // count is known on the device only: here an upper bound (an entry wastes at most one partial block).
-  int64_t const total_tiles = kVarlen ? (int64_t(ceil_div(params.total_q, Tile::kBlockM)) + params.batch) * params.nheads_q
+  // count is known on the device only: here an upper bound (an entry wastes at most one partial block; CTA pairs:
+  // units of two blocks).
+  int64_t const total_tiles = kVarlen ? (int64_t(ceil_div(params.total_q, Tile::kBlockM * Mainloop::kClusterM)) +
+                                         params.batch) * params.nheads_q
                                       : int64_t(num_m_blocks) * params.nheads_q * params.batch;
   if (total_tiles == 0 || (kVarlen && params.total_q == 0)) return 0;  // no query rows: nothing to launch
   if constexpr (kVarlen) {
@@ -349,8 +367,10 @@ int64_t run_fwd_sm90_blocks(FwdParams const& params, cudaStream_t stream) {
   dim3 grid(sm90::persistent_grid_size(kp.scheduler, num_sms));
   if constexpr (Mainloop::kClusterM > 1) {
     // CTA pairs on consecutive block indices take consecutive tiles of the static order: neighbouring query tiles of
-    // one head (each head's count rounded up to pairs, so the grid and the tile count are even).
-    static_assert(!kVarlen && !kKVCache && Scheduler::kNeighbourPairs, "CTA pairs walk the static padded order");
+    // one head (each head's count rounded up to pairs, so the grid and the tile count are even). Packed: both take
+    // each unit of VarlenPairScheduler (total_tiles counts units).
+    static_assert(!kKVCache && (kVarlen ? std::is_same_v<Scheduler, sm90::VarlenPairScheduler> : Scheduler::kNeighbourPairs),
+                  "CTA pairs walk the static padded order or the packed units");
     constexpr int kCluster = Mainloop::kClusterM;
     int clusters = 0;
     err = max_active_clusters_once(clusters, kernel, p.device, Kernel::kNumThreads, smem_bytes, kCluster);
@@ -359,8 +379,16 @@ int64_t run_fwd_sm90_blocks(FwdParams const& params, cudaStream_t stream) {
     }
     if (clusters <= 0) throw std::runtime_error("flashhopper: no CTA pair fits on this device");
     clusters = std::max(1, std::min(clusters, num_sms / kCluster));  // (a caller's num_sms bounds the grid too)
-    grid.x = unsigned(std::min<int64_t>(int64_t(clusters) * kCluster, kp.scheduler.total_tiles) / kCluster * kCluster);
+    int64_t const pairs = kVarlen ? kp.scheduler.total_tiles : kp.scheduler.total_tiles / kCluster;
+    grid.x = unsigned(std::min<int64_t>(clusters, pairs) * kCluster);
     LaunchWith launch(cluster_along_x(kCluster), grid, Kernel::kNumThreads, smem_bytes, stream);
+    // Packed: also launched while the prepare kernel runs (as the one-CTA kernel below); the CTAs wait for it after
+    // the pair's barrier setup.
+    cudaLaunchAttribute both[2] = {launch.attr, programmatic_launch()};
+    if constexpr (kVarlen) {
+      launch.config.attrs = both;
+      launch.config.numAttrs = 2;
+    }
     err = cudaLaunchKernelEx(&launch.config, kernel, kp);
     if (err != cudaSuccess) throw std::runtime_error(std::string("flashhopper: cluster forward launch: ") + cudaGetErrorString(err));
   } else if constexpr (kVarlen) {
@@ -383,8 +411,8 @@ int64_t run_fwd_sm90_blocks(FwdParams const& params, cudaStream_t stream) {
 // e4m3 caches: one kernel per block walk, so that each holds its own code only (kv_blocks.h). 16-bit caches under
 // the causal mask (chunked prefill, speculation): a second kernel for calls of one split, without the split-KV
 // bookkeeping that cost the consumers their uniform registers (5-9% of a prefill: docs/perf-notes.md, session 9).
-// Padded calls with short rows: the short-key tile (sm90::use_short_keys); padded non-causal calls with long rows:
-// CTA pairs (sm90::use_cta_pairs). The rest: one kernel.
+// Padded calls with short rows: the short-key tile (sm90::use_short_keys); non-causal calls with long rows (padded, or
+// packed 16-bit): CTA pairs (sm90::use_cta_pairs). The rest: one kernel.
 template <class Config>
 int64_t run_fwd_sm90(FwdParams const& params, cudaStream_t stream) {
   using sm90::PageBlocks, sm90::TileForm;

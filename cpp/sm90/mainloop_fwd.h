@@ -200,9 +200,10 @@ struct FwdMainloop {
   // e4m3 caches: whole blocks by TMA (kWhole) or gathered (kChunked); the TMA chunk walk (kAny) brings no V scales.
   static_assert(!kFp8Cache || KVBlocks::kBlocks != PageBlocks::kAny, "e4m3 caches: kWhole or kChunked kernels");
   static_assert(!kPaged || !kFp8, "paged K/V: 16-bit kernels");
-  static_assert(kClusterM == 1 || (kClusterM == 2 && !kPaged && !kFp8Cache && !Seqlens::kPacked &&
+  // (Packed pairs run one entry's unit: both CTAs load through the same entry's maps; 16-bit only.)
+  static_assert(kClusterM == 1 || (kClusterM == 2 && !kPaged && !kFp8Cache && (!Seqlens::kPacked || !kFp8) &&
                                    !BlockInfoT::kHasRight && !BlockInfoT::kHasLeft),
-                "CTA pairs share every K/V block: non-causal, padded, contiguous K/V only");
+                "CTA pairs share every K/V block: non-causal, contiguous K/V only");
   static_assert(!kFp8Cache || (kPaged && kHeadDimV == kHeadDim && kNumMmaWG == 2), "e4m3 caches: KV-cache kernels");
   static constexpr int kPanelK = size<1>(SmemAtomKLoad{}), kPanelV = size<1>(SmemAtomVLoad{});
   // The paged producer reads a block's page indices at once with 16 more registers; consumers at 232 registers

@@ -15,6 +15,7 @@
 // +3-5% causal at head dim 128, +9-12% at 256, +5-9% e4m3 from 8k (docs/perf-notes.md, session 14).
 #pragma once
 
+#include <cute/arch/cluster_sm90.hpp>
 #include <cute/config.hpp>
 
 #include "../common/seqlen.h"
@@ -278,6 +279,39 @@ struct VarlenTileScheduler {
     int const heads_here = min(per_section, p.num_heads - head0);  // the entry's last section may be short
     int const m_idx = r / heads_here;
     return {blocks - 1 - m_idx, head0 + (r - m_idx * heads_here), entry};
+  }
+};
+
+// Packed batches in CTA pairs (tile_size.h: CtaPairs; no mask): both CTAs of a cluster run the same unit, (entry,
+// head, two neighbouring query blocks), each its block 2 x pair + its rank, so that they read the same K/V. The
+// prepare kernel counts units: its blocks are pairs of query blocks (varlen_prepare.h at 2 kBlockM rows), sorted and
+// summed as VarlenTileScheduler's tiles, and decoded the same way. An entry of an odd number of query blocks gives
+// its last units' rank-1 CTAs a block past its rows (kernel_fwd.h: tile_work). Both CTAs walk the units without
+// talking to each other, so the order is static: round after round of one unit per cluster, the rounds alternating
+// direction (cluster c takes r C + c in even rounds r, r C + C - 1 - c in odd ones, C clusters): units come longest
+// entry first, so a cluster's longer units pair with shorter ones (plain striding gives cluster 0 the longest unit of
+// every round). Inside an entry units cost alike, and the clusters of a round still share few heads' K/V.
+struct VarlenPairScheduler : VarlenTileScheduler {
+  static constexpr bool kNeedsCounter = false;
+  static constexpr bool kTakeBeforeLastV = false;
+  CUTE_DEVICE static int initial(TileSchedulerParams const&) { return int(blockIdx.x) / 2; }
+  CUTE_DEVICE static int next(TileSchedulerParams const&, int unit, int /*total*/) {
+    int const clusters = int(gridDim.x) / 2, cluster = int(blockIdx.x) / 2;
+    int const round = unit / clusters + 1;
+    return round * clusters + (round % 2 == 0 ? cluster : clusters - 1 - cluster);
+  }
+  template <class Cache, class SeqlenOf>
+  CUTE_DEVICE static WorkTile decode(TileSchedulerParams const& p, Cache const& c, int unit, SeqlenOf const& seqlen_of,
+                                     SeqlenInfo& seq) {
+    return own_block(VarlenTileScheduler::decode(p, c, unit, seqlen_of, seq));
+  }
+  CUTE_DEVICE static WorkTile decode(TileSchedulerParams const& p, int unit) {
+    return own_block(VarlenTileScheduler::decode(p, unit));
+  }
+  // A unit's pair index (m_block) -> this CTA's query block.
+  CUTE_DEVICE static WorkTile own_block(WorkTile w) {
+    w.m_block = 2 * w.m_block + int(cute::block_rank_in_cluster());
+    return w;
   }
 };
 

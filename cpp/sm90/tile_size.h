@@ -82,7 +82,8 @@ struct FwdTileSize<64, kDType> : FwdTileDefaults {
 // A starting point (FA3 uses 192 x 144), measured in docs/perf-notes.md.
 template <DType kDType>
 struct FwdTileSize<96, kDType> : FwdTileDefaults {
-  static constexpr int kBlockM = 192, kBlockN = 96, kStages = 2, kQStages = 2;
+  // Ablation (session 54, #23): 112 keys a block, not 96 (fewer per-block softmax and barrier costs per key; 128 spilled).
+  static constexpr int kBlockM = 192, kBlockN = 112, kStages = 2, kQStages = 2;
   // Up to 1024 queries and keys, 128 x 128 on two consumer warpgroups: +8-10% at 512 tokens (three 192-row tiles
   // cover 576 rows), causal +8% at 1k; from 2k it is 5-11% slower (perf-notes, session 38: m128).
   static constexpr int kShortKeysBlockM = 128, kShortKeysBlockN = 128, kShortKeysMax = 1024;

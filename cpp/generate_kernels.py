@@ -108,6 +108,8 @@ def extended_wgmma_shapes(mode: str, key: kk.KernelKey) -> bool:
             return False
         if key.dtype == "float8_e4m3fn":  # head dim 64: 160 keys
             return key.headdim == 64
+        if key.headdim == 96:  # 112 keys without a mask (tile_size.h: NoMaskKeys)
+            return key.mask == "none"
         return key.headdim == key.headdim_v and key.headdim in (192, 256)  # 112 and 80 keys
     # Backward: head dim 96's dQ halves of 48 columns, 192's and 256's 48 and 40 keys per warpgroup (256 with dropout:
     # 32 keys).

@@ -111,7 +111,8 @@ def key(name: str) -> tuple[str, object]:
 
 @pytest.mark.parametrize("name", [
     "fwd_sm90_bf16_hdim64", "fwd_sm90_fp16_hdim128_causal", "fwd_sm90_bf16_hdim128_varlen",
-    "fwd_sm90_bf16_hdim128_causal_kvcache", "fwd_sm90_bf16_hdim96", "fwd_sm90_bf16_hdim192v128",
+    "fwd_sm90_bf16_hdim128_causal_kvcache", "fwd_sm90_bf16_hdim96_causal", "fwd_sm90_fp16_hdim96_window_softcap",
+    "fwd_sm90_bf16_hdim192v128",
     "fwd_sm90_bf16_hdim128v64", "fwd_sm90_e4m3_hdim128_causal", "fwd_sm90_e4m3_hdim256",
     "fwd_sm90_bf16_hdim256_kvcache-e4m3", "bwd_sm90_bf16_hdim64_causal", "bwd_sm90_bf16_hdim128",
     "bwd_sm90_fp16_hdim128v64_causal", "bwd_sm90_bf16_hdim256_causal_dropout",
@@ -122,7 +123,8 @@ def test_standard_shapes_only(name: str) -> None:
 
 @pytest.mark.parametrize("name", [
     "fwd_sm90_bf16_hdim256", "fwd_sm90_fp16_hdim256_causal_kvcache", "fwd_sm90_bf16_hdim192_causal",
-    "fwd_sm90_e4m3_hdim64_causal", "fwd_sm90_e4m3_hdim64_varlen", "bwd_sm90_bf16_hdim96",
+    "fwd_sm90_e4m3_hdim64_causal", "fwd_sm90_e4m3_hdim64_varlen", "fwd_sm90_bf16_hdim96", "fwd_sm90_fp16_hdim96_dropout",
+    "bwd_sm90_bf16_hdim96",
     "bwd_sm90_bf16_hdim192v128_causal", "bwd_sm90_fp16_hdim256_varlen",
 ])
 def test_extended_where_a_tile_needs_it(name: str) -> None:

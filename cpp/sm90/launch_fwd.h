@@ -43,9 +43,11 @@ template <class Config, PageBlocks kBlocks = Config::kKVCacheFp8 ? PageBlocks::k
 struct FwdConfig {
   using Element = typename ElementOf<Config::kDType>::type;
   // e4m3 KV caches: their own tiles (the e4m3 stages beside the 16-bit ones).
-  using BaseTile = std::conditional_t<Config::kKVCacheFp8, FwdFp8CacheTileSize<Config::kHeadDim>,
-                                      typename FwdTileOf<typename Config::Variant, Config::kHeadDim, Config::kDType,
-                                                         Config::kHeadDimV>::type>;
+  using TableTile = typename FwdTileOf<typename Config::Variant, Config::kHeadDim, Config::kDType, Config::kHeadDimV>::type;
+  // Kernels without a mask: the table's longer key block where it names one (tile_size.h: NoMaskKeys).
+  using BaseTile = std::conditional_t<
+      Config::kKVCacheFp8, FwdFp8CacheTileSize<Config::kHeadDim>,
+      std::conditional_t<Config::kMask == MaskKind::kNone && TableTile::kNoMaskBlockN != 0, NoMaskKeys<TableTile>, TableTile>>;
   using Tile = std::conditional_t<kForm == TileForm::kPairs, CtaPairs<BaseTile>,
                                    std::conditional_t<kForm == TileForm::kShortKeys, ShortKeys<BaseTile>, BaseTile>>;
   using ScoreMod = typename ScoreModOf<Config::kScoreMod>::type;

@@ -49,6 +49,8 @@ struct FwdTileDefaults {
   // Padded calls of at most kShortKeysMax keys run ShortKeys<Tile> (below; launch_fwd.h: use_short_keys), whose
   // tiles hold kShortKeysBlockN keys (0: never) and kShortKeysBlockM query rows (0: the tile's).
   static constexpr int kShortKeysBlockN = 0, kShortKeysMax = 0, kShortKeysBlockM = 0;
+  // Kernels without a mask (no causal or window edge) take kNoMaskBlockN keys a block where it is set (NoMaskKeys).
+  static constexpr int kNoMaskBlockN = 0;
 };
 
 // Two-CTA clusters on neighbouring query tiles of one head: each CTA loads half of every K/V block and multicasts it
@@ -58,6 +60,13 @@ struct FwdTileDefaults {
 template <class Tile>
 struct CtaPairs : Tile {
   static constexpr int kClusterM = 2;
+};
+
+// Kernels without a mask: no partial blocks on a diagonal or window edge, so a longer key block only spreads the
+// per-block softmax and barrier costs over more keys (launch_fwd.h: FwdConfig picks it for MaskKind::kNone).
+template <class Tile>
+struct NoMaskKeys : Tile {
+  static constexpr int kBlockN = Tile::kNoMaskBlockN;
 };
 
 // Short key ranges: a tile of fewer keys where the row's keys are few enough that the last block's padding costs
@@ -83,6 +92,9 @@ struct FwdTileSize<64, kDType> : FwdTileDefaults {
 template <DType kDType>
 struct FwdTileSize<96, kDType> : FwdTileDefaults {
   static constexpr int kBlockM = 192, kBlockN = 96, kStages = 2, kQStages = 2;
+  // Without a mask, 112 keys a block: +1-3% from 2k (S54T); the causal kernel lost 3.6% at 2k with them (8k-16k even),
+  // and the masked softcap / window / dropout kernels spilled 8-72 bytes at 112 (perf-notes, session 54).
+  static constexpr int kNoMaskBlockN = 112;
   // Up to 1024 queries and keys, 128 x 128 on two consumer warpgroups: +8-10% at 512 tokens (three 192-row tiles
   // cover 576 rows), causal +8% at 1k; from 2k it is 5-11% slower (perf-notes, session 38: m128).
   static constexpr int kShortKeysBlockM = 128, kShortKeysBlockN = 128, kShortKeysMax = 1024;

@@ -16,6 +16,7 @@
 
     python bench/bench_variants.py --fa3-path .peers/fa3-full --rounds 3 --out bench/results/variants.json
     python bench/bench_variants.py --sections cost --hdims 64 --modes fwd   # a build with head dim 64 only
+    python bench/bench_variants.py --sections headdims --modes fwd --pairs 128x64 --seqlens 512 1024 2048
 """
 from __future__ import annotations
 
@@ -46,6 +47,9 @@ class Grid:
     hdims: tuple[int, ...] = (64, 128, 256)
     modes: tuple[str, ...] = ("fwd", "bwd")
     causal: tuple[bool, ...] = (False, True)
+    # the headdims section's (Q/K, V) pairs (128 always, the reference) and sequence lengths
+    pairs: tuple[str, ...] = ("96", "192", "192x128", "128x64")
+    seqlens: tuple[int, ...] = (512, 1024, 2048, 4096, 8192, 16384)  # the FA3-paper grid
 
 
 def timeable(mode: str, call: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -160,12 +164,15 @@ def section_fa3(timer: Callable[[Fn], float], rounds: int, grid: Grid) -> list[d
     return rows
 
 
+HEADDIM_PAIRS = {"96": (96, 96), "128": (128, 128), "192": (192, 192), "192x128": (192, 128), "128x64": (128, 64)}
+
+
 def section_headdims(timer: Callable[[Fn], float], rounds: int, grid: Grid) -> list[dict[str, Any]]:
     rows = []
-    dims = {"96": (96, 96), "128": (128, 128), "192": (192, 192), "192x128": (192, 128), "128x64": (128, 64)}
+    dims = {name: HEADDIM_PAIRS[name] for name in ("128", *grid.pairs)}
     for mode in grid.modes:
         for causal in (False, True):
-            for seqlen in (512, 1024, 2048, 4096, 8192, 16384):  # the FA3-paper grid
+            for seqlen in grid.seqlens:
                 batch, fns, flops = 16384 // seqlen, {}, {}
                 for name, (d, dv) in dims.items():
                     heads = round(2048 / d)
@@ -220,6 +227,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="modes of the cost, window, fa3 and headdims sections")
     ap.add_argument("--causal", choices=("off", "on", "both"), default="both",
                     help="masks of the cost and dropout sections")
+    ap.add_argument("--pairs", nargs="*", choices=[n for n in HEADDIM_PAIRS if n != "128"], default=list(Grid.pairs),
+                    help="(Q/K, V) head dims of the headdims section, against 128")
+    ap.add_argument("--seqlens", nargs="*", type=int, default=list(Grid.seqlens),
+                    help="sequence lengths of the headdims section (16k tokens each)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--warmup-ms", type=float, default=25)
     ap.add_argument("--rep-ms", type=float, default=100)
@@ -233,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     timing, timer = make_timer(args.warmup_ms, args.rep_ms)
     rows: list[dict[str, Any]] = []
     masks = {"off": (False,), "on": (True,), "both": (False, True)}[args.causal]
-    grid = Grid(tuple(args.hdims), tuple(args.modes), masks)
+    grid = Grid(tuple(args.hdims), tuple(args.modes), masks, tuple(args.pairs), tuple(args.seqlens))
     for name, fn in (("cost", section_cost), ("window", section_window), ("fa3", section_fa3),
                      ("headdims", section_headdims), ("dropout", section_dropout)):
         if name not in args.sections:

@@ -50,6 +50,7 @@ def test_calls_that_need_the_op_have_no_key() -> None:
     assert key(q, k, v, generator=torch.Generator()) is None
     assert key(q, k, v, return_dropout_mask=True) is None
     assert key(q, k, v, window_size=[-1, -1]) is None  # (valid, but not a tuple: the full path takes it)
+    assert key(q, k, v, dropout_p=torch.tensor([0.1, 0.2])) is None  # no truth value: validation's TypeError says so
 
     class Functions(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
@@ -71,6 +72,21 @@ def test_calls_that_need_the_op_have_no_key() -> None:
     torch.jit.trace(lambda x: (seen.append(_plans.direct()), x * 2)[1], torch.ones(2), check_trace=False)
     assert seen == [False]  # a jit trace records ops: a launch behind its back would be missing from it
     assert _plans.direct()
+
+
+def test_views_whose_pointer_hides_their_values_have_no_plan() -> None:
+    # A lazily negated view shares its base's data_ptr(); only the op dispatcher applies the negation, so a raw-pointer
+    # launch from the fast path would attend with -q's base, +q. Such keys must miss, and never be stored.
+    q, k, v = qkv()
+    neg = torch._neg_view(q)
+    assert neg.is_neg() and neg.data_ptr() == q.data_ptr()
+    plans = _plans.Plans()
+    plans.put(key(q, k, v), "plain")
+    assert plans.get(key(neg, k, v)) is None
+    plans.put(key(neg, k, v), "neg")
+    assert len(plans) == 1 and plans.get(key(q, k, v)) == "plain"
+    sparse = torch.zeros(4).to_sparse()
+    assert plans.get((_plans.meta(sparse),)) is None  # no strides to read: the full path says what is wrong
 
 
 def test_unhashable_arguments_and_the_bound() -> None:

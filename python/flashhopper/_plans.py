@@ -104,8 +104,13 @@ def direct() -> bool:
                 or torch._C._len_torch_dispatch_stack() or torch._C._functorch.peek_interpreter_stack() is not None)
 
 
-def meta(x: torch.Tensor) -> tuple[Any, ...]:
-    """What validation reads of a plain tensor: shape, strides, dtype, device (-1: CPU)."""
+def meta(x: torch.Tensor) -> Any:
+    """What validation reads of a plain tensor: shape, strides, dtype, device (-1: CPU). A tensor whose
+    ``data_ptr()`` does not hold its values as laid out (a lazily negated or conjugated view, which only the op
+    dispatcher materializes; a non-strided layout) gets an unhashable part instead, so that every key holding it
+    misses (``Plans.get`` / ``put``) and the call takes the full path."""
+    if x.layout != torch.strided or x.is_neg() or x.is_conj() or x._is_zerotensor():
+        return [x.layout]
     return x.shape, x.stride(), x.dtype, x.get_device()
 
 

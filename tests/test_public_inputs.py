@@ -229,6 +229,8 @@ CASES: dict[str, list[Case]] = {
              lambda: flash_attn_func(*qkv(), dropout_p="0.1")),
         Case("option", "dropout_p bool", TypeError, r"^dropout_p must be a float, got bool",
              lambda: flash_attn_func(*qkv(), dropout_p=True)),
+        Case("option", "dropout_p tensor", TypeError, r"^dropout_p must be a float, got Tensor",
+             lambda: flash_attn_func(*qkv(), dropout_p=torch.tensor([0.1, 0.2]))),
         Case("option", "generator int", TypeError, r"^generator must be a torch.Generator or None, got int",
              lambda: flash_attn_func(*qkv(), dropout_p=0.1, generator=5)),
         gpu("device", "generator cpu", ValueError, r"^generator is on cpu but q is on cuda",

@@ -144,7 +144,8 @@ def _call_key(q: Any, k: Any, v: Any, softmax_scale: Any, causal: Any, return_ls
     """flash_attn_func's call key for the fast path: every argument its validation and dispatch read (_plans);
     None for a call that must take the full path (dropout draws a seed per call; see _plans.direct)."""
     if (type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor
-            or (sinks is not None and type(sinks) is not torch.Tensor) or dropout_p != 0 or generator is not None
+            or (sinks is not None and type(sinks) is not torch.Tensor)
+            or type(dropout_p) not in (float, int) or dropout_p != 0 or generator is not None
             or return_dropout_mask is not False or type(window_size) is not tuple or not _plans.direct()):
         return None
     return (_plans.meta(q), _plans.meta(k), _plans.meta(v), None if sinks is None else _plans.meta(sinks),

@@ -14,8 +14,8 @@ as columns and writes everything, with the versions and the git commit, as JSON 
     python bench/bench_attention.py --providers flashhopper flashhopper@no-pingpong --rounds 3   # a variant
     python bench/bench_attention.py --fa3-path .peers/fa3 --providers flashhopper fa3 sdpa-cudnn
 
---rounds N times the providers of a shape in turn (A B C, A B C, ...) N times and reports each one's
-median over the rounds (ms_rounds keeps them): clock drift under the power cap hits all alike.
+--rounds N (default 3) times the providers of a shape in turn (A B C, A B C, ...) N times and reports each
+one's median over the rounds (ms_rounds keeps them): clock drift under the power cap hits all alike.
 --label tags the file (e.g. base / new for bench/compare_builds.py, which takes files of two builds).
 """
 from __future__ import annotations
@@ -78,8 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="seqlens 1024 4096, head dim 128, shorter timing")
     ap.add_argument("--warmup-ms", type=float, default=25)
     ap.add_argument("--rep-ms", type=float, default=100)
-    ap.add_argument("--rounds", type=int, default=1,
-                    help="time the providers of a shape in turn this many times; report the median")
+    ap.add_argument("--rounds", type=int, default=3, metavar="N",
+                    help="time the providers of a shape in turn N times; report the median of the N interleaved "
+                    "rounds (default: %(default)s)")
     ap.add_argument("--label", help="recorded in the file and its default name (e.g. base, new)")
     ap.add_argument("--out", type=Path, help="JSON path (default bench/results/<device>[_<label>]_<date>.json)")
     args = ap.parse_args(argv)

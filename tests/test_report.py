@@ -295,6 +295,33 @@ def test_sweep_rounds_interleave_providers_and_take_the_median(monkeypatch: pyte
         sweep.run_sweep(shape, ["a"], timer, rounds=0)
 
 
+
+def test_cli_rounds_reach_the_sweep_and_the_report(monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    # Same-run comparisons are medians of interleaved rounds (issue #20): 3 unless --rounds says otherwise.
+    assert cli.parse_args([]).rounds == 3 and cli.parse_args(["--rounds", "5"]).rounds == 5
+    for bad in ("0", "-1", "two"):
+        with pytest.raises(SystemExit):
+            cli.parse_args(["--rounds", bad])
+        assert "--rounds: must be" in capsys.readouterr().err
+    # measure() without a GPU: the environment, ceilings and sweep are stand-ins; the rounds are real.
+    seen: list[int] = []
+
+    def fake_sweep(shapes: Any, providers: Any, timer: Any, progress: Any = None, rounds: int = 1) -> list[Any]:
+        seen.append(rounds)
+        return []
+
+    monkeypatch.setattr(cli, "environment", lambda timer, root: {"device": "NVIDIA H100 80GB HBM3", "timer": timer})
+    monkeypatch.setattr(cli, "make_timer", lambda warmup_ms, rep_ms: ("fake timer", lambda fn: 1.0))
+    monkeypatch.setattr(cli.ceilings, "measure", lambda timer, dtypes: None)
+    monkeypatch.setattr(cli, "run_sweep", fake_sweep)
+    for argv, rounds in (([], 3), (["--rounds", "5"], 5)):
+        report = cli.measure(cli.parse_args(["--hdims", "128", "--seqlens", "1024", *argv]))
+        assert seen[-1] == rounds and report.config["rounds"] == rounds
+        assert report.environment["timer"] == f"fake timer, median of {rounds} interleaved rounds"
+        assert f"fake timer, median of {rounds} interleaved rounds" in render.header(report)
+
+
 def test_provider_names() -> None:
     assert provider("flashhopper") is PROVIDERS["flashhopper"] and provider("fa3") is PROVIDERS["fa3"]
     variant = provider("flashhopper@no-pingpong")

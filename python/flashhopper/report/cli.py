@@ -7,6 +7,10 @@ a quick one, under 2 minutes on an H100; --full: the FlashAttention-3 paper's gr
 report.json, report.csv and PNG plots to --out. Per row: time, TFLOPS, % of the measured GEMM
 ceiling, % of the datasheet peak, speedup over the best peer, and the IO model's bytes.
 
+The providers of a shape are timed in turn (A B C, A B C, ...) --rounds times (default 3) and each
+time is the median over the rounds: under the power cap the clock drifts within a minute, and
+interleaving exposes every provider to it alike.
+
 --from FILE re-renders a report (or a bench/bench_attention.py result) without a GPU. With no GPU
 and no --from, it renders the newest result shipped in bench/results/.
 """
@@ -29,6 +33,17 @@ from .sweep import DTYPES, FULL, QUICK, grid, run_sweep
 from .timing import make_timer
 
 
+def _rounds(text: str) -> int:
+    """--rounds: a whole number of at least 1 (run_sweep would refuse 0 only after the ceilings)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="flashhopper-report", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -49,6 +64,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--width", type=int, default=2048, help="nheads x headdim")
     ap.add_argument("--warmup-ms", type=float, help="per measurement (default 10 quick, 25 full)")
     ap.add_argument("--rep-ms", type=float, help="per measurement (default 50 quick, 100 full)")
+    ap.add_argument("--rounds", type=_rounds, default=3, metavar="N", help="time the providers of a shape in "
+                    "turn N times; each time is the median of the N interleaved rounds (default: %(default)s)")
     ap.add_argument("--out", type=Path, default=Path("flashhopper-report"), help="output folder (default: %(default)s)")
     ap.add_argument("--from", dest="from_file", type=Path, metavar="FILE",
                     help="render this results file (report or bench_attention.py JSON) instead of measuring")
@@ -67,16 +84,18 @@ def measure(args: argparse.Namespace) -> Report:
     providers = args.providers or with_fa3(preset.providers)
     warmup_ms, rep_ms = args.warmup_ms or preset.warmup_ms, args.rep_ms or preset.rep_ms
     timer_name, timer = make_timer(warmup_ms, rep_ms)
-    env = environment(timer_name, source_root())
+    # The header shows the timer: say there that each time is a median over interleaved rounds.
+    env = environment(f"{timer_name}, median of {args.rounds} interleaved rounds", source_root())
     env["kernels"] = flashhopper.compiled_kernels()
     print(f"{env['device']}: measuring the ceilings (GEMM bf16/fp8, copy)...", file=sys.stderr)
     ceil = ceilings.measure(timer, args.dtype)
     shapes = grid(plan, modes, args.dtype, causals, args.tokens, args.width, args.batch)
     with progress_bar("sweep") as tick:
-        rows = run_sweep(shapes, providers, timer, tick)
+        rows = run_sweep(shapes, providers, timer, tick, rounds=args.rounds)
     config = {"sweep": "full" if args.full else "quick", "plan": {str(h): list(s) for h, s in plan.items()},
               "modes": modes, "dtypes": args.dtype, "causal": causals, "providers": providers,
-              "tokens": args.tokens, "width": args.width, "batch": args.batch, "warmup_ms": warmup_ms, "rep_ms": rep_ms}
+              "tokens": args.tokens, "width": args.width, "batch": args.batch, "warmup_ms": warmup_ms, "rep_ms": rep_ms,
+              "rounds": args.rounds}
     return Report(env, config, rows, ceil, ceilings.datasheet_for(env["device"]))
 
 

@@ -136,3 +136,16 @@ def test_cache_memory_is_about_half() -> None:
     k8, v8, ks, vs = kvcache_fp8.quantize_kv_cache(kc, kc)
     fp8 = sum(x.numel() * x.element_size() for x in (k8, v8, ks, vs))
     assert math.isclose(fp8 / (2 * kc.numel() * 2), (128 + 4) / 256)
+
+
+def test_first_transform_inside_graph_capture_asks_for_a_warm_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The matrix is copied from the host on its first use; inside capture that copy cannot happen: a clear error,
+    # not cached, so that the eager warm-up builds it. A cached one is served during capture.
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    cuda = torch.device("cuda")
+    with pytest.raises(RuntimeError, match="warm-up"):
+        kvcache_fp8._transform_matrix(64, 987654321, cuda)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    cpu = kvcache_fp8._transform_matrix(64, 987654321, torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert kvcache_fp8._transform_matrix(64, 987654321, torch.device("cpu")) is cpu

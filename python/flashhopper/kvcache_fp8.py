@@ -33,7 +33,13 @@ E4M3_MAX = 448.0
 @functools.lru_cache(maxsize=32)
 def _transform_matrix(d: int, seed: int, device: torch.device) -> torch.Tensor:
     """M (d, d) float32 with x @ M = H diag(signs) x / sqrt(d) for row vectors x (M is orthogonal: the inverse is
-    M^T)."""
+    M^T). Built on the host and copied once per (d, seed, device); a first use inside CUDA-graph capture cannot
+    copy (the capture would fail on it, unexplained), so it asks for an eager warm-up (not cached: a later call
+    builds it)."""
+    if not torch.compiler.is_compiling() and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"the e4m3 cache's Hadamard transform (head dim {d}, hadamard_seed {seed}) is first used "
+                           "inside CUDA-graph capture, which cannot copy it to the GPU: run the call once eagerly "
+                           "before capturing (a warm-up, as CUDA graphs need anyway)")
     signs = hadamard_signs(d, seed)
     m = signs[:, None] * hadamard_matrix(d) / math.sqrt(d)
     return m.to(device)

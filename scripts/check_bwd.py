@@ -6,7 +6,7 @@ flashhopper.ops.fwd_into / bwd_into; a "window" kernel with check_fwd's WINDOW),
 error against reference gradients in float32 (from exact out and lse). A developer tool for the device
 machine and for compute-sanitizer (--small: few, small shapes; scripts/gpu.sh sanitize); the real tests
 are tests/test_bwd_gpu.py. Exit 1 if any gradient has NaN or the worst relative error reaches 2e-2, or if
-there is nothing to check.
+there is nothing to check. Padded-batch kernels only (the packed ones: tests/test_varlen_gpu.py).
 """
 from __future__ import annotations
 
@@ -58,7 +58,8 @@ def main() -> None:
     score_mod = "softcap" if args.softcap > 0 else "none"  # --softcap checks the softcap kernels
     keys = sorted((from_dict(k) for k in flashhopper.compiled_kernels()
                    if k["mode"] == "bwd" and k["arch"] == args.arch and k["dtype"] in args.dtypes
-                   and k["score_mod"] == score_mod and k["dropout"] == (args.dropout > 0)),
+                   and k["score_mod"] == score_mod and k["dropout"] == (args.dropout > 0)
+                   and not k.get("varlen") and k.get("kvcache", "off") == "off"),
                   key=lambda key: (key.dtype, key.headdim, key.mask, key.variant))
     # The backward needs the forward's out and lse: the production kernel of the same mask.
     missing_fwd = [key for key in keys if not _ext.has_kernel("fwd", dataclasses.replace(key, variant=""))]

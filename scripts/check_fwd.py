@@ -7,6 +7,8 @@ fp8.fwd_fp8_into on q, k, v quantized as flash_attn_fp8_func does (shapes with k
 has no window nor variant, so those fp8 kernels are listed as not checked). A developer tool for the
 device machine and for compute-sanitizer (--small: few, small shapes; scripts/gpu.sh sanitize); the
 real tests are tests/test_fwd_gpu.py and tests/test_fp8_gpu.py, the timings bench/bench_attention.py.
+Padded-batch kernels only: the packed (varlen) and KV-cache kernels take other entry points (their GPU tests,
+tests/test_varlen_gpu.py and tests/test_kvcache*_gpu.py, are what runs them under compute-sanitizer).
 Exit 1 if an output has NaN or an error reaches its limit, or if there is nothing to check.
 """
 from __future__ import annotations
@@ -72,7 +74,8 @@ def main() -> None:
     score_mod = "softcap" if args.softcap > 0 else "none"  # --softcap checks the softcap kernels
     keys = sorted((from_dict(k) for k in flashhopper.compiled_kernels()
                    if k["mode"] == "fwd" and k["arch"] == args.arch and k["dtype"] in args.dtypes
-                   and k["score_mod"] == score_mod and k["dropout"] == (args.dropout > 0)),
+                   and k["score_mod"] == score_mod and k["dropout"] == (args.dropout > 0)
+                   and not k.get("varlen") and k.get("kvcache", "off") == "off"),
                   key=lambda key: (key.dtype, key.headdim, key.mask, key.variant))
     if not keys:
         raise SystemExit(f"no sm{args.arch} forward kernel for {args.dtypes} in this build: nothing to check")

@@ -226,21 +226,29 @@ do_sanitize() {
   run_sanitizer "${specs[@]}"
 }
 
-# Every kernel of the build: each family's forward (all dtypes, masks, variants), backward (normal and
-# deterministic), and the fp8 quantization, on small shapes, under all four tools.
+# Every padded-batch kernel of the build: each family's forward (all dtypes, masks, variants; the softcap and
+# dropout kernels and sinks where the build has them), backward (normal and deterministic), and the fp8
+# quantization, on small shapes, under all four tools. The packed (varlen) and KV-cache kernels: their GPU tests
+# under compute-sanitizer (README, Tests).
 do_sanitize_all() {
-  local a archs modes
+  local a f archs modes extras
   # The families of the build that this GPU runs (an A100 with a both-families build: the sm80 ones).
   archs=$("$PY" -c "import torch, flashhopper as f; from flashhopper.dispatch import runs_on
 cap = torch.cuda.get_device_capability()
 print(*[a for a in f.build_info().get('archs', []) if runs_on(f'sm{a}', cap)])")
   modes=$("$PY" -c "import flashhopper as f; print(*f.build_info().get('modes', []))")
   [ -n "$archs" ] || { echo "sanitize-all: no kernels of this build run on this GPU (${PKG_DIR})" >&2; return 1; }
+  # The check scripts' flags for the built variants: softcap and dropout pick those kernels, sinks is a runtime option.
+  extras=$("$PY" -c "import flashhopper as f; i = f.build_info()
+print(*(['--softcap=30'] if 'softcap' in i.get('score_mods', []) else []),
+      *(['--dropout=0.1'] if 'on' in i.get('dropout', []) else []), '--sinks')")
   local -a specs=()
   for a in $archs; do
-    [[ " $modes " == *" fwd "* ]] && specs+=("fwd-sm$a|check_fwd.py --small --arch $a")
-    [[ " $modes " == *" bwd "* ]] && specs+=("bwd-sm$a|check_bwd.py --small --arch $a"
-                                             "bwd-sm$a-det|check_bwd.py --small --arch $a --deterministic")
+    for f in "" $extras; do
+      [[ " $modes " == *" fwd "* ]] && specs+=("fwd-sm$a$f|check_fwd.py --small --arch $a $f")
+      [[ " $modes " == *" bwd "* ]] && specs+=("bwd-sm$a$f|check_bwd.py --small --arch $a $f"
+                                               "bwd-sm$a$f-det|check_bwd.py --small --arch $a --deterministic $f")
+    done
   done
   [[ " $archs " == *" 90 "* ]] && specs+=("quant|check_quant.py --small")
   run_sanitizer "${specs[@]}"

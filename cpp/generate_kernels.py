@@ -133,8 +133,10 @@ def main() -> None:
     ap.add_argument("--archs", type=int, nargs="*", default=list(kk.ARCHS))
     ap.add_argument("--modes", nargs="*", choices=kk.MODES, default=list(kk.MODES))
     ap.add_argument("--dtypes", nargs="*", choices=list(kk.BUILD_DTYPES), default=list(kk.BUILD_DTYPES))
-    ap.add_argument("--hdims", type=kk.parse_headdim, nargs="*", default=list(kk.HEADDIMS) + list(kk.HEADDIM_PAIRS),
-                    help='head dims: 64 96 128 192 256, and (Q/K, V) pairs spelled "192x128", "128x64"')
+    # argparse runs `type` over given values only, not a list default: parse the default's spellings here.
+    hdims = [str(d) for d in kk.HEADDIMS] + [f"{d}x{dv}" for d, dv in kk.HEADDIM_PAIRS]
+    ap.add_argument("--hdims", type=kk.parse_headdim, nargs="*", default=[kk.parse_headdim(t) for t in hdims],
+                    help=f'head dims (default: all): {" ".join(hdims)}; (Q/K, V) pairs are spelled "192x128"')
     ap.add_argument("--masks", nargs="*", choices=kk.MASKS, default=["none", "causal"])
     ap.add_argument("--variants", nargs="*", choices=list(VARIANTS), default=[])
     ap.add_argument("--score-mods", nargs="*", choices=kk.SCORE_MODS, default=["none"])

@@ -259,3 +259,95 @@ def test_headdim_pairs_dispatch() -> None:
         choose_kernel(H100, 0, BF16, 192, "none", None, pair, headdim_v=64)
     with pytest.raises(ValueError, match=r"FLASHHOPPER_HDIMS=192x128 "):
         choose_kernel(H100, 0, BF16, 192, "none", None, build(90), headdim_v=128)
+
+
+# --- kernels that no build has: the error says so, never a rebuild hint that cannot help ---
+
+# (Q/K, V) head dims the padded-batch kernels have and the packed-batch (varlen) ones never do.
+NOT_VARLEN = [(96, 96), (192, 192), (192, 128), (128, 64)]
+
+
+def assert_no_build_has_it(msg: str, supported: str = "64, 128, 256") -> None:
+    assert "no build has one" in msg and f"head dims {supported}" in msg, msg
+    assert "rebuild" not in msg and "FLASHHOPPER_" not in msg, msg
+
+
+@pytest.mark.parametrize(("d", "dv"), NOT_VARLEN)
+def test_varlen_headdim_no_build_has(d: int, dv: int) -> None:
+    # Whatever the build holds (nothing, or the padded-batch kernels of this head dim and the varlen ones of 128).
+    full = {KernelKey(a, "bfloat16", d, dv, m) for a in (90, 80) for m in ("none", "causal")}
+    full |= {KernelKey(a, "bfloat16", 128, 128, m, varlen=True) for a in (90, 80) for m in ("none", "causal")}
+    for kernels in (set(), full):
+        for info, backend in ((H100, None), (H100, "sm90"), (H100, "sm80"), (A100, None)):
+            with pytest.raises(ValueError) as e:
+                choose_kernel(info, 0, BF16, d, "causal", backend, kernels, headdim_v=dv, varlen=True)
+            assert_no_build_has_it(str(e.value))
+            assert "packed batches (varlen)" in str(e.value) and "flash_attn_func" in str(e.value)
+    assert_no_build_has_it(dispatch.missing_bwd_kernel("sm90", BF16, d, True, set(), headdim_v=dv, varlen=True))
+    # A varlen head dim that was merely left out of this build still gets its rebuild hint.
+    with pytest.raises(ValueError, match=r"FLASHHOPPER_HDIMS=128 FLASHHOPPER_VARLEN=off;on"):
+        choose_kernel(H100, 0, BF16, 128, "causal", None, set(), varlen=True)
+
+
+def test_varlen_headdim_refused_before_any_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    # flash_attn_varlen_func on (fake) CUDA tensors of a pretend H100: refused at dispatch, forward and backward.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from flashhopper import flash_attn_varlen_func
+
+    def no_launch(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a kernel was looked up for launch")
+
+    monkeypatch.setattr(_device, "device_info", lambda index: H100)
+    monkeypatch.setattr(_ext, "has_kernel", lambda mode, key: False)
+    monkeypatch.setattr(_ext, "kernel", no_launch)
+    with FakeTensorMode():
+        q, k, v = (torch.empty(8, 2, 96, dtype=BF16, device="cuda") for _ in range(3))
+        cu = torch.tensor([0, 3, 8], dtype=torch.int32, device="cuda")
+        with pytest.raises(ValueError) as e:
+            flash_attn_varlen_func(q, k, v, cu, cu, 5, 5, causal=True)
+    assert_no_build_has_it(str(e.value))
+    # The backward's forward-time check, should a forward kernel exist (a fake one here).
+    q, k, v = (torch.randn(8, 2, 96, dtype=BF16) for _ in range(3))
+    v.requires_grad_()
+    with pytest.raises(ValueError, match=r"^v requires grad, but this build has no sm90 backward kernel") as e:
+        dispatch.require_bwd_kernel("sm90", q, k, v, 96, True, varlen=True)
+    assert_no_build_has_it(str(e.value))
+
+
+def test_kvcache_and_fp8_keys_no_build_has(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_ext, "kernel", lambda mode, key: None)
+    monkeypatch.setattr(_ext, "extension_error", lambda: None)
+    for key in (KernelKey(90, "bfloat16", 96, 96, "none", kvcache="on"),
+                KernelKey(90, "bfloat16", 192, 128, "causal", kvcache="e4m3")):
+        with pytest.raises(ValueError, match="the KV-cache kernels have head dims") as e:
+            dispatch.require_kernel("fwd", key)
+        assert_no_build_has_it(str(e.value))
+    # An e4m3 cache on the Ampere family (backend='sm80' asked for): Hopper only, whatever the build.
+    with pytest.raises(ValueError, match=r"no build has one: an e4m3 KV cache has Hopper \(sm90\) kernels only") as e:
+        dispatch.require_kernel("fwd", KernelKey(80, "bfloat16", 128, 128, "none", kvcache="e4m3"))
+    assert "FLASHHOPPER_" not in str(e.value)
+    # fp8 keys outside the fp8 kernels' head dims and family.
+    for key in (KernelKey(90, "float8_e4m3fn", 96, 96, "causal"), KernelKey(80, "float8_e4m3fn", 128, 128, "none"),
+                KernelKey(90, "float8_e4m3fn", 192, 128, "none", varlen=True)):
+        with pytest.raises(ValueError, match=r"the fp8 \(e4m3\) kernels are Hopper \(sm90\) ones") as e:
+            dispatch.require_kernel("fwd", key)
+        assert_no_build_has_it(str(e.value))
+    # A buildable KV-cache key keeps its rebuild hint.
+    with pytest.raises(ValueError, match=r"FLASHHOPPER_HDIMS=128 FLASHHOPPER_KVCACHE=off;on;e4m3"):
+        dispatch.require_kernel("fwd", KernelKey(90, "bfloat16", 128, 128, "none", kvcache="e4m3"))
+
+
+def test_kvcache_e4m3_on_sm80_no_build_has(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Through flash_attn_with_kvcache's backend choice: backend='sm80' with an e4m3 cache on a pretend H100.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from flashhopper.kvcache import CacheShapes
+    from flashhopper.kvcache import resolve_backend as kvcache_backend
+    monkeypatch.setattr(_ext, "kernel", lambda mode, key: None)
+    monkeypatch.setattr(_device, "device_info", lambda index: H100)
+    with FakeTensorMode():
+        q = torch.empty(2, 1, 8, 128, dtype=BF16, device="cuda")
+    shapes = CacheShapes(2, 1, 8, 2, 128, 128, True, 16, 10, 64, 0)
+    with pytest.raises(ValueError, match=r"no build has one: an e4m3 KV cache has Hopper \(sm90\) kernels only"):
+        kvcache_backend(q, shapes, True, "sm80", "e4m3")

@@ -143,3 +143,18 @@ def test_another_head_dim_leaves_the_other_units_unchanged(tmp_path: Path) -> No
         texts.append({n: (out / n).read_text() for n in (out / "sources.txt").read_text().split()})
     assert set(texts[0]) < set(texts[1])
     assert all(texts[0][n] == texts[1][n] for n in texts[0])
+
+
+def test_default_head_dims_are_the_explicit_list(tmp_path: Path) -> None:
+    """Without --hdims the generator builds every head dim and pair (the default goes through parse_headdim too)."""
+    common = ["--archs", "90", "80", "--modes", "fwd", "bwd", "--dtypes", "bf16", "e4m3", "--varlen", "off", "on",
+              "--kvcache", "off", "on"]
+    explicit = [str(d) for d in kk.HEADDIMS] + [f"{d}x{dv}" for d, dv in kk.HEADDIM_PAIRS]
+    texts = []
+    for name, hdims in (("default", []), ("explicit", ["--hdims", *explicit])):
+        out = tmp_path / name
+        subprocess.run([sys.executable, str(GENERATOR), "--out", str(out), *common, *hdims], check=True,
+                       capture_output=True)
+        texts.append({p.name: p.read_text() for p in out.iterdir()})
+    assert texts[0] == texts[1]
+    assert {"fwd_sm90_bf16_hdim96.cu", "fwd_sm90_bf16_hdim192v128.cu", "fwd_sm90_bf16_hdim128v64.cu"} <= set(texts[0])

@@ -15,7 +15,8 @@ descales (when its build takes them).
 - mixed: 64 documents, lengths log-uniform in 128..8192 (seeded), d128, 16 heads: the varlen kernel, our
   padded-batch kernel on equal sequences of the mean length (the same tokens), FlashAttention-3's varlen
   (--fa3-path, the fa3-full build) on the same packed batch and at equal lengths, and cuDNN's SDPA on the
-  batch padded to the longest document (its time counts the padding; TFLOPS still count the real work).
+  batch padded to the longest document (its time counts the padding; TFLOPS still count the real work; each
+  row gives the padded and real token counts and the padded call's FLOPs over the real work).
 
     python bench/bench_varlen.py --fa3-path .peers/fa3-full --rounds 3 --out bench/results/varlen.json
 """
@@ -52,6 +53,14 @@ def cu_of(lengths: list[int]) -> torch.Tensor:
 
 def work(lengths: list[int], heads: int, d: int, causal: bool, mode: str = "fwd") -> int:
     return sum(attention_flops(1, n, n, heads, d, causal, mode) for n in lengths)
+
+
+def padding_overhead(lengths: list[int], heads: int, d: int, causal: bool, mode: str = "fwd") -> dict[str, Any]:
+    """What a batch padded to the longest document (cuDNN SDPA's call) costs over the packed one: its tokens, the
+    real tokens, and the work it does over the real work (the FLOP convention's ratio: per head and mode alike)."""
+    padded = [max(lengths)] * len(lengths)
+    return {"padded_tokens": sum(padded), "real_tokens": sum(lengths),
+            "padded_flops_ratio": work(padded, heads, d, causal, mode) / work(lengths, heads, d, causal, mode)}
 
 
 def prepared(mode: str, fns: dict[str, Callable[..., Any]], q: torch.Tensor, k: torch.Tensor,
@@ -166,7 +175,7 @@ def section_mixed(timer: Callable[[Fn], float], rounds: int, seed: int, mode: st
         equal = work([mean] * docs, heads, d, causal, mode)
         row: dict[str, Any] = {"section": "mixed", "mode": mode, "headdim": d, "nheads": heads, "causal": causal, "docs": docs,
                                "seed": seed, "total_tokens": total, "longest": longest, "mean": mean,
-                               "lengths": lengths}
+                               "lengths": lengths, **padding_overhead(lengths, heads, d, causal, mode)}
         for name, t in ms.items():
             flops = equal if name in ("dense_mean", "varlen_equal", "fa3_varlen_equal") else real
             row[f"ms_{name}"] = t
@@ -178,7 +187,9 @@ def section_mixed(timer: Callable[[Fn], float], rounds: int, seed: int, mode: st
         print(f"mixed {mode} {'causal' if causal else 'full'} ({docs} docs, {total} tokens): "
               + ", ".join(f"{name} {row[f'tflops_{name}']:.0f}" for name in ms) + " TFLOPS"
               + (f"; varlen vs FA3 x{row['varlen_vs_fa3']:.3f}" if iface is not None else "")
-              + f"; varlen vs dense at the mean length x{row['varlen_vs_dense_mean']:.3f}", flush=True)
+              + f"; varlen vs dense at the mean length x{row['varlen_vs_dense_mean']:.3f}"
+              + f"; SDPA padded {row['padded_tokens']} tokens for {row['real_tokens']} real, "
+              f"x{row['padded_flops_ratio']:.2f} the real work", flush=True)
     return rows
 
 

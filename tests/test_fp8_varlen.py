@@ -161,6 +161,34 @@ def test_bad_prequantized_inputs() -> None:
         flashhopper.quantize_fp8(a["q"], 64, granularity="head", cu_seqlens=a["cu_seqlens_q"])
 
 
+@pytest.mark.parametrize("rows, cu_q, used_q, match", [
+    (4, [0, 3, 3, 8, 9], None, r"cu_seqlens_q must be non-decreasing from >= 0 up to at most 4 "),
+    (9, [0, 5, 3, 9], None, r"cu_seqlens_q must be non-decreasing .*\[0, 5, 3, 9\]"),
+    (9, [-2, 5, 9], None, r"cu_seqlens_q must be non-decreasing from >= 0 .*\[-2, 5, 9\]"),
+    (9, [0, 4, 9], [5, 2], r"seqused_q must lie within each sequence's slot \(0 ..\[4, 5\]\), got \[5, 2\]"),
+])
+def test_cpu_checks_the_values(monkeypatch: pytest.MonkeyPatch, rows: int, cu_q: list[int],
+                               used_q: list[int] | None, match: str) -> None:
+    # The values (validation.check_varlen_values) are always checked on CPU tensors, no debug flag needed.
+    monkeypatch.delenv(flashhopper.varlen.DEBUG_ENV, raising=False)
+    batch = len(cu_q) - 1
+    q, kv = packed([rows], 2, 64), packed([1] * batch, 2, 64)
+    cq, ck = torch.tensor(cu_q, dtype=torch.int32), cu([1] * batch)
+    used = None if used_q is None else torch.tensor(used_q, dtype=torch.int32)
+    with pytest.raises(ValueError, match=match):
+        flashhopper.flash_attn_varlen_fp8_func(q, kv, kv, cq, ck, 8, 1, seqused_q=used)
+
+
+def test_cpu_good_values_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(flashhopper.varlen.DEBUG_ENV, raising=False)
+    # Empty sequences, rows past cu_seqlens_q[-1], seqused at 0 and at the whole slot: all valid.
+    q, kv = packed([9], 2, 64), packed([2, 0, 3, 4], 2, 64)
+    cq, ck = torch.tensor([0, 3, 3, 8, 8], dtype=torch.int32), cu([2, 0, 3, 4])
+    used = torch.tensor([3, 0, 2, 0], dtype=torch.int32)
+    out = flashhopper.flash_attn_varlen_fp8_func(q, kv, kv, cq, ck, 5, 4, seqused_q=used)
+    assert out.shape == q.shape
+
+
 def test_fake_op_shapes() -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
     with FakeTensorMode():

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flashhopper import attention_ref, attention_varlen_ref, flash_attn_varlen_func
-from flashhopper.varlen import DEBUG_ENV
+from flashhopper.varlen import DEBUG_ENV, check_values_here
 
 
 def cu(lengths: list[int]) -> torch.Tensor:
@@ -100,16 +100,61 @@ def test_bad_inputs(bad: dict, err: type, match: str) -> None:
         flash_attn_varlen_func(**args)
 
 
-def test_debug_checks_read_the_values(monkeypatch: pytest.MonkeyPatch) -> None:
+# Values only the host copy shows (validation.check_varlen_values): always checked on CPU tensors.
+BAD_VALUES = [
+    # (q rows, cu_seqlens_q, seqused_q, message)
+    (4, [0, 3, 3, 8, 9], None, r"cu_seqlens_q must be non-decreasing from >= 0 up to at most 4 .*\[0, 3, 3, 8, 9\]"),
+    (9, [0, 5, 3, 9], None, r"cu_seqlens_q must be non-decreasing .*\[0, 5, 3, 9\]"),
+    (9, [-2, 5, 9], None, r"cu_seqlens_q must be non-decreasing from >= 0 .*\[-2, 5, 9\]"),
+    (9, [0, 4, 9], [5, 2], r"seqused_q must lie within each sequence's slot \(0 ..\[4, 5\]\), got \[5, 2\]"),
+]
+
+
+@pytest.mark.parametrize("rows, cu_q, used_q, match", BAD_VALUES)
+def test_cpu_checks_the_values(monkeypatch: pytest.MonkeyPatch, rows: int, cu_q: list[int],
+                               used_q: list[int] | None, match: str) -> None:
+    monkeypatch.delenv(DEBUG_ENV, raising=False)  # no opt-in needed on the CPU
+    batch = len(cu_q) - 1
+    q, k, v, _, ck = make([rows], [1] * batch)
+    cq = torch.tensor(cu_q, dtype=torch.int32)
+    used = None if used_q is None else torch.tensor(used_q, dtype=torch.int32)
+    with pytest.raises(ValueError, match=match):
+        flash_attn_varlen_func(q, k, v, cq, ck, 8, 1, seqused_q=used)
+
+
+def test_cpu_checks_max_seqlen_and_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(DEBUG_ENV, raising=False)
     q, k, v, cq, ck = make([2, 3], [2, 3])
-    flash_attn_varlen_func(q, k, v, cq, ck, 2, 3)  # max_seqlen_q too small: not checked by default
-    monkeypatch.setenv(DEBUG_ENV, "1")
     with pytest.raises(ValueError, match="max_seqlen_q is 2 but a sequence has 3 tokens"):
         flash_attn_varlen_func(q, k, v, cq, ck, 2, 3)
     with pytest.raises(ValueError, match="cu_seqlens_k must be non-decreasing"):
         flash_attn_varlen_func(q, k, v, cq, torch.tensor([0, 4, 3], dtype=torch.int32), 3, 4)
-    with pytest.raises(ValueError, match="seqused_q must lie within"):
-        flash_attn_varlen_func(q, k, v, cq, ck, 3, 3, seqused_q=torch.tensor([3, 1], dtype=torch.int32))
+    with pytest.raises(ValueError, match="seqused_k must lie within"):
+        flash_attn_varlen_func(q, k, v, cq, ck, 3, 3, seqused_k=torch.tensor([0, 4], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_good_values_pass(monkeypatch: pytest.MonkeyPatch, debug: bool) -> None:
+    if debug:
+        monkeypatch.setenv(DEBUG_ENV, "1")
+    else:
+        monkeypatch.delenv(DEBUG_ENV, raising=False)
+    # Empty sequences, rows past cu_seqlens_q[-1], seqused at 0 and at the whole slot: all valid.
+    q, k, v, _, ck = make([9], [2, 0, 3, 4])
+    cq = torch.tensor([0, 3, 3, 8, 8], dtype=torch.int32)
+    used = torch.tensor([3, 0, 2, 0], dtype=torch.int32)
+    out = flash_attn_varlen_func(q, k, v, cq, ck, 5, 4, seqused_q=used, seqused_k=torch.tensor([2, 0, 3, 4],
+                                                                                                dtype=torch.int32))
+    assert out.shape == q.shape
+
+
+def test_values_read_off_the_cpu_only_on_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Off the CPU the values cost a device-to-host copy: the debug flag decides (a meta tensor stands in for CUDA).
+    monkeypatch.delenv(DEBUG_ENV, raising=False)
+    assert check_values_here(torch.zeros(3, dtype=torch.int32))
+    assert not check_values_here(torch.zeros(3, dtype=torch.int32, device="meta"))
+    monkeypatch.setenv(DEBUG_ENV, "1")
+    assert check_values_here(torch.zeros(3, dtype=torch.int32, device="meta"))
 
 
 def test_kernel_backend_needs_cuda() -> None:

@@ -357,7 +357,7 @@ def check_varlen_inputs(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k:
     int32 (batch + 1,) and seqused int32 (batch,) or None on q's device, max_seqlen Python ints. Returns the
     shapes of the (1, total, nheads, headdim) views (batch: the number of sequences) and the scale. Metadata
     only: what would need the values (monotonic cu_seqlens, lengths within the tensors and max_seqlen) is
-    check_varlen_values' job, under FLASHHOPPER_DEBUG_VARLEN=1."""
+    check_varlen_values' job (always on CPU tensors, on CUDA ones under FLASHHOPPER_DEBUG_VARLEN=1)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, x)
         if x.dim() != 3:
@@ -409,9 +409,9 @@ def check_varlen_bounds(cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: Any,
 def check_varlen_values(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                         max_seqlen_q: int, max_seqlen_k: int, seqused_q: torch.Tensor | None,
                         seqused_k: torch.Tensor | None) -> None:
-    """What check_varlen_inputs cannot see without copying the values to the host (a synchronization, so
-    only on request: FLASHHOPPER_DEBUG_VARLEN=1): cu_seqlens non-decreasing from >= 0 and within the
-    tensors, seqused within its slot, and the lengths within max_seqlen."""
+    """What check_varlen_inputs cannot see without copying the values to the host (for CUDA tensors a
+    synchronization, so only on request: FLASHHOPPER_DEBUG_VARLEN=1; CPU tensors always): cu_seqlens
+    non-decreasing from >= 0 and within the tensors, seqused within its slot, and the lengths within max_seqlen."""
     for tag, cu, used, total, longest in (("q", cu_seqlens_q, seqused_q, q.shape[0], max_seqlen_q),
                                           ("k", cu_seqlens_k, seqused_k, k.shape[0], max_seqlen_k)):
         c = cu.tolist()

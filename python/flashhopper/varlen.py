@@ -25,6 +25,14 @@ from .ops import (dropout_on, fill_bwd_params, fill_dropout, reference_dropout, 
 DEBUG_ENV = "FLASHHOPPER_DEBUG_VARLEN"
 
 
+def check_values_here(cu_seqlens: torch.Tensor) -> bool:
+    """Whether a call reads cu_seqlens / seqused on the host (validation.check_varlen_values): always for CPU
+    tensors, where that costs no synchronization (the reference copies them anyway) and bad values would
+    silently give garbage, except while torch.compile traces (symbolic values); on the device, on request."""
+    return os.environ.get(DEBUG_ENV) == "1" or (cu_seqlens.device.type == "cpu"
+                                                and not torch.compiler.is_compiling())
+
+
 def _empty_outputs(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     out = torch.empty((q.shape[0], q.shape[1], v.shape[2]), dtype=q.dtype, device=q.device)
     lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
@@ -341,14 +349,13 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     sequence b's in [b, :, :its queries, :its keys] (all True with dropout_p = 0), for tests.
 
     No host synchronization: cu_seqlens and seqused stay on the device, and checks that would need their
-    values (non-decreasing, within the tensors, within max_seqlen) run only with the environment variable
-    FLASHHOPPER_DEBUG_VARLEN=1 (max_seqlen_q must be at least the longest sequence: the Ampere kernels' grid
-    follows it, and the backward's on both families). CPU tensors (or backend='reference') run the per-sequence
-    reference, differentiable through torch's autograd. The kernels' derivative is the packed-batch backward
-    (Hopper sm90, Ampere sm80): gradients w.r.t. q, k, v and sinks, bitwise reproducible with
-    ``deterministic=True``. Gradients of rows past a slot's seqused are 0; of rows past cu_seqlens[-1], as in
-    flash-attn, left unwritten.
-    """
+    values (non-decreasing, within the tensors, within max_seqlen) run on CUDA tensors only with the environment
+    variable FLASHHOPPER_DEBUG_VARLEN=1; on CPU tensors they always run (max_seqlen_q must be at least the
+    longest sequence: the Ampere kernels' grid follows it, and the backward's on both families). CPU tensors (or
+    backend='reference') run the per-sequence reference, differentiable through torch's autograd. The kernels'
+    derivative is the packed-batch backward (Hopper sm90, Ampere sm80): gradients w.r.t. q, k, v and sinks, bitwise
+    reproducible with ``deterministic=True``. Gradients of rows past a slot's seqused are 0; of rows past
+    cu_seqlens[-1], as in flash-attn, left unwritten."""
     if _autocast.enabled():
         q, k, v = _autocast.cast(q, k, v)
     shapes, scale = validation.check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -363,7 +370,7 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     validation.check_flag("return_dropout_mask", return_dropout_mask)
     causal, window = normalize_window(causal, window)
     dropout = dropout_p > 0
-    if os.environ.get(DEBUG_ENV) == "1":
+    if check_values_here(cu_seqlens_q):
         validation.check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
                                        seqused_k)
     name = dispatch.resolve_backend(q, shapes.headdim, q.dtype, causal, backend, window=window, softcap=softcap,

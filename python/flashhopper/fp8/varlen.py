@@ -6,13 +6,12 @@ synchronization, so torch.compile traces it and a CUDA graph may capture it.
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Literal, overload
 
 import torch
 
 from .. import _autocast, validation
-from ..varlen import DEBUG_ENV
+from ..varlen import check_values_here
 from . import ops
 from .attention import _softmax_scale
 from .format import check_int, check_seed
@@ -119,7 +118,7 @@ def flash_attn_varlen_fp8_func(q: torch.Tensor | PackedFP8Tensor, k: torch.Tenso
     if hkv == 0 or hq % hkv:
         raise ValueError(f"q nheads {hq} must be a multiple of k/v nheads {hkv} (grouped-query attention)")
     scale = _softmax_scale(softmax_scale, d)
-    if os.environ.get(DEBUG_ENV) == "1":
+    if check_values_here(cu_seqlens_q):
         rows_q, rows_k = (x.data if isinstance(x, PackedFP8Tensor) else x for x in (q, k))  # (total, heads, dim)
         validation.check_varlen_values(rows_q, rows_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                        seqused_q, seqused_k)

@@ -56,6 +56,27 @@ def test_reference_is_differentiable() -> None:
     torch.autograd.gradcheck(lambda q, k, v: flash_attn_varlen_func(q, k, v, cq, ck, 3, 4, causal=True), (q, k, v))
 
 
+@pytest.mark.parametrize("variant", ["window", "softcap", "sinks", "dropout"])
+def test_variants_gradcheck(variant: str) -> None:
+    # float64 gradchecks through the public call for each of #23's variants on packed batches (the reference's
+    # autograd; the GPU tests compare the kernels with it). Dropout: a fresh generator of one seed per call, so
+    # every evaluation drops the same entries.
+    q, k, v, cq, ck = make([3, 0, 4], [4, 2, 5], hq=2, hkv=1, d=4)
+    sinks = torch.randn(2, dtype=torch.float32)
+    kw: dict[str, object] = {"window": dict(window_size=(2, 1)), "softcap": dict(softcap=1.5),
+                             "sinks": dict(sinks=sinks), "dropout": dict(dropout_p=0.3)}[variant]
+    for x in (q, k, v):
+        x.requires_grad_()
+
+    def f(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        extra = dict(generator=torch.Generator().manual_seed(5)) if variant == "dropout" else {}
+        return flash_attn_varlen_func(q, k, v, cq, ck, 4, 5, causal=variant == "window", **kw, **extra)
+
+    torch.autograd.gradcheck(f, (q, k, v))
+    plain = flash_attn_varlen_func(q, k, v, cq, ck, 4, 5)
+    assert not torch.allclose(f(q, k, v), plain)  # the variant changes the output (it is not a no-op here)
+
+
 def test_backward_op_matches_autograd_of_the_reference() -> None:
     # The op the kernels' autograd calls, on its reference backend: gradients w.r.t. q, k, v and sinks
     # through out and lse, against torch's autograd of the differentiable reference (seqused, a window,

@@ -18,6 +18,27 @@ from flashhopper.reference import (attention_bwd_lowp, attention_bwd_ref, attent
                                    visible)
 
 
+def poison_allocator(*nbytes: int, device: torch.device | str = "cuda") -> None:
+    """Fill blocks of these sizes with 0xFF (NaN as e4m3, bf16, fp16 and float32) and free them at once: the
+    caching allocator hands the same memory to the next allocations of those sizes, so outputs the
+    kernel leaves unwritten show up as NaN instead of as (often zero) fresh memory. Best effort: the
+    allocator makes no promise which block the next tensor gets."""
+    blocks = [torch.full((n,), 0xFF, dtype=torch.uint8, device=device) for n in nbytes if n > 0]
+    del blocks
+
+
+def with_poisoned_outputs(call: Callable[..., Any]) -> Callable[..., Any]:
+    """flash_attn_with_kvcache that poisons the allocator (poison_allocator) for the out and lse it allocates
+    before each eager call, since it takes no output tensors to poison; not under torch.compile or CUDA-graph
+    capture (no eager allocation to steer there)."""
+    def wrapped(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *args: Any, **kw: Any) -> Any:
+        if q.is_cuda and not torch.compiler.is_compiling() and not torch.cuda.is_current_stream_capturing():
+            b, sq, hq, _ = q.shape
+            poison_allocator(b * sq * hq * v_cache.shape[-1] * q.element_size(), b * hq * sq * 4, device=q.device)
+        return call(q, k_cache, v_cache, *args, **kw)
+    return wrapped
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """||out - ref|| / ||ref|| with norms in float64 (||out - ref|| when ref is all zeros)."""
     ref64 = ref.double()

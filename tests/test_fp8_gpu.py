@@ -31,7 +31,7 @@ import math
 
 import pytest
 import torch
-from helpers import fp8_kernel_block_n, max_abs_err, randn_qkv, rel_err, unconfigured
+from helpers import fp8_kernel_block_n, max_abs_err, poison_allocator, randn_qkv, rel_err, unconfigured
 
 import flashhopper
 from flashhopper import _device, _ext, fp8, reference_fp8
@@ -128,15 +128,6 @@ def ordinal(t: torch.Tensor) -> torch.Tensor:
     u = fp8_bytes(t).to(torch.int16)
     mag = u & 0x7F
     return torch.where(u >= 0x80, -mag, mag)
-
-
-def poison_allocator(*nbytes: int) -> None:
-    """Fill blocks of these sizes with 0xFF (NaN as e4m3 and as float32) and free them at once: the
-    caching allocator hands the same memory to the next allocations of those sizes, so outputs the
-    kernel leaves unwritten show up as NaN instead of as (often zero) fresh memory. Best effort: the
-    allocator makes no promise which block the next tensor gets."""
-    blocks = [torch.full((n,), 0xFF, dtype=torch.uint8, device=DEV) for n in nbytes if n > 0]
-    del blocks
 
 
 def assert_no_nan_bytes(t: torch.Tensor, where: str) -> None:

@@ -13,12 +13,16 @@ import random
 
 import pytest
 import torch
+from helpers import with_poisoned_outputs
 from test_kvcache_gpu import CAPACITY, lengths_for, poisoned_cache
 
-from flashhopper import _device, _ext, dispatch, flash_attn_with_kvcache, kvcache_fp8
+from flashhopper import _device, _ext, dispatch, flash_attn_with_kvcache as attend_kvcache, kvcache_fp8
 from flashhopper.kernel_key import VARLEN_HEADDIMS
 from flashhopper.kvcache import CacheShapes, _kvcache_key, _kvcache_mask, resolve_backend
 from flashhopper.reference import attention_kvcache_ref, kvcache_entry
+
+# Its outputs are fresh allocations: poison the allocator before each eager call (helpers).
+flash_attn_with_kvcache = with_poisoned_outputs(attend_kvcache)
 
 pytestmark = pytest.mark.gpu
 

@@ -1,9 +1,10 @@
 """The Hopper KV-cache kernel (flash_attn_with_kvcache) against per-entry exact attention on the GPU (skipped here).
 
 Every case builds a logical cache per entry, with random lengths (0, 1, on a page boundary, full among them), and
-lays it out contiguous or in pages of 16..256 rows scattered in random order. The kernel writes into fresh outputs,
-so the poison is in the cache: every slot at or past an entry's length (and every page no entry uses) holds NaN
-or inf, and the outputs must be finite and match, entry by entry, exact attention over that entry's keys alone
+lays it out contiguous or in pages of 16..256 rows scattered in random order. The poison is in the cache (every
+slot at or past an entry's length, and every page no entry uses, holds NaN or inf) and in the outputs: the call
+allocates them, so the allocator is filled with NaN first (helpers.with_poisoned_outputs), and they must be finite
+and match, entry by entry, exact attention over that entry's keys alone
 with FA3's criterion (helpers.assert_matches_reference). Appends are checked bitwise against a manual write; a
 decode step is captured in a CUDA graph and replayed with new lengths and page tables; torch.compile traces it.
 """
@@ -13,12 +14,15 @@ import random
 
 import pytest
 import torch
-from helpers import assert_matches_reference
+from helpers import assert_matches_reference, with_poisoned_outputs
 
-from flashhopper import _device, _ext, dispatch, flash_attn_func, flash_attn_with_kvcache
+from flashhopper import _device, _ext, dispatch, flash_attn_func, flash_attn_with_kvcache as attend_kvcache
 from flashhopper.kernel_key import VARLEN_HEADDIMS
 from flashhopper.kvcache import CacheShapes, _kvcache_key, _kvcache_mask, resolve_backend
 from flashhopper.reference import kvcache_entry
+
+# Its outputs are fresh allocations: poison the allocator before each eager call (helpers).
+flash_attn_with_kvcache = with_poisoned_outputs(attend_kvcache)
 
 pytestmark = pytest.mark.gpu
 

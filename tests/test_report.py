@@ -19,7 +19,7 @@ import flashhopper
 from flashhopper import _ext, dispatch
 from flashhopper.report import ceilings, cli, environment, fa3, io_model, metrics, render, results, sweep
 from flashhopper.report.providers import (FA3_PROVIDERS, PROVIDERS, Prepared, Provider, Unavailable, provider,
-                                          provider_name, with_fa3)
+                                          provider_name, quantize_per_kv_head, with_fa3)
 from flashhopper.report.sweep import QUICK, grid
 from flashhopper.report.timing import make_timer
 
@@ -442,6 +442,104 @@ def test_fa3_counts_as_a_peer_in_its_own_precision() -> None:
     assert ours["best_peer"] == "fa3" and ours["speedup_vs_best_peer"] == pytest.approx(0.9)
     assert ours8["best_peer"] == "fa3-fp8" and ours8["speedup_vs_best_peer"] == pytest.approx(0.5 / 0.6)
     assert _one(rows, provider="fa3")["speedup_vs_best_peer"] is None
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v))).transpose(1, 2)
+
+
+@pytest.mark.parametrize("fa3_wrong", [False, True])
+def test_a_peer_is_timed_only_if_its_output_passes_the_check(monkeypatch: pytest.MonkeyPatch, fa3_wrong: bool) -> None:
+    # A misconfigured FA3 (e.g. descales in the wrong layout) must not be timed and stand as the best peer.
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 128, 2, 64, dtype=torch.bfloat16) for _ in range(3))
+    ref = _sdpa(q, k, v)
+    noisy = (ref.float() * (1 + 0.04 * torch.randn_like(ref.float()))).to(ref.dtype)  # fp8-like: ~4e-2
+    outputs = {  # provider -> (its forward's output, kernel_dtype, ms); fa3 the fastest, were it timed
+        "flashhopper": (ref, None, 1.0), "sdpa-cudnn": (ref, None, 2.0), "fa3": (v if fa3_wrong else ref, None, 0.5),
+        "flashhopper-fp8": (noisy, "fp8", 0.8), "fa3-fp8": (noisy, "fp8", 0.4),
+    }
+    called: list[str] = []
+
+    def fake(name: str) -> Provider:
+        out, kernel_dtype, _ = outputs[name]
+
+        def prepare(mode: str, *args: Any) -> Prepared:
+            return Prepared(lambda: called.append(name) or out, {"kernel_dtype": kernel_dtype})
+
+        return Provider(name, prepare, rel_err_tolerance=PROVIDERS[name].rel_err_tolerance)  # the real tolerances
+
+    fakes = {name: fake(name) for name in outputs}
+    monkeypatch.setattr(sweep, "provider", fakes.__getitem__)
+    monkeypatch.setattr(sweep, "inputs", lambda shape: (q, k, v))
+    monkeypatch.setattr(sweep.torch.cuda, "empty_cache", lambda: None)
+
+    def timer(fn: Any) -> float:
+        fn()
+        return outputs[called[-1]][2]
+
+    shapes = grid({64: (128,)}, ["fwd"], ["bf16"], [False], tokens=256, width=128)
+    raw = sweep.run_sweep(shapes, list(outputs), timer)
+    rows = {r["provider"]: r for r in metrics.derive(raw, None, None)}
+    assert rows["sdpa-cudnn"]["rel_err_vs_sdpa"] is None  # the reference is not checked against itself
+    # fp8 peers are held to fp8's tolerance, not bf16's: timed, and the fp8 kernel's best peer.
+    assert 1e-2 < rows["fa3-fp8"]["rel_err_vs_sdpa"] < 8e-2 and rows["fa3-fp8"]["ms"] == 0.4
+    assert rows["flashhopper-fp8"]["best_peer"] == "fa3-fp8"
+    ours, peer = rows["flashhopper"], rows["fa3"]
+    if not fa3_wrong:
+        assert peer["rel_err_vs_sdpa"] < 1e-2 and peer["ms"] == 0.5 and peer["skipped"] is None
+        assert ours["best_peer"] == "fa3" and ours["speedup_vs_best_peer"] == pytest.approx(0.5)
+        return
+    assert peer["rel_err_vs_sdpa"] > 1 and peer["ms"] is None and peer["tflops"] is None
+    assert peer["skipped"] == f"output check failed: rel err {peer['rel_err_vs_sdpa']:.2e} vs SDPA > tol 1e-02"
+    assert called.count("fa3") == 1  # the check's run, never the timer's
+    assert ours["best_peer"] == "sdpa-cudnn" and ours["speedup_vs_best_peer"] == pytest.approx(2.0)
+    assert sweep.skip_reasons(raw)["fa3 (fwd)"].startswith("output check failed")
+
+
+def test_fa3_fp8_scales_per_batch_and_kv_head() -> None:
+    torch.manual_seed(0)
+    spread = torch.tensor([[1.0, 3.0, 0.5, 8.0], [2.0, 0.25, 4.0, 1.0]]).view(2, 1, 4, 1)  # each (b, h) its own range
+    x = (torch.randn(2, 96, 4, 64) * spread).to(torch.bfloat16)
+    for nheads_kv in (4, 2):  # MHA, and GQA: the query heads of a kv head share its scale
+        data, descale = quantize_per_kv_head(x, nheads_kv)
+        assert data.dtype == torch.float8_e4m3fn and data.shape == x.shape
+        assert descale.dtype == torch.float32 and descale.shape == (2, nheads_kv)
+        amax = x.float().abs().view(2, 96, nheads_kv, -1).amax(dim=(1, 3))
+        torch.testing.assert_close(descale, amax / 448, rtol=1e-7, atol=0)
+        group = data.float().abs().view(2, 96, nheads_kv, -1).amax(dim=(1, 3))
+        assert torch.equal(group, torch.full_like(group, 448.0))  # each slice uses e4m3's whole range
+        deq = data.float() * descale.repeat_interleave(4 // nheads_kv, dim=1)[:, None, :, None]
+        err = (deq - x.float()).abs().view(2, 96, nheads_kv, -1).amax(dim=(1, 3))
+        assert (err <= amax / 16).all()  # e4m3 rounding, relative to each slice's own amax
+    with pytest.raises(ValueError, match="not a multiple"):
+        quantize_per_kv_head(x, 3)
+
+
+@pytest.mark.usefixtures("no_fa3")
+def test_fa3_fp8_gets_its_descales_per_batch_and_kv_head(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A stand-in for FA3's fp8 forward that dequantizes with the descales it is given, (batch, nheads_kv) each.
+    (tmp_path / "flash_attn_3").mkdir()
+    (tmp_path / "flash_attn_interface.py").write_text(
+        "import torch\n"
+        "def flash_attn_func(q, k, v, causal=False, q_descale=None, k_descale=None, v_descale=None):\n"
+        "    b, hkv = k.shape[0], k.shape[2]\n"
+        "    assert all(d.shape == (b, hkv) and d.dtype == torch.float32 for d in (q_descale, k_descale, v_descale))\n"
+        "    q, k, v = (x.float() * d[:, None, :, None] for x, d in ((q, q_descale), (k, k_descale), (v, v_descale)))\n"
+        "    out = torch.nn.functional.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)),\n"
+        "                                                           is_causal=causal)\n"
+        "    return out.transpose(1, 2).to(torch.bfloat16)\n")
+    fa3.set_path(tmp_path)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    torch.manual_seed(0)
+    q, k = (torch.randn(2, 128, 2, 64, dtype=torch.bfloat16) for _ in range(2))
+    # V of a different range per (batch, head): descales read in another layout would scale the wrong slices.
+    v = (torch.randn(2, 128, 2, 64) * torch.tensor([[1.0, 16.0], [4.0, 0.5]]).view(2, 1, 2, 1)).to(torch.bfloat16)
+    prepared = PROVIDERS["fa3-fp8"].prepare("fwd", q, k, v, True)
+    assert prepared.meta == {"kernel_dtype": "fp8"}
+    err = sweep.check_against_sdpa(prepared.fn, q, k, v, True)
+    assert err is not None and err < PROVIDERS["fa3-fp8"].rel_err_tolerance
 
 
 def test_environment_names_the_fa3_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

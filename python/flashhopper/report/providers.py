@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashhopper
-from flashhopper import _ext, dispatch, fp8, ops
+from flashhopper import _ext, dispatch, fp8, ops, reference_fp8
 
 from . import fa3
 from .timing import Fn
@@ -50,12 +50,22 @@ class Provider:
     # Entered around preparing and timing rather than inside the timed call (SDPA's backend choice).
     context: Callable[[], contextlib.AbstractContextManager[Any]] = field(default=contextlib.nullcontext)
     # The relative error against SDPA above which a result is suspect. fp8's own error on randn
-    # inputs is ~5e-2 (tests/test_fp8_gpu.py), so its providers say so here.
+    # inputs is ~5e-2 (tests/test_fp8_gpu.py), so its providers say so here (FP8_REL_ERR_TOLERANCE).
     rel_err_tolerance: float = 1e-2
+
+
+# fp8 forwards' tolerance: ours and FA3's (per-head scales, emulated with reference_fp8) are ~5e-2 on randn.
+FP8_REL_ERR_TOLERANCE = 8e-2
 
 
 def is_ours(provider: str) -> bool:
     return provider.startswith("flashhopper")
+
+
+def is_checked(provider: str) -> bool:
+    """Whether the sweep checks this provider's forward against SDPA before timing it: ours and FA3's.
+    SDPA's backends are the reference itself."""
+    return is_ours(provider) or provider in FA3_PROVIDERS
 
 
 def _check_mode(mode: str) -> None:
@@ -226,20 +236,30 @@ def _fa3(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     return Prepared(timeable(mode, make, q, k, v), {})
 
 
+def quantize_per_kv_head(x: torch.Tensor, nheads_kv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (batch, seqlen, nheads, headdim) in e4m3 and its float32 descales (batch, nheads_kv), the shape of FA3's
+    q/k/v_descale: one scale per (batch, kv head), from the amax over seqlen and headdim of that slice and, under
+    GQA, of the query heads that share the kv head (FA3 descales them together). docs/fp8.md's "head"
+    quantization (reference_fp8.quantize_ref), each group of heads seen as one wider head (adjacent in memory)."""
+    b, s, h, d = x.shape
+    if nheads_kv < 1 or h % nheads_kv:
+        raise ValueError(f"nheads {h} is not a multiple of nheads_kv {nheads_kv}")
+    t = reference_fp8.quantize_ref(x.reshape(b, s, nheads_kv, h // nheads_kv * d), None, "head")
+    return t.data.view(b, s, h, d), t.scale.view(b, nheads_kv)
+
+
 def _fa3_fp8(mode: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> Prepared:
-    """FlashAttention-3's e4m3 forward on inputs quantized once, untimed, per tensor (FA3's own scheme):
-    one scale per tensor, passed as FA3's (batch, nheads_kv) descales."""
+    """FlashAttention-3's e4m3 forward on inputs quantized once, untimed, with FA3's per-(batch, kv head)
+    descales (``quantize_per_kv_head``)."""
     if mode != "fwd":
         raise Unavailable(f"FA3's fp8 is forward-only (mode {mode!r})")
     interface = _load_fa3()
     _require_hopper(q, "FA3's kernels")
     if q.dtype == torch.float8_e4m3fn:  # --dtype fp8: raw e4m3 values, exact in bf16; quantized as usual
         q, k, v = (x.to(torch.bfloat16) for x in (q, k, v))
-    batch, nheads_kv = k.shape[0], k.shape[2]
+    nheads_kv = k.shape[2]
     try:
-        quantized = [fp8.quantize_fp8(x, hadamard=False, granularity="tensor") for x in (q, k, v)]
-        q8, k8, v8 = (t.data for t in quantized)
-        qd, kd, vd = (t.scale.reshape(-1)[:1].expand(batch, nheads_kv).contiguous() for t in quantized)
+        (q8, qd), (k8, kd), (v8, vd) = (quantize_per_kv_head(x, nheads_kv) for x in (q, k, v))
 
         def fn() -> Any:
             return interface.flash_attn_func(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd)
@@ -264,11 +284,11 @@ PROVIDERS: dict[str, Provider] = {p.name: p for p in (
     Provider("flashhopper-deterministic", functools.partial(_ours, None, deterministic=True)),
     Provider("flashhopper-sm80-deterministic", functools.partial(_ours, "sm80", deterministic=True)),
     # fp8 forward: the kernel on inputs quantized beforehand, and end to end (quantizing q, k, v in the call).
-    Provider("flashhopper-fp8", functools.partial(_fp8, False), rel_err_tolerance=8e-2),
-    Provider("flashhopper-fp8-e2e", functools.partial(_fp8, True), rel_err_tolerance=8e-2),
+    Provider("flashhopper-fp8", functools.partial(_fp8, False), rel_err_tolerance=FP8_REL_ERR_TOLERANCE),
+    Provider("flashhopper-fp8-e2e", functools.partial(_fp8, True), rel_err_tolerance=FP8_REL_ERR_TOLERANCE),
     *(Provider(name, _sdpa, functools.partial(sdpa_kernel, [b])) for name, b in _SDPA_BACKENDS.items()),
     Provider("fa3", _fa3),
-    Provider("fa3-fp8", _fa3_fp8),
+    Provider("fa3-fp8", _fa3_fp8, rel_err_tolerance=FP8_REL_ERR_TOLERANCE),
 )}
 FA3_PROVIDERS: tuple[str, ...] = ("fa3", "fa3-fp8")
 VARIANT_PREFIX = "flashhopper@"
@@ -301,11 +321,13 @@ def with_fa3(names: Sequence[str]) -> list[str]:
 
 
 def check_against_sdpa(fn: Fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> float | None:
-    """||ours - SDPA|| / ||SDPA|| (untimed): a benchmark of a wrong kernel is worthless. None where
-    SDPA cannot run these inputs (e.g. fp8)."""
+    """||out - SDPA|| / ||SDPA|| (untimed): a benchmark of a wrong kernel, ours or a peer's, is worthless.
+    None where SDPA cannot run these inputs (e.g. fp8)."""
     try:
         ref = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                              is_causal=causal).transpose(1, 2).double()
     except RuntimeError:
         return None
-    return ((fn().double() - ref).norm() / ref.norm()).item()
+    out = fn()
+    out = out[0] if isinstance(out, tuple) else out  # FA3 builds that return (out, lse)
+    return ((out.double() - ref).norm() / ref.norm()).item()

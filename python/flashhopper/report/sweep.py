@@ -16,7 +16,7 @@ import torch
 
 from flashhopper.flops import attention_flops, tflops
 
-from .providers import Prepared, Provider, Unavailable, check_against_sdpa, is_ours, provider
+from .providers import Prepared, Provider, Unavailable, check_against_sdpa, is_checked, is_ours, provider
 from .timing import Timer
 
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}
@@ -79,10 +79,26 @@ def inputs(shape: Shape, device: str = "cuda") -> tuple[torch.Tensor, torch.Tens
     return q, k, v
 
 
+def _check_output(name: str, prov: Provider, prepared: Prepared, shape: Shape, q: torch.Tensor,
+                  k: torch.Tensor, v: torch.Tensor, row: dict[str, Any]) -> None:
+    """The forward's error against SDPA into ``row``, for ours and FA3 (``is_checked``). A peer beyond its
+    tolerance raises Unavailable: timed, its wrong output would stand as the best peer. Ours are timed
+    all the same, with a warning: the row shows the error beside the time."""
+    if not is_checked(name) or shape.mode != "fwd":
+        return
+    row["rel_err_vs_sdpa"] = err = check_against_sdpa(prepared.fn, q, k, v, shape.causal)
+    if err is None or err < prov.rel_err_tolerance:  # fp8: its own rounding, its own tolerance
+        return
+    if not is_ours(name):
+        raise Unavailable(f"output check failed: rel err {err:.2e} vs SDPA > tol {prov.rel_err_tolerance:.0e}")
+    print(f"WARNING: {name} differs from SDPA by {err:.2e} at {row}", file=sys.stderr)
+
+
 def run_sweep(shapes: Sequence[Shape], providers: Sequence[str], timer: Timer,
               progress: Progress | None = None, rounds: int = 1) -> list[dict[str, Any]]:
     """Time every provider on every shape: one row each, with the shape, the provider and either
-    ms + tflops (ours also: backend, tile sizes, error against SDPA) or why it was skipped.
+    ms + tflops (ours also: backend, tile sizes; ours and FA3: error against SDPA) or why it was skipped
+    (a peer whose output fails the check against SDPA is skipped, saying so, and not timed).
 
     With ``rounds`` > 1 the providers of a shape are timed in turn that many times (A B A B ...) and
     ms is the median of the rounds (each round's ms in ``ms_rounds``): under the power cap the clock
@@ -101,17 +117,14 @@ def run_sweep(shapes: Sequence[Shape], providers: Sequence[str], timer: Timer,
             try:
                 with prov.context():
                     prepared = prov.prepare(shape.mode, q, k, v, shape.causal)
+                row.update(prepared.meta)
+                _check_output(name, prov, prepared, shape, q, k, v, row)
             except Unavailable as e:
                 row["skipped"] = str(e)
                 done += 1
                 if progress is not None:
                     progress(done, total, f"{shape.label()} {name}")
                 continue
-            row.update(prepared.meta)
-            if is_ours(name) and shape.mode == "fwd":
-                row["rel_err_vs_sdpa"] = err = check_against_sdpa(prepared.fn, q, k, v, shape.causal)
-                if err is not None and not err < prov.rel_err_tolerance:  # fp8: its own rounding
-                    print(f"WARNING: {name} differs from SDPA by {err:.2e} at {row}", file=sys.stderr)
             timed.append((row, prov, prepared, []))
         for r in range(rounds):
             for row, prov, prepared, samples in timed:

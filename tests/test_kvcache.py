@@ -1,7 +1,7 @@
 """flash_attn_with_kvcache on the CPU: the reference against a brute-force computation, paged and contiguous caches
-alike, the append's writes, cache_batch_idx, the argument checks that run before anything is written or launched,
-the split-KV heuristic, the ops under torch.compile, and the launch's params with the extension replaced by a
-recorder (the kernels themselves: test_kvcache_gpu.py)."""
+alike, the append's writes (and append_kvcache's, the append alone), cache_batch_idx, the argument checks that run
+before anything is written or launched, the split-KV heuristic, the ops under torch.compile, and the launch's params
+with the extension replaced by a recorder (the kernels themselves: test_kvcache_gpu.py)."""
 from __future__ import annotations
 
 import math
@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from flashhopper import _device, _ext, _launch, attention_kvcache_ref, flash_attn_with_kvcache
+from flashhopper import _device, _ext, _launch, append_kvcache, attention_kvcache_ref, flash_attn_with_kvcache
 from flashhopper.kernel_key import KernelKey, from_dict
 from flashhopper.kvcache import (SPLIT_TILE_START_BLOCKS, CacheShapes, kernel_num_splits, num_splits_heuristic,
                                  resolve_backend)
@@ -323,6 +323,48 @@ def test_cache_batch_idx() -> None:
                                rtol=0, atol=0)
 
 
+def bits(x: torch.Tensor) -> torch.Tensor:
+    """x's bytes: torch.equal on them compares bit for bit, NaN included."""
+    return x.contiguous().view(torch.uint8)
+
+
+@pytest.mark.parametrize("lens_kind", ["tensor", "int"])
+@pytest.mark.parametrize("seqlen_new", [3, 17])
+@pytest.mark.parametrize("paged", [False, True])
+def test_append_kvcache_writes_what_the_attention_call_appends(paged: bool, seqlen_new: int, lens_kind: str) -> None:
+    """append_kvcache on one clone of a cache, flash_attn_with_kvcache's append on another: the same bits, every
+    slot (pages of 16, appends across page boundaries; K's spare pages NaN), cache_seqlens unchanged."""
+    lengths = [14, 16, 30, 64 - seqlen_new] if lens_kind == "tensor" else [14] * 4
+    q, kc, vc = make(len(lengths), 1, 64)
+    k, v = _f64(len(lengths), seqlen_new, 2, 16), _f64(len(lengths), seqlen_new, 2, 16)
+    table = None
+    if paged:
+        kc, table = to_paged(kc, 16, generator=torch.Generator().manual_seed(2))
+        vc = torch.randn_like(kc)
+    lens: torch.Tensor | int = i32(lengths) if lens_kind == "tensor" else lengths[0]
+    mine, theirs = (kc.clone(), vc.clone()), (kc.clone(), vc.clone())
+    assert append_kvcache(*mine, k, v, lens, table) is None
+    flash_attn_with_kvcache(q, *theirs, k, v, cache_seqlens=lens, page_table=table)
+    for a, b in zip(mine, theirs):
+        assert torch.equal(bits(a), bits(b))
+    assert not torch.equal(bits(mine[0]), bits(kc))  # it wrote
+    if isinstance(lens, torch.Tensor):
+        assert lens.tolist() == lengths  # the caller advances the lengths
+
+
+def test_append_kvcache_cache_batch_idx() -> None:
+    big_k, big_v = _f64(5, 32, 2, 16), _f64(5, 32, 2, 16)
+    q = _f64(3, 1, 4, 16)
+    rows, lens = i32([4, 0, 2]), i32([20, 5, 0])
+    k, v = _f64(3, 2, 2, 16), _f64(3, 2, 2, 16)
+    mine, theirs = (big_k.clone(), big_v.clone()), (big_k.clone(), big_v.clone())
+    append_kvcache(*mine, k, v, lens, cache_batch_idx=rows)
+    flash_attn_with_kvcache(q, *theirs, k, v, cache_seqlens=lens, cache_batch_idx=rows)
+    for a, b in zip(mine, theirs):
+        assert torch.equal(bits(a), bits(b))
+    assert torch.equal(mine[0][[1, 3]], big_k[[1, 3]]) and torch.equal(mine[0][4, 20:22], k[0])
+
+
 def test_strided_inputs() -> None:
     """Any strides (a cache sliced from a larger buffer, q with heads interleaved) give what contiguous ones give."""
     lengths = i32([10, 3])
@@ -479,6 +521,75 @@ def test_good_base_args() -> None:
             flash_attn_with_kvcache(**base_args(paged, append))
 
 
+def append_args(paged: bool = False) -> dict[str, Any]:
+    """append_kvcache's arguments: base_args' caches, lengths and page table, and its k / v."""
+    args = base_args(paged, append=True)
+    del args["q"]
+    return args
+
+
+APPEND_BAD = [
+    # (overrides, paged, error, message): flash_attn_with_kvcache's checks, with k where q stood
+    (dict(k=[1.0]), False, TypeError, "k must be a torch.Tensor"),
+    (dict(k=None), False, TypeError, "k must be a torch.Tensor"),
+    (dict(k=_f64(2, 2, 16)), False, ValueError, "k must have 4 dimensions"),
+    (dict(k=torch.zeros(2, 2, 2, 16, dtype=torch.int32)), False, TypeError, "k has dtype torch.int32"),
+    (dict(v=None), False, ValueError, "k and v are appended together"),
+    (dict(k_cache=_f64(2, 32, 16)), False, ValueError, "k_cache must have 4 dimensions"),
+    (dict(k_cache=torch.randn(2, 32, 2, 16)), False, TypeError, "k_cache has dtype torch.float32 but k"),
+    (dict(v=torch.randn(2, 2, 2, 16)), False, TypeError, "v has dtype torch.float32 but v_cache"),
+    (dict(k_cache=torch.empty(2, 32, 2, 16, dtype=F64, device="meta")), False, ValueError, "k_cache is on meta"),
+    (dict(v=torch.empty(2, 2, 2, 16, dtype=F64, device="meta")), False, ValueError, "v is on meta but k is on cpu"),
+    (dict(k_cache=_f64(2, 32, 2, 8)), False, ValueError, "k_cache head dim 8 does not match k head dim 16"),
+    (dict(v_cache=_f64(2, 31, 2, 16)), False, ValueError, "v_cache shape"),
+    (dict(k_cache=_f64(3, 32, 2, 16), v_cache=_f64(3, 32, 2, 16)), False, ValueError,
+     "k_cache batch size 3 does not match k batch size 2"),
+    (dict(k_cache=_f64(2, 32, 4, 16), v_cache=_f64(2, 32, 4, 16)), False, ValueError,
+     r"k must have shape \(2, 2, 4, 16\)"),
+    (dict(v=_f64(2, 3, 2, 16)), False, ValueError, r"v must have shape \(2, 2, 2, 16\)"),
+    (dict(k=_f64(2, 33, 2, 16), v=_f64(2, 33, 2, 16)), False, ValueError, "k has 33 new tokens per entry"),
+    (dict(cache_seqlens=None), False, ValueError, "cache_seqlens is required when k and v are appended"),
+    (dict(cache_seqlens=torch.tensor([4, 8])), False, TypeError, "cache_seqlens has dtype torch.int64"),
+    (dict(cache_seqlens=i32([4])), False, ValueError, r"cache_seqlens must have shape \(2,\)"),
+    (dict(cache_seqlens=torch.zeros(2, dtype=torch.int32, device="meta")), False, ValueError,
+     "cache_seqlens is on meta but k is on cpu"),
+    (dict(cache_seqlens=4.0), False, TypeError, "cache_seqlens must be an int32 tensor"),
+    (dict(cache_seqlens=True), False, TypeError, "cache_seqlens must be an int32 tensor"),
+    (dict(cache_seqlens=31), False, ValueError, "cache_seqlens = 31 with 2 new tokens does not fit"),
+    (dict(cache_seqlens=i32([31, 0])), False, ValueError, r"cache_seqlens \(entry, value\) \[\(0, 31\)\]"),
+    (dict(page_table=torch.zeros(2, 2, dtype=torch.int64)), True, TypeError, "page_table has dtype torch.int64"),
+    (dict(page_table=torch.zeros(3, 2, dtype=torch.int32)), True, ValueError,
+     r"page_table must have shape \(2, max_pages_per_seq\)"),
+    (dict(page_table=i32([[0, -1], [2, 3]]), cache_seqlens=i32([15, 0])), True, ValueError,
+     r"page_table\[0\] names pages \[-1\]"),
+    (dict(k_cache=_f64(8, 24, 2, 16), v_cache=_f64(8, 24, 2, 16), page_table=i32([[0, 1], [2, 3]])), True,
+     ValueError, "k_cache page size 24 .* must be a positive multiple of 16"),
+    (dict(cache_batch_idx=i32([0, 1])), True, ValueError, "cache_batch_idx selects rows of a contiguous cache"),
+    (dict(cache_batch_idx=i32([0, 2])), False, ValueError, r"cache_batch_idx \(entry, row\) \[\(1, 2\)\]"),
+    (dict(hadamard_seed=3), False, ValueError, "k_cache_scale, v_cache_scale and hadamard_seed are for e4m3 caches"),
+    (dict(k_cache_scale=torch.ones(2, 2, 32)), False, ValueError, "are for e4m3 caches"),
+]
+
+
+@pytest.mark.parametrize("case", range(len(APPEND_BAD)), ids=[m[:40] for *_, m in APPEND_BAD])
+def test_append_kvcache_bad_inputs(case: int) -> None:
+    """Refused with flash_attn_with_kvcache's error before anything is written."""
+    bad, paged, err, match = APPEND_BAD[case]
+    args = append_args(paged)
+    args.update(bad)
+    kc, vc = args["k_cache"], args["v_cache"]
+    before = [bits(x.clone()) for x in (kc, vc) if x.device.type == "cpu"]
+    with pytest.raises(err, match=match):
+        append_kvcache(**args)
+    for x, y in zip(before, [bits(x) for x in (kc, vc) if x.device.type == "cpu"]):
+        assert torch.equal(x, y)
+
+
+def test_append_kvcache_good_args() -> None:
+    for paged in (False, True):
+        append_kvcache(**append_args(paged))
+
+
 def test_no_kernel_for_cuda_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
     """CUDA inputs (fake here) get the Hopper kernel or an error that says what to rebuild with; never the
     reference; other GPUs, other dtypes and head dims are told so."""
@@ -613,6 +724,27 @@ def test_compile_fullgraph_decode_step(paged: bool) -> None:
     for a, b in zip(caches[0], caches[1]):
         assert torch.equal(a.nan_to_num(), b.nan_to_num())
     assert not torch.equal(caches[1][0].nan_to_num(), args["k_cache"].nan_to_num())  # the append happened
+
+
+@pytest.mark.skipif(not torch._dynamo.is_dynamo_supported(), reason="torch.compile (dynamo) is not supported here")
+@pytest.mark.parametrize("paged", [False, True])
+def test_compile_fullgraph_append_kvcache(paged: bool) -> None:
+    """A prefill's K/V stored by append_kvcache inside a traced function: the same cache writes as eager."""
+    torch._dynamo.reset()
+    args = append_args(paged)
+
+    def store(kc, vc, k, v, lens, table):  # type: ignore[no-untyped-def]
+        append_kvcache(kc, vc, k * 2, v, lens, table)
+        return lens + k.shape[1]
+
+    caches = [(args["k_cache"].clone(), args["v_cache"].clone()) for _ in range(2)]
+    rest = (args["k"], args["v"], args["cache_seqlens"], args.get("page_table"))
+    eager = store(*caches[0], *rest)
+    compiled = torch.compile(store, fullgraph=True, backend="aot_eager")(*caches[1], *rest)
+    assert torch.equal(eager, compiled)
+    for a, b in zip(caches[0], caches[1]):
+        assert torch.equal(bits(a), bits(b))
+    assert not torch.equal(bits(caches[1][0]), bits(args["k_cache"]))  # the append happened
 
 
 # --- the launch, with the extension replaced by a recorder ---

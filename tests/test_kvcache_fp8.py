@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from flashhopper import attention_kvcache_ref, flash_attn_with_kvcache, kvcache_fp8
+from flashhopper import append_kvcache, attention_kvcache_ref, flash_attn_with_kvcache, kvcache_fp8
 from flashhopper.reference import kvcache_entry
 
 E4M3 = torch.float8_e4m3fn
@@ -82,6 +82,36 @@ def test_reference_path_and_append(seed: int | None) -> None:
     assert torch.allclose(lse.double(), ref_lse, atol=2e-2)
 
 
+def as_bits(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view(torch.uint8)
+
+
+@pytest.mark.parametrize("seed", [None, 77])
+@pytest.mark.parametrize("paged_cache", [True, False], ids=["paged16", "contiguous"])
+def test_append_kvcache_writes_what_the_attention_call_appends(paged_cache: bool, seed: int | None) -> None:
+    """append_kvcache into an e4m3 cache (3 tokens across a page boundary; K with the Hadamard seed's transform):
+    data and scales bit for bit what flash_attn_with_kvcache's quantizing append writes into a clone; cache_seqlens
+    unchanged."""
+    torch.manual_seed(4)
+    b, hkv, d = 2, 2, 64
+    kc, vc, table = paged(b, 4, 16, hkv, d)
+    if not paged_cache:  # (batch_cache, max_seqlen, ...): entry b's pages in order
+        kc, vc, table = kc[table.long()].flatten(1, 2), vc[table.long()].flatten(1, 2), None
+    cache = kvcache_fp8.quantize_kv_cache(kc, vc, seed)
+    lens = torch.tensor([14, 30], dtype=torch.int32)
+    q = torch.randn(b, 1, 8, d).bfloat16()
+    k, v = torch.randn(b, 3, hkv, d).bfloat16(), torch.randn(b, 3, hkv, d).bfloat16()
+    mine, theirs = [x.clone() for x in cache], [x.clone() for x in cache]
+    append_kvcache(mine[0], mine[1], k, v, lens, table, k_cache_scale=mine[2], v_cache_scale=mine[3],
+                   hadamard_seed=seed)
+    flash_attn_with_kvcache(q, theirs[0], theirs[1], k, v, cache_seqlens=lens, page_table=table,
+                            k_cache_scale=theirs[2], v_cache_scale=theirs[3], hadamard_seed=seed)
+    for a, x, before in zip(mine, theirs, cache):
+        assert torch.equal(as_bits(a), as_bits(x))
+        assert not torch.equal(as_bits(a), as_bits(before))  # data and scales written
+    assert lens.tolist() == [14, 30]
+
+
 def test_contiguous_cache() -> None:
     torch.manual_seed(3)
     kc = torch.randn(3, 32, 1, 128).half()
@@ -129,6 +159,37 @@ def test_bad_arguments_raise(case: int) -> None:
     exc, match, fn = bad_calls()[case]
     with pytest.raises(exc, match=match):
         fn()  # type: ignore[operator]
+
+
+def append_bad_calls() -> list[tuple[type[Exception], str, dict[str, object]]]:
+    kc, vc, table = paged(1, 2, 16, 2, 64)
+    k8, v8, ks, vs = kvcache_fp8.quantize_kv_cache(kc, vc)
+    k = torch.randn(1, 2, 2, 64).bfloat16()
+    base: dict[str, object] = dict(k_cache=k8, v_cache=v8, k=k, v=k.clone(), cache_seqlens=torch.tensor([15],
+                                   dtype=torch.int32), page_table=table, k_cache_scale=ks, v_cache_scale=vs)
+    return [(exc, match, {**base, **kw}) for exc, match, kw in [
+        (ValueError, "k_cache_scale is required", dict(k_cache_scale=None)),
+        (TypeError, "must be torch.float32", dict(v_cache_scale=vs.double())),
+        (ValueError, "must have shape", dict(k_cache_scale=ks[:, :1])),
+        (ValueError, "same strides", dict(v_cache_scale=torch.zeros(vs.shape[0], vs.shape[1], 32)[..., :16])),
+        (TypeError, "needs both k_cache and v_cache e4m3", dict(v_cache=vc)),
+        (TypeError, "v has dtype torch.float32 but k has torch.bfloat16", dict(v=torch.randn(1, 2, 2, 64))),
+        (TypeError, "hadamard_seed must be an int", dict(hadamard_seed=1.5)),
+        (ValueError, "power-of-two head dim", dict(k_cache=k8[..., :48], v_cache=v8[..., :48], k=k[..., :48],
+                                                   v=k[..., :48], hadamard_seed=3)),
+    ]]
+
+
+@pytest.mark.parametrize("case", range(8))
+def test_append_kvcache_bad_arguments_raise(case: int) -> None:
+    """append_kvcache refuses them with flash_attn_with_kvcache's errors, before the data or scales change."""
+    exc, match, args = append_bad_calls()[case]
+    held = [x for x in args.values() if isinstance(x, torch.Tensor) and x.dtype in (E4M3, torch.float32)]
+    before = [as_bits(x.clone()) for x in held]
+    with pytest.raises(exc, match=match):
+        append_kvcache(**args)  # type: ignore[arg-type]
+    for x, b in zip(held, before):
+        assert torch.equal(as_bits(x), b)
 
 
 def test_cache_memory_is_about_half() -> None:

@@ -16,7 +16,8 @@ import pytest
 import torch
 from helpers import assert_matches_reference, with_poisoned_outputs
 
-from flashhopper import _device, _ext, dispatch, flash_attn_func, flash_attn_with_kvcache as attend_kvcache
+from flashhopper import _device, _ext, append_kvcache, dispatch, flash_attn_func
+from flashhopper import flash_attn_with_kvcache as attend_kvcache
 from flashhopper.kernel_key import VARLEN_HEADDIMS
 from flashhopper.kvcache import CacheShapes, _kvcache_key, _kvcache_mask, resolve_backend
 from flashhopper.reference import kvcache_entry
@@ -206,6 +207,44 @@ def test_append(seqlen_new: int, layout: int | None, seqlen_q: int) -> None:
     assert torch.equal(torch.isnan(kc), torch.isnan(want_k)) and torch.equal(torch.isinf(vc), torch.isinf(want_v))
     assert lens.tolist() == lengths
     check_entries(out, lse, q, kc, vc, [n + seqlen_new for n in lengths], True, table)
+
+
+@pytest.mark.parametrize("seqlen_new", [1, 16])
+@pytest.mark.parametrize("layout", [None, 16], ids=lambda x: "contiguous" if x is None else f"paged{x}")
+def test_append_kvcache(seqlen_new: int, layout: int | None) -> None:
+    """append_kvcache (no attention: the append kernel on Hopper builds, torch index writes elsewhere) writes
+    test_append's manual write bitwise, every other slot untouched, cache_seqlens unchanged; captured in a CUDA
+    graph, a replay after cache_seqlens changed in place writes at the new positions."""
+    dtype, d = torch.float16, 128
+    torch.manual_seed(seqlen_new + (layout or 0))
+    page = layout or 64
+    lengths = [0, page - 1, page, 2 * page - seqlen_new // 2, CAPACITY - seqlen_new, 5]
+    batch = len(lengths)
+    kc, vc, table, _, _ = poisoned_cache(batch, 8, d, dtype, lengths, layout)
+    k = torch.randn(batch, seqlen_new, 8, d, dtype=dtype, device="cuda")
+    v = torch.randn(batch, seqlen_new, 8, d, dtype=dtype, device="cuda")
+    want_k, want_v = kc.clone(), vc.clone()
+    for b, n in enumerate(lengths):
+        for t in range(seqlen_new):
+            pos = n + t
+            if table is None:
+                want_k[b, pos], want_v[b, pos] = k[b, t], v[b, t]
+            else:
+                p = int(table[b, pos // page])
+                want_k[p, pos % page], want_v[p, pos % page] = k[b, t], v[b, t]
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    append_kvcache(kc, vc, k, v, lens, table)
+    assert torch.equal(kc.view(torch.int16), want_k.view(torch.int16))  # bitwise, NaN and inf slots included
+    assert torch.equal(vc.view(torch.int16), want_v.view(torch.int16))
+    assert lens.tolist() == lengths
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        append_kvcache(kc, vc, k, v, lens, table)
+    lens.copy_(torch.tensor([n + seqlen_new for n in lengths[:-2]] + [0, 9], dtype=torch.int32))
+    k.normal_()
+    graph.replay()
+    for b, n in enumerate(lens.tolist()):
+        assert torch.equal(kvcache_entry(kc, b, n + seqlen_new, table)[n:], k[b]), "the replay missed its positions"
 
 
 def test_cache_batch_idx() -> None:

@@ -26,7 +26,7 @@ import flashhopper
 from flashhopper import (FP8Tensor, QuantizedKV, _device, attention_ref, attention_varlen_ref, available_backends,
                          flash_attn_fp8_func, flash_attn_func, flash_attn_varlen_fp8_func, flash_attn_varlen_func, fp8,
                          hadamard_signs, quantize_fp8, quantize_kv, select_backend, to_vt)
-from flashhopper import attention_kvcache_ref, flash_attn_with_kvcache
+from flashhopper import append_kvcache, attention_kvcache_ref, flash_attn_with_kvcache
 from flashhopper import reference_fp8 as R
 
 KINDS = ("dtype", "device", "shape", "stride", "alignment", "option")
@@ -482,6 +482,19 @@ CASES: dict[str, list[Case]] = {
         Case("option", "cache_seqlens None with pages", ValueError, r"^cache_seqlens is required with page_table",
              lambda: flash_attn_with_kvcache(*kvcache_with(5, lambda x: None))),
     ],
+    "append_kvcache": [
+        Case("dtype", "v float32", TypeError, r"^v has dtype torch.float32 but v_cache has torch.bfloat16",
+             lambda: append_kvcache(*kvcache()[1:3], randn(2, 3, 2, 64), randn(2, 3, 2, 64, dtype=torch.float32),
+                                    *kvcache()[5:])),
+        Case("device", "cache_seqlens meta", ValueError, r"^cache_seqlens is on meta but k is on cpu",
+             lambda: append_kvcache(*kvcache()[1:3], randn(2, 3, 2, 64), randn(2, 3, 2, 64),
+                                    kvcache()[5].to("meta"), kvcache()[6])),
+        Case("shape", "k nheads", ValueError, r"^k must have shape \(2, 3, 2, 64\)",
+             lambda: append_kvcache(*kvcache()[1:3], randn(2, 3, 4, 64), randn(2, 3, 2, 64), *kvcache()[5:])),
+        Case("option", "hadamard_seed on a 16-bit cache", ValueError, r"^k_cache_scale, v_cache_scale and hadamard_seed",
+             lambda: append_kvcache(*kvcache()[1:3], randn(2, 3, 2, 64), randn(2, 3, 2, 64), *kvcache()[5:],
+                                    hadamard_seed=3)),
+    ],
     "attention_kvcache_ref": [
         Case("dtype", "v_cache float32", TypeError, r"^v_cache has dtype torch.float32",
              lambda: attention_kvcache_ref(*kvcache_with(2, lambda x: x.float())[:3], 3)),
@@ -532,6 +545,8 @@ NOT_APPLICABLE: dict[tuple[str, str], str] = {
     ("attention_varlen_ref", "alignment"): "torch math: any layout",
     ("attention_kvcache_ref", "stride"): "torch math: any layout",
     ("attention_kvcache_ref", "alignment"): "torch math: any layout",
+    ("append_kvcache", "stride"): "torch index writes where the append kernel cannot: any layout",
+    ("append_kvcache", "alignment"): "torch index writes where the append kernel cannot: any layout",
     ("select_backend", "stride"): "reads q's device only",
     ("select_backend", "alignment"): "reads q's device only",
 }

@@ -14,7 +14,7 @@ from .dispatch import BACKENDS, available_backends, select_backend
 from .fp8 import (FP8Tensor, PackedFP8Tensor, QuantizedKV, flash_attn_fp8_func, flash_attn_varlen_fp8_func,
                   hadamard_signs, quantize_fp8, quantize_kv, to_vt)
 from .interface import flash_attn_func
-from .kvcache import flash_attn_with_kvcache
+from .kvcache import append_kvcache, flash_attn_with_kvcache
 from .reference import attention_kvcache_ref, attention_ref, attention_varlen_ref
 from .varlen import flash_attn_varlen_func
 
@@ -29,6 +29,7 @@ __all__ = [
     "PackedFP8Tensor",
     "QuantizedKV",
     "__version__",
+    "append_kvcache",
     "attention_kvcache_ref",
     "attention_ref",
     "attention_varlen_ref",

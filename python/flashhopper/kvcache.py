@@ -1,6 +1,7 @@
 """Attention over a KV cache (flash-attn's ``flash_attn_with_kvcache``, issue #22): ``flash_attn_with_kvcache``
 and its ops ``flashhopper::kvcache_append`` (new keys and values written into the cache in place) and
-``flashhopper::kvcache_fwd`` (attention of q over each entry's cached keys).
+``flashhopper::kvcache_fwd`` (attention of q over each entry's cached keys); ``append_kvcache``, the append alone
+(a varlen prefill's K/V stored without attending).
 
 A cache is contiguous, (batch_cache, max_seqlen, nheads_kv, headdim) with entry b in row cache_batch_idx[b] (b
 without it), or paged, (num_pages, page_size, nheads_kv, headdim) with entry b's key j in page
@@ -62,14 +63,15 @@ def _ceil_div(a: int, b: int) -> int:
 
 # --- validation (metadata only: traceable) ---
 
-def _check_index_tensor(name: str, x: Any, shape: tuple[int, ...], device: torch.device, what: str) -> None:
+def _check_index_tensor(name: str, x: Any, shape: tuple[int, ...], device: torch.device, what: str,
+                        like_name: str = "q") -> None:
     validation.check_tensor(name, x)
     if x.dtype != torch.int32:
         raise TypeError(f"{name} has dtype {x.dtype}; it must be torch.int32 ({what})")
     if tuple(x.shape) != shape:
         raise ValueError(f"{name} must have shape {shape} ({what}), got {tuple(x.shape)}")
     if x.device != device:
-        raise ValueError(f"{name} is on {x.device} but q is on {device}")
+        raise ValueError(f"{name} is on {x.device} but {like_name} is on {device}")
 
 
 def check_kvcache_inputs(q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any, cache_seqlens: Any, page_table: Any,
@@ -79,32 +81,52 @@ def check_kvcache_inputs(q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any, cac
     and the softmax scale (default 1/sqrt(headdim)). Metadata only: what would need the values (lengths within
     the capacity, indices within the cache) is check_kvcache_values' job. ``fp8``: e4m3 caches (their scales are
     kvcache_fp8.check_fp8_cache's)."""
-    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+    validation.check_tensor("q", q)
+    if q.dim() != 4:
+        raise ValueError(f"q must have 4 dimensions (batch, seqlen_q, nheads_q, headdim), got shape {tuple(q.shape)}")
+    validation.check_dtype("q", q)
+    shapes = check_cache_inputs(q, "q", k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx, fp8)
+    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral):
+        raise TypeError(f"num_splits must be an int, got {type(num_splits).__name__}")
+    if not 0 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be 0 (heuristic) or 1..{MAX_SPLITS}, got {num_splits}")
+    scale = 1.0 / math.sqrt(shapes.headdim) if softmax_scale is None else validation.check_softmax_scale(softmax_scale)
+    validation.check_flag("causal", causal)
+    return shapes, scale
+
+
+def check_cache_inputs(like: torch.Tensor, like_name: str, k_cache: Any, v_cache: Any, k: Any, v: Any,
+                       cache_seqlens: Any, page_table: Any, cache_batch_idx: Any, fp8: bool = False) -> CacheShapes:
+    """check_kvcache_inputs' checks of the caches, the new k/v, cache_seqlens, page_table and cache_batch_idx
+    against ``like`` (named ``like_name`` in the messages), a checked 4-dimensional tensor whose batch, device,
+    dtype and head dim they must match: q for flash_attn_with_kvcache, k for append_kvcache (no query: the
+    shapes' query fields are k's, and the GQA check is q's alone). Metadata only."""
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
         validation.check_tensor(name, x)
         if x.dim() != 4:
-            what = ("(batch, seqlen_q, nheads_q, headdim)" if name == "q" else
-                    "(batch_cache, max_seqlen, nheads_kv, headdim) or paged (num_pages, page_size, nheads_kv, headdim)")
-            raise ValueError(f"{name} must have 4 dimensions {what}, got shape {tuple(x.shape)}")
-        if not (fp8 and name != "q"):
+            raise ValueError(f"{name} must have 4 dimensions (batch_cache, max_seqlen, nheads_kv, headdim) or paged "
+                             f"(num_pages, page_size, nheads_kv, headdim), got shape {tuple(x.shape)}")
+        if not fp8:
             validation.check_dtype(name, x)
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if x.device != q.device:
-            raise ValueError(f"{name} is on {x.device} but q is on {q.device}; q and the caches must share one device")
-        if x.dtype != q.dtype and not fp8:
-            raise TypeError(f"{name} has dtype {x.dtype} but q has {q.dtype}; q and the caches must share one dtype "
-                            "(or e4m3 caches with k_cache_scale and v_cache_scale)")
-    batch, seqlen_q, nheads_q, headdim = q.shape
+        if x.device != like.device:
+            raise ValueError(f"{name} is on {x.device} but {like_name} is on {like.device}; {like_name} and the "
+                             "caches must share one device")
+        if x.dtype != like.dtype and not fp8:
+            raise TypeError(f"{name} has dtype {x.dtype} but {like_name} has {like.dtype}; {like_name} and the "
+                            "caches must share one dtype (or e4m3 caches with k_cache_scale and v_cache_scale)")
+    batch, seqlen_q, nheads_q, headdim = like.shape
     slots, rows, nheads_kv, _ = k_cache.shape
     if k_cache.shape[3] != headdim:
-        raise ValueError(f"k_cache head dim {k_cache.shape[3]} does not match q head dim {headdim}")
+        raise ValueError(f"k_cache head dim {k_cache.shape[3]} does not match {like_name} head dim {headdim}")
     if headdim < 1:
-        raise ValueError(f"q head dim must be positive, got shape {tuple(q.shape)}")
+        raise ValueError(f"{like_name} head dim must be positive, got shape {tuple(like.shape)}")
     if tuple(v_cache.shape[:3]) != tuple(k_cache.shape[:3]) or v_cache.shape[3] < 1:
         raise ValueError(f"v_cache shape {tuple(v_cache.shape)} must equal k_cache shape {tuple(k_cache.shape)} but "
                          "for the head dim (positive)")
-    if nheads_kv < 1 or nheads_q % nheads_kv != 0:
-        raise ValueError(f"q nheads {nheads_q} must be a multiple of the caches' nheads {nheads_kv} (grouped-query "
-                         "attention)")
+    if like is not k and (nheads_kv < 1 or nheads_q % nheads_kv != 0):
+        raise ValueError(f"{like_name} nheads {nheads_q} must be a multiple of the caches' nheads {nheads_kv} "
+                         "(grouped-query attention)")
 
     paged = page_table is not None
     if paged:
@@ -113,9 +135,9 @@ def check_kvcache_inputs(q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any, cac
             raise TypeError(f"page_table has dtype {page_table.dtype}; it must be torch.int32")
         if page_table.dim() != 2 or page_table.shape[0] != batch or page_table.shape[1] < 1:
             raise ValueError(f"page_table must have shape ({batch}, max_pages_per_seq) with max_pages_per_seq >= 1 "
-                             f"(a row of page indices per entry of q), got {tuple(page_table.shape)}")
-        if page_table.device != q.device:
-            raise ValueError(f"page_table is on {page_table.device} but q is on {q.device}")
+                             f"(a row of page indices per entry of {like_name}), got {tuple(page_table.shape)}")
+        if page_table.device != like.device:
+            raise ValueError(f"page_table is on {page_table.device} but {like_name} is on {like.device}")
         if cache_batch_idx is not None:
             raise ValueError("cache_batch_idx selects rows of a contiguous cache; with page_table (a paged cache) the "
                              "page table says where each entry's keys are: pass one or the other")
@@ -126,10 +148,11 @@ def check_kvcache_inputs(q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any, cac
     else:
         if cache_batch_idx is None:
             if slots != batch:
-                raise ValueError(f"k_cache batch size {slots} does not match q batch size {batch} (pass "
+                raise ValueError(f"k_cache batch size {slots} does not match {like_name} batch size {batch} (pass "
                                  "cache_batch_idx to attend to other rows of a larger cache)")
         else:
-            _check_index_tensor("cache_batch_idx", cache_batch_idx, (batch,), q.device, "a cache row per entry of q")
+            _check_index_tensor("cache_batch_idx", cache_batch_idx, (batch,), like.device,
+                                f"a cache row per entry of {like_name}", like_name)
         capacity = rows
 
     if (k is None) != (v is None):
@@ -137,22 +160,22 @@ def check_kvcache_inputs(q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any, cac
                          f"v={'a tensor' if v is not None else 'None'}")
     seqlen_new = 0
     if k is not None:
-        for name, x, like, d in (("k", k, "k_cache", headdim), ("v", v, "v_cache", v_cache.shape[3])):
+        for name, x, cache, d in (("k", k, "k_cache", headdim), ("v", v, "v_cache", v_cache.shape[3])):
             validation.check_tensor(name, x)
             if x.dim() != 4:
                 raise ValueError(f"{name} must have 4 dimensions (batch, seqlen_new, nheads_kv, headdim), got shape "
                                  f"{tuple(x.shape)}")
-            if x.dtype != q.dtype:
-                raise TypeError(f"{name} has dtype {x.dtype} but {like} has {q.dtype}; the new keys and values are "
-                                "written into the cache in its dtype" if not fp8 else
-                                f"{name} has dtype {x.dtype} but q has {q.dtype}; new keys and values come in q's "
-                                "dtype (the call quantizes them into the e4m3 cache)")
-            if x.device != q.device:
-                raise ValueError(f"{name} is on {x.device} but q is on {q.device}")
+            if x.dtype != like.dtype:
+                raise TypeError(f"{name} has dtype {x.dtype} but {cache} has {like.dtype}; the new keys and values "
+                                "are written into the cache in its dtype" if not fp8 else
+                                f"{name} has dtype {x.dtype} but {like_name} has {like.dtype}; new keys and values "
+                                f"come in {like_name}'s dtype (the call quantizes them into the e4m3 cache)")
+            if x.device != like.device:
+                raise ValueError(f"{name} is on {x.device} but {like_name} is on {like.device}")
             want = (batch, k.shape[1], nheads_kv, d)
             if tuple(x.shape) != want:
-                raise ValueError(f"{name} must have shape {want} (q's batch, k's seqlen_new, {like}'s nheads and head "
-                                 f"dim), got {tuple(x.shape)}")
+                raise ValueError(f"{name} must have shape {want} ({like_name}'s batch, k's seqlen_new, {cache}'s "
+                                 f"nheads and head dim), got {tuple(x.shape)}")
         seqlen_new = k.shape[1]
         if seqlen_new > capacity:
             raise ValueError(f"k has {seqlen_new} new tokens per entry, more than an entry of the cache holds "
@@ -165,22 +188,31 @@ def check_kvcache_inputs(q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any, cac
         if paged:
             raise ValueError("cache_seqlens is required with page_table (each entry's number of cached keys)")
     elif isinstance(cache_seqlens, torch.Tensor):
-        _check_index_tensor("cache_seqlens", cache_seqlens, (batch,), q.device, "one length per entry of q")
+        _check_index_tensor("cache_seqlens", cache_seqlens, (batch,), like.device,
+                            f"one length per entry of {like_name}", like_name)
     elif isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, numbers.Integral):
         raise TypeError(f"cache_seqlens must be an int32 tensor (batch,), a Python int or None, got "
                         f"{type(cache_seqlens).__name__}")
     elif not 0 <= cache_seqlens <= capacity - seqlen_new:
         raise ValueError(f"cache_seqlens = {cache_seqlens} with {seqlen_new} new tokens does not fit the cache: "
                          f"0 <= cache_seqlens <= {capacity - seqlen_new} (capacity {capacity})")
-
-    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral):
-        raise TypeError(f"num_splits must be an int, got {type(num_splits).__name__}")
-    if not 0 <= num_splits <= MAX_SPLITS:
-        raise ValueError(f"num_splits must be 0 (heuristic) or 1..{MAX_SPLITS}, got {num_splits}")
-    scale = 1.0 / math.sqrt(headdim) if softmax_scale is None else validation.check_softmax_scale(softmax_scale)
-    validation.check_flag("causal", causal)
     return CacheShapes(batch, seqlen_q, nheads_q, nheads_kv, headdim, v_cache.shape[3], paged, rows,
-                       slots, capacity, seqlen_new), scale
+                       slots, capacity, seqlen_new)
+
+
+def check_cache_scales(k_cache: torch.Tensor, v_cache: torch.Tensor, k_cache_scale: Any, v_cache_scale: Any,
+                       hadamard_seed: Any, like: torch.Tensor, fp8: bool) -> None:
+    """An e4m3 cache's scales and seed (kvcache_fp8.check_fp8_cache, against ``like``: q, or append_kvcache's k);
+    none of them for 16-bit caches."""
+    if fp8:
+        kvcache_fp8.check_fp8_cache(k_cache, v_cache, k_cache_scale, v_cache_scale, hadamard_seed, like)
+    elif k_cache_scale is not None or v_cache_scale is not None or hadamard_seed is not None:
+        raise ValueError("k_cache_scale, v_cache_scale and hadamard_seed are for e4m3 caches; these caches are "
+                         f"{k_cache.dtype}")
+
+
+def _is_fp8(k_cache: Any, v_cache: Any) -> bool:
+    return any(isinstance(x, torch.Tensor) and x.dtype == kvcache_fp8.E4M3 for x in (k_cache, v_cache))
 
 
 def check_kvcache_values(shapes: CacheShapes, cache_seqlens: torch.Tensor | int | None,
@@ -703,6 +735,20 @@ def _(k_cache: torch.Tensor, v_cache: torch.Tensor, k_cache_scale: torch.Tensor,
     return None
 
 
+def _append(k_cache: torch.Tensor, v_cache: torch.Tensor, k: Any, v: Any, cache_seqlens: torch.Tensor | int,
+            page_table: torch.Tensor | None, cache_batch_idx: torch.Tensor | None,
+            scales: tuple[Any, Any] | None, seed: int | None) -> None:
+    """The validated append of flash_attn_with_kvcache and append_kvcache, through the ops (torch.compile, CUDA
+    graphs): ``scales`` an e4m3 cache's (the quantizing op), ``seed`` its Hadamard seed as int64. Under no_grad."""
+    lengths = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None
+    offset = 0 if lengths is not None else int(cache_seqlens)
+    if scales is not None:
+        kvcache_append_fp8_op(k_cache, v_cache, scales[0], scales[1], k, v, lengths, offset, page_table,
+                              cache_batch_idx, seed)
+    else:
+        kvcache_append_op(k_cache, v_cache, k, v, lengths, offset, page_table, cache_batch_idx)
+
+
 # --- the eager fast path (issue #20's, for this entry point) ---
 
 class _Plan(NamedTuple):
@@ -884,7 +930,7 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     Returns out (batch, seqlen_q, nheads_q, headdim_v) like q, or (out, lse).
     """
     key = None
-    fp8 = any(isinstance(x, torch.Tensor) and x.dtype == kvcache_fp8.E4M3 for x in (k_cache, v_cache))
+    fp8 = _is_fp8(k_cache, v_cache)
     # (FLASHHOPPER_DEBUG_KVCACHE's value checks are per call: the full path runs them.)
     if _plans.direct() and os.environ.get(DEBUG_ENV) != "1":
         key = _call_key(q, k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx, softmax_scale, causal,
@@ -900,11 +946,7 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         q, k, v = _autocast.cast(q, k, v)
     shapes, scale = check_kvcache_inputs(q, k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx,
                                          softmax_scale, causal, num_splits, fp8)
-    if fp8:
-        kvcache_fp8.check_fp8_cache(k_cache, v_cache, k_cache_scale, v_cache_scale, hadamard_seed, q)
-    elif k_cache_scale is not None or v_cache_scale is not None or hadamard_seed is not None:
-        raise ValueError("k_cache_scale, v_cache_scale and hadamard_seed are for e4m3 caches; these caches are "
-                         f"{k_cache.dtype}")
+    check_cache_scales(k_cache, v_cache, k_cache_scale, v_cache_scale, hadamard_seed, q, fp8)
     validation.check_flag("return_lse", return_lse)
     validation.check_sinks(sinks, q)
     cap = validation.check_softcap(softcap)
@@ -916,14 +958,10 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         check_kvcache_values(shapes, cache_seqlens, page_table, cache_batch_idx)
     lengths = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None
     with torch.no_grad():
-        offset = 0 if lengths is not None or cache_seqlens is None else int(cache_seqlens)
         seed = None if hadamard_seed is None else seed_int64(hadamard_seed)
-        if k is not None and fp8:
-            assert k_cache_scale is not None and v_cache_scale is not None  # (check_fp8_cache)
-            kvcache_append_fp8_op(k_cache, v_cache, k_cache_scale, v_cache_scale, k, v, lengths, offset, page_table,
-                                  cache_batch_idx, seed)
-        elif k is not None:
-            kvcache_append_op(k_cache, v_cache, k, v, lengths, offset, page_table, cache_batch_idx)
+        if k is not None:
+            _append(k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx,
+                    (k_cache_scale, v_cache_scale) if fp8 else None, seed)
         if lengths is not None:
             # Each entry's keys after the append, made on the device (graph-safe); the capacity bounds them.
             if shapes.seqlen_new:
@@ -945,3 +983,42 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         if plan is not None:
             _PLANS.put(key, plan)
     return (out, lse) if return_lse else out
+
+
+def append_kvcache(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   cache_seqlens: torch.Tensor | int, page_table: torch.Tensor | None = None,
+                   cache_batch_idx: torch.Tensor | None = None, *, k_cache_scale: torch.Tensor | None = None,
+                   v_cache_scale: torch.Tensor | None = None, hadamard_seed: int | None = None) -> None:
+    """Write new keys and values into a KV cache in place, without attending: what flash_attn_with_kvcache(q,
+    k_cache, v_cache, k, v, ...) writes before it attends, for a serving engine that prefilled prompts through
+    flash_attn_varlen_func and now stores their K/V (issue #22).
+
+    k, v: (batch, seqlen_new, nheads_kv, headdim) and (..., headdim_v), entry b's token t written at position
+    cache_seqlens[b] + t of its cache (int32 (batch,) on k's device, or a Python int for all), across pages as
+    page_table says. k_cache, v_cache, page_table, cache_batch_idx, k_cache_scale, v_cache_scale and hadamard_seed
+    as flash_attn_with_kvcache's (there k's batch, device and dtype play q's part): a contiguous or paged cache of
+    k's dtype, or an e4m3 one with its scales, the new rows quantized (K with the seed's transform: pass the seed
+    the cache is read with). Every argument is checked, with flash_attn_with_kvcache's checks and messages, before
+    anything is written. cache_seqlens is not modified (as flash_attn_with_kvcache leaves it, flash-attn's
+    convention): the caller advances the lengths by seqlen_new. The positions must fit the cache (checked on the
+    CPU; on the GPU only with FLASHHOPPER_DEBUG_KVCACHE=1, which reads them on the host). No host synchronization
+    otherwise (the ops flashhopper::kvcache_append / kvcache_append_fp8): CUDA-graph capturable, traceable by
+    torch.compile(fullgraph=True). Not differentiable: k and v are read as detached. Under CUDA autocast k and v
+    are cast as flash_attn_with_kvcache casts them."""
+    fp8 = _is_fp8(k_cache, v_cache)
+    if _autocast.enabled():
+        k, v = _autocast.cast(k, v)
+    # k stands where q stands in flash_attn_with_kvcache's checks: the batch, device and dtype the rest must match.
+    validation.check_tensor("k", k)
+    if k.dim() != 4:
+        raise ValueError(f"k must have 4 dimensions (batch, seqlen_new, nheads_kv, headdim), got shape "
+                         f"{tuple(k.shape)}")
+    validation.check_dtype("k", k)
+    shapes = check_cache_inputs(k, "k", k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx, fp8)
+    check_cache_scales(k_cache, v_cache, k_cache_scale, v_cache_scale, hadamard_seed, k, fp8)
+    if not torch.compiler.is_compiling() and (not k.is_cuda or os.environ.get(DEBUG_ENV) == "1"):
+        check_kvcache_values(shapes, cache_seqlens, page_table, cache_batch_idx)
+    with torch.no_grad():
+        _append(k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx,
+                (k_cache_scale, v_cache_scale) if fp8 else None,
+                None if hadamard_seed is None else seed_int64(hadamard_seed))

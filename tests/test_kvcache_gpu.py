@@ -175,7 +175,7 @@ def test_long_decode_splits() -> None:
         check_entries(out, lse, q, kc, vc, lengths, True, table)
 
 
-@pytest.mark.parametrize("seqlen_new", [1, 16])
+@pytest.mark.parametrize("seqlen_new", range(1, 17))  # every append length of #22's 1..16 (page-crossing offsets)
 @pytest.mark.parametrize("layout", [None, 16, 64], ids=lambda x: "contiguous" if x is None else f"paged{x}")
 @pytest.mark.parametrize("seqlen_q", [1, 16])
 def test_append(seqlen_new: int, layout: int | None, seqlen_q: int) -> None:

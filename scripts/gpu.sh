@@ -228,8 +228,8 @@ do_sanitize() {
 
 # Every padded-batch kernel of the build: each family's forward (all dtypes, masks, variants; the softcap and
 # dropout kernels and sinks where the build has them), backward (normal and deterministic), and the fp8
-# quantization, on small shapes, under all four tools. The packed (varlen) and KV-cache kernels: their GPU tests
-# under compute-sanitizer (README, Tests).
+# quantization; the packed-batch (varlen) 16-bit kernels, forward and backward (check_varlen.py); on small shapes,
+# under all four tools. The KV-cache kernels: their GPU tests under compute-sanitizer (README, Tests).
 do_sanitize_all() {
   local a f archs modes extras
   # The families of the build that this GPU runs (an A100 with a both-families build: the sm80 ones).
@@ -244,6 +244,8 @@ print(*(['--softcap=30'] if 'softcap' in i.get('score_mods', []) else []),
       *(['--dropout=0.1'] if 'on' in i.get('dropout', []) else []), '--sinks')")
   local -a specs=()
   for a in $archs; do
+    [[ " $("$PY" -c "import flashhopper as f; print(*f.build_info().get('varlen', []))") " == *" on "* ]] &&
+      specs+=("varlen-sm$a|check_varlen.py --small --arch $a")
     for f in "" $extras; do
       [[ " $modes " == *" fwd "* ]] && specs+=("fwd-sm$a$f|check_fwd.py --small --arch $a $f")
       [[ " $modes " == *" bwd "* ]] && specs+=("bwd-sm$a$f|check_bwd.py --small --arch $a $f"

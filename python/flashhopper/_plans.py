@@ -106,12 +106,11 @@ def direct() -> bool:
 
 def meta(x: torch.Tensor) -> Any:
     """What validation reads of a plain tensor: shape, strides, dtype, device (-1: CPU). A tensor whose
-    ``data_ptr()`` does not hold its values as laid out (a lazily negated or conjugated view, which only the op
-    dispatcher materializes; a non-strided layout) gets an unhashable part instead, so that every key holding it
-    misses (``Plans.get`` / ``put``) and the call takes the full path. (Under a torch.compile trace, which has no
-    fast path, the flags are not read: dynamo does not trace them.)"""
-    if not torch.compiler.is_compiling() and (x.layout != torch.strided or x.is_neg() or x.is_conj()
-                                              or x._is_zerotensor()):
+    ``data_ptr()`` does not hold its values as laid out (a lazily negated view, which only the op dispatcher
+    materializes; a non-strided layout) gets an unhashable part instead, so that every key holding it misses
+    (``Plans.get`` / ``put``) and the call takes the full path. (Conjugate views are complex: validation refuses
+    them. Callers ask ``direct()`` first: under torch.compile, dynamo does not trace these flags.)"""
+    if x.layout != torch.strided or x.is_neg():
         return [x.layout]
     return x.shape, x.stride(), x.dtype, x.get_device()
 

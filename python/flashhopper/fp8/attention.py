@@ -242,6 +242,8 @@ def fp8_key(t: FP8Tensor) -> tuple[Any, ...] | None:
 def _call_key(q: Any, k: Any, v: Any, *args: Any) -> tuple[Any, ...] | None:
     """flash_attn_fp8_func's call key (``args``: its scalar arguments) when q, k and v are FP8Tensors, v as V^T
     (a row-major v is converted on every call), or all three plain tensors; None for any other call (a mix)."""
+    if not _plans.direct():  # first: the parts read tensor flags that dynamo does not trace
+        return None
     if type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor:
         parts: tuple[Any, ...] = (_plans.meta(q), _plans.meta(k), _plans.meta(v))
     elif type(q) is FP8Tensor and type(k) is FP8Tensor and type(v) is FP8Tensor and v.transposed is True:
@@ -250,7 +252,7 @@ def _call_key(q: Any, k: Any, v: Any, *args: Any) -> tuple[Any, ...] | None:
             return None
     else:
         return None
-    return (*parts, _plans.scalars(*args)) if _plans.direct() else None
+    return (*parts, _plans.scalars(*args))
 
 
 class QuantizingPlan(NamedTuple):

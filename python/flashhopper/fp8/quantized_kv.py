@@ -51,10 +51,10 @@ def _call_key(kv: QuantizedKV, q: Any, softmax_scale: Any, causal: Any) -> tuple
     """attend's call key (_plans): q a plain tensor, k and v FP8Tensors of plain tensors, v as V^T; else None."""
     k8, v8 = kv
     if (type(q) is not torch.Tensor or type(k8) is not FP8Tensor or type(v8) is not FP8Tensor
-            or v8.transposed is not True):
+            or v8.transposed is not True or not _plans.direct()):  # direct() first: fp8_key reads tensor flags
         return None
     kp, vp = fp8_key(k8), fp8_key(v8)
-    if kp is None or vp is None or not _plans.direct():
+    if kp is None or vp is None:
         return None
     return _plans.meta(q), kp, vp, _plans.scalars(softmax_scale, causal)
 

@@ -13,18 +13,16 @@ import random
 
 import pytest
 import torch
-from helpers import with_poisoned_outputs
+from helpers import nan_kvcache_outputs  # noqa: F401  (a fixture)
 from test_kvcache_gpu import CAPACITY, lengths_for, poisoned_cache
 
-from flashhopper import _device, _ext, dispatch, flash_attn_with_kvcache as attend_kvcache, kvcache_fp8
+from flashhopper import _device, _ext, dispatch, flash_attn_with_kvcache, kvcache_fp8
 from flashhopper.kernel_key import VARLEN_HEADDIMS
 from flashhopper.kvcache import CacheShapes, _kvcache_key, _kvcache_mask, resolve_backend
 from flashhopper.reference import attention_kvcache_ref, kvcache_entry
 
-# Its outputs are fresh allocations: poison the allocator before each eager call (helpers).
-flash_attn_with_kvcache = with_poisoned_outputs(attend_kvcache)
-
-pytestmark = pytest.mark.gpu
+# The call allocates out and lse: NaN-filled for every test here (helpers.nan_kvcache_outputs).
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("nan_kvcache_outputs")]
 
 
 def require_fp8_kvcache(dtype: torch.dtype, headdim: int, seqlen_q: int, causal: bool,

@@ -3,7 +3,7 @@
 Every case builds a logical cache per entry, with random lengths (0, 1, on a page boundary, full among them), and
 lays it out contiguous or in pages of 16..256 rows scattered in random order. The poison is in the cache (every
 slot at or past an entry's length, and every page no entry uses, holds NaN or inf) and in the outputs: the call
-allocates them, so the allocator is filled with NaN first (helpers.with_poisoned_outputs), and they must be finite
+allocates them, so they come NaN-filled (helpers.nan_kvcache_outputs), and they must be finite
 and match, entry by entry, exact attention over that entry's keys alone
 with FA3's criterion (helpers.assert_matches_reference). Appends are checked bitwise against a manual write; a
 decode step is captured in a CUDA graph and replayed with new lengths and page tables; torch.compile traces it.
@@ -14,18 +14,15 @@ import random
 
 import pytest
 import torch
-from helpers import assert_matches_reference, with_poisoned_outputs
+from helpers import assert_matches_reference, nan_kvcache_outputs  # noqa: F401  (a fixture)
 
-from flashhopper import _device, _ext, append_kvcache, dispatch, flash_attn_func
-from flashhopper import flash_attn_with_kvcache as attend_kvcache
+from flashhopper import _device, _ext, append_kvcache, dispatch, flash_attn_func, flash_attn_with_kvcache
 from flashhopper.kernel_key import VARLEN_HEADDIMS
 from flashhopper.kvcache import CacheShapes, _kvcache_key, _kvcache_mask, resolve_backend
 from flashhopper.reference import kvcache_entry
 
-# Its outputs are fresh allocations: poison the allocator before each eager call (helpers).
-flash_attn_with_kvcache = with_poisoned_outputs(attend_kvcache)
-
-pytestmark = pytest.mark.gpu
+# The call allocates out and lse: NaN-filled for every test here (helpers.nan_kvcache_outputs).
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("nan_kvcache_outputs")]
 
 DTYPES = [torch.bfloat16, torch.float16]
 HEADS = [(32, 8), (8, 8), (8, 1)]  # GQA, MHA, MQA
@@ -242,9 +239,11 @@ def test_append_kvcache(seqlen_new: int, layout: int | None) -> None:
         append_kvcache(kc, vc, k, v, lens, table)
     lens.copy_(torch.tensor([n + seqlen_new for n in lengths[:-2]] + [0, 9], dtype=torch.int32))
     k.normal_()
+    v.normal_()
     graph.replay()
     for b, n in enumerate(lens.tolist()):
-        assert torch.equal(kvcache_entry(kc, b, n + seqlen_new, table)[n:], k[b]), "the replay missed its positions"
+        assert torch.equal(kvcache_entry(kc, b, n + seqlen_new, table)[n:], k[b]), "the replay missed K's positions"
+        assert torch.equal(kvcache_entry(vc, b, n + seqlen_new, table)[n:], v[b]), "the replay missed V's positions"
 
 
 def test_cache_batch_idx() -> None:

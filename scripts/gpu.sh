@@ -231,7 +231,7 @@ do_sanitize() {
 # quantization; the packed-batch (varlen) 16-bit kernels, forward and backward (check_varlen.py); on small shapes,
 # under all four tools. The KV-cache kernels: their GPU tests under compute-sanitizer (README, Tests).
 do_sanitize_all() {
-  local a f archs modes extras
+  local a f archs modes extras varlen
   # The families of the build that this GPU runs (an A100 with a both-families build: the sm80 ones).
   archs=$("$PY" -c "import torch, flashhopper as f; from flashhopper.dispatch import runs_on
 cap = torch.cuda.get_device_capability()
@@ -242,12 +242,14 @@ print(*[a for a in f.build_info().get('archs', []) if runs_on(f'sm{a}', cap)])")
   extras=$("$PY" -c "import flashhopper as f; i = f.build_info()
 print(*(['--softcap=30'] if 'softcap' in i.get('score_mods', []) else []),
       *(['--dropout=0.1'] if 'on' in i.get('dropout', []) else []), '--sinks')")
+  varlen=$("$PY" -c "import flashhopper as f; print(*f.build_info().get('varlen', []))")
   local -a specs=()
   for a in $archs; do
-    [[ " $("$PY" -c "import flashhopper as f; print(*f.build_info().get('varlen', []))") " == *" on "* ]] &&
-      specs+=("varlen-sm$a|check_varlen.py --small --arch $a")
+    [[ " $varlen " == *" on "* ]] && specs+=("varlen-sm$a|check_varlen.py --small --arch $a")
     for f in "" $extras; do
-      [[ " $modes " == *" fwd "* ]] && specs+=("fwd-sm$a$f|check_fwd.py --small --arch $a $f")
+      # (sinks: 16-bit kernels only; check_fwd would run its fp8 ones again without them)
+      [[ " $modes " == *" fwd "* ]] && specs+=("fwd-sm$a$f|check_fwd.py --small --arch $a $f$([ "$f" = --sinks ] &&
+                                                 echo " --dtypes bfloat16 float16")")
       [[ " $modes " == *" bwd "* ]] && specs+=("bwd-sm$a$f|check_bwd.py --small --arch $a $f"
                                                "bwd-sm$a$f-det|check_bwd.py --small --arch $a --deterministic $f")
     done

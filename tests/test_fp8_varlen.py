@@ -9,6 +9,7 @@ import torch
 import flashhopper
 from flashhopper import fp8, reference, reference_fp8
 from flashhopper.fp8 import PackedFP8Tensor
+from test_varlen import BAD_VALUES
 
 LENGTHS = [5, 130, 0, 64, 200, 1]
 SEED = 7
@@ -161,12 +162,7 @@ def test_bad_prequantized_inputs() -> None:
         flashhopper.quantize_fp8(a["q"], 64, granularity="head", cu_seqlens=a["cu_seqlens_q"])
 
 
-@pytest.mark.parametrize("rows, cu_q, used_q, match", [
-    (4, [0, 3, 3, 8, 9], None, r"cu_seqlens_q must be non-decreasing from >= 0 up to at most 4 "),
-    (9, [0, 5, 3, 9], None, r"cu_seqlens_q must be non-decreasing .*\[0, 5, 3, 9\]"),
-    (9, [-2, 5, 9], None, r"cu_seqlens_q must be non-decreasing from >= 0 .*\[-2, 5, 9\]"),
-    (9, [0, 4, 9], [5, 2], r"seqused_q must lie within each sequence's slot \(0 ..\[4, 5\]\), got \[5, 2\]"),
-])
+@pytest.mark.parametrize("rows, cu_q, used_q, match", BAD_VALUES)  # test_varlen's cases
 def test_cpu_checks_the_values(monkeypatch: pytest.MonkeyPatch, rows: int, cu_q: list[int],
                                used_q: list[int] | None, match: str) -> None:
     # The values (validation.check_varlen_values) are always checked on CPU tensors, no debug flag needed.

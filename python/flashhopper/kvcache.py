@@ -96,11 +96,12 @@ def check_kvcache_inputs(q: Any, k_cache: Any, v_cache: Any, k: Any, v: Any, cac
 
 
 def check_cache_inputs(like: torch.Tensor, like_name: str, k_cache: Any, v_cache: Any, k: Any, v: Any,
-                       cache_seqlens: Any, page_table: Any, cache_batch_idx: Any, fp8: bool = False) -> CacheShapes:
+                       cache_seqlens: Any, page_table: Any, cache_batch_idx: Any, fp8: bool = False,
+                       queries: bool = True) -> CacheShapes:
     """check_kvcache_inputs' checks of the caches, the new k/v, cache_seqlens, page_table and cache_batch_idx
     against ``like`` (named ``like_name`` in the messages), a checked 4-dimensional tensor whose batch, device,
     dtype and head dim they must match: q for flash_attn_with_kvcache, k for append_kvcache (no query: the
-    shapes' query fields are k's, and the GQA check is q's alone). Metadata only."""
+    shapes' query fields are k's; ``queries`` False: no GQA check, which is q's alone). Metadata only."""
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
         validation.check_tensor(name, x)
         if x.dim() != 4:
@@ -124,7 +125,7 @@ def check_cache_inputs(like: torch.Tensor, like_name: str, k_cache: Any, v_cache
     if tuple(v_cache.shape[:3]) != tuple(k_cache.shape[:3]) or v_cache.shape[3] < 1:
         raise ValueError(f"v_cache shape {tuple(v_cache.shape)} must equal k_cache shape {tuple(k_cache.shape)} but "
                          "for the head dim (positive)")
-    if like is not k and (nheads_kv < 1 or nheads_q % nheads_kv != 0):
+    if queries and (nheads_kv < 1 or nheads_q % nheads_kv != 0):
         raise ValueError(f"{like_name} nheads {nheads_q} must be a multiple of the caches' nheads {nheads_kv} "
                          "(grouped-query attention)")
 
@@ -1014,7 +1015,8 @@ def append_kvcache(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor
         raise ValueError(f"k must have 4 dimensions (batch, seqlen_new, nheads_kv, headdim), got shape "
                          f"{tuple(k.shape)}")
     validation.check_dtype("k", k)
-    shapes = check_cache_inputs(k, "k", k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx, fp8)
+    shapes = check_cache_inputs(k, "k", k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx, fp8,
+                                queries=False)
     check_cache_scales(k_cache, v_cache, k_cache_scale, v_cache_scale, hadamard_seed, k, fp8)
     if not torch.compiler.is_compiling() and (not k.is_cuda or os.environ.get(DEBUG_ENV) == "1"):
         check_kvcache_values(shapes, cache_seqlens, page_table, cache_batch_idx)

@@ -169,25 +169,19 @@ def main() -> None:
     for (arch, mode, fam), dtype, (hdim, hdim_v), mask, score_mod, dropout, varlen, kvcache, variant in itertools.product(
             families, args.dtypes, args.hdims, args.masks, args.score_mods, args.dropout, args.varlen, args.kvcache,
             [""] + args.variants):
-        if dtype not in fam.dtypes or (dtype == "e4m3" and hdim not in kk.FP8_HEADDIMS):  # e.g. e4m3: forward only
+        key = kk.KernelKey(arch, kk.BUILD_DTYPES[dtype], hdim, hdim_v, mask, variant, score_mod, dropout == "on",
+                           varlen == "on", kvcache)
+        if kk.never_built(key):  # head dims, dtypes and features no family instantiates (kernel_key.py)
             continue
-        if hdim_v != hdim and (arch != 90 or dtype == "e4m3" or variant):  # pairs: Hopper 16-bit kernels
+        if dtype not in fam.dtypes:  # e.g. e4m3: forward only
             continue
         if (score_mod != "none" or dropout == "on") and (dtype not in fam.score_mod_dtypes or variant):
             continue
-        if varlen == "on" and (not fam.varlen or variant
-                               or hdim != hdim_v or hdim not in kk.VARLEN_HEADDIMS):
-            continue
-        if kvcache != "off" and (not fam.kvcache or dtype == "e4m3" or varlen == "on" or dropout == "on"
-                                 or variant or hdim != hdim_v or hdim not in kk.VARLEN_HEADDIMS):
-            continue
-        if kvcache == "e4m3" and arch != 90:  # the e4m3 cache's conversion runs in the Hopper producer warpgroup
+        if (varlen == "on" and not fam.varlen) or (kvcache != "off" and not fam.kvcache):
             continue
         if variant and ((arch, mode) not in VARIANTS[variant].families or dtype not in VARIANTS[variant].dtypes
                         or mask not in VARIANTS[variant].masks):
             continue
-        key = kk.KernelKey(arch, kk.BUILD_DTYPES[dtype], hdim, hdim_v, mask, variant, score_mod, dropout == "on",
-                           varlen == "on", kvcache)
         config = cpp_config(key)
         params = "FwdParams" if mode == "fwd" else "BwdParams"
         tu = groups.setdefault(tu_name(mode, key), TranslationUnit(fam.header))

@@ -17,7 +17,7 @@ import torch
 
 from . import _device, _ext, validation
 from ._device import DeviceInfo
-from .kernel_key import FP8_HEADDIMS, VARLEN_HEADDIMS, KernelKey, mask_of
+from .kernel_key import KernelKey, mask_of, never_built
 
 BACKENDS: tuple[str, ...] = ("sm90", "sm80", "reference")
 ARCH: dict[str, int] = {"sm90": 90, "sm80": 80}
@@ -72,35 +72,8 @@ def _describe(key: KernelKey) -> str:
             + (f" variant {key.variant}" if key.variant else ""))
 
 
-def _never_built(key: KernelKey) -> str:
-    """Why no build has a kernel for ``key`` (cpp/generate_kernels.py never instantiates it, whatever the
-    FLASHHOPPER_* options), "" where a rebuild can add it. The head dims come from kernel_key.py, the
-    generator's own lists, so a FLASHHOPPER_HDIMS hint is never given for a kernel that no build has."""
-    square = key.headdim == key.headdim_v
-    if key.kvcache != "off" and not (square and key.headdim in VARLEN_HEADDIMS):
-        # As kvcache.resolve_backend words it.
-        return (f"the KV-cache kernels have head dims {', '.join(map(str, VARLEN_HEADDIMS))} (q, K and V alike); "
-                "backend='reference' takes any")
-    if key.kvcache == "e4m3" and key.arch != 90:  # its conversion runs in the Hopper producer warpgroup
-        return "an e4m3 KV cache has Hopper (sm90) kernels only; pass backend='reference' (or run on an H100/H200)"
-    if key.dtype == "float8_e4m3fn" and (key.arch != 90 or not square or key.headdim not in FP8_HEADDIMS
-                                          or key.score_mod != "none" or key.dropout):
-        return ("the fp8 (e4m3) kernels are Hopper (sm90) ones at head dims "
-                f"{', '.join(map(str, FP8_HEADDIMS))} (q, K and V alike), without softcap or dropout; "
-                "backend='reference' takes any")
-    if key.varlen and not (square and key.headdim in VARLEN_HEADDIMS):
-        return ("packed batches (varlen) have kernels at head dims "
-                f"{', '.join(map(str, VARLEN_HEADDIMS))} only (q, K and V alike); for other head dims "
-                "pad the batch and call flash_attn_func, or pass backend='reference', which takes any")
-    if not square and (key.arch != 90 or key.variant):
-        # The generator builds (Q/K, V) pairs for the Hopper production kernels only.
-        return ("Q/K and V head dims that differ have Hopper (sm90) 16-bit kernels only; pass "
-                "backend='reference' (or run on an H100/H200)")
-    return ""
-
-
 def _rebuild_hint(backends: tuple[str, ...], key: KernelKey, modes: str | None = None) -> str:
-    never = _never_built(key)
+    never = never_built(key)
     if never:
         return f"no build has one: {never}"
     archs = ";".join(str(ARCH[b]) for b in backends)

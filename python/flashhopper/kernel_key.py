@@ -97,6 +97,33 @@ class KernelKey:
 FIELDS: tuple[str, ...] = tuple(f.name for f in fields(KernelKey))
 
 
+def never_built(key: KernelKey) -> str:
+    """Why no build instantiates ``key``, whatever its FLASHHOPPER_* options ("" where one can): the rules of
+    cpp/generate_kernels.py that do not depend on a kernel family's own lists, kept here once for the generator,
+    which skips these keys, and for dispatch, which says so instead of a rebuild hint."""
+    square = key.headdim == key.headdim_v
+    if key.kvcache != "off" and not (square and key.headdim in VARLEN_HEADDIMS):
+        return (f"the KV-cache kernels have head dims {', '.join(map(str, VARLEN_HEADDIMS))} (q, K and V alike); "
+                "backend='reference' takes any")
+    if key.kvcache == "e4m3" and key.arch != 90:  # its conversion runs in the Hopper producer warpgroup
+        return "an e4m3 KV cache has Hopper (sm90) kernels only; pass backend='reference' (or run on an H100/H200)"
+    if key.kvcache != "off" and (key.dtype == "float8_e4m3fn" or key.varlen or key.dropout or key.variant):
+        return "the KV-cache kernels take 16-bit queries, without packed batches, dropout or variants"
+    if key.dtype == "float8_e4m3fn" and (key.arch != 90 or not square or key.headdim not in FP8_HEADDIMS
+                                          or key.score_mod != "none" or key.dropout):
+        return ("the fp8 (e4m3) kernels are Hopper (sm90) ones at head dims "
+                f"{', '.join(map(str, FP8_HEADDIMS))} (q, K and V alike), without softcap or dropout; "
+                "backend='reference' takes any")
+    if key.varlen and not (square and key.headdim in VARLEN_HEADDIMS and not key.variant):
+        return ("packed batches (varlen) have kernels at head dims "
+                f"{', '.join(map(str, VARLEN_HEADDIMS))} only (q, K and V alike); for other head dims "
+                "pad the batch and call flash_attn_func, or pass backend='reference', which takes any")
+    if not square and (key.arch != 90 or key.variant):  # pairs: the Hopper production kernels only
+        return ("Q/K and V head dims that differ have Hopper (sm90) 16-bit kernels only; pass "
+                "backend='reference' (or run on an H100/H200)")
+    return ""
+
+
 def mask_of(causal: bool, window: tuple[int, int] | None = None) -> str:
     """The mask kind of a call: a window (other than the unbounded (-1, -1)) -> "window" (causal narrows
     its right edge to 0), else "causal" or "none"."""

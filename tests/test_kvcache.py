@@ -1026,3 +1026,16 @@ def test_bench_table_and_cli(capsys: pytest.CaptureFixture[str]) -> None:
         assert bench.main(["--shapes", "1x1024"]) == 1
     with pytest.raises(SystemExit):
         bench.main(["--layouts", "pages"])
+
+
+def test_flash_attn_keyword_return_softmax_lse() -> None:
+    # flash-attn names the flag return_softmax_lse: a drop-in call keeps it and gets (out, lse) as with return_lse.
+    torch.manual_seed(2)
+    q = torch.randn(2, 1, 4, 64, dtype=torch.float64)
+    kc, vc = torch.randn(2, 32, 2, 64, dtype=torch.float64), torch.randn(2, 32, 2, 64, dtype=torch.float64)
+    lens = torch.tensor([7, 32], dtype=torch.int32)
+    want = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, return_lse=True)
+    got = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, return_softmax_lse=True)
+    assert isinstance(got, tuple) and all(torch.equal(a, b) for a, b in zip(got, want))
+    out = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, return_softmax_lse=False)
+    assert torch.equal(out, want[0])

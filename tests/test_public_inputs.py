@@ -481,6 +481,8 @@ CASES: dict[str, list[Case]] = {
              lambda: flash_attn_with_kvcache(*kvcache(), softcap=-30.0)),
         Case("option", "cache_seqlens None with pages", ValueError, r"^cache_seqlens is required with page_table",
              lambda: flash_attn_with_kvcache(*kvcache_with(5, lambda x: None))),
+        Case("option", "return_softmax_lse int", TypeError, r"^return_softmax_lse must be a bool",
+             lambda: flash_attn_with_kvcache(*kvcache(), return_softmax_lse=1)),
     ],
     "append_kvcache": [
         Case("dtype", "v float32", TypeError, r"^v has dtype torch.float32 but v_cache has torch.bfloat16",

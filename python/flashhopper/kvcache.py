@@ -849,7 +849,8 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             backend: str | None = ..., *, window_size: tuple[int, int] = ...,
                             softcap: float = ..., k_cache_scale: torch.Tensor | None = ...,
                             v_cache_scale: torch.Tensor | None = ...,
-                            hadamard_seed: int | None = ..., sinks: torch.Tensor | None = ...) -> torch.Tensor: ...
+                            hadamard_seed: int | None = ..., sinks: torch.Tensor | None = ...,
+                            return_softmax_lse: Literal[False] | None = ...) -> torch.Tensor: ...
 
 
 @overload
@@ -861,7 +862,21 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             backend: str | None = ..., window_size: tuple[int, int] = ...,
                             softcap: float = ..., k_cache_scale: torch.Tensor | None = ...,
                             v_cache_scale: torch.Tensor | None = ...,
-                            hadamard_seed: int | None = ..., sinks: torch.Tensor | None = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
+                            hadamard_seed: int | None = ..., sinks: torch.Tensor | None = ...,
+                            return_softmax_lse: bool | None = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            k: torch.Tensor | None = ..., v: torch.Tensor | None = ...,
+                            cache_seqlens: torch.Tensor | int | None = ..., page_table: torch.Tensor | None = ...,
+                            cache_batch_idx: torch.Tensor | None = ..., softmax_scale: float | None = ...,
+                            causal: bool = ..., num_splits: int = ..., return_lse: bool = ...,
+                            backend: str | None = ..., *, window_size: tuple[int, int] = ...,
+                            softcap: float = ..., k_cache_scale: torch.Tensor | None = ...,
+                            v_cache_scale: torch.Tensor | None = ...,
+                            hadamard_seed: int | None = ..., sinks: torch.Tensor | None = ...,
+                            return_softmax_lse: Literal[True]) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -872,7 +887,8 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             backend: str | None = None, *, window_size: tuple[int, int] = (-1, -1),
                             softcap: float = 0.0, k_cache_scale: torch.Tensor | None = None,
                             v_cache_scale: torch.Tensor | None = None, hadamard_seed: int | None = None,
-                            sinks: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                            sinks: torch.Tensor | None = None, return_softmax_lse: bool | None = None
+                            ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention of new queries over a KV cache, optionally appending new keys and values to it first
     (flash-attn's ``flash_attn_with_kvcache``: decode, and chunked prefill).
 
@@ -898,7 +914,8 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     False): pass causal=False for its default. With one query row both are the same.
     num_splits: split-KV, each entry's keys cut over that many CTAs whose partial results are merged (0: a
     heuristic from the tiles, the key blocks and the device's multiprocessors; 1: no split; at most 256, and
-    never more than the key blocks). return_lse: also return lse float32 (batch, nheads_q, seqlen_q), natural
+    never more than the key blocks). return_lse (or flash-attn's name for it, return_softmax_lse, so that a
+    drop-in call keeps its keyword): also return lse float32 (batch, nheads_q, seqlen_q), natural
     log; a row that sees no key (an entry with none) has out = 0 and lse = -inf (the sink's logit with sinks).
     sinks: float32 (nheads_q,) learnable sink logits (gpt-oss), as flash_attn_func's: each row's softmax
     denominator gets exp(sinks[h]) with no value; the lse includes it. Split-KV adds it once, in the combine.
@@ -930,6 +947,10 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
     Returns out (batch, seqlen_q, nheads_q, headdim_v) like q, or (out, lse).
     """
+    if return_softmax_lse is not None:  # flash-attn's keyword: the same flag
+        validation.check_flag("return_softmax_lse", return_softmax_lse)
+        if return_softmax_lse:
+            return_lse = True
     key = None
     fp8 = _is_fp8(k_cache, v_cache)
     # (FLASHHOPPER_DEBUG_KVCACHE's value checks are per call: the full path runs them.)

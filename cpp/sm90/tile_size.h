@@ -137,6 +137,9 @@ struct FwdTileSize<192, kDType, 128> : FwdTileDefaults {
 template <DType kDType>
 struct FwdTileSize<128, kDType, 64> : FwdTileDefaults {
   static constexpr int kBlockM = 192, kBlockN = 128, kStages = 2, kQStages = 2;
+  // Up to 1024 queries and keys, 128 x 128 on two consumer warpgroups, as head dim 96's short tile (ablation, session
+  // 54, not measured: three 192-row tiles cover 576 of 512 rows, and causal 512 ran 15% slower on 192 rows).
+  static constexpr int kShortKeysBlockM = 128, kShortKeysBlockN = 128, kShortKeysMax = 1024;
 };
 
 // FP8 (e4m3): half the bytes per K/V tile, the same registers per score. kBlockN must be a multiple of

@@ -35,9 +35,11 @@ def test_kernel_list() -> None:
         assert isinstance(k["block_m"], int) and isinstance(k["block_n"], int)
         assert _ext.kernel(k["mode"], from_dict(k)) == _ext.Entry(k["index"], k["block_m"], k["block_n"],
                                                                   k["block_n_short"], k["short_keys_max"])
-        # A short tile only beside the padded e4m3 and 16-bit head-dim-96 forwards (cpp/sm90/tile_size.h: ShortKeys).
+        # A short tile only beside the padded e4m3, 16-bit head-dim-96 and Q/K 128 V 64 forwards (cpp/sm90/tile_size.h:
+        # ShortKeys).
         padded = k["mode"] == "fwd" and k["kvcache"] == "off" and not k["varlen"] and k["variant"] == ""
-        padded_short = padded and (k["dtype"] == "float8_e4m3fn" or (k["headdim"] == 96 and k["arch"] == 90))
+        short_16bit = k["arch"] == 90 and (k["headdim"], k["headdim_v"]) in ((96, 96), (128, 64))
+        padded_short = padded and (k["dtype"] == "float8_e4m3fn" or short_16bit)
         assert k["block_n_short"] == 0 or padded_short, k
     assert _ext.kernel("fwd", KernelKey(90, "bfloat16", 80, 80, "none")) is None
     assert _ext.kernel("bwd", KernelKey(90, "bfloat16", 80, 80, "none")) is None

@@ -93,6 +93,22 @@ def test_kernel_fwd_bwd(case: tuple[int, int, int, int, bool, int, torch.dtype])
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq,sk", [(1024, 1024), (1025, 1025), (1024, 1025), (1025, 1024), (2000, 512), (512, 2000)])
+def test_short_tile_bounds_v64(sq: int, sk: int, causal: bool, dtype: torch.dtype) -> None:
+    # Q/K 128, V 64 runs a 128 x 128 tile up to 1024 queries and keys and its 192 x 128 tile beyond
+    # (sm90/launch_fwd.h: use_short_keys): both sides of the bound (the cases above are all short).
+    require_backend("sm90", dtype, 128, causal, headdim_v=64)
+    q, k, v = qkv(2, sq, sk, NHEADS_Q, NHEADS_Q // 4, 128, 64, dtype, "cuda")
+    scale = 1 / math.sqrt(128)
+    out = torch.full((2, sq, NHEADS_Q, 64), math.nan, dtype=dtype, device="cuda")
+    lse = torch.full((2, NHEADS_Q, sq), math.nan, device="cuda")
+    fwd_into(q, k, v, out, lse, scale, causal, ARCH["sm90"])
+    assert_matches_reference(out, lse, q, k, v, scale, causal)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("d, dv", HEADDIM_PAIRS)
 def test_flash_attn_func_autograd(d: int, dv: int) -> None:
     # The public path: dispatch to the pair's kernels, autograd through out and lse, dv shaped like v.

@@ -123,11 +123,14 @@ inline bool scale_block_fits(int block, int64_t block_stride, int block_n, int s
   return block_stride == 0 || block >= seqlen || block % block_n == 0;
 }
 
-// Configs with a short-key kernel beside the others: padded production kernels whose tile names one.
+// Configs with a short-key kernel beside the others: padded production kernels whose tile names one (with a mask
+// only, where the tile says kShortKeysMaskedOnly).
 template <class Config>
 constexpr bool has_short_keys() {
-  return FwdConfig<Config>::BaseTile::kShortKeysBlockN > 0 && !Config::kVarlen && !Config::kKVCache &&
-         std::is_same_v<typename Config::Variant, DefaultVariant>;
+  using Tile = typename FwdConfig<Config>::BaseTile;
+  return Tile::kShortKeysBlockN > 0 && !Config::kVarlen && !Config::kKVCache &&
+         std::is_same_v<typename Config::Variant, DefaultVariant> &&
+         (Config::kMask != MaskKind::kNone || !Tile::kShortKeysMaskedOnly);
 }
 
 // Short rows whose K/V scale blocks it reads, and any row whose blocks only it reads (multiples of its block_n

@@ -100,6 +100,9 @@ struct FwdTileSize<96, kDType> : FwdTileDefaults {
   // Up to 1024 queries and keys, 128 x 128 on two consumer warpgroups: +8-10% at 512 tokens (three 192-row tiles
   // cover 576 rows), causal +8% at 1k; from 2k it is 5-11% slower (perf-notes, session 38: m128).
   static constexpr int kShortKeysBlockM = 128, kShortKeysBlockN = 128, kShortKeysMax = 1024;
+  // K/V stages released by one thread per warpgroup, as at 128: non-causal 1k +3.6% (the short tile), other cells of
+  // 512-8k even, causal even (S56B, perf-notes session 56).
+  static constexpr bool kWarpgroupRelease = true;
 };
 
 // 128 x 128 with two Q stages beat 128 x 176 (FA3's) and three K/V stages (perf-notes, v3 ablations).

@@ -205,6 +205,23 @@ PYBIND11_MODULE(_C, m) {
         py::arg("lse"), py::arg("tile_counter"), py::arg("sinks"), py::arg("dropout_rng"), py::arg("q_scale"), py::arg("k_scale"),
         py::arg("v_scale"),
         "fwd() with these pointers in place of params' (0: none); params itself is left as it was.");
+  m.def("fwd_varlen_with", [](FwdParams params, int index, uintptr_t stream, uintptr_t q, uintptr_t k, uintptr_t v,
+                              uintptr_t o, uintptr_t lse, uintptr_t tile_counter, uintptr_t sinks,
+                              uintptr_t cu_seqlens_q, uintptr_t cu_seqlens_k, uintptr_t seqused_q,
+                              uintptr_t seqused_k, uintptr_t varlen_workspace) {
+    FwdEntry const& e = entry(fwd_kernels(), index, "forward");
+    set_ptr(params.q_ptr, q), set_ptr(params.k_ptr, k), set_ptr(params.v_ptr, v), set_ptr(params.o_ptr, o);
+    set_ptr(params.lse_ptr, lse), set_ptr(params.tile_counter, tile_counter), set_ptr(params.sinks_ptr, sinks);
+    set_ptr(params.cu_seqlens_q, cu_seqlens_q), set_ptr(params.cu_seqlens_k, cu_seqlens_k);
+    set_ptr(params.seqused_q, seqused_q), set_ptr(params.seqused_k, seqused_k);
+    set_ptr(params.varlen_workspace, varlen_workspace);
+    return on_device(params.device, "forward kernel launch",
+                     [&] { return e.launch(params, reinterpret_cast<cudaStream_t>(stream)); });
+  }, py::arg("params"), py::arg("index"), py::arg("stream"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"),
+        py::arg("lse"), py::arg("tile_counter"), py::arg("sinks"), py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"),
+        py::arg("seqused_q"), py::arg("seqused_k"), py::arg("varlen_workspace"),
+        "A packed-batch kernel's fwd() with these pointers in place of params' (0: none; varlen_workspace: "
+        "varlen_workspace_bytes(batch) bytes on Hopper); params itself is left as it was.");
   m.def("fwd_kvcache_with", [](FwdParams params, int index, uintptr_t stream, uintptr_t q, uintptr_t k, uintptr_t v,
                                uintptr_t o, uintptr_t lse, uintptr_t page_table, uintptr_t cache_seqlens,
                                uintptr_t split_workspace, uintptr_t k_scale, uintptr_t v_scale, uintptr_t sinks) {

@@ -3,11 +3,12 @@ apart, and a call that needs the op's dispatch (a mode, a transform, a subclass,
 and results: test_plans_gpu.py."""
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from flashhopper import _plans, interface
+from flashhopper import _plans, interface, varlen
 from flashhopper.fp8 import attention as fp8_attention
 from flashhopper.fp8 import quantized_kv
 from flashhopper.fp8.format import FP8Tensor
@@ -141,3 +142,47 @@ def test_fp8_keys() -> None:
     assert quantized_kv._call_key(kv, qb, None, False) != quantized_kv._call_key(kv, qb, None, 0)
     assert quantized_kv._call_key(quantized_kv.QuantizedKV(k, fp8(False, None)), qb, None, False) is None
     assert quantized_kv._call_key(kv, q, None, False) is None  # an FP8Tensor q: flash_attn_fp8_func's own path
+
+
+def varlen_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cq: torch.Tensor, ck: torch.Tensor,
+               **kw: object) -> object:
+    args = dict(max_seqlen_q=16, max_seqlen_k=16, softmax_scale=None, causal=False, seqused_q=None, seqused_k=None,
+                return_lse=False, deterministic=False, backend=None, window_size=(-1, -1), softcap=0.0, sinks=None,
+                dropout_p=0.0, generator=None, return_dropout_mask=False)
+    args.update(kw)
+    return varlen._call_key(q, k, v, cq, ck, **args)  # type: ignore[arg-type]
+
+
+def test_varlen_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    def packed() -> tuple[torch.Tensor, ...]:
+        q, k, v = (torch.randn(32, 4, 64, dtype=torch.bfloat16) for _ in range(3))
+        return q, k, v, torch.tensor([0, 16, 32], dtype=torch.int32), torch.tensor([0, 16, 32], dtype=torch.int32)
+
+    q, k, v, cq, ck = packed()
+    base = varlen_key(q, k, v, cq, ck)
+    assert base is not None and base == varlen_key(*packed())  # other tensors, same metadata: one plan
+    used = torch.tensor([3, 16], dtype=torch.int32)
+    others = [varlen_key(q, k, v, cq, ck, max_seqlen_q=17), varlen_key(q, k, v, cq, ck, max_seqlen_k=True),
+              varlen_key(q, k, v, cq, ck, causal=1), varlen_key(q, k, v, cq, ck, seqused_q=used),
+              varlen_key(q, k, v, cq, ck, seqused_k=used), varlen_key(q, k, v, cq, ck, sinks=torch.zeros(4)),
+              varlen_key(q, k, v, cq.long(), ck), varlen_key(q, k, v, torch.tensor([0, 32], dtype=torch.int32), ck),
+              varlen_key(q, k, v, cq, ck, window_size=(8, 0)), varlen_key(q, k, v, cq, ck, softcap=5.0)]
+    assert None not in others and base not in others
+    assert len(set(others)) == len(others)
+    assert varlen_key(q, k, v, cq, ck, max_seqlen_q=16.0) != base  # validation refuses a float: no hit
+    # What must take the full path: dropout (a seed per call), the opt-in value checks, copies the launch would need.
+    assert varlen_key(q, k, v, cq, ck, dropout_p=0.1) is None
+    assert varlen_key(q, k, v, cq, ck, generator=torch.Generator()) is None
+    assert varlen_key(q, k, v, cq, ck, return_dropout_mask=True) is None
+    strided = torch.zeros(6, dtype=torch.int32)[::2]
+    assert varlen_key(q, k, v, strided, ck) is None and varlen_key(q, k, v, cq, ck, seqused_q=strided[:2]) is None
+    assert varlen_key(q, k, v, cq, ck, sinks=torch.zeros(8)[::2]) is None
+    assert varlen_key(torch.nn.Parameter(q), k, v, cq, ck) is None
+    assert varlen_key(q, k, v, cq, ck, seqused_q=[3, 16]) is None  # not a tensor: the full path says so
+    monkeypatch.setenv(varlen.DEBUG_ENV, "1")
+    assert varlen_key(q, k, v, cq, ck) is None
+    monkeypatch.delenv(varlen.DEBUG_ENV)
+    neg = torch._neg_view(q)
+    plans = _plans.Plans()
+    plans.put(base, "plain")
+    assert plans.get(varlen_key(neg, k, v, cq, ck)) is None

@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from helpers import assert_matches_reference, randn_qkv, require_backend
+from helpers import assert_matches_reference, randn_qkv, rel_err, require_backend
 
 import flashhopper as fh
 from flashhopper import _plans, fp8, interface
@@ -218,3 +218,120 @@ def test_quantize_fp8_repeat(transpose: bool, monkeypatch: pytest.MonkeyPatch) -
             data=None, scale=None)
     fp8.quantize_fp8(x, block_size=64, seed=6, transpose=transpose)  # another seed: the full path
     assert checks.n == 2
+
+
+def cu(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+
+
+# (q lengths, k lengths, nheads_q, nheads_kv, headdim, causal, seqused, sinks, backend): empty and one-token
+# sequences, GQA, unused slot tails, sink logits, and the Ampere kernels (no workspace, no tile counter).
+VARLEN_CASES = [
+    ([17, 128, 0, 255, 1], [17, 128, 0, 255, 1], 4, 4, 64, True, False, False, "sm90"),
+    ([300, 5], [40, 700], 8, 2, 128, False, True, False, "sm90"),
+    ([1, 64, 200], [1, 64, 200], 4, 1, 128, True, False, True, "sm90"),
+    ([100, 33], [100, 90], 4, 2, 64, True, False, False, "sm80"),
+]
+
+
+@pytest.mark.parametrize("case", VARLEN_CASES, ids=lambda c: f"{c[4]}-{'causal' if c[5] else 'full'}-{c[8]}"
+                         f"{'-seqused' if c[6] else ''}{'-sinks' if c[7] else ''}")
+def test_varlen_repeat_takes_the_fast_path_and_matches(case: tuple, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[type-arg]
+    from flashhopper import varlen
+
+    lq, lk, hq, hkv, d, causal, use_seqused, use_sinks, backend = case
+    require_backend(backend, torch.bfloat16, d, causal, varlen=True)
+    _plans.clear()
+    torch.manual_seed(3)
+    q = torch.randn(sum(lq) + 8, hq, d, dtype=torch.bfloat16, device="cuda")  # 8 rows in no sequence
+    k = torch.randn(sum(lk) + 8, hkv, d, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn_like(k)
+    cq, ck = cu(lq), cu(lk)
+    used_q = torch.tensor([max(n - 3, 0) for n in lq], dtype=torch.int32, device="cuda") if use_seqused else None
+    used_k = torch.tensor([max(n - 1, 0) for n in lk], dtype=torch.int32, device="cuda") if use_seqused else None
+    sinks = torch.randn(hq, device="cuda") if use_sinks else None
+    kw = dict(causal=causal, seqused_q=used_q, seqused_k=used_k, sinks=sinks, return_lse=True,
+              backend=None if backend == "sm90" else backend)
+    checks = Counter(varlen.validation.check_varlen_inputs)
+    monkeypatch.setattr(varlen.validation, "check_varlen_inputs", checks)
+    with torch.no_grad():
+        poison(((q.shape[0], hq, d), torch.bfloat16), ((hq, q.shape[0]), torch.float32))
+        out_full, lse_full = fh.flash_attn_varlen_func(q, k, v, cq, ck, max(lq), max(lk), **kw)  # stores the plan
+        assert checks.n == 1 and len(varlen._PLANS) == 1
+        for _ in range(2):
+            poison(((q.shape[0], hq, d), torch.bfloat16), ((hq, q.shape[0]), torch.float32))
+            out, lse = fh.flash_attn_varlen_func(q, k, v, cq, ck, max(lq), max(lk), **kw)
+            assert checks.n == 1  # no validation: the fast path
+            # Bit for bit the full path's, NaN where no sequence's used rows are (both calls leave them unwritten).
+            assert torch.equal(out.nan_to_num(7.0), out_full.nan_to_num(7.0))
+            assert torch.equal(lse.nan_to_num(7.0), lse_full.nan_to_num(7.0))
+        # Other values of cu_seqlens (same metadata) take it too and give their own answer; other lengths' max do not.
+        cq2 = cu(lq[::-1])
+        ck2 = cu(lk[::-1])
+        used2 = (None, None) if not use_seqused else (used_q.flip(0).contiguous(), used_k.flip(0).contiguous())
+        kw2 = dict(kw, seqused_q=used2[0], seqused_k=used2[1])
+        fast = fh.flash_attn_varlen_func(q, k, v, cq2, ck2, max(lq), max(lk), **kw2)
+        assert checks.n == 1
+        _plans.clear()
+        full = fh.flash_attn_varlen_func(q, k, v, cq2, ck2, max(lq), max(lk), **kw2)
+        assert checks.n == 2
+        n = sum(lq)
+        rows = torch.ones(n, dtype=torch.bool, device="cuda") if not use_seqused else torch.cat(
+            [torch.arange(a, device="cuda") < u for a, u in zip(lq[::-1], used2[0].tolist())])
+        assert torch.equal(fast[0][:n][rows], full[0][:n][rows]) and torch.equal(fast[1][:, :n][:, rows],
+                                                                               full[1][:, :n][:, rows])
+        # Reference per sequence (the first call's outputs).
+        ref_out, ref_lse = fh.flash_attn_varlen_func(q.float(), k.float(), v.float(), cq, ck, max(lq), max(lk),
+                                                     **dict(kw, backend="reference"))
+    starts = cq.tolist()
+    for b in range(len(lq)):
+        nq = lq[b] if used_q is None else int(used_q[b])
+        sl = slice(starts[b], starts[b] + nq)
+        if nq:
+            assert rel_err(out_full[sl].float(), ref_out[sl]) < 2e-2
+            assert (lse_full[:, sl] - ref_lse[:, sl]).abs().max() < 2e-2
+
+
+def test_varlen_fast_path_misaligned_grad_and_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    from flashhopper import varlen
+
+    require_backend("sm90", torch.bfloat16, 128, True, varlen=True)
+    _plans.clear()
+    lengths = [400, 1, 600]
+    q = torch.randn(sum(lengths), 4, 128, dtype=torch.bfloat16, device="cuda")
+    k, v = torch.randn_like(q), torch.randn_like(q)
+    cq = cu(lengths)
+    checks = Counter(varlen.validation.check_varlen_inputs)
+    monkeypatch.setattr(varlen.validation, "check_varlen_inputs", checks)
+    with torch.no_grad():
+        ref = fh.flash_attn_varlen_func(q, k, v, cq, cq, 600, 600, causal=True)
+    # A misaligned view of the same metadata: the full path names it.
+    base = torch.empty(q.numel() + 8, dtype=q.dtype, device="cuda")
+    odd = base[1:1 + q.numel()].view(q.shape)
+    odd.copy_(q)
+    with torch.no_grad(), pytest.raises(ValueError, match="q"):
+        fh.flash_attn_varlen_func(odd, k, v, cq, cq, 600, 600, causal=True)
+    assert checks.n == 2
+    # Grad: the op records it (full path), same values.
+    qg = q.clone().requires_grad_()
+    out = fh.flash_attn_varlen_func(qg, k, v, cq, cq, 600, 600, causal=True)
+    assert checks.n == 3 and out.grad_fn is not None and torch.equal(out, ref)
+    # The debug checks read cu_seqlens each call: the full path, which raises on bad values.
+    monkeypatch.setenv(varlen.DEBUG_ENV, "1")
+    with torch.no_grad(), pytest.raises(ValueError):
+        fh.flash_attn_varlen_func(q, k, v, cu([400, 1, 601]), cq, 600, 600, causal=True)
+    monkeypatch.delenv(varlen.DEBUG_ENV)
+    # Captured through the fast path, replayed with new lengths: equal to eager.
+    n = checks.n
+    with torch.no_grad():
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            gout = fh.flash_attn_varlen_func(q, k, v, cq, cq, 600, 600, causal=True)
+        assert checks.n == n
+        for new in ([1, 600, 400], [0, 600, 401]):
+            cq.copy_(cu(new))
+            gout.fill_(math.nan)
+            g.replay()
+            _plans.clear()
+            eager = fh.flash_attn_varlen_func(q, k, v, cq, cq, 600, 600, causal=True)  # the full path
+            assert torch.equal(gout, eager)

@@ -10,11 +10,11 @@ batch alone, so a call is CUDA-graph capturable. The ops have fake implementatio
 from __future__ import annotations
 
 import os
-from typing import Any, Literal, Optional, overload
+from typing import Any, Literal, NamedTuple, Optional, overload
 
 import torch
 
-from . import _autocast, _ext, _launch, _op, dispatch, reference, validation
+from . import _autocast, _ext, _launch, _op, _plans, dispatch, reference, validation
 from .dispatch import ARCH, score_mod_of
 from .dropout import from_rng_state, keep_mask, new_rng_state
 from .kernel_key import mask_of, normalize_window, window_of
@@ -47,46 +47,76 @@ def _varlen_kernel(mode: str, q: torch.Tensor, v: torch.Tensor, causal: bool, wi
     return dispatch.require_kernel(mode, key)
 
 
+class VarlenLaunch(NamedTuple):
+    """A prepared packed-batch forward (as _plans.Launch for the padded one): ``params`` filled from the tensors'
+    metadata, never written after (``_C.fwd_varlen_with`` copies it), the kernel ``index``, the ``arch``, the
+    ``batch`` (the Hopper workspace's size) and the device."""
+
+    params: Any
+    index: int
+    arch: int
+    batch: int
+    device: torch.device
+
+    def fwd(self, q: int, k: int, v: int, out: int, lse: int, sinks: int, cu_seqlens_q: int, cu_seqlens_k: int,
+            seqused_q: int, seqused_k: int) -> int:
+        """Launch on these addresses (``data_ptr()``s of contiguous int32 cu_seqlens / seqused; 0: none); returns
+        the CTAs launched."""
+        C = _ext.extension()
+        stream = _launch.stream(self.device)
+        # Hopper: any contents (the prepare kernel writes it before the forward reads it), sized by the batch alone;
+        # freed after the launch, which the caching allocator orders on this stream. The Ampere kernels need none.
+        workspace, counter = 0, 0
+        if self.arch == 90:
+            ws = torch.empty(int(C.varlen_workspace_bytes(self.batch)), dtype=torch.uint8, device=self.device)
+            workspace, counter = ws.data_ptr(), _launch.tile_counter(self.device, stream).data_ptr()
+        return int(C.fwd_varlen_with(self.params, self.index, stream, q, k, v, out, lse, counter, sinks, cu_seqlens_q,
+                                     cu_seqlens_k, seqused_q, seqused_k, workspace))
+
+
+def varlen_fwd_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                      max_seqlen_q: int, max_seqlen_k: int, out: torch.Tensor, softmax_scale: float, causal: bool,
+                      window: tuple[int, int] | None, softcap: float, arch: int, dropout_p: float = 0.0,
+                      dropout_rng: torch.Tensor | None = None) -> VarlenLaunch:
+    """The VarlenLaunch of a packed forward like this one: its kernel (or ValueError saying what to rebuild with)
+    and its params from these tensors' metadata; the pointers are each launch's. Checks nothing else."""
+    entry = _varlen_kernel("fwd", q, v, causal, window, softcap, arch, dropout_on(dropout_p, dropout_rng))
+    p = _ext.extension().FwdParams()
+    _launch.fill_strides(p, q=q.unsqueeze(0), k=k.unsqueeze(0), v=v.unsqueeze(0), o=out.unsqueeze(0))
+    batch = cu_seqlens_q.shape[0] - 1
+    p.batch, p.seqlen_q, p.seqlen_k = batch, max_seqlen_q, max_seqlen_k
+    p.total_q, p.total_k = q.shape[0], k.shape[0]
+    p.nheads_q, p.nheads_kv, p.headdim, p.headdim_v = q.shape[1], k.shape[1], q.shape[2], v.shape[2]
+    p.softmax_scale = softmax_scale
+    p.window_left, p.window_right = window_edges(causal, window, max_seqlen_q, max_seqlen_k)
+    p.softcap = softcap
+    fill_dropout(p, dropout_p, dropout_rng)
+    _launch.fill_device(p, q)
+    p.max_smem_bytes = 0
+    return VarlenLaunch(p, entry.index, arch, batch, q.device)
+
+
+def _ptr(x: torch.Tensor | None) -> int:
+    return 0 if x is None else x.data_ptr()
+
+
 def _launch_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                        cu_seqlens_k: torch.Tensor, seqused_q: torch.Tensor | None, seqused_k: torch.Tensor | None,
                        max_seqlen_q: int, max_seqlen_k: int, out: torch.Tensor, lse: torch.Tensor,
                        softmax_scale: float, causal: bool, window: tuple[int, int] | None, softcap: float,
                        sinks: torch.Tensor | None, arch: int, dropout_p: float = 0.0,
                        dropout_rng: torch.Tensor | None = None) -> int:
-    entry = _varlen_kernel("fwd", q, v, causal, window, softcap, arch, dropout_on(dropout_p, dropout_rng))
-    q4, k4, v4, o4 = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0)
-    for name, x in (("q", q4), ("k", k4), ("v", v4), ("out", o4)):
-        validation.check_kernel_layout(name, x)
+    launch = varlen_fwd_launch(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, out, softmax_scale, causal, window,
+                               softcap, arch, dropout_p, dropout_rng)
+    for name, x in (("q", q), ("k", k), ("v", v), ("out", out)):
+        validation.check_kernel_layout(name, x.unsqueeze(0))
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     seqused_q = None if seqused_q is None else seqused_q.contiguous()
     seqused_k = None if seqused_k is None else seqused_k.contiguous()
     if sinks is not None and not sinks.is_contiguous():
         sinks = sinks.contiguous()
-    batch = cu_seqlens_q.shape[0] - 1
-    stream = _launch.stream(q.device)
-    # Hopper: any contents (the prepare kernel writes it before the forward reads it), sized by the batch alone.
-    # The Ampere kernels need none.
-    workspace = (torch.empty(int(_ext.extension().varlen_workspace_bytes(batch)), dtype=torch.uint8, device=q.device)
-                 if arch == 90 else None)
-    p = _launch.params("FwdParams")
-    p.q_ptr, p.k_ptr, p.v_ptr, p.o_ptr, p.lse_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr()
-    _launch.fill_strides(p, q=q4, k=k4, v=v4, o=o4)
-    p.batch, p.seqlen_q, p.seqlen_k = batch, max_seqlen_q, max_seqlen_k
-    p.total_q, p.total_k = q.shape[0], k.shape[0]
-    p.nheads_q, p.nheads_kv, p.headdim, p.headdim_v = q.shape[1], k.shape[1], q.shape[2], v.shape[2]
-    p.softmax_scale = softmax_scale
-    p.window_left, p.window_right = window_edges(causal, window, max_seqlen_q, max_seqlen_k)
-    p.softcap, p.sinks_ptr = softcap, (0 if sinks is None else sinks.data_ptr())
-    fill_dropout(p, dropout_p, dropout_rng)
-    p.cu_seqlens_q, p.cu_seqlens_k = cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr()
-    p.seqused_q = 0 if seqused_q is None else seqused_q.data_ptr()
-    p.seqused_k = 0 if seqused_k is None else seqused_k.data_ptr()
-    p.varlen_workspace = 0 if workspace is None else workspace.data_ptr()
-    p.tile_counter = _launch.tile_counter(q.device, stream).data_ptr() if arch == 90 else 0
-    _launch.fill_device(p, q)
-    p.max_smem_bytes = 0
-    # (The params object is shared with the padded-batch path, whose kernels never read the varlen fields.)
-    return int(_ext.extension().fwd(p, entry.index, stream))
+    return launch.fwd(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), _ptr(sinks),
+                      cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(), _ptr(seqused_q), _ptr(seqused_k))
 
 
 def varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -358,6 +388,17 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     cu_seqlens[-1], as in flash-attn, left unwritten."""
     if _autocast.enabled():
         q, k, v = _autocast.cast(q, k, v)
+    key = _call_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, seqused_q,
+                    seqused_k, return_lse, deterministic, backend, window_size, softcap, sinks, dropout_p, generator,
+                    return_dropout_mask)
+    if key is not None:  # a configuration that passed everything below before: launch it straight (_plans)
+        launch = _PLANS.get(key)
+        ptrs = None if launch is None or _plans.needs_grad(q, k, v, sinks) else _plans.pointers(q, k, v)
+        if ptrs is not None:
+            out, lse = _empty_outputs(q, v)
+            launch.fwd(*ptrs, out.data_ptr(), lse.data_ptr(), _ptr(sinks), cu_seqlens_q.data_ptr(),
+                       cu_seqlens_k.data_ptr(), _ptr(seqused_q), _ptr(seqused_k))
+            return (out, lse) if return_lse else out
     shapes, scale = validation.check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                    seqused_q, seqused_k, softmax_scale, causal)
     validation.check_flag("return_lse", return_lse)
@@ -391,6 +432,9 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
         extra = () if rng is None else (dropout_p, rng)  # the op's schema defaults: none on the common path
         out, lse = varlen_fwd_op(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
                                  max_seqlen_k, scale, causal, left, right, softcap, sinks, deterministic, name, *extra)
+        if key is not None and rng is None and name in ARCH and q.is_cuda:
+            _PLANS.put(key, varlen_fwd_launch(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, out, scale, causal,
+                                              window, softcap, ARCH[name]))
     result = (out, lse) if return_lse else (out,)
     if return_dropout_mask:
         batch, hq = cu_seqlens_q.shape[0] - 1, q.shape[1]
@@ -399,3 +443,29 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
                 torch.ones((batch, hq, max_seqlen_q, max_seqlen_k), dtype=torch.bool, device=q.device))
         result = (*result, mask)
     return result if len(result) > 1 else result[0]
+
+
+# flash_attn_varlen_func's configurations that took the full path once (_plans): call key -> VarlenLaunch.
+_PLANS = _plans.Plans()
+
+
+def _call_key(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: Any, max_seqlen_k: Any,
+              softmax_scale: Any, causal: Any, seqused_q: Any, seqused_k: Any, return_lse: Any, deterministic: Any,
+              backend: Any, window_size: Any, softcap: Any, sinks: Any, dropout_p: Any, generator: Any,
+              return_dropout_mask: Any) -> tuple[Any, ...] | None:
+    """flash_attn_varlen_func's call key for the fast path (as interface._call_key): every argument validation and
+    dispatch read. None for a call that must take the full path: dropout (a seed per call), the debug checks of
+    cu_seqlens' values (FLASHHOPPER_DEBUG_VARLEN), index tensors the launch would have to copy (not contiguous:
+    the key holds strides, so such a call never stores a plan either), see also _plans.direct."""
+    tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k)
+    optional = (seqused_q, seqused_k, sinks)
+    if (any(type(x) is not torch.Tensor for x in tensors)
+            or any(x is not None and (type(x) is not torch.Tensor or not x.is_contiguous()) for x in optional)
+            or not (cu_seqlens_q.is_contiguous() and cu_seqlens_k.is_contiguous())
+            or type(dropout_p) not in (float, int) or dropout_p != 0 or generator is not None
+            or return_dropout_mask is not False or type(window_size) is not tuple
+            or os.environ.get(DEBUG_ENV) == "1" or not _plans.direct()):
+        return None
+    return (*map(_plans.meta, tensors), *(None if x is None else _plans.meta(x) for x in optional),
+            _plans.scalars(max_seqlen_q, max_seqlen_k, softmax_scale, causal, return_lse, deterministic, backend,
+                           softcap, dropout_p, *window_size))

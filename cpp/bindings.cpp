@@ -289,6 +289,42 @@ PYBIND11_MODULE(_C, m) {
         py::arg("k_row_bytes"), py::arg("v_row_bytes"),
         "Write k, v (batch, seqlen_new, heads, headdim) into the caches (common/kvcache_append.h); strides in BYTES "
         "(caches: page, row, head; k/v: batch, row, head), rows 16-byte multiples and 16-byte aligned.");
+  m.def("kvcache_append_fp8", [](uintptr_t stream, int device, uintptr_t k_cache, uintptr_t v_cache, uintptr_t k,
+                                 uintptr_t v, std::array<int64_t, 3> k_cache_strides,
+                                 std::array<int64_t, 3> v_cache_strides, std::array<int64_t, 3> k_strides,
+                                 std::array<int64_t, 3> v_strides, uintptr_t k_scale, uintptr_t v_scale,
+                                 std::array<int64_t, 2> k_scale_strides, std::array<int64_t, 2> v_scale_strides,
+                                 uintptr_t cache_seqlens, int seqlen_offset, uintptr_t page_table, int64_t table_stride,
+                                 uintptr_t cache_batch_idx, int page_size, int batch, int seqlen_new, int heads,
+                                 int headdim, bool src_bf16, bool hadamard_k, int64_t hadamard_seed) {
+    KVAppendParams p;
+    set_ptr(p.cache[0], k_cache), set_ptr(p.cache[1], v_cache), set_ptr(p.src[0], k), set_ptr(p.src[1], v);
+    set_ptr(p.scale[0], k_scale), set_ptr(p.scale[1], v_scale);
+    std::array<int64_t, 3> const* cs[2] = {&k_cache_strides, &v_cache_strides};
+    std::array<int64_t, 3> const* ss[2] = {&k_strides, &v_strides};
+    std::array<int64_t, 2> const* sc[2] = {&k_scale_strides, &v_scale_strides};
+    for (int w = 0; w < 2; ++w) {
+      p.cache_page_stride[w] = (*cs[w])[0], p.cache_row_stride[w] = (*cs[w])[1], p.cache_head_stride[w] = (*cs[w])[2];
+      p.src_batch_stride[w] = (*ss[w])[0], p.src_row_stride[w] = (*ss[w])[1], p.src_head_stride[w] = (*ss[w])[2];
+      p.scale_page_stride[w] = (*sc[w])[0], p.scale_head_stride[w] = (*sc[w])[1];
+      p.row_bytes[w] = headdim * 2;
+    }
+    set_ptr(p.cache_seqlens, cache_seqlens), set_ptr(p.page_table, page_table), set_ptr(p.cache_batch_idx, cache_batch_idx);
+    p.seqlen_offset = seqlen_offset, p.table_stride = table_stride, p.page_size = page_size;
+    p.batch = batch, p.seqlen_new = seqlen_new, p.heads = heads, p.headdim = headdim, p.src_bf16 = src_bf16;
+    p.hadamard_k = hadamard_k, p.hadamard_seed = uint64_t(hadamard_seed);
+    p.device = device;
+    return on_device(device, "kvcache e4m3 append launch",
+                     [&] { return launch_kvcache_append(p, reinterpret_cast<cudaStream_t>(stream)); });
+  }, py::arg("stream"), py::arg("device"), py::arg("k_cache"), py::arg("v_cache"), py::arg("k"), py::arg("v"),
+        py::arg("k_cache_strides"), py::arg("v_cache_strides"), py::arg("k_strides"), py::arg("v_strides"),
+        py::arg("k_scale"), py::arg("v_scale"), py::arg("k_scale_strides"), py::arg("v_scale_strides"),
+        py::arg("cache_seqlens"), py::arg("seqlen_offset"), py::arg("page_table"), py::arg("table_stride"),
+        py::arg("cache_batch_idx"), py::arg("page_size"), py::arg("batch"), py::arg("seqlen_new"), py::arg("heads"),
+        py::arg("headdim"), py::arg("src_bf16"), py::arg("hadamard_k"), py::arg("hadamard_seed"),
+        "Quantize k, v (batch, seqlen_new, heads, headdim: 64, 128 or 256, 16-bit) into e4m3 caches, a float32 scale "
+        "per row (common/kvcache_append.h; K with hadamard_seed's transform when hadamard_k): cache strides in BYTES "
+        "(page, row, head), k/v strides in BYTES (batch, row, head), scale strides in ELEMENTS (page, head).");
 #endif
 #ifdef FLASHHOPPER_HAS_QUANTIZE
   m.def("quantize_fp8", [](QuantParams const& params, uintptr_t stream) {

@@ -204,8 +204,25 @@ def test_first_transform_inside_graph_capture_asks_for_a_warm_up(monkeypatch: py
     # not cached, so that the eager warm-up builds it.
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     cuda = torch.device("cuda")
-    cached = kvcache_fp8._transform_matrix.cache_info().currsize
-    for _ in range(2):  # the error is not cached: the next call (eager, in real use) builds the matrix
-        with pytest.raises(RuntimeError, match="warm-up"):
-            kvcache_fp8._transform_matrix(64, 987654321, cuda)
-    assert kvcache_fp8._transform_matrix.cache_info().currsize == cached
+    for cache in (kvcache_fp8._transform_matrix, kvcache_fp8._signs):
+        cached = cache.cache_info().currsize
+        for _ in range(2):  # the error is not cached: the next call (eager, in real use) builds the matrix
+            with pytest.raises(RuntimeError, match="warm-up"):
+                cache(64, 987654321, cuda)
+        assert cache.cache_info().currsize == cached
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_butterflies_are_the_transform(d: int) -> None:
+    # quantize_rows computes K's transform as the append kernel does (signs, butterflies, the norm folded in): the
+    # same transform as transform_q's matrix, to float32 rounding; and the float64 values exactly H s x.
+    torch.manual_seed(d)
+    x = torch.randn(6, d, dtype=torch.float64)
+    signs = kvcache_fp8._signs(d, 77, torch.device("cpu")).double()
+    y = kvcache_fp8._butterflies(x * signs) / math.sqrt(d)
+    assert torch.allclose(y, x @ kvcache_fp8._transform_matrix(d, 77, torch.device("cpu")).double(), atol=1e-12)
+    data, scale = kvcache_fp8.quantize_rows(x.float(), 77)
+    back = kvcache_fp8.dequantize_rows(data, scale, 77, torch.float64)
+    assert ((back - x).norm() / x.norm()).item() < 0.05
+    amax = y.abs().amax(-1)
+    assert torch.allclose(scale.double(), amax / 448, rtol=1e-6)

@@ -16,9 +16,10 @@ import torch
 from helpers import nan_kvcache_outputs  # noqa: F401  (a fixture)
 from test_kvcache_gpu import CAPACITY, lengths_for, poisoned_cache
 
-from flashhopper import _device, _ext, dispatch, flash_attn_with_kvcache, kvcache_fp8
+from flashhopper import _device, _ext, append_kvcache, dispatch, flash_attn_with_kvcache, kvcache_fp8
 from flashhopper.kernel_key import VARLEN_HEADDIMS
-from flashhopper.kvcache import CacheShapes, _kvcache_key, _kvcache_mask, resolve_backend
+from flashhopper.kvcache import (CacheShapes, _append_fp8_kernel_takes, _kvcache_key, _kvcache_mask,
+                                 resolve_backend)
 from flashhopper.reference import attention_kvcache_ref, kvcache_entry
 
 # The call allocates out and lse: NaN-filled for every test here (helpers.nan_kvcache_outputs).
@@ -178,31 +179,54 @@ def test_softcap(window: tuple[int, int] | None, seqlen_q: int, layout: int | No
 
 @pytest.mark.parametrize("seqlen_new", [1, 16])
 @pytest.mark.parametrize("layout", [None, 16], ids=["contiguous", "paged16"])
-def test_append(seqlen_new: int, layout: int | None) -> None:
+@pytest.mark.parametrize("d", list(VARLEN_HEADDIMS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("strided", [False, True], ids=["kernel", "torch-ops"])
+def test_append(seqlen_new: int, layout: int | None, d: int, dtype: torch.dtype, strided: bool) -> None:
     """New rows land quantized (bytes and scales as quantize_rows gives them) at each entry's positions, across page
-    boundaries, and the attention sees them."""
-    require_fp8_kvcache(torch.bfloat16, 64, 1, True)
-    torch.manual_seed(seqlen_new)
-    batch, hkv, d, seed = 5, 2, 64, 99
+    boundaries, and the attention sees them: through the append kernel, and through the torch ops where the kernel
+    does not take the layout (k / v rows not 16-byte aligned)."""
+    require_fp8_kvcache(dtype, d, 1, True)
+    if strided and (seqlen_new != 1 or d != 64):
+        pytest.skip("the torch-ops path: one shape is enough")
+    torch.manual_seed(seqlen_new + d)
+    batch, hkv, seed = 5, 2, 99
     lengths = lengths_for(batch, CAPACITY, 16, seqlen_new, random.Random(seqlen_new))
-    kc, vc, table, _, _ = poisoned_cache(batch, hkv, d, torch.bfloat16, lengths, layout)
+    kc, vc, table, _, _ = poisoned_cache(batch, hkv, d, dtype, lengths, layout)
     k8, v8, ks, vs = kvcache_fp8.quantize_kv_cache(kc, vc, seed)
-    k = torch.randn(batch, seqlen_new, hkv, d, dtype=torch.bfloat16, device="cuda")
-    v = torch.randn_like(k)
-    q = torch.randn(batch, 1, 8, d, dtype=torch.bfloat16, device="cuda")
+    def misaligned(x: torch.Tensor) -> torch.Tensor:  # rows 2 bytes past a 16-byte boundary: the kernel refuses them
+        return torch.cat([torch.zeros_like(x[..., :1]), x], dim=-1)[..., 1:] if strided else x
+
+    def check_rows(k: torch.Tensor, v: torch.Tensor) -> None:
+        kq, kqs = kvcache_fp8.quantize_rows(k, seed)
+        vq, vqs = kvcache_fp8.quantize_rows(v, None)
+        for b, n in enumerate(lengths):
+            got_k = kvcache_entry(k8, b, n + seqlen_new, table)[n:]
+            got_v = kvcache_entry(v8, b, n + seqlen_new, table)[n:]
+            got_ks = kvcache_entry(ks.transpose(1, 2), b, n + seqlen_new, table)[n:]
+            got_vs = kvcache_entry(vs.transpose(1, 2), b, n + seqlen_new, table)[n:]
+            assert torch.equal(got_k.view(torch.uint8), kq[b].view(torch.uint8)) and torch.equal(got_ks, kqs[b])
+            assert torch.equal(got_v.view(torch.uint8), vq[b].view(torch.uint8)) and torch.equal(got_vs, vqs[b])
+
+    k = misaligned(torch.randn(batch, seqlen_new, hkv, d, dtype=dtype, device="cuda"))
+    v = misaligned(torch.randn_like(k))
+    q = torch.randn(batch, 1, 8, d, dtype=dtype, device="cuda")
     lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    takes = _append_fp8_kernel_takes(k8, v8, ks, vs, k, v, lens, table, None)
+    assert takes == (not strided), "the test does not exercise the path it names"
     out, lse = flash_attn_with_kvcache(q, k8, v8, k, v, cache_seqlens=lens, page_table=table, return_lse=True,
                                        k_cache_scale=ks, v_cache_scale=vs, hadamard_seed=seed)
-    kq, kqs = kvcache_fp8.quantize_rows(k, seed)
-    vq, vqs = kvcache_fp8.quantize_rows(v, None)
-    for b, n in enumerate(lengths):
-        got_k = kvcache_entry(k8, b, n + seqlen_new, table)[n:]
-        got_v = kvcache_entry(v8, b, n + seqlen_new, table)[n:]
-        got_ks = kvcache_entry(ks.transpose(1, 2), b, n + seqlen_new, table)[n:]
-        got_vs = kvcache_entry(vs.transpose(1, 2), b, n + seqlen_new, table)[n:]
-        assert torch.equal(got_k.view(torch.uint8), kq[b].view(torch.uint8)) and torch.equal(got_ks, kqs[b])
-        assert torch.equal(got_v.view(torch.uint8), vq[b].view(torch.uint8)) and torch.equal(got_vs, vqs[b])
+    check_rows(k, v)
     check_against_stored(out, lse, q, k8, v8, ks, vs, [n + seqlen_new for n in lengths], True, table, seed)
+    # The same slots again (bytes only): outliers in one channel (what the transform is for), rows 1e-3 to 1e2 in
+    # magnitude, a zero row.
+    mag = torch.logspace(-3, 2, batch * seqlen_new, device="cuda").view(batch, seqlen_new, 1, 1)
+    k = torch.randn(batch, seqlen_new, hkv, d, device="cuda") * mag
+    k[..., 3] *= 30
+    k[0, 0, 0] = 0
+    k, v = misaligned(k.to(dtype)), misaligned((torch.randn(k.shape, device="cuda") * mag).to(dtype))
+    append_kvcache(k8, v8, k, v, lens, table, k_cache_scale=ks, v_cache_scale=vs, hadamard_seed=seed)
+    check_rows(k, v)
 
 
 def test_cuda_graph_decode_step() -> None:

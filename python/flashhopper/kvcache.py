@@ -433,20 +433,56 @@ def _append_kernel_takes(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.
         page_table is None or page_table.shape[1] == 1 or page_table.stride(1) == 1)
 
 
+class _AppendLaunch(NamedTuple):
+    """An append kernel call (16-bit, or e4m3 with ``fp8``) prepared from tensors' metadata: the strides and sizes
+    the extension takes, in its argument order; each run passes the pointers. Eager plans keep one (_Plan)."""
+
+    fp8: bool
+    strides: tuple[list[int], ...]  # k_cache, v_cache, k, v (bytes); e4m3: then k_scale, v_scale (elements)
+    table_stride: int
+    sizes: tuple[Any, ...]  # page_size, batch, seqlen_new, heads, then the row bytes (e4m3: head dim, bf16, hadamard, seed)
+
+    def run(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            cache_seqlens: torch.Tensor | None, seqlen_offset: int, page_table: torch.Tensor | None,
+            cache_batch_idx: torch.Tensor | None, scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        C = _ext.extension()
+        device = k.device
+        head = (_launch.stream(device), device.index, k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), v.data_ptr())
+        tail = (0 if cache_seqlens is None else cache_seqlens.data_ptr(), seqlen_offset,
+                0 if page_table is None else page_table.data_ptr(), self.table_stride,
+                0 if cache_batch_idx is None else cache_batch_idx.data_ptr(), *self.sizes)
+        if self.fp8:
+            assert scales is not None
+            C.kvcache_append_fp8(*head, *self.strides[:4], scales[0].data_ptr(), scales[1].data_ptr(),
+                                 *self.strides[4:], *tail)
+        else:
+            C.kvcache_append(*head, *self.strides, *tail)
+
+
+def _byte_strides(x: torch.Tensor) -> list[int]:  # (page or batch, row, head), in bytes
+    return [st * x.element_size() for st in x.stride()[:3]]
+
+
+def _append_launch(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   page_table: torch.Tensor | None, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   hadamard_seed: int | None = None) -> _AppendLaunch:
+    b, s_new, h, d = k.shape
+    table_stride = 0 if page_table is None else page_table.stride(0)
+    strides = tuple(_byte_strides(x) for x in (k_cache, v_cache, k, v))
+    if scales is None:
+        return _AppendLaunch(False, strides, table_stride, (k_cache.shape[1], b, s_new, h, d * k.element_size(),
+                                                            v.shape[3] * v.element_size()))
+    strides += tuple(list(kvcache_fp8.scale_strides(x)) for x in scales)
+    return _AppendLaunch(True, strides, table_stride, (k_cache.shape[1], b, s_new, h, d, k.dtype == torch.bfloat16,
+                                                       hadamard_seed is not None,
+                                                       0 if hadamard_seed is None else int(hadamard_seed)))
+
+
 def _launch_append(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    cache_seqlens: torch.Tensor | None, seqlen_offset: int, page_table: torch.Tensor | None,
                    cache_batch_idx: torch.Tensor | None) -> None:
-    def strides(x: torch.Tensor) -> list[int]:  # (page or batch, row, head), in bytes
-        return [st * x.element_size() for st in x.stride()[:3]]
-
-    b, s_new, h = k.shape[:3]
-    _ext.extension().kvcache_append(
-        _launch.stream(k.device), k.device.index, k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), v.data_ptr(),
-        strides(k_cache), strides(v_cache), strides(k), strides(v),
-        0 if cache_seqlens is None else cache_seqlens.data_ptr(), seqlen_offset,
-        0 if page_table is None else page_table.data_ptr(), 0 if page_table is None else page_table.stride(0),
-        0 if cache_batch_idx is None else cache_batch_idx.data_ptr(), k_cache.shape[1], b, s_new, h,
-        k.shape[3] * k.element_size(), v.shape[3] * v.element_size())
+    _append_launch(k_cache, v_cache, k, v, page_table).run(k_cache, v_cache, k, v, cache_seqlens, seqlen_offset,
+                                                           page_table, cache_batch_idx)
 
 
 kvcache_append_op = _op.define("kvcache_append", kvcache_append, autocast=(), mutates_args=("k_cache", "v_cache"))
@@ -712,9 +748,14 @@ def kvcache_append_fp8(k_cache: torch.Tensor, v_cache: torch.Tensor, k_cache_sca
                        page_table: Optional[torch.Tensor], cache_batch_idx: Optional[torch.Tensor],  # noqa: UP045
                        hadamard_seed: Optional[int]) -> None:  # noqa: UP045
     """kvcache_append into an e4m3 cache: each new row quantized with its own scale (kvcache_fp8.quantize_rows; K
-    with ``hadamard_seed``'s transform), data and scale written at the row's place. torch ops with device indices
-    (graph-capturable)."""
+    with ``hadamard_seed``'s transform), data and scale written at the row's place: one kernel launch where it takes
+    the layout (_append_fp8_kernel_takes), torch ops with device indices otherwise (graph-capturable either way)."""
     if k.numel() == 0:
+        return
+    if _append_fp8_kernel_takes(k_cache, v_cache, k_cache_scale, v_cache_scale, k, v, cache_seqlens, page_table,
+                                cache_batch_idx):
+        _launch_append_fp8(k_cache, v_cache, k_cache_scale, v_cache_scale, k, v, cache_seqlens, seqlen_offset,
+                           page_table, cache_batch_idx, hadamard_seed)
         return
     index = _append_index(k_cache, k, cache_seqlens, seqlen_offset, page_table, cache_batch_idx)
     for cache, scale, x, seed in ((k_cache, k_cache_scale, k, hadamard_seed), (v_cache, v_cache_scale, v, None)):
@@ -722,6 +763,43 @@ def kvcache_append_fp8(k_cache: torch.Tensor, v_cache: torch.Tensor, k_cache_sca
         cache.index_put_(index, data)
         # scale (pages, heads, page_size): the same (page, row) pairs, heads in between
         scale.permute(0, 2, 1).index_put_(index, s)
+
+
+def _append_fp8_kernel_takes(k_cache: torch.Tensor, v_cache: torch.Tensor, k_cache_scale: torch.Tensor,
+                             v_cache_scale: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             cache_seqlens: torch.Tensor | None, page_table: torch.Tensor | None,
+                             cache_batch_idx: torch.Tensor | None) -> bool:
+    """Whether the extension's quantizing append (cpp/kvcache_append.cu: a warp per new row, K and V in one launch)
+    can write these: what _append_kernel_takes asks of the 16-bit rows and index tensors, head dim 64, 128 or 256 of
+    bfloat16 / float16, e4m3 caches with 8-byte aligned rows and float32 scales with tokens contiguous. Otherwise the
+    torch ops (quantize_rows and index writes)."""
+    if (k.dtype not in (torch.bfloat16, torch.float16) or v.dtype != k.dtype or k.shape[3] not in (64, 128, 256)
+            or v.shape[3] != k.shape[3] or k_cache.dtype != kvcache_fp8.E4M3 or v_cache.dtype != kvcache_fp8.E4M3):
+        return False
+    if not k_cache.is_cuda or not _ext.has_extension() or not hasattr(_ext.extension(), "kvcache_append_fp8"):
+        return False
+    if not dispatch.runs_on("sm90", _device.device_info(k_cache.device.index).capability):
+        return False
+    for x in (k, v):
+        if x.stride(3) != 1 or x.data_ptr() % 16 or any((st * 2) % 16 for st in x.stride()[:3]):
+            return False
+    for x in (k_cache, v_cache):
+        if x.stride(3) != 1 or x.data_ptr() % 16 or any(st % 8 for st in x.stride()[:3]):
+            return False
+    for s in (k_cache_scale, v_cache_scale):
+        if s.dtype != torch.float32 or (s.stride(2) != 1 and s.shape[2] > 1) or s.device != k_cache.device:
+            return False
+    return all(t is None or t.is_contiguous() for t in (cache_seqlens, cache_batch_idx)) and (
+        page_table is None or page_table.shape[1] == 1 or page_table.stride(1) == 1)
+
+
+def _launch_append_fp8(k_cache: torch.Tensor, v_cache: torch.Tensor, k_cache_scale: torch.Tensor,
+                       v_cache_scale: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       cache_seqlens: torch.Tensor | None, seqlen_offset: int, page_table: torch.Tensor | None,
+                       cache_batch_idx: torch.Tensor | None, hadamard_seed: int | None) -> None:
+    scales = (k_cache_scale, v_cache_scale)
+    _append_launch(k_cache, v_cache, k, v, page_table, scales, hadamard_seed).run(
+        k_cache, v_cache, k, v, cache_seqlens, seqlen_offset, page_table, cache_batch_idx, scales)
 
 
 kvcache_append_fp8_op = _op.define("kvcache_append_fp8", kvcache_append_fp8, autocast=(),
@@ -760,6 +838,7 @@ class _Plan(NamedTuple):
     offset: int  # the append's first position when cache_seqlens is an int (else 0)
     fp8: bool = False  # an e4m3 cache: the quantizing append, q's transform, the scales' pointers
     seed: int | None = None  # the e4m3 cache's Hadamard seed (int64), or None
+    append: _AppendLaunch | None = None  # the append kernel's call, where the first call's layout takes it
 
 
 _PLANS = _plans.Plans()
@@ -793,15 +872,18 @@ def _run_plan(plan: _Plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if _plans.pointers(q, k_cache, v_cache, *(scales or ())) is None:
         return None
     lengths = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None
-    if k is not None and plan.fp8:
-        assert v is not None and scales is not None  # (the key: the first call had them)
-        with torch.no_grad():  # (torch ops: k / v that require grad must not make the cache require it)
-            kvcache_append_fp8(k_cache, v_cache, scales[0], scales[1], k, v, lengths, plan.offset, page_table,
-                               cache_batch_idx, plan.seed)
-    elif k is not None:
-        if not _append_kernel_takes(k_cache, v_cache, k, v, lengths, page_table, cache_batch_idx):
+    if k is not None:
+        assert v is not None
+        # The key holds the layout the plan's append was made for: only the pointers' alignment is each call's.
+        if plan.append is not None and _plans.pointers(k, v) is not None:
+            plan.append.run(k_cache, v_cache, k, v, lengths, plan.offset, page_table, cache_batch_idx, scales)
+        elif plan.fp8:
+            assert scales is not None  # (the key: the first call had them)
+            with torch.no_grad():  # (torch ops: k / v that require grad must not make the cache require it)
+                kvcache_append_fp8(k_cache, v_cache, scales[0], scales[1], k, v, lengths, plan.offset, page_table,
+                                   cache_batch_idx, plan.seed)
+        else:
             return None
-        _launch_append(k_cache, v_cache, k, v, lengths, plan.offset, page_table, cache_batch_idx)
     if lengths is not None and plan.seqlen_new:
         lengths = lengths + plan.seqlen_new
     if plan.fp8:
@@ -831,11 +913,15 @@ def _plan_of(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: t
     if (k is not None and scales is None
             and not _append_kernel_takes(k_cache, v_cache, k, v, lengths, page_table, cache_batch_idx)):
         return None
+    append = None
+    if k is not None and (scales is None or _append_fp8_kernel_takes(k_cache, v_cache, scales[0], scales[1], k, v,
+                                                                     lengths, page_table, cache_batch_idx)):
+        append = _append_launch(k_cache, v_cache, k, v, page_table, scales, seed)
     table = page_table if page_table is not None else cache_batch_idx
     launch = _prepare_kvcache_fwd(q, k_cache, v_cache, seqlen_k, table, scale, causal, num_splits, backend, scales,
                                   window, softcap)
     offset = int(cache_seqlens) if cache_seqlens is not None and lengths is None else 0
-    return _Plan(launch, shapes.seqlen_new, offset, scales is not None, seed)
+    return _Plan(launch, shapes.seqlen_new, offset, scales is not None, seed, append)
 
 
 # --- the public function ---

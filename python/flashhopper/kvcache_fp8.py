@@ -30,19 +30,45 @@ E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
 
 
-@functools.lru_cache(maxsize=32)
-def _transform_matrix(d: int, seed: int, device: torch.device) -> torch.Tensor:
-    """M (d, d) float32 with x @ M = H diag(signs) x / sqrt(d) for row vectors x (M is orthogonal: the inverse is
-    M^T). Built on the host and copied once per (d, seed, device); a first use inside CUDA-graph capture cannot
-    copy (the capture would fail on it, unexplained), so it asks for an eager warm-up (not cached: a later call
-    builds it)."""
+def _refuse_copy_in_capture(d: int, seed: int, device: torch.device) -> None:
+    # A first use inside CUDA-graph capture cannot copy host values to the GPU (the capture would fail on it,
+    # unexplained): ask for an eager warm-up (the callers' caches keep nothing of this call, so a later call builds).
     if not torch.compiler.is_compiling() and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(f"the e4m3 cache's Hadamard transform (head dim {d}, hadamard_seed {seed}) is first used "
                            "inside CUDA-graph capture, which cannot copy it to the GPU: run the call once eagerly "
                            "before capturing (a warm-up, as CUDA graphs need anyway)")
+
+
+@functools.lru_cache(maxsize=32)
+def _transform_matrix(d: int, seed: int, device: torch.device) -> torch.Tensor:
+    """M (d, d) float32 with x @ M = H diag(signs) x / sqrt(d) for row vectors x (M is orthogonal: the inverse is
+    M^T). Built on the host and copied once per (d, seed, device)."""
+    _refuse_copy_in_capture(d, seed, device)
     signs = hadamard_signs(d, seed)
     m = signs[:, None] * hadamard_matrix(d) / math.sqrt(d)
     return m.to(device)
+
+
+@functools.lru_cache(maxsize=32)
+def _signs(d: int, seed: int, device: torch.device) -> torch.Tensor:
+    """hadamard_signs(d, seed) on ``device``, copied once per (d, seed, device)."""
+    _refuse_copy_in_capture(d, seed, device)
+    return hadamard_signs(d, seed).to(device)
+
+
+def _butterflies(y: torch.Tensor) -> torch.Tensor:
+    """H y along the last dim (Sylvester's H, unnormalized), float32, as the append kernel computes it: stages of
+    stride 1, 2, ..., d / 2, each element of index i with bit h clear becoming y_i + y_(i+h), with it set
+    y_(i-h) - y_i (so the bytes match, cpp/kvcache_append.cu)."""
+    d = y.shape[-1]
+    lead = y.shape[:-1]
+    h = 1
+    while h < d:
+        pairs = y.reshape(*lead, d // (2 * h), 2, h)
+        a, c = pairs[..., 0, :], pairs[..., 1, :]
+        y = torch.stack((a + c, a - c), dim=-2).reshape(*lead, d)
+        h *= 2
+    return y
 
 
 def _check_seed_and_dim(hadamard_seed: int | None, d: int) -> None:
@@ -67,14 +93,27 @@ def quantize_rows(x: torch.Tensor, hadamard_seed: int | None = None) -> tuple[to
     """Each row (last dim) of x (..., d), transformed first with ``hadamard_seed`` (K) or not (V), as e4m3 with
     its own float32 scale: amax = max |row|, scale = amax / 448 (1 for a zero row), data = round(row * 448 / amax)
     to e4m3 (round to nearest even, clamped to +-448). Returns (data (..., d), scale (...)). torch ops on the
-    device: no synchronization (graph-capturable)."""
+    device: no synchronization (graph-capturable).
+
+    In float32, as the append kernel (cpp/kvcache_append.cu), so that both give the same bytes: the transform as
+    signs then butterflies (_butterflies), its 1 / sqrt(d) folded into the amax (max |H s x| * norm) and the
+    multiplier ((448 / amax) * norm); IEEE divisions (tensor by tensor: torch divides by a scalar through its
+    reciprocal)."""
     _check_seed_and_dim(hadamard_seed, x.shape[-1])
     y = x.float()
+    amax = y.abs().amax(dim=-1) if hadamard_seed is None else None
     if hadamard_seed is not None:
-        y = y @ _transform_matrix(x.shape[-1], int(hadamard_seed), x.device)
-    amax = y.abs().amax(dim=-1)
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
-    mult = torch.where(amax > 0, E4M3_MAX / amax, torch.zeros_like(amax))
+        d = x.shape[-1]
+        y = _butterflies(y * _signs(d, int(hadamard_seed), x.device))
+        norm = torch.tensor(1.0 / math.sqrt(d), dtype=torch.float32, device=x.device)
+        amax = y.abs().amax(dim=-1) * norm
+    assert amax is not None
+    full = torch.full_like(amax, E4M3_MAX)
+    positive = amax > 0
+    scale = torch.where(positive, amax / full, torch.ones_like(amax))
+    mult = torch.where(positive, full / amax, torch.zeros_like(amax))
+    if hadamard_seed is not None:
+        mult = mult * norm
     data = (y * mult[..., None]).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
     return data, scale
 

@@ -228,10 +228,10 @@ do_sanitize() {
 
 # Every padded-batch kernel of the build: each family's forward (all dtypes, masks, variants; the softcap and
 # dropout kernels and sinks where the build has them), backward (normal and deterministic), and the fp8
-# quantization; the packed-batch (varlen) 16-bit kernels, forward and backward (check_varlen.py); on small shapes,
-# under all four tools. The KV-cache kernels: their GPU tests under compute-sanitizer (README, Tests).
+# quantization; the packed-batch (varlen) 16-bit kernels, forward and backward (check_varlen.py); the KV-cache
+# kernels with their appends, 16-bit and e4m3 caches (check_kvcache.py); on small shapes, under all four tools.
 do_sanitize_all() {
-  local a f archs modes extras varlen
+  local a f archs modes extras varlen kvcache
   # The families of the build that this GPU runs (an A100 with a both-families build: the sm80 ones).
   archs=$("$PY" -c "import torch, flashhopper as f; from flashhopper.dispatch import runs_on
 cap = torch.cuda.get_device_capability()
@@ -255,6 +255,8 @@ print(*(['--softcap=30'] if 'softcap' in i.get('score_mods', []) else []),
     done
   done
   [[ " $archs " == *" 90 "* ]] && specs+=("quant|check_quant.py --small")
+  kvcache=$("$PY" -c "import flashhopper as f; print(*f.build_info().get('kvcache', []))")
+  [[ " $archs " == *" 90 "* && " $kvcache " =~ " "(on|e4m3)" " ]] && specs+=("kvcache|check_kvcache.py")
   run_sanitizer "${specs[@]}"
 }
 

@@ -401,3 +401,15 @@ def fp8_kernel_block_n(headdim: int, causal: bool, seqlen_k: int, k_block: int |
         return all(b is None or b >= seqlen_k or b % n == 0 for b in (k_block, v_block))
 
     return short[0] if fits(short[0]) and (seqlen_k <= short[1] or not fits(tiles[1])) else tiles[1]
+
+
+def declared_args(name: str) -> list[str]:
+    """The py::arg names of the binding m.def(name, ...) in cpp/bindings.cpp, in order (CPU tests that replace the
+    extension name its positional arguments by them, so that Python's argument order cannot drift from C++'s)."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "cpp" / "bindings.cpp").read_text()
+    start = text.index(f'm.def("{name}",')
+    end = text.find("m.def(", start + 1)
+    return re.findall(r'py::arg\("(\w+)"\)', text[start:end if end >= 0 else len(text)])

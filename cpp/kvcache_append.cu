@@ -113,6 +113,9 @@ __global__ void kvcache_append_fp8_kernel(KVAppendParams const p) {
         }
       }
     }
+    // (fmaxf skips NaN: a row with a NaN keeps its other elements and a finite scale, where quantize_rows' amax is
+    // NaN, giving scale 1 and zeros; with fast math's flush to zero, a row of only fp32 denormals quantizes to zeros.
+    // Both differ from quantize_rows' bytes; finite rows above 2^-126 match.)
     float amax = 0.f;
 #pragma unroll
     for (int j = 0; j < kE; ++j) amax = fmaxf(amax, fabsf(v[j]));
@@ -123,14 +126,14 @@ __global__ void kvcache_append_fp8_kernel(KVAppendParams const p) {
     float const mul = (amax > 0.f ? __fdiv_rn(448.f, amax) : 0.f) * norm;
     int64_t page, row;
     cache_place(p, b, t, page, row);
-    uint8_t out[kE];
+    using OutVec = std::conditional_t<kE == 2, uint16_t, std::conditional_t<kE == 4, uint32_t, uint2>>;
+    alignas(OutVec) uint8_t out[kE];
 #pragma unroll
     for (int j = 0; j < kE; j += 2) {
       __nv_fp8x2_storage_t const two =
           __nv_cvt_float2_to_fp8x2(make_float2(v[j] * mul, v[j + 1] * mul), __NV_SATFINITE, __NV_E4M3);
       out[j] = uint8_t(two & 0xff), out[j + 1] = uint8_t(two >> 8);
     }
-    using OutVec = std::conditional_t<kE == 2, uint16_t, std::conditional_t<kE == 4, uint32_t, uint2>>;
     char* dst = static_cast<char*>(p.cache[which]) + page * p.cache_page_stride[which] +
                 row * p.cache_row_stride[which] + h * p.cache_head_stride[which] + kE * lane;
     *reinterpret_cast<OutVec*>(dst) = *reinterpret_cast<OutVec const*>(out);

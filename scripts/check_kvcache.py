@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
 """Quick check of every compiled KV-cache kernel (sm90), for compute-sanitizer (scripts/gpu.sh sanitize-all) and by
 hand: each KV-cache forward KernelKey of the build (16-bit and e4m3 caches, mask, softcap) through
-flash_attn_with_kvcache, contiguous and in pages of 16 (scattered, spare pages), with an append of two tokens
-(e4m3: the quantizing append, K with a Hadamard seed), entries of 0, 1, a page's and more keys, split counts 1 and
-3, GQA 8 / 2. Every cache slot past an entry's keys after the append holds NaN (e4m3: NaN bytes and scales), so a
-read past the end shows in out. Out and lse are compared with attention_kvcache_ref computed in float32 on the CPU
-over the cache's stored values (no GPU GEMM beside ours: racecheck flags cuBLAS's own kernels). The real tests are
-tests/test_kvcache_gpu.py and tests/test_kvcache_fp8_gpu.py. Exit 1 if a result has NaN, is off, or if there is
-nothing to check.
+flash_attn_with_kvcache, contiguous and in pages of 16 (scattered, spare pages), after an append of two tokens (the
+call's own; e4m3: the quantizing kernel through append_kvcache, K with a Hadamard seed, q transformed on the CPU),
+entries of 0, 1, a page's and more keys, split counts 1 and 3, GQA 8 / 2. Every cache slot past an entry's keys
+after the append holds NaN (e4m3: NaN bytes and scales), so a read past the end shows in out. Out and lse are
+compared with attention_kvcache_ref computed in float32 on the CPU over the cache's stored values (no GPU GEMM
+beside ours: racecheck flags cuBLAS's own kernels). The real tests are tests/test_kvcache_gpu.py and
+tests/test_kvcache_fp8_gpu.py. Exit 1 if a result has NaN, is off, or if there is nothing to check.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import argparse
 import torch
 
 import flashhopper
-from flashhopper import flash_attn_with_kvcache, kvcache_fp8
+from flashhopper import append_kvcache, flash_attn_with_kvcache, kvcache_fp8
 from flashhopper.kernel_key import KernelKey, from_dict
 from flashhopper.reference import attention_kvcache_ref
 
@@ -73,13 +73,20 @@ def check(key: KernelKey, paged: bool, splits: int) -> float:
             poison_past(x, after, table, nan)
         for s in (ks, vs):
             poison_past(s.transpose(1, 2), after, table, float("nan"))
-        out, lse = flash_attn_with_kvcache(q.cuda(), k8, v8, k.cuda(), v.cuda(), cache_seqlens=lens.cuda(),
+        # The append through append_kvcache (the quantizing kernel, K with the seed's transform), then the attention
+        # with q transformed here on the CPU: the call with hadamard_seed would transform q by a cuBLAS matmul, a GPU
+        # GEMM beside ours that racecheck flags.
+        append_kvcache(k8, v8, k.cuda(), v.cuda(), lens.cuda(), table_gpu, k_cache_scale=ks, v_cache_scale=vs,
+                       hadamard_seed=SEED)
+        qt = kvcache_fp8.transform_q(q.float(), SEED).to(dtype)
+        out, lse = flash_attn_with_kvcache(qt.cuda(), k8, v8, cache_seqlens=torch.tensor(after, dtype=torch.int32,
+                                                                                          device="cuda"),
                                            page_table=table_gpu, causal=causal, num_splits=splits,
                                            window_size=window or (-1, -1), softcap=softcap, return_lse=True,
-                                           k_cache_scale=ks, v_cache_scale=vs, hadamard_seed=SEED)
+                                           k_cache_scale=ks, v_cache_scale=vs)
         kd = kvcache_fp8.dequantize_kv_cache(k8.cpu(), ks.cpu(), None, torch.float32)
         vd = kvcache_fp8.dequantize_kv_cache(v8.cpu(), vs.cpu(), None, torch.float32)
-        qd = kvcache_fp8.transform_q(q.float(), SEED)
+        qd = qt.float()
         limit = FP8_LIMIT
     else:
         kc, vc = kc.cuda(), vc.cuda()

@@ -98,7 +98,8 @@ def quantize_rows(x: torch.Tensor, hadamard_seed: int | None = None) -> tuple[to
     In float32, as the append kernel (cpp/kvcache_append.cu), so that both give the same bytes: the transform as
     signs then butterflies (_butterflies), its 1 / sqrt(d) folded into the amax (max |H s x| * norm) and the
     multiplier ((448 / amax) * norm); IEEE divisions (tensor by tensor: torch divides by a scalar through its
-    reciprocal)."""
+    reciprocal). (Not for rows with NaN, whose amax here is NaN (scale 1, zeros) where the kernel's skips it, nor rows
+    of float32 denormals only, which the kernel flushes to zero.)"""
     _check_seed_and_dim(hadamard_seed, x.shape[-1])
     y = x.float()
     amax = y.abs().amax(dim=-1) if hadamard_seed is None else None

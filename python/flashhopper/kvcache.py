@@ -420,15 +420,27 @@ def _append_kernel_takes(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.
     """Whether the extension's append kernel (cpp/kvcache_append.cu: one 16-byte copy per thread, K and V in one
     launch, where the index writes take eight torch ops) can write these: CUDA tensors whose rows are 16-byte
     multiples at 16-byte aligned addresses, contiguous int32 index tensors. Otherwise the torch index writes."""
-    if not k_cache.is_cuda or not _ext.has_extension() or not hasattr(_ext.extension(), "kvcache_append"):
-        return False
-    # Built with the Hopper family only (sm_90a code): other GPUs take the torch index writes.
-    if not dispatch.runs_on("sm90", _device.device_info(k_cache.device.index).capability):
-        return False
-    for x in (k_cache, v_cache, k, v):
-        es = x.element_size()
-        if x.stride(3) != 1 or (x.shape[3] * es) % 16 or x.data_ptr() % 16 or any((st * es) % 16 for st in x.stride()[:3]):
-            return False
+    return (_append_kernel_here(k_cache, "kvcache_append") and all(map(_rows_16b, (k_cache, v_cache, k, v)))
+            and _index_layout_ok(cache_seqlens, page_table, cache_batch_idx))
+
+
+def _append_kernel_here(k_cache: torch.Tensor, binding: str) -> bool:
+    # The extension has the binding and k_cache's GPU runs its kernels, built with the Hopper family only (sm_90a
+    # code): other GPUs take the torch ops.
+    return (k_cache.is_cuda and _ext.has_extension() and hasattr(_ext.extension(), binding)
+            and dispatch.runs_on("sm90", _device.device_info(k_cache.device.index).capability))
+
+
+def _rows_16b(x: torch.Tensor) -> bool:
+    # Rows of 16-byte multiples at 16-byte aligned addresses (the kernels' vector accesses).
+    es = x.element_size()
+    return not (x.stride(3) != 1 or (x.shape[3] * es) % 16 or x.data_ptr() % 16
+                or any((st * es) % 16 for st in x.stride()[:3]))
+
+
+def _index_layout_ok(cache_seqlens: torch.Tensor | None, page_table: torch.Tensor | None,
+                     cache_batch_idx: torch.Tensor | None) -> bool:
+    # Index tensors the kernels read as contiguous int32 (a page table by rows).
     return all(t is None or t.is_contiguous() for t in (cache_seqlens, cache_batch_idx)) and (
         page_table is None or page_table.shape[1] == 1 or page_table.stride(1) == 1)
 
@@ -776,21 +788,15 @@ def _append_fp8_kernel_takes(k_cache: torch.Tensor, v_cache: torch.Tensor, k_cac
     if (k.dtype not in (torch.bfloat16, torch.float16) or v.dtype != k.dtype or k.shape[3] not in (64, 128, 256)
             or v.shape[3] != k.shape[3] or k_cache.dtype != kvcache_fp8.E4M3 or v_cache.dtype != kvcache_fp8.E4M3):
         return False
-    if not k_cache.is_cuda or not _ext.has_extension() or not hasattr(_ext.extension(), "kvcache_append_fp8"):
+    if not _append_kernel_here(k_cache, "kvcache_append_fp8") or not (_rows_16b(k) and _rows_16b(v)):
         return False
-    if not dispatch.runs_on("sm90", _device.device_info(k_cache.device.index).capability):
-        return False
-    for x in (k, v):
-        if x.stride(3) != 1 or x.data_ptr() % 16 or any((st * 2) % 16 for st in x.stride()[:3]):
-            return False
     for x in (k_cache, v_cache):
         if x.stride(3) != 1 or x.data_ptr() % 16 or any(st % 8 for st in x.stride()[:3]):
             return False
     for s in (k_cache_scale, v_cache_scale):
         if s.dtype != torch.float32 or (s.stride(2) != 1 and s.shape[2] > 1) or s.device != k_cache.device:
             return False
-    return all(t is None or t.is_contiguous() for t in (cache_seqlens, cache_batch_idx)) and (
-        page_table is None or page_table.shape[1] == 1 or page_table.stride(1) == 1)
+    return _index_layout_ok(cache_seqlens, page_table, cache_batch_idx)
 
 
 def _launch_append_fp8(k_cache: torch.Tensor, v_cache: torch.Tensor, k_cache_scale: torch.Tensor,

@@ -186,3 +186,18 @@ def test_varlen_keys(monkeypatch: pytest.MonkeyPatch) -> None:
     plans = _plans.Plans()
     plans.put(base, "plain")
     assert plans.get(varlen_key(neg, k, v, cq, ck)) is None
+
+
+def test_varlen_cpu_calls_keep_no_plan() -> None:
+    # CPU tensors run the reference (and read cu_seqlens' values each call): no plan is stored, so a repeat takes the
+    # full path, whose value checks still refuse bad lengths.
+    import flashhopper as fh
+
+    _plans.clear()
+    q, k, v = (torch.randn(12, 2, 64) for _ in range(3))
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    first = fh.flash_attn_varlen_func(q, k, v, cu, cu, 7, 7, causal=True)
+    assert torch.equal(fh.flash_attn_varlen_func(q, k, v, cu, cu, 7, 7, causal=True), first)
+    assert len(varlen._PLANS) == 0
+    with pytest.raises(ValueError):
+        fh.flash_attn_varlen_func(q, k, v, torch.tensor([0, 9, 5], dtype=torch.int32), cu, 7, 7, causal=True)
